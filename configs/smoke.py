@@ -1,0 +1,30 @@
+"""Smoke run: a tiny random-init model of the SmolLM2 architecture, the whole loop.
+
+    python launch/tpu_pod.py --config configs/smoke.py --workdir runs/smoke
+
+About a minute on 2 CPU cores. Same code path as the real job; the model is
+random, so rewards are ~0 — it checks plumbing, not learning.
+"""
+
+import ml_collections
+
+from configs import rlvr_smollm2_arith
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = rlvr_smollm2_arith.get_config(arg)
+    c.total_steps = 3
+    c.mesh.num_cpu_devices = 8
+    c.mesh.learner = ml_collections.ConfigDict({"fsdp": 4, "tensor": 2})
+    c.model.source = "random"
+    c.model.preset = "tiny"
+    c.model.remat = False
+    c.data.eval_size = 8
+    c.rollout.prompts_per_step = 4
+    c.rollout.group_size = 2
+    c.rollout.max_new_tokens = 8
+    c.rollout.num_slots = 8
+    c.learner.micro_batch_size = 4
+    c.learner.lr = 1e-3
+    c.eval.every = 2
+    return c

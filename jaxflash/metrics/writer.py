@@ -1,0 +1,106 @@
+"""Run logs: metrics.jsonl, rollouts.jsonl, TensorBoard event files, a console line.
+
+One JSON object per learner step goes to ``<workdir>/metrics.jsonl``; scalar
+fields are mirrored to TensorBoard (tensorboardX) under the same names; one JSON
+object per generated sample goes to ``<workdir>/rollouts.jsonl``. Files are
+opened in append mode so a resumed run continues them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from tensorboardX import SummaryWriter
+
+
+def _jsonable(value: Any) -> Any:
+    """Converts numpy/jax scalars and arrays to JSON types; NaN/Inf become strings."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class MetricsWriter:
+    """Writes per-step metrics and per-sample rollouts for one run.
+
+    Args:
+      workdir: run directory (created if missing).
+      console: stream for the one-line progress summary; None silences it.
+      console_keys: metric names shown on the console line, in order.
+    """
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        console: TextIO | None = sys.stdout,
+        console_keys: tuple[str, ...] = (
+            "reward_mean",
+            "accuracy",
+            "eval_accuracy",
+            "response_len_mean",
+            "grad_norm",
+            "logprob_gap_max",
+            "gen_tokens_per_s",
+            "train_tokens_per_s",
+        ),
+    ) -> None:
+        os.makedirs(workdir, exist_ok=True)
+        self._metrics = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._rollouts = open(os.path.join(workdir, "rollouts.jsonl"), "a", encoding="utf-8")
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self._console = console
+        self._console_keys = console_keys
+        self._t0 = time.monotonic()
+
+    def write_step(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Appends one metrics row and mirrors its finite scalars to TensorBoard.
+
+        Args:
+          step: learner step (policy version after the update).
+          metrics: name -> scalar (or small list/dict, JSON only).
+        """
+        row = {"step": int(step), **_jsonable(dict(metrics))}
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        for name, value in row.items():
+            if name == "step":
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self._tb.add_scalar(name, value, global_step=step)
+        self._tb.flush()
+        if self._console is not None:
+            parts = [f"step {step:4d}", f"{time.monotonic() - self._t0:7.1f}s"]
+            for key in self._console_keys:
+                if key in row and isinstance(row[key], int | float):
+                    parts.append(f"{key}={row[key]:.4g}")
+            print("  ".join(parts), file=self._console, flush=True)
+
+    def write_rollouts(self, rows: list[Mapping[str, Any]]) -> None:
+        """Appends one JSON line per sample (prompt, response, reward, versions, ...)."""
+        for row in rows:
+            self._rollouts.write(json.dumps(_jsonable(dict(row))) + "\n")
+        self._rollouts.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._rollouts.close()
+        self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

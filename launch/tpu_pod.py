@@ -1,0 +1,62 @@
+"""jaxflash entry point: parse the experiment config, set up devices, run.
+
+    python launch/tpu_pod.py --config configs/rlvr_smollm2_arith.py --workdir runs/arith \
+        [--config.learner.lr=1e-6 ...]
+
+On CPU the fake device count comes from `config.mesh.num_cpu_devices`, set here
+before jax is imported. On a multi-host TPU/GPU slice (JAX_COORDINATOR_ADDRESS or
+a TPU pod environment), `jax.distributed.initialize()` runs first. Restarting with
+the same --workdir resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # configs/ import each other as a package
+    sys.path.insert(0, REPO_ROOT)
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics, checkpoints).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _set_cpu_device_count(n: int) -> None:
+    """Fakes n CPU devices; must run before jax is imported."""
+    if "jax" in sys.modules:
+        raise RuntimeError("jax was imported before the CPU device count could be set")
+    flag = f"--xla_force_host_platform_device_count={n}"
+    existing = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in existing:
+        os.environ["XLA_FLAGS"] = f"{existing} {flag}".strip()
+
+
+def _maybe_init_distributed() -> None:
+    import jax
+
+    multi_host = "JAX_COORDINATOR_ADDRESS" in os.environ or os.environ.get(
+        "TPU_WORKER_HOSTNAMES", ""
+    ).count(",")
+    if multi_host:
+        jax.distributed.initialize()
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    config = _CONFIG.value
+    _set_cpu_device_count(int(config.mesh.num_cpu_devices))
+    _maybe_init_distributed()
+    # Library code never sees the ConfigDict: it becomes validated dataclasses here.
+    from jaxflash.runtime.experiment import ExperimentConfig
+    from jaxflash.runtime.rlvr import run
+
+    run(ExperimentConfig.from_config_dict(config), workdir=_WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
