@@ -52,8 +52,9 @@ def main(argv: list[str]) -> None:
     _set_cpu_device_count(int(config.mesh.num_cpu_devices))
     _maybe_init_distributed()
     # Library code never sees the ConfigDict: it becomes validated dataclasses here.
-    from jaxflash.runtime.experiment import ExperimentConfig
     from jaxflash.runtime.rlvr import run
+
+    from jaxflash.runtime.experiment import ExperimentConfig
 
     run(ExperimentConfig.from_config_dict(config), workdir=_WORKDIR.value)
 

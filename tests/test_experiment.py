@@ -1,0 +1,76 @@
+"""Config conversion, the prompt ledger and the metrics writer."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import rlvr_smollm2_arith, smoke  # noqa: E402
+from jaxflash.metrics.writer import MetricsWriter  # noqa: E402
+from jaxflash.runtime.experiment import ExperimentConfig  # noqa: E402
+from jaxflash.runtime.ledger import LedgerError, PromptLedger  # noqa: E402
+from jaxflash.types import PromptOutcome  # noqa: E402
+
+
+@pytest.mark.parametrize("module", [rlvr_smollm2_arith, smoke])
+def test_configs_convert(module):
+    exp = ExperimentConfig.from_config_dict(module.get_config())
+    assert exp.rollout.sampling.max_new_tokens == module.get_config().rollout.max_new_tokens
+    assert exp.learner.loss_kwargs["eps_high"] == 0.28
+    assert exp.learner.sampling == exp.rollout.sampling
+
+
+def test_config_errors_name_the_field():
+    c = smoke.get_config()
+    c.rollout.group_size = 0
+    with pytest.raises(ValueError, match="rollout.group_size"):
+        ExperimentConfig.from_config_dict(c)
+    c = smoke.get_config()
+    c.rollout.temperature = 0.0
+    with pytest.raises(ValueError, match="temperature"):
+        ExperimentConfig.from_config_dict(c)
+    c = smoke.get_config().to_dict()
+    c["learnr"] = {}
+    with pytest.raises(ValueError, match="learnr"):
+        ExperimentConfig.from_config_dict(c)
+
+
+def test_ledger_adds_up_and_round_trips():
+    ledger = PromptLedger()
+    for i in range(6):
+        ledger.take(i)
+    ledger.close(0, PromptOutcome.TRAINED, "ok")
+    ledger.close(1, PromptOutcome.FILTERED, "zero_variance")
+    ledger.close(2, PromptOutcome.FAILED, "prompt too long")
+    ledger.close(3, PromptOutcome.STALE, "staleness 3 > 2")
+    ledger.check()
+    assert ledger.metrics() == {
+        "prompts_taken": 6,
+        "prompts_in_flight": 2,
+        "prompts_trained": 1,
+        "prompts_filtered": 1,
+        "prompts_stale": 1,
+        "prompts_failed": 1,
+    }
+    with pytest.raises(LedgerError, match="prompt 0"):
+        ledger.close(0, PromptOutcome.TRAINED, "again")
+    with pytest.raises(LedgerError, match="prompt 4 taken twice"):
+        ledger.take(4)
+    restored = PromptLedger.from_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert restored.metrics() == ledger.metrics()
+    restored.taken += 1
+    with pytest.raises(LedgerError, match="does not add up"):
+        restored.check()
+
+
+def test_metrics_writer(tmp_path):
+    with MetricsWriter(str(tmp_path), console=None) as w:
+        w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
+        w.write_rollouts([{"prompt": "p", "response": "r", "reward": 1.0}])
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert rows == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
+    assert json.loads(open(tmp_path / "rollouts.jsonl").read())["reward"] == 1.0
+    assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
