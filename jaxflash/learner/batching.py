@@ -1,0 +1,192 @@
+"""Pack finished Samples into a padded, target-aligned TrainBatch (host numpy).
+
+Layout per sequence (prompt p_0..p_{P-1}, response r_0..r_{R-1}):
+    input_ids   p_0 .. p_{P-1} r_0 .. r_{R-2} r_{R-1} pad ...
+    target_ids  p_1 .. r_0     r_1 .. r_{R-1} pad     pad ...
+    loss_mask   0   .. 1       1   .. 1       0       0 ...
+Position t predicts target t (``target[t] == input[t + 1]``); the mask is 1 exactly
+on the R targets that are response tokens, i.e. t in [P-1, P+R-2]. Sequences are
+right-padded, so pads never precede (and never influence) real tokens under the
+causal mask. T is rounded up to a length bucket so the jitted step sees few shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxflash.types import Sample, TrainBatch
+
+_FIELDS = (
+    "input_ids_bt",
+    "positions_bt",
+    "target_ids_bt",
+    "loss_mask_bt",
+    "advantages_bt",
+    "behaviour_logp_bt",
+    "token_versions_bt",
+)
+
+
+def bucket_length(length: int, *, multiple: int = 32, power_of_two: bool = False) -> int:
+    """Round ``length`` up to a bucket: a multiple of ``multiple`` or a power of two.
+
+    Args:
+      length: tokens (>= 1).
+      multiple: bucket granularity when not ``power_of_two``.
+      power_of_two: round to the next power of two (>= ``multiple``) instead.
+
+    Raises:
+      ValueError: length < 1 or multiple < 1.
+    """
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    if power_of_two:
+        return max(multiple, 1 << (length - 1).bit_length())
+    return -(-length // multiple) * multiple
+
+
+def pack_batch(
+    samples: Sequence[Sample],
+    advantages: Sequence[float] | np.ndarray,
+    *,
+    pad_id: int = 0,
+    length_multiple: int = 32,
+    power_of_two: bool = False,
+    max_len: int | None = None,
+    num_sequences: int | None = None,
+) -> TrainBatch:
+    """Pack samples and their per-sample advantages into a padded TrainBatch.
+
+    Args:
+      samples: finished Samples (prompt + response tokens, behaviour logprobs,
+        token versions). Rewards are not read here: advantages carry them.
+      advantages: float [B_real], one advantage per sample, broadcast over its
+        response tokens.
+      pad_id: token id written into padding (its targets are masked).
+      length_multiple, power_of_two: length bucket (see ``bucket_length``).
+      max_len: if set, T may not exceed it (the model's max_seq_len).
+      num_sequences: if set, pad the batch with empty (all-masked) rows to this
+        many sequences so the batch shape is fixed; must be >= len(samples).
+
+    Returns:
+      TrainBatch of numpy arrays [B, T] (dtypes as in ``types.TrainBatch``);
+      B = num_sequences or len(samples).
+
+    Raises:
+      ValueError: empty input, mismatched lengths, a sample with an empty
+        response, per-token arrays whose length differs from the response,
+        non-finite advantages, or a sequence longer than ``max_len`` (names the
+        sample).
+    """
+    if len(samples) == 0:
+        raise ValueError("pack_batch: samples is empty")
+    adv_b = np.asarray(advantages, dtype=np.float32)
+    if adv_b.shape != (len(samples),):
+        raise ValueError(
+            f"pack_batch: advantages must have shape ({len(samples)},), got {adv_b.shape}"
+        )
+    if not np.all(np.isfinite(adv_b)):
+        raise ValueError(f"pack_batch: advantages contain non-finite values: {adv_b}")
+    lengths = []
+    for s in samples:
+        resp = np.asarray(s.response_tokens)
+        tag = f"sample (prompt_id={s.prompt_id}, sample_index={s.sample_index})"
+        if len(s.prompt_tokens) < 1:
+            raise ValueError(f"pack_batch: {tag} has an empty prompt")
+        if len(resp) < 1:
+            raise ValueError(f"pack_batch: {tag} has an empty response")
+        for name in ("behaviour_logprobs", "token_versions"):
+            if len(getattr(s, name)) != len(resp):
+                raise ValueError(
+                    f"pack_batch: {tag} has {len(getattr(s, name))} {name} for "
+                    f"{len(resp)} response tokens"
+                )
+        total = len(s.prompt_tokens) + len(resp)
+        if max_len is not None and total > max_len:
+            raise ValueError(f"pack_batch: {tag} has {total} tokens > max_len={max_len}")
+        lengths.append(total)
+    T = bucket_length(max(lengths), multiple=length_multiple, power_of_two=power_of_two)
+    if max_len is not None:
+        T = min(T, max_len)
+    B = len(samples) if num_sequences is None else num_sequences
+    if B < len(samples):
+        raise ValueError(f"pack_batch: num_sequences={B} < number of samples {len(samples)}")
+
+    input_ids = np.full((B, T), pad_id, np.int32)
+    target_ids = np.full((B, T), pad_id, np.int32)
+    mask = np.zeros((B, T), np.float32)
+    adv = np.zeros((B, T), np.float32)
+    blogp = np.zeros((B, T), np.float32)
+    versions = np.full((B, T), -1, np.int32)
+    for b, s in enumerate(samples):
+        prompt = np.asarray(s.prompt_tokens, np.int32)
+        resp = np.asarray(s.response_tokens, np.int32)
+        P, R = len(prompt), len(resp)
+        full = np.concatenate([prompt, resp])
+        input_ids[b, : P + R] = full
+        target_ids[b, : P + R - 1] = full[1:]
+        span = slice(P - 1, P + R - 1)  # targets that are response tokens
+        mask[b, span] = 1.0
+        adv[b, span] = adv_b[b]
+        blogp[b, span] = np.asarray(s.behaviour_logprobs, np.float32)
+        versions[b, span] = np.asarray(s.token_versions, np.int32)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
+    return TrainBatch(
+        input_ids_bt=input_ids,
+        positions_bt=positions,
+        target_ids_bt=target_ids,
+        loss_mask_bt=mask,
+        advantages_bt=adv,
+        behaviour_logp_bt=blogp,
+        token_versions_bt=versions,
+    )
+
+
+def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
+    """Reshape [B, T] fields to [M, b, T] with b = micro_batch_size.
+
+    A batch whose B is not a multiple of b is first padded with empty rows
+    (mask 0, versions -1), which add nothing to the loss or its normalisers.
+
+    Args:
+      batch: TrainBatch of numpy arrays [B, T].
+      micro_batch_size: sequences per micro-batch (b >= 1).
+
+    Returns:
+      TrainBatch of numpy arrays [M, b, T], M = ceil(B / b).
+
+    Raises:
+      ValueError: micro_batch_size < 1 or fields with inconsistent shapes.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    shape = np.shape(batch.input_ids_bt)
+    if len(shape) != 2:
+        raise ValueError(f"split_micro_batches: expected [B, T] arrays, got {shape}")
+    B, T = shape
+    M = -(-B // micro_batch_size)
+    extra = M * micro_batch_size - B
+    out = {}
+    for name in _FIELDS:
+        x = np.asarray(getattr(batch, name))
+        if x.shape != (B, T):
+            raise ValueError(f"split_micro_batches: {name} has shape {x.shape}, expected {(B, T)}")
+        if extra:
+            fill = -1 if name == "token_versions_bt" else 0
+            pad = np.full((extra, T), fill, x.dtype)
+            if name == "positions_bt":
+                pad = np.broadcast_to(np.arange(T, dtype=x.dtype), (extra, T))
+            x = np.concatenate([x, pad])
+        out[name] = x.reshape(M, micro_batch_size, T)
+    return TrainBatch(**out)
+
+
+def batch_counts(batch: TrainBatch) -> tuple[int, int]:
+    """(masked tokens, sequences with at least one masked token) of a host batch."""
+    mask = np.asarray(batch.loss_mask_bt)
+    mask_st = mask.reshape(-1, mask.shape[-1])
+    return int(mask_st.sum()), int((mask_st.sum(-1) > 0).sum())

@@ -1,0 +1,127 @@
+"""Learner configuration: optimiser, schedule, micro-batching and loss choice.
+
+The ConfigDict stops at the launcher; the learner only ever sees this frozen,
+validated dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from jaxflash.types import SamplingParams
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """How the learner turns a TrainBatch into a parameter update.
+
+    Attributes:
+      lr: peak learning rate (after warmup).
+      warmup_steps: linear warmup from 0 to ``lr`` over this many optimiser steps.
+      schedule: "constant" (lr after warmup) or "cosine" (decays to
+        ``lr * min_lr_ratio`` at ``total_steps``).
+      total_steps: optimiser steps of the run; required by "cosine".
+      min_lr_ratio: floor of the cosine schedule as a fraction of ``lr``.
+      weight_decay: decoupled (AdamW) weight decay, applied to matrices only
+        (not to norms or biases).
+      b1, b2, eps: Adam moments' decay rates and denominator epsilon.
+      grad_clip_norm: clip the global gradient norm to this; 0 disables.
+      micro_batch_size: sequences per micro-batch (gradient accumulation unit).
+      loss: policy loss name in ``jaxflash.algorithms.policy_loss.POLICY_LOSSES``.
+      loss_kwargs: keyword hyper-parameters of that loss (e.g. ppo_clip's
+        ``eps_low``/``eps_high``).
+      aggregation: loss aggregation mode of ``jaxflash.algorithms.aggregation``
+        (e.g. "token-mean"); it is normalised by whole-batch counts so it does
+        not depend on the micro-batch split.
+      kl_coef: weight of the k3 KL estimate to reference params; 0 disables (and
+        no reference params are held).
+      entropy_coef: weight of an entropy bonus (loss -= coef * entropy); 0 disables.
+      sampling: temperature / top-k / top-p the generator samples with; the
+        learner rescores under the same processed distribution.
+      logprob_chunk: tokens per chunk of the chunked log-softmax (bounds the
+        [b, chunk, V] logits alive at once).
+    """
+
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    micro_batch_size: int = 8
+    loss: str = "ppo_clip"
+    loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    logprob_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"LearnerConfig.lr must be finite and >= 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"LearnerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"LearnerConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
+            )
+        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                "LearnerConfig.total_steps must exceed warmup_steps for the cosine schedule, "
+                f"got total_steps={self.total_steps}, warmup_steps={self.warmup_steps}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"LearnerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"LearnerConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"LearnerConfig.{name} must be in [0, 1), got {value}")
+        if not self.eps > 0:
+            raise ValueError(f"LearnerConfig.eps must be > 0, got {self.eps}")
+        if self.grad_clip_norm < 0:
+            raise ValueError(
+                f"LearnerConfig.grad_clip_norm must be >= 0 (0 disables), got {self.grad_clip_norm}"
+            )
+        if self.micro_batch_size < 1:
+            raise ValueError(
+                f"LearnerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}"
+            )
+        if not isinstance(self.loss, str) or not self.loss:
+            raise ValueError(f"LearnerConfig.loss must be a loss name, got {self.loss!r}")
+        if not isinstance(self.loss_kwargs, Mapping):
+            raise ValueError(
+                f"LearnerConfig.loss_kwargs must be a mapping, got {type(self.loss_kwargs)}"
+            )
+        for name in ("kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"LearnerConfig.{name} must be finite and >= 0, got {value}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(
+                f"LearnerConfig.sampling must be a SamplingParams, got {type(self.sampling)}"
+            )
+        if self.logprob_chunk < 1:
+            raise ValueError(f"LearnerConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether reference params are needed (KL penalty on)."""
+        return self.kl_coef > 0
+
+    def replace(self, **changes: Any) -> LearnerConfig:
+        """A copy with fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
