@@ -1,0 +1,155 @@
+"""Model configuration for the Llama-family decoder (frozen, validated, presets).
+
+Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
+K key/value heads, H head dim, F MLP hidden width, L layers, S cache length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-architecture decoder.
+
+    Attributes:
+      vocab_size: V, number of token ids.
+      d_model: D, residual stream width.
+      n_layers: L, number of decoder blocks (stacked on one leading axis).
+      n_heads: N, query heads.
+      n_kv_heads: K, key/value heads (grouped-query attention); must divide N.
+      head_dim: H, width of one head (even: RoPE rotates pairs).
+      d_ff: F, SwiGLU hidden width.
+      rope_theta: RoPE base frequency.
+      rms_norm_eps: epsilon inside RMSNorm's rsqrt.
+      tie_embeddings: logits use embed_vd transposed (no lm_head_dv).
+      qkv_bias: q/k/v projections carry biases (Qwen2 style).
+      max_seq_len: longest sequence (prompt + response) the model is used for.
+      param_dtype: "float32" | "bfloat16" — storage dtype of the weights.
+      compute_dtype: "float32" | "bfloat16" — dtype of the matmuls; softmax,
+        RMSNorm, RoPE, the residual stream and logits stay float32.
+      remat: rematerialise each layer in the backward pass (jax.checkpoint).
+      logits_chunk: tokens per chunk of the chunked log-softmax (see logprobs.py).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_seq_len: int = 2048
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False
+    logits_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "max_seq_len",
+            "logits_chunk",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+
+    @property
+    def jnp_param_dtype(self) -> jnp.dtype:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def jnp_compute_dtype(self) -> jnp.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (N // K)."""
+        return self.n_heads // self.n_kv_heads
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+_PRESETS = {
+    # SmolLM2-135M(-Instruct), HuggingFaceTB. rope_theta and rms_norm_eps checked
+    # against the GGUF metadata (llama.rope.freq_base = 100000.0,
+    # llama.attention.layer_norm_rms_epsilon = 1e-5). The GGUF says context 8192;
+    # 2048 bounds our KV caches and is plenty for RL on this model.
+    "smollm2_135m": dict(
+        vocab_size=49152,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        d_ff=1536,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        max_seq_len=2048,
+    ),
+    # Same architecture at toy size, for tests.
+    "tiny": dict(
+        vocab_size=512,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_ff=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        max_seq_len=128,
+        logits_chunk=16,
+    ),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """A named configuration, optionally with fields overridden.
+
+    Args:
+      name: "smollm2_135m" or "tiny".
+      **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
+
+    Raises:
+      ValueError: unknown preset name (lists the known ones).
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(_PRESETS)}")
+    return ModelConfig(**{**_PRESETS[name], **overrides})

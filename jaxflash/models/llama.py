@@ -1,0 +1,296 @@
+"""Llama-architecture decoder (Llama 2/3, SmolLM2, Qwen2 with qkv_bias) in Flax NNX.
+
+Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
+K key/value heads, G = N/K queries per kv head, H head dim, F MLP width,
+L layers, S cache length.
+
+Parameters are stacked over layers (leading axis L) and the forward pass is a
+``jax.lax.scan`` over that axis, so 30 layers compile as one. The computation is
+the pure function ``forward(params, config, ...)`` on a nested dict of arrays —
+what the learner differentiates, the engine decodes with and sync transfers; the
+``Llama`` module only creates parameters (init, logical axes) and wraps
+``forward`` for convenience.
+
+Numerics: the residual stream, RMSNorm, RoPE, attention softmax and logits are
+float32; matmul inputs are cast to ``config.compute_dtype`` (float32 or bfloat16,
+with float32 master weights when param_dtype is float32).
+
+References: Llama (arXiv 2302.13971), RoPE (arXiv 2104.09864), GQA
+(arXiv 2305.13245), SwiGLU (arXiv 2002.05202), RMSNorm (arXiv 1910.07467).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.kv_cache import KVCache, write_rows
+from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.models.params import Params, get_params
+
+INIT_STD = 0.02  # normal init of every matrix (HF initializer_range default)
+_MASKED = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
+
+
+def logical_axes(config: ModelConfig) -> dict:
+    """Logical axis names of every parameter, mirroring ``get_params(model)``.
+
+    Leaves are tuples of names (one per array dim) from: layers, vocab, embed,
+    heads, kv_heads, head_dim, mlp. Map with ``jax.tree.map(..., is_leaf=lambda
+    x: isinstance(x, tuple))`` or ``jaxflash.sharding.logical_to_shardings``.
+    """
+    layers = {
+        "attn_norm_ld": ("layers", "embed"),
+        "mlp_norm_ld": ("layers", "embed"),
+        "w_q_ldnh": ("layers", "embed", "heads", "head_dim"),
+        "w_k_ldkh": ("layers", "embed", "kv_heads", "head_dim"),
+        "w_v_ldkh": ("layers", "embed", "kv_heads", "head_dim"),
+        "w_o_lnhd": ("layers", "heads", "head_dim", "embed"),
+        "w_gate_ldf": ("layers", "embed", "mlp"),
+        "w_up_ldf": ("layers", "embed", "mlp"),
+        "w_down_lfd": ("layers", "mlp", "embed"),
+    }
+    if config.qkv_bias:
+        layers["b_q_lnh"] = ("layers", "heads", "head_dim")
+        layers["b_k_lkh"] = ("layers", "kv_heads", "head_dim")
+        layers["b_v_lkh"] = ("layers", "kv_heads", "head_dim")
+    axes = {"embed_vd": ("vocab", "embed"), "final_norm_d": ("embed",), "layers": layers}
+    if not config.tie_embeddings:
+        axes["lm_head_dv"] = ("embed", "vocab")
+    return axes
+
+
+def _shapes(config: ModelConfig) -> dict:
+    c = config
+    dims = {
+        "layers": c.n_layers,
+        "vocab": c.vocab_size,
+        "embed": c.d_model,
+        "heads": c.n_heads,
+        "kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "mlp": c.d_ff,
+    }
+    return jax.tree.map(
+        lambda axes: tuple(dims[a] for a in axes),
+        logical_axes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+class _Layers(nnx.Module):
+    """Holds the [L, ...] stacked per-layer parameters (no computation)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        shapes, axes = _shapes(config)["layers"], logical_axes(config)["layers"]
+        normal = nnx.initializers.normal(INIT_STD)
+        dtype = config.jnp_param_dtype
+        for name in sorted(shapes):
+            if "norm" in name:
+                value = jnp.ones(shapes[name], dtype)
+            elif name.startswith("b_"):
+                value = jnp.zeros(shapes[name], dtype)
+            else:
+                value = normal(rngs.params(), shapes[name], dtype)
+            setattr(self, name, nnx.Param(value, logical_axes=axes[name]))
+
+
+class Llama(nnx.Module):
+    """The decoder as an NNX module; parameters per docs/CONTRACTS.md.
+
+    Args:
+      config: shapes and numerics.
+      rngs: ``nnx.Rngs`` for the normal(0.02) init (norms 1, biases 0).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        shapes, axes = _shapes(config), logical_axes(config)
+        normal = nnx.initializers.normal(INIT_STD)
+        dtype = config.jnp_param_dtype
+        self.embed_vd = nnx.Param(
+            normal(rngs.params(), shapes["embed_vd"], dtype), logical_axes=axes["embed_vd"]
+        )
+        self.layers = _Layers(config, rngs)
+        self.final_norm_d = nnx.Param(
+            jnp.ones(shapes["final_norm_d"], dtype), logical_axes=("embed",)
+        )
+        if not config.tie_embeddings:
+            self.lm_head_dv = nnx.Param(
+                normal(rngs.params(), shapes["lm_head_dv"], dtype), logical_axes=("embed", "vocab")
+            )
+
+    def hidden(
+        self, input_ids_bt: jax.Array, positions_bt: jax.Array, *, kv_cache: KVCache | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final-normed hidden states; see ``forward``."""
+        return forward(get_params(self), self.config, input_ids_bt, positions_bt, kv_cache)
+
+    def unembed_dv(self) -> jax.Array:
+        """[D, V] unembedding (embed_vd transposed when tied)."""
+        return unembed(get_params(self), self.config)
+
+    def __call__(
+        self, input_ids_bt: jax.Array, positions_bt: jax.Array, *, kv_cache: KVCache | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """(float32 logits [B, T, V], updated cache or None); see ``forward``."""
+        h_btd, kv_cache = self.hidden(input_ids_bt, positions_bt, kv_cache=kv_cache)
+        return logits_from_hidden(h_btd, self.unembed_dv()), kv_cache
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> Params:
+    """Freshly initialised parameters as a nested dict (jit it with out_shardings
+    to create them already sharded)."""
+    return get_params(Llama(config, rngs=nnx.Rngs(seed)))
+
+
+def abstract_params(config: ModelConfig) -> Params:
+    """Nested dict of ``jax.ShapeDtypeStruct`` — the layout, without allocating."""
+    return get_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+
+
+def unembed(params: Params, config: ModelConfig) -> jax.Array:
+    """[D, V] unembedding matrix: ``embed_vd.T`` if tied, else ``lm_head_dv``."""
+    return params["embed_vd"].T if config.tie_embeddings else params["lm_head_dv"]
+
+
+def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x²) + eps) * w, in float32."""
+    x = x_btd.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * w_d.astype(jnp.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE (HF Llama convention), computed in float32.
+
+    Dim i < H/2 pairs with dim i + H/2, rotated by angle p * theta^(-2i/H).
+
+    Args:
+      x_btnh: [B, T, N, H] queries or keys.
+      positions_bt: int [B, T] absolute positions.
+      theta: base frequency.
+
+    Returns:
+      float32 [B, T, N, H].
+    """
+    half = x_btnh.shape[-1] // 2
+    inv_freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x_btnh.shape[-1])
+    angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h
+    cos, sin = jnp.cos(angle_bth)[:, :, None, :], jnp.sin(angle_bth)[:, :, None, :]
+    x = x_btnh.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _attention(q_btnh, k_bskh, v_bskh, visible_bts, config: ModelConfig):
+    """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype."""
+    b, t, n, h = q_btnh.shape
+    cd = config.jnp_compute_dtype
+    q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
+    scores_bkgts = jnp.einsum(
+        "btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(cd), preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, _MASKED)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(cd))
+    return out_btkgh.reshape(b, t, n, h)
+
+
+def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_bskh):
+    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None))."""
+    cd = config.jnp_compute_dtype
+
+    def w(name):
+        return lp[name].astype(cd)
+
+    x_btd = rms_norm(h_btd, lp["attn_norm_ld"], config.rms_norm_eps).astype(cd)
+    q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, w("w_q_ldnh"))
+    k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, w("w_k_ldkh"))
+    v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, w("w_v_ldkh"))
+    if config.qkv_bias:
+        q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
+    q_btnh = apply_rope(q_btnh, positions_bt, config.rope_theta)
+    k_btkh = apply_rope(k_btkh, positions_bt, config.rope_theta).astype(cd)
+    if cache_k_bskh is None:
+        # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
+        # so right-padding never leaks into earlier tokens.
+        t = h_btd.shape[1]
+        visible_bts = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
+        keys_bskh, values_bskh = k_btkh, v_btkh
+    else:
+        cache_k_bskh = write_rows(cache_k_bskh, k_btkh, positions_bt)
+        cache_v_bskh = write_rows(cache_v_bskh, v_btkh, positions_bt)
+        s = cache_k_bskh.shape[1]
+        visible_bts = jnp.arange(s)[None, None, :] <= positions_bt[:, :, None]
+        keys_bskh, values_bskh = cache_k_bskh, cache_v_bskh
+    attn_btnh = _attention(q_btnh, keys_bskh, values_bskh, visible_bts, config)
+    h_btd = h_btd + jnp.einsum(
+        "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
+    )
+    x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], config.rms_norm_eps).astype(cd)
+    gate_btf = jnp.einsum("btd,df->btf", x_btd, w("w_gate_ldf"))
+    up_btf = jnp.einsum("btd,df->btf", x_btd, w("w_up_ldf"))
+    h_btd = h_btd + jnp.einsum(
+        "btf,fd->btd",
+        jax.nn.silu(gate_btf) * up_btf,
+        w("w_down_lfd"),
+        preferred_element_type=jnp.float32,
+    )
+    return h_btd, (cache_k_bskh, cache_v_bskh)
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    kv_cache: KVCache | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Pure forward pass: token ids -> final-normed hidden states.
+
+    Without a cache, attention is causal over the T axis (token t sees tokens
+    0..t of its row); ``positions_bt`` only sets RoPE angles. With a cache, each
+    token's k/v is first written at cache position ``positions_bt[b, t]`` of row
+    b, then the token attends to cache entries j <= positions_bt[b, t] (stale
+    entries beyond it are ignored, so slots are reused without clearing).
+
+    Args:
+      params: nested dict per docs/CONTRACTS.md (``get_params`` / ``init_params``).
+      config: static model configuration (hashable; close over it under jit).
+      input_ids_bt: int32 [B, T] token ids in [0, V).
+      positions_bt: int32 [B, T] absolute 0-based positions; with a cache they
+        must be < S (positions outside [0, S) are not written to the cache).
+      kv_cache: optional KVCache [L, B, S, K, H] with the same B.
+
+    Returns:
+      (h_btd float32 [B, T, D], updated KVCache or None). Logits are
+      ``logits_from_hidden(h_btd, unembed(params, config))``.
+
+    Raises:
+      ValueError: if input and position shapes differ or the cache's batch differs.
+    """
+    if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
+        raise ValueError(
+            f"forward: input_ids_bt {input_ids_bt.shape} and positions_bt "
+            f"{positions_bt.shape} must both be [B, T]"
+        )
+    if kv_cache is not None and kv_cache.k_lbskh.shape[1] != input_ids_bt.shape[0]:
+        raise ValueError(
+            f"forward: kv_cache batch {kv_cache.k_lbskh.shape[1]} != input batch "
+            f"{input_ids_bt.shape[0]}"
+        )
+    h_btd = jnp.take(params["embed_vd"], input_ids_bt, axis=0).astype(jnp.float32)
+
+    def body(h_btd, xs):
+        lp, ck, cv = xs
+        return _layer(config, h_btd, lp, positions_bt, ck, cv)
+
+    if config.remat:
+        body = jax.checkpoint(body)
+    ks, vs = (None, None) if kv_cache is None else kv_cache
+    h_btd, (ks, vs) = jax.lax.scan(body, h_btd, (params["layers"], ks, vs))
+    h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps)
+    return h_btd, (None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs))
