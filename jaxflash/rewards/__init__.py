@@ -1,1 +1,32 @@
-"""jaxflash.rewards."""
+"""jaxflash.rewards: scoring responses (layer 1).
+
+Importing the package fills the `REWARD_FNS` registry: "math" (answer
+correctness on Math-Verify), "format_boxed", "format_answer_is", "format_any".
+"""
+
+from jaxflash.rewards import format, math_reward  # noqa: F401  (fill the registry)
+from jaxflash.rewards.base import (
+    REWARD_FNS,
+    CombinedReward,
+    RewardFn,
+    RewardResult,
+    as_reward_fn,
+    combined,
+    get_reward_fn,
+    register,
+)
+from jaxflash.rewards.format import FormatReward
+from jaxflash.rewards.math_reward import math_answer_reward
+
+__all__ = [
+    "REWARD_FNS",
+    "CombinedReward",
+    "FormatReward",
+    "RewardFn",
+    "RewardResult",
+    "as_reward_fn",
+    "combined",
+    "get_reward_fn",
+    "math_answer_reward",
+    "register",
+]
