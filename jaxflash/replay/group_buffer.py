@@ -1,0 +1,393 @@
+"""Collects finished, scored samples into GRPO groups and hands out fresh batches.
+
+A group is the G samples of one prompt. `GroupBuffer.take` returns complete, fresh
+groups oldest-first (by start version, then prompt_id) and never more than asked:
+what does not fit stays for the next call ("Nothing dropped at the batch edge",
+../shared/cases/rl_pitfalls.md). Every group leaves through `take` (or `drain`),
+either returned or in the `dropped` list with an outcome and a reason, so at any time
+
+    produced == returned + dropped + pending                       (see `counts`)
+
+Dropped reasons: "stale" (staleness > async_ratio, or negative -- that one is also
+counted as an anomaly), "failed" (a sample carried an error or a non-finite reward,
+or `fail` was called), the filter reasons "zero_variance", "mean_below_min",
+"mean_above_max", "std_below_min", and "drained" (`drain`, at shutdown).
+With policy="regenerate", stale groups are still reported in `dropped` (reason
+"stale", `regenerate=True`): the caller resubmits the prompt instead of closing it,
+and the regenerated samples (start version = the new version) form a new group,
+counted as produced again.
+
+Stale and failed groups are removed eagerly on every `take`, also beyond the batch
+edge; the filters run only on groups about to be returned (they are deterministic,
+so when they run does not change which groups pass).
+
+Holds a lock so a rollout thread may `add` while the learner thread calls `take`;
+it starts no threads itself.
+
+References: ROLL Flash, arXiv 2510.11345 (per-sample async ratio; drop or regenerate);
+DAPO, arXiv 2503.14476 (dynamic sampling: drop groups whose rewards are all equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Literal
+
+import numpy as np
+
+from jaxflash.replay.staleness import StalenessCounts, Verdict, classify, start_version_of
+from jaxflash.types import FinishReason, PolicyVersion, PromptOutcome, Sample
+
+StalePolicy = Literal["drop", "regenerate"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupFilter:
+    """Which complete, fresh groups are not worth training on (checked at take time).
+
+    Attributes:
+      zero_variance: drop groups whose rewards are all equal (max - min <=
+        zero_variance_atol): their group-relative advantages are all 0.
+      zero_variance_atol: spread of rewards treated as zero. Rewards that are
+        equal up to float rounding count as equal, so the fp32-residue case cannot
+        sneak a huge normalised advantage through.
+      min_mean, max_mean: drop groups whose mean reward is outside [min_mean, max_mean].
+      min_std: drop groups whose population std (ddof=0) is below min_std.
+    """
+
+    zero_variance: bool = False
+    zero_variance_atol: float = 1e-6
+    min_mean: float | None = None
+    max_mean: float | None = None
+    min_std: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.zero_variance_atol >= 0:
+            raise ValueError(
+                f"GroupFilter.zero_variance_atol must be >= 0, got {self.zero_variance_atol}"
+            )
+        if self.min_std is not None and not self.min_std >= 0:
+            raise ValueError(f"GroupFilter.min_std must be >= 0, got {self.min_std}")
+        if self.min_mean is not None and self.max_mean is not None:
+            if not self.min_mean <= self.max_mean:
+                raise ValueError(
+                    f"GroupFilter.min_mean ({self.min_mean}) must be <= max_mean ({self.max_mean})"
+                )
+
+    def reason(self, rewards_g: np.ndarray) -> str | None:
+        """The filter reason for a group with rewards [G], or None if it passes."""
+        r = np.asarray(rewards_g, np.float64)
+        if self.zero_variance and float(r.max() - r.min()) <= self.zero_variance_atol:
+            return "zero_variance"
+        mean = float(r.mean())
+        if self.min_mean is not None and mean < self.min_mean:
+            return "mean_below_min"
+        if self.max_mean is not None and mean > self.max_mean:
+            return "mean_above_max"
+        if self.min_std is not None and float(r.std()) < self.min_std:
+            return "std_below_min"
+        return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Group:
+    """The G scored samples of one prompt, sorted by sample_index.
+
+    Attributes:
+      prompt_id: the prompt.
+      start_version: oldest start version among the samples (staleness is measured from it).
+      samples: tuple of G Samples, sample_index 0..G-1.
+    """
+
+    prompt_id: int
+    start_version: PolicyVersion
+    samples: tuple[Sample, ...]
+
+    @property
+    def rewards_g(self) -> np.ndarray:
+        """float64 [G] rewards in sample_index order."""
+        return np.array([s.reward for s in self.samples], np.float64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DroppedGroup:
+    """A group that left the buffer without being returned for training.
+
+    Attributes:
+      prompt_id: the prompt.
+      outcome: PromptOutcome for the prompt ledger (STALE, FILTERED or FAILED).
+      reason: short machine-readable reason ("stale", "zero_variance", "failed", ...).
+      detail: human-readable detail (versions, the error text).
+      samples: whatever samples had arrived, sorted by sample_index.
+      regenerate: True when the caller should resubmit the prompt (policy="regenerate")
+        rather than close it in the ledger.
+    """
+
+    prompt_id: int
+    outcome: PromptOutcome
+    reason: str
+    detail: str
+    samples: tuple[Sample, ...]
+    regenerate: bool = False
+
+
+@dataclasses.dataclass
+class _Pending:
+    samples: dict[int, Sample] = dataclasses.field(default_factory=dict)
+    failure: str | None = None
+
+
+class GroupBuffer:
+    """Groups samples by prompt_id; `take` hands out complete fresh groups.
+
+    Args:
+      group_size: G >= 1, samples per prompt.
+      group_filter: optional GroupFilter applied to groups about to be returned.
+    """
+
+    def __init__(self, group_size: int, *, group_filter: GroupFilter | None = None) -> None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        self.group_size = group_size
+        self.group_filter = group_filter
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._closed_failed: set[int] = set()  # late siblings of these are discarded
+        self._last_learner_version: int | None = None
+        self._produced = 0
+        self._returned = 0
+        self._dropped: dict[str, int] = {}
+        self._late_discarded = 0
+        self._staleness = StalenessCounts()
+
+    # -- adding ---------------------------------------------------------------
+
+    def add(self, sample: Sample) -> None:
+        """Add one finished, scored sample.
+
+        A sample whose `reward_info["error"]` is set, or whose reward is not
+        finite, marks its group failed (reported by the next `take`). A sample of a
+        prompt already reported as failed is discarded and counted
+        (`samples_late_discarded`).
+
+        Raises:
+          TypeError: not a Sample.
+          ValueError: sample_index outside [0, G); a duplicate (prompt_id,
+            sample_index); an ABORTED sample without error (restart it instead);
+            a sample with no reward and no error (score it first).
+        """
+        if not isinstance(sample, Sample):
+            raise TypeError(f"GroupBuffer.add takes a jaxflash.types.Sample, got {type(sample)}")
+        pid, idx = int(sample.prompt_id), int(sample.sample_index)
+        if not 0 <= idx < self.group_size:
+            raise ValueError(
+                f"sample_index {idx} of prompt {pid} is outside [0, group_size={self.group_size})"
+            )
+        error = sample.reward_info.get("error") if sample.reward_info else None
+        if not error:
+            if sample.finish_reason == FinishReason.ABORTED:
+                raise ValueError(
+                    f"sample {pid}/{idx} is ABORTED: restart or fail it, do not add it"
+                )
+            if sample.reward is None:
+                raise ValueError(f"sample {pid}/{idx} has no reward: score it before adding")
+            if not math.isfinite(float(sample.reward)):
+                error = f"non-finite reward {sample.reward}"
+        with self._lock:
+            if pid in self._closed_failed:
+                self._late_discarded += 1
+                return
+            pend = self._get_or_create(pid)
+            if idx in pend.samples:
+                raise ValueError(f"duplicate sample {pid}/{idx} added to GroupBuffer")
+            pend.samples[idx] = sample
+            if error and pend.failure is None:
+                pend.failure = f"prompt {pid} sample {idx}: {error}"
+
+    def fail(self, prompt_id: int, reason: str) -> None:
+        """Mark a prompt's group failed (e.g. generation error or timeout, no Sample).
+
+        The group is reported by the next `take` with reason "failed" and `reason`
+        as its detail. Calling it for a prompt already reported failed is counted
+        as a late discard and otherwise ignored.
+        """
+        if not reason:
+            raise ValueError(f"fail({prompt_id}) needs a non-empty reason")
+        pid = int(prompt_id)
+        with self._lock:
+            if pid in self._closed_failed:
+                self._late_discarded += 1
+                return
+            pend = self._get_or_create(pid)
+            if pend.failure is None:
+                pend.failure = f"prompt {pid}: {reason}"
+
+    def _get_or_create(self, pid: int) -> _Pending:
+        pend = self._pending.get(pid)
+        if pend is None:
+            pend = self._pending[pid] = _Pending()
+            self._produced += 1
+        return pend
+
+    # -- taking ---------------------------------------------------------------
+
+    def take(
+        self,
+        batch_groups: int,
+        learner_version: PolicyVersion,
+        async_ratio: int,
+        policy: StalePolicy = "drop",
+    ) -> tuple[list[Group], list[DroppedGroup]]:
+        """Up to `batch_groups` complete fresh groups, oldest first, plus what was dropped.
+
+        Args:
+          batch_groups: the most groups to return (>= 1).
+          learner_version: version of the learner step that will train on them;
+            must not decrease between calls.
+          async_ratio: alpha >= 0; a group is fresh iff 0 <= learner_version -
+            start_version <= alpha.
+          policy: "drop" (stale groups are closed as STALE) or "regenerate"
+            (reported with regenerate=True for resubmission).
+
+        Returns:
+          (groups, dropped): groups sorted by (start_version, prompt_id), at most
+          batch_groups of them; dropped: failed, stale and filtered groups removed
+          by this call, each with outcome and reason. Complete fresh groups beyond
+          the batch edge stay in the buffer.
+
+        Raises:
+          ValueError: bad arguments, or learner_version lower than a previous call's.
+        """
+        if isinstance(batch_groups, bool) or not isinstance(batch_groups, int):
+            raise TypeError(f"batch_groups must be an int, got {batch_groups!r}")
+        if batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
+        for name, v in (("learner_version", learner_version), ("async_ratio", async_ratio)):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if policy not in ("drop", "regenerate"):
+            raise ValueError(f"policy must be 'drop' or 'regenerate', got {policy!r}")
+        with self._lock:
+            if self._last_learner_version is not None and (
+                learner_version < self._last_learner_version
+            ):
+                raise ValueError(
+                    f"learner versions only go up: take at version {learner_version} "
+                    f"after version {self._last_learner_version}"
+                )
+            dropped: list[DroppedGroup] = []
+            for pid in sorted(p for p, g in self._pending.items() if g.failure is not None):
+                pend = self._pending.pop(pid)
+                self._closed_failed.add(pid)
+                dropped.append(self._drop(pid, pend, PromptOutcome.FAILED, "failed", pend.failure))
+
+            complete = [
+                (min(start_version_of(s) for s in g.samples.values()), pid)
+                for pid, g in self._pending.items()
+                if len(g.samples) == self.group_size
+            ]
+            groups: list[Group] = []
+            for start, pid in sorted(complete):
+                verdict = classify(start, learner_version, async_ratio)
+                if verdict is not Verdict.FRESH:
+                    self._staleness = self._staleness.plus(verdict)
+                    what = "anomaly: newer than the learner" if verdict is Verdict.ANOMALY else ""
+                    detail = (
+                        f"start version {start}, learner version {learner_version}, "
+                        f"staleness {learner_version - start} > async_ratio {async_ratio}"
+                        if not what
+                        else f"{what}: start version {start} > learner version {learner_version}"
+                    )
+                    dropped.append(
+                        self._drop(
+                            pid,
+                            self._pending.pop(pid),
+                            PromptOutcome.STALE,
+                            "stale",
+                            detail,
+                            regenerate=policy == "regenerate",
+                        )
+                    )
+                    continue
+                if len(groups) == batch_groups:
+                    continue  # fresh but past the batch edge: keep for the next call
+                pend = self._pending.pop(pid)
+                self._staleness = self._staleness.plus(Verdict.FRESH)
+                group = Group(
+                    prompt_id=pid,
+                    start_version=start,
+                    samples=tuple(pend.samples[i] for i in range(self.group_size)),
+                )
+                reason = self.group_filter.reason(group.rewards_g) if self.group_filter else None
+                if reason is not None:
+                    detail = f"rewards {group.rewards_g.tolist()}"
+                    dropped.append(self._drop(pid, pend, PromptOutcome.FILTERED, reason, detail))
+                    continue
+                groups.append(group)
+            self._returned += len(groups)
+            self._last_learner_version = int(learner_version)
+            return groups, dropped
+
+    def drain(self, reason: str = "drained") -> list[DroppedGroup]:
+        """Remove every pending group (complete or not) as FAILED with `reason`."""
+        with self._lock:
+            out = [
+                self._drop(pid, self._pending.pop(pid), PromptOutcome.FAILED, reason, reason)
+                for pid in sorted(self._pending)
+            ]
+            return out
+
+    def _drop(
+        self,
+        pid: int,
+        pend: _Pending,
+        outcome: PromptOutcome,
+        reason: str,
+        detail: str | None,
+        *,
+        regenerate: bool = False,
+    ) -> DroppedGroup:
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        return DroppedGroup(
+            prompt_id=pid,
+            outcome=outcome,
+            reason=reason,
+            detail=detail or reason,
+            samples=tuple(pend.samples[i] for i in sorted(pend.samples)),
+            regenerate=regenerate,
+        )
+
+    # -- introspection --------------------------------------------------------
+
+    @property
+    def staleness_counts(self) -> StalenessCounts:
+        """Fresh / stale / anomaly verdicts of groups that left the buffer."""
+        with self._lock:
+            return self._staleness
+
+    def num_complete(self) -> int:
+        """Complete groups waiting (fresh or not yet judged)."""
+        with self._lock:
+            return sum(len(g.samples) == self.group_size for g in self._pending.values())
+
+    def counts(self) -> dict[str, int]:
+        """Counters; produced == returned + dropped + pending always holds.
+
+        Keys: produced, returned, dropped, pending, dropped_<reason> for each reason
+        seen, samples_late_discarded, staleness_fresh/_stale/_anomaly.
+        """
+        with self._lock:
+            out = {
+                "produced": self._produced,
+                "returned": self._returned,
+                "dropped": sum(self._dropped.values()),
+                "pending": len(self._pending),
+                "samples_late_discarded": self._late_discarded,
+                "staleness_fresh": self._staleness.fresh,
+                "staleness_stale": self._staleness.stale,
+                "staleness_anomaly": self._staleness.anomaly,
+            }
+            out.update({f"dropped_{k}": v for k, v in sorted(self._dropped.items())})
+            return out
