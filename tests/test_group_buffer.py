@@ -1,6 +1,7 @@
 """GroupBuffer: complete fresh groups oldest-first, nothing lost at the batch edge."""
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -400,3 +401,27 @@ def test_random_add_take_conserves_every_group():
     # the run exercised every path
     assert len(returned) > 10 and late > 0 and regenerated > 0
     assert {"stale", "failed", "zero_variance", "drained"} <= set(dropped_reasons)
+
+
+def test_concurrent_add_and_take_lose_nothing():
+    buf = GroupBuffer(2)
+    n_per_thread = 200
+
+    def producer(offset):
+        for pid in range(offset, offset + n_per_thread):
+            buf.add(_s(pid, 1, start=0, reward=0.0))
+            buf.add(_s(pid, 0, start=0, reward=1.0))
+
+    threads = [threading.Thread(target=producer, args=(o,)) for o in (0, 10_000)]
+    for t in threads:
+        t.start()
+    got: list[int] = []
+    while any(t.is_alive() for t in threads) or buf.num_complete():
+        groups, dropped = buf.take(7, learner_version=0, async_ratio=0)
+        assert dropped == [] and len(groups) <= 7
+        got += [g.prompt_id for g in groups]
+    for t in threads:
+        t.join()
+    got += [g.prompt_id for g in buf.take(1000, 0, 0)[0]]
+    assert sorted(got) == list(range(200)) + list(range(10_000, 10_200))
+    assert buf.counts()["produced"] == 400 and buf.counts()["pending"] == 0
