@@ -1,0 +1,300 @@
+"""Hugging Face checkpoints (safetensors + config.json) <-> jaxflash parameters.
+
+``load_hf`` reads a local Llama (Llama 2/3, SmolLM2) or Qwen2 / Qwen2.5 checkpoint
+directory — one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` — into the nested dict of docs/CONTRACTS.md.
+``save_hf`` writes the reverse, so a trained policy loads with
+``transformers.AutoModelForCausalLM.from_pretrained(dir)`` (LlamaForCausalLM, or
+Qwen2ForCausalLM when the config has q/k/v biases).
+
+HF stores every projection as ``nn.Linear.weight`` (out, in); our matrices are
+(in, out) split into heads. q/k rows are in HF's rotate-half RoPE order, which is
+the order our model uses, so no permutation happens here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.llama import abstract_params
+from jaxflash.models.params import Params, check_params
+
+_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# HF tensors that carry no weights we need (old checkpoints stored RoPE tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _layer_names(i: int, qkv_bias: bool) -> dict[str, str]:
+    """Our stacked-layer key -> HF tensor name for layer i."""
+    p = f"model.layers.{i}."
+    names = {
+        "attn_norm_ld": p + "input_layernorm.weight",
+        "mlp_norm_ld": p + "post_attention_layernorm.weight",
+        "w_q_ldnh": p + "self_attn.q_proj.weight",
+        "w_k_ldkh": p + "self_attn.k_proj.weight",
+        "w_v_ldkh": p + "self_attn.v_proj.weight",
+        "w_o_lnhd": p + "self_attn.o_proj.weight",
+        "w_gate_ldf": p + "mlp.gate_proj.weight",
+        "w_up_ldf": p + "mlp.up_proj.weight",
+        "w_down_lfd": p + "mlp.down_proj.weight",
+    }
+    if qkv_bias:
+        names.update(
+            b_q_lnh=p + "self_attn.q_proj.bias",
+            b_k_lkh=p + "self_attn.k_proj.bias",
+            b_v_lkh=p + "self_attn.v_proj.bias",
+        )
+    return names
+
+
+def _to_hf(key: str, x: np.ndarray) -> np.ndarray:
+    """One layer's array in our layout -> HF (out, in) / (out,) layout."""
+    if key.startswith("b_"):  # [heads, H] -> [heads*H]
+        return x.reshape(-1)
+    if key in ("w_q_ldnh", "w_k_ldkh", "w_v_ldkh"):  # [D, heads, H] -> (heads*H, D)
+        return x.reshape(x.shape[0], -1).T
+    if key == "w_o_lnhd":  # [N, H, D] -> (D, N*H)
+        return x.reshape(-1, x.shape[-1]).T
+    if key.startswith("w_"):  # [in, out] -> (out, in)
+        return x.T
+    return x  # norms
+
+
+def _from_hf(key: str, x: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """Inverse of ``_to_hf`` for one layer (shapes are checked by the caller)."""
+    if key.startswith("b_"):
+        return x.reshape(-1, c.head_dim)
+    if key in ("w_q_ldnh", "w_k_ldkh", "w_v_ldkh"):
+        return x.T.reshape(c.d_model, -1, c.head_dim)
+    if key == "w_o_lnhd":
+        return x.T.reshape(c.n_heads, c.head_dim, c.d_model)
+    if key.startswith("w_"):
+        return x.T
+    return x
+
+
+def _hf_shape(key: str, c: ModelConfig) -> tuple[int, ...]:
+    """Shape HF stores for one layer of ``key``."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return {
+        "attn_norm_ld": (c.d_model,),
+        "mlp_norm_ld": (c.d_model,),
+        "w_q_ldnh": (q, c.d_model),
+        "w_k_ldkh": (kv, c.d_model),
+        "w_v_ldkh": (kv, c.d_model),
+        "w_o_lnhd": (c.d_model, q),
+        "w_gate_ldf": (c.d_ff, c.d_model),
+        "w_up_ldf": (c.d_ff, c.d_model),
+        "w_down_lfd": (c.d_model, c.d_ff),
+        "b_q_lnh": (q,),
+        "b_k_lkh": (kv,),
+        "b_v_lkh": (kv,),
+    }[key]
+
+
+def hf_config_dict(config: ModelConfig, *, eos_id: int | None = None) -> dict[str, Any]:
+    """config.json contents for ``config`` (transformers 4.x field names, read by 5.x too).
+
+    Qwen2 when ``config.qkv_bias`` (HF Llama's ``attention_bias`` would also add an
+    o_proj bias, which our model does not have), else Llama.
+    """
+    c = config
+    model_type = "qwen2" if c.qkv_bias else "llama"
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.d_ff,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": c.tie_embeddings,
+        "torch_dtype": c.param_dtype,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layers)
+    if eos_id is not None:
+        out.update(eos_token_id=eos_id, pad_token_id=eos_id)
+    return out
+
+
+def save_hf(
+    directory: str | os.PathLike, config: ModelConfig, params: Params, tokenizer: Any = None
+) -> None:
+    """Write ``model.safetensors`` + ``config.json`` (+ tokenizer files) to ``directory``.
+
+    Args:
+      directory: created if missing; existing files of the same names are replaced.
+      config: the model's configuration.
+      params: nested dict (numpy or jax arrays) in the layout of docs/CONTRACTS.md,
+        dtype ``config.param_dtype``; written in that dtype.
+      tokenizer: optional ``jaxflash.models.tokenizer.Tokenizer``; writes
+        ``tokenizer.json`` + ``tokenizer_config.json`` (chat template, eos).
+
+    Raises:
+      ValueError: if ``params`` does not match ``config`` (names the path).
+    """
+    check_params(abstract_params(config), params, what="save_hf params")
+    host = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    layers = {k: np.asarray(v) for k, v in params["layers"].items()}
+    tensors = {
+        "model.embed_tokens.weight": host["embed_vd"],
+        "model.norm.weight": host["final_norm_d"],
+    }
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = host["lm_head_dv"].T
+    for i in range(config.n_layers):
+        for key, name in _layer_names(i, config.qkv_bias).items():
+            tensors[name] = _to_hf(key, layers[key][i])
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    eos_id = None if tokenizer is None else tokenizer.eos_id
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config_dict(config, eos_id=eos_id), f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_hf(directory)
+
+
+def config_from_hf_dict(cfg: dict[str, Any], *, path: str = "config.json") -> ModelConfig:
+    """ModelConfig from a Llama / Qwen2 ``config.json`` dict (transformers 4.x or 5.x).
+
+    Raises:
+      ValueError: unsupported model_type, activation, biases or RoPE scaling.
+    """
+    model_type = cfg.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"load_hf: {path}: model_type={model_type!r} is not supported "
+            f"(supported: {sorted(_ARCHITECTURES)})"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"load_hf: {path}: hidden_act={cfg['hidden_act']!r}, expected 'silu'")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"load_hf: {path}: attention_bias/mlp_bias on Llama is not supported")
+    # transformers 5 moves rope_theta/rope_scaling into "rope_parameters".
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"load_hf: {path}: RoPE scaling {rope!r} is not supported")
+    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError(f"load_hf: {path}: sliding-window attention is not supported")
+    d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        d_model=d_model,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or d_model // n_heads),
+        d_ff=int(cfg["intermediate_size"]),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+    )
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, s) for s in shards]
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"load_hf: {directory} has neither model.safetensors nor model.safetensors.index.json"
+    )
+
+
+def load_hf(
+    directory: str | os.PathLike, *, param_dtype: str = "float32"
+) -> tuple[ModelConfig, Params]:
+    """Read a local Llama / Qwen2 checkpoint directory.
+
+    Args:
+      directory: holds ``config.json`` and ``model.safetensors`` (or sharded
+        ``model-XXXXX-of-YYYYY.safetensors`` + ``model.safetensors.index.json``).
+      param_dtype: "float32" | "bfloat16": dtype of the returned arrays (stored
+        tensors of any float dtype are cast) and of ``config.param_dtype``.
+
+    Returns:
+      (config, params): params a nested dict of numpy arrays per docs/CONTRACTS.md.
+
+    Raises:
+      FileNotFoundError: config.json or the weights are missing.
+      ValueError: unsupported config, or a tensor missing, of the wrong shape, or
+        unknown (so no weight is silently dropped); the message names it.
+    """
+    directory = os.fspath(directory)
+    if param_dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"load_hf: param_dtype must be one of {sorted(_NUMPY_DTYPES)}")
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"load_hf: no config.json in {directory}")
+    with open(cfg_path, encoding="utf-8") as f:
+        config = config_from_hf_dict(json.load(f), path=cfg_path).replace(param_dtype=param_dtype)
+    c, dtype = config, _NUMPY_DTYPES[param_dtype]
+
+    stored: dict[str, tuple[str, Any]] = {}  # HF name -> (file, open handle)
+    for path in _safetensors_files(directory):
+        handle = safe_open(path, framework="numpy")
+        stored.update({name: (path, handle) for name in handle.keys()})
+
+    used: set[str] = set()
+
+    def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in stored:
+            raise ValueError(f"load_hf: {directory}: tensor {name} is missing")
+        path, h = stored[name]
+        x = h.get_tensor(name)
+        if x.shape != shape:
+            raise ValueError(f"load_hf: {path}: {name} has shape {x.shape}, expected {shape}")
+        used.add(name)
+        return x.astype(dtype)
+
+    layer_names = [_layer_names(i, c.qkv_bias) for i in range(c.n_layers)]
+    params: Params = {
+        "embed_vd": read("model.embed_tokens.weight", (c.vocab_size, c.d_model)),
+        "final_norm_d": read("model.norm.weight", (c.d_model,)),
+        "layers": {
+            key: np.stack([_from_hf(key, read(n[key], _hf_shape(key, c)), c) for n in layer_names])
+            for key in layer_names[0]
+        },
+    }
+    if not c.tie_embeddings:
+        params["lm_head_dv"] = np.ascontiguousarray(
+            read("lm_head.weight", (c.vocab_size, c.d_model)).T
+        )
+    elif "lm_head.weight" in stored:
+        used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+    unknown = sorted(n for n in stored if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if unknown:
+        raise ValueError(
+            f"load_hf: {directory}: tensors our model has no place for: {unknown[:8]}"
+            f"{' ...' if len(unknown) > 8 else ''}"
+        )
+    return config, params

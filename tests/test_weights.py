@@ -1,0 +1,292 @@
+"""Weight import/export: GGUF q/k un-permutation, HF safetensors round trip, real model.
+
+Fast tests use tiny random configs. Slow tests load SmolLM2-135M-Instruct (Q4_1 GGUF):
+greedy one-digit arithmetic accuracy (a wrong RoPE un-permutation gives ~0 %), and
+an HF export read back by ``transformers`` (independent reader) with matching logits.
+"""
+
+import json
+import random
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxflash.models import llama
+from jaxflash.models.config import get_preset
+from jaxflash.models.kv_cache import init_kv_cache
+from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.models.weights_gguf import (
+    config_from_gguf_metadata,
+    load_gguf,
+    smollm2_gguf_path,
+    unpermute_qk_rows,
+)
+from jaxflash.models.weights_hf import load_hf, save_hf
+
+# ----------------------------------------------------------------------------- GGUF q/k order
+
+
+def test_unpermute_literal():
+    # One head, H = 4: GGUF rows [a, b, c, d] hold HF rows [0, 2, 1, 3] -> HF order a, c, b, d.
+    w = np.array([[10.0], [11.0], [12.0], [13.0]])
+    np.testing.assert_array_equal(unpermute_qk_rows(w, 1)[:, 0], [10.0, 12.0, 11.0, 13.0])
+    # Two heads, H = 4, a bias vector: the permutation stays inside each head.
+    b = np.arange(8.0)
+    np.testing.assert_array_equal(unpermute_qk_rows(b, 2), [0, 2, 1, 3, 4, 6, 5, 7])
+    with pytest.raises(ValueError, match="even head dim"):
+        unpermute_qk_rows(np.zeros((6, 2)), 2)
+
+
+def _llama_cpp_permute(w, n_head):
+    """convert_hf_to_gguf.py LlamaModel.permute (HF rows -> GGUF rows), copied verbatim."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _interleaved_rope(x_btnh, positions_bt, theta):
+    """llama.cpp's default (GPT-J style) RoPE: rotates pairs (2i, 2i+1) by p * theta^(-2i/H)."""
+    h = x_btnh.shape[-1]
+    inv = theta ** (-np.arange(h // 2) * 2.0 / h)
+    ang = positions_bt[..., None, None] * inv  # [B, T, 1, H/2]
+    x0, x1 = x_btnh[..., 0::2], x_btnh[..., 1::2]
+    out = np.empty_like(x_btnh)
+    out[..., 0::2] = x0 * np.cos(ang) - x1 * np.sin(ang)
+    out[..., 1::2] = x1 * np.cos(ang) + x0 * np.sin(ang)
+    return out
+
+
+def test_unpermuted_rotate_half_equals_interleaved_on_gguf_rows():
+    """The two consistent RoPE choices agree: q·k scores are identical."""
+    rng = np.random.default_rng(0)
+    n, h, d, t = 2, 8, 5, 6
+    w_hf_od = rng.normal(size=(n * h, d))
+    x_btd = rng.normal(size=(1, t, d))
+    pos_bt = np.arange(t)[None] * 3.0
+    w_gguf_od = _llama_cpp_permute(w_hf_od, n)
+    np.testing.assert_array_equal(unpermute_qk_rows(w_gguf_od, n), w_hf_od)
+
+    q_gguf = (x_btd @ w_gguf_od.T).reshape(1, t, n, h)
+    q_hf = (x_btd @ unpermute_qk_rows(w_gguf_od, n).T).reshape(1, t, n, h)
+    rot_gguf = _interleaved_rope(q_gguf, pos_bt, 100.0)
+    rot_hf = np.asarray(llama.apply_rope(jnp.asarray(q_hf), jnp.asarray(pos_bt), 100.0))
+    # Same rotated vectors up to the within-head row order, so every dot product agrees.
+    perm = unpermute_qk_rows(np.arange(n * h), n).reshape(n, h) % h
+    np.testing.assert_allclose(
+        rot_hf, np.take_along_axis(rot_gguf, perm[None, None], -1), atol=1e-5
+    )
+
+
+def test_config_from_gguf_metadata():
+    fields = {
+        "general.architecture": "llama",
+        "llama.block_count": 30,
+        "llama.context_length": 8192,
+        "llama.embedding_length": 576,
+        "llama.feed_forward_length": 1536,
+        "llama.attention.head_count": 9,
+        "llama.attention.head_count_kv": 3,
+        "llama.rope.freq_base": np.float32(100000.0),
+        "llama.attention.layer_norm_rms_epsilon": np.float32(1e-5),
+        "llama.vocab_size": 49152,
+        "__tensor_names__": frozenset({"token_embd.weight"}),
+    }
+    assert config_from_gguf_metadata(fields) == get_preset("smollm2_135m", max_seq_len=8192)
+    with pytest.raises(ValueError, match="general.architecture='gemma'"):
+        config_from_gguf_metadata({**fields, "general.architecture": "gemma"})
+    with pytest.raises(ValueError, match="partial RoPE"):
+        config_from_gguf_metadata({**fields, "llama.rope.dimension_count": 32})
+
+
+# ----------------------------------------------------------------------------- HF round trip
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"tie_embeddings": False, "qkv_bias": True}, {"param_dtype": "bfloat16"}],
+    ids=["llama_tied", "qwen2_untied", "bf16"],
+)
+def test_hf_round_trip_exact(tmp_path, overrides):
+    config = get_preset("tiny", **overrides)
+    params = jax.tree.map(np.asarray, llama.init_params(config, seed=1))
+    if config.qkv_bias:  # init gives zero biases; make them informative
+        rng = np.random.default_rng(0)
+        for k in ("b_q_lnh", "b_k_lkh", "b_v_lkh"):
+            params["layers"][k] = rng.normal(size=params["layers"][k].shape).astype(np.float32)
+    save_hf(tmp_path, config, params)
+    loaded_config, loaded = load_hf(tmp_path, param_dtype=config.param_dtype)
+    # logits_chunk (a compute knob, not an HF field) comes back as the default.
+    assert loaded_config == config.replace(logits_chunk=256)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+
+
+def test_hf_names_and_layout(tmp_path):
+    config = get_preset("tiny", tie_embeddings=False)  # D 64, N 4, K 2, H 16, F 128, V 512
+    params = jax.tree.map(np.asarray, llama.init_params(config, seed=2))
+    save_hf(tmp_path, config, params)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert len(tensors) == 2 * 9 + 3
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (64, 64)
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (32, 64)
+    assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
+    assert tensors["lm_head.weight"].shape == (512, 64)
+    # q_proj row n*H + h, column d  ==  w_q[l, d, n, h]   (out, in) = transposed
+    np.testing.assert_array_equal(
+        tensors["model.layers.1.self_attn.q_proj.weight"][2 * 16 + 5, 7],
+        params["layers"]["w_q_ldnh"][1, 7, 2, 5],
+    )
+    # o_proj (D, N*H): column n*H + h  ==  w_o[l, n, h, d]
+    np.testing.assert_array_equal(
+        tensors["model.layers.0.self_attn.o_proj.weight"][9, 3 * 16 + 1],
+        params["layers"]["w_o_lnhd"][0, 3, 1, 9],
+    )
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (2, False)
+
+
+def test_hf_sharded_and_errors(tmp_path):
+    config = get_preset("tiny")
+    params = jax.tree.map(np.asarray, llama.init_params(config, seed=3))
+    save_hf(tmp_path, config, params)
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, tmp_path / file)
+    index = {"weight_map": {n: f for f, part in shards.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, loaded = load_hf(tmp_path)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+    # Overwriting shard 2 with one unrelated tensor loses its weights: the loss is named.
+    save_file(
+        {"model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)},
+        tmp_path / "model-00002-of-00002.safetensors",
+    )
+    index["weight_map"]["model.layers.0.self_attn.q_norm.weight"] = (
+        "model-00002-of-00002.safetensors"
+    )
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="is missing"):
+        load_hf(tmp_path)
+
+
+def test_hf_config_errors(tmp_path):
+    config = get_preset("tiny")
+    save_hf(tmp_path, config, jax.tree.map(np.asarray, llama.init_params(config)))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for bad, match in [
+        ({"model_type": "qwen3"}, "model_type='qwen3'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
+        with pytest.raises(ValueError, match=match):
+            load_hf(tmp_path)
+    bad_params = jax.tree.map(np.asarray, llama.init_params(config))
+    bad_params["layers"]["w_q_ldnh"] = bad_params["layers"]["w_q_ldnh"][:, :, :2]
+    with pytest.raises(ValueError, match="w_q_ldnh"):
+        save_hf(tmp_path / "x", config, bad_params)
+
+
+def test_hf_unknown_tensor_rejected(tmp_path):
+    config = get_preset("tiny")
+    save_hf(tmp_path, config, jax.tree.map(np.asarray, llama.init_params(config)))
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="q_norm"):
+        load_hf(tmp_path)
+
+
+# ----------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    from jaxflash.models.tokenizer import Tokenizer
+
+    config, params = load_gguf(path)
+    return config, params, Tokenizer.from_gguf(path)
+
+
+def arithmetic_problems(n: int, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, op = rng.randrange(10), rng.randrange(10), rng.choice("+-*")
+        out.append((f"What is {a} {op} {b}? Answer with just the number.", eval(f"{a}{op}{b}")))
+    return out
+
+
+def greedy_generate(config, params, prompts: list[list[int]], *, max_new: int, eos_id: int):
+    """Greedy decode with the KV cache; prompts grouped by length so positions are exact."""
+
+    @jax.jit
+    def step(params, ids_bt, pos_bt, cache):
+        h_btd, cache = llama.forward(params, config, ids_bt, pos_bt, cache)
+        logits_btv = logits_from_hidden(h_btd[:, -1:], llama.unembed(params, config))
+        return jnp.argmax(logits_btv[:, -1], axis=-1).astype(jnp.int32), cache
+
+    outputs: dict[int, list[int]] = {}
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for t, rows in sorted(by_len.items()):
+        ids_bt = jnp.asarray([prompts[i] for i in rows], jnp.int32)
+        cache = init_kv_cache(config, len(rows), t + max_new)
+        tok_b, cache = step(params, ids_bt, jnp.broadcast_to(jnp.arange(t), ids_bt.shape), cache)
+        new = [tok_b]
+        for k in range(1, max_new):
+            if bool(jnp.all(jnp.any(jnp.stack(new) == eos_id, axis=0))):
+                break
+            pos_b1 = jnp.full((len(rows), 1), t + k - 1, jnp.int32)
+            tok_b, cache = step(params, tok_b[:, None], pos_b1, cache)
+            new.append(tok_b)
+        new_bk = np.asarray(jnp.stack(new, axis=1))
+        for r, i in enumerate(rows):
+            seq = new_bk[r].tolist()
+            outputs[i] = seq[: seq.index(eos_id) + 1] if eos_id in seq else seq
+    return [outputs[i] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_gguf_config_and_shapes(smollm2):
+    config, params, _ = smollm2
+    assert config == get_preset("smollm2_135m", max_seq_len=8192)
+    assert llama.abstract_params(config) is not None
+    from jaxflash.models.params import check_params
+
+    check_params(llama.abstract_params(config), params, what="load_gguf params")
+
+
+@pytest.mark.slow
+def test_gguf_greedy_arithmetic_accuracy(smollm2):
+    config, params, tok = smollm2
+    problems = arithmetic_problems(100, seed=0)
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q, _ in problems
+    ]
+    outs = greedy_generate(config, jax.device_put(params), prompts, max_new=8, eos_id=tok.eos_id)
+    correct = 0
+    for (_, ans), out in zip(problems, outs, strict=True):
+        found = re.search(r"-?\d+", tok.decode(out, skip_special_tokens=True))
+        correct += found is not None and int(found.group()) == ans
+    print(f"SmolLM2-135M Q4_1 greedy one-digit arithmetic accuracy: {correct}/100")
+    assert correct >= 35
