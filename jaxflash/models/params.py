@@ -27,7 +27,7 @@ def get_params(model: nnx.Module) -> Params:
       Nested dict mirroring ``nnx.state(model, nnx.Param)``, leaves are the arrays
       (or ShapeDtypeStructs for an abstract module).
     """
-    return nnx.state(model, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -77,7 +77,7 @@ def set_params(model: nnx.Module, params: Params) -> None:
         message names the path). Cast first, e.g. with ``jax.tree.map``.
     """
     state = nnx.state(model, nnx.Param)
-    check_params(state.to_pure_dict(), params)
+    check_params(nnx.to_pure_dict(state), params)
     params = jax.tree.map(jax.numpy.asarray, params)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
