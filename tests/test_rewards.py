@@ -1,0 +1,128 @@
+"""Rewards: Math-Verify answer reward (extract once), format reward, registry, combined."""
+
+import pickle
+import threading
+
+import pytest
+
+from jaxflash.rewards import (
+    REWARD_FNS,
+    FormatReward,
+    RewardResult,
+    combined,
+    get_reward_fn,
+    math_answer_reward,
+    register,
+)
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        # rl_pitfalls.md "Extract once": boxed vs plain label, and the extracted value again.
+        ("... so the answer is \\boxed{5}", "5", 1.0),
+        ("5", "5", 1.0),
+        ("\\boxed{5}", "\\boxed{5}", 1.0),
+        ("The answer is 7.", "7", 1.0),
+        ("The answer is 7.", "8", 0.0),
+        ("7 is wrong; the answer is 12.", "12", 1.0),
+        ("7 is wrong; the answer is 12.", "7", 0.0),
+        ("I think 3, then 4, so it is 7", "7", 1.0),
+        # A box wins over an earlier "answer is".
+        ("The answer is 4. No wait: \\boxed{5}", "5", 1.0),
+        # LaTeX labels are read whole, not cut at the first number.
+        ("$\\frac{1}{2}$", "\\frac{1}{2}", 1.0),
+        ("so 0.5", "\\frac{1}{2}", 1.0),
+        ("\\boxed{3\\sqrt{2}}", "3\\sqrt{2}", 1.0),
+        ("\\boxed{3}", "3\\sqrt{2}", 0.0),
+        ("\\boxed{\\frac{3}{4}}", "\\dfrac{3}{4}", 1.0),
+        ("The answer is 1234.", "1,234", 1.0),
+        ("-12", "-12", 1.0),
+        ("12", "-12", 0.0),
+        ("The total is 1024", "2^{10}", 1.0),
+    ],
+)
+def test_math_reward(response, label, expected):
+    result = math_answer_reward(response, label)
+    assert result.score == expected
+    assert result.components["correct"] == expected
+    assert result.error is None
+
+
+def test_math_reward_no_answer_and_bad_label():
+    none = math_answer_reward("I do not know.", "5")
+    assert none == RewardResult(score=0.0, components={"correct": 0.0, "answer_found": 0.0})
+    bad = math_answer_reward("5", "   ")
+    assert bad.score == 0.0 and bad.error == "could not parse reference answer '   '"
+    with pytest.raises(TypeError, match="answer must be str"):
+        math_answer_reward("5", 5)
+
+
+def test_math_reward_works_off_the_main_thread():
+    # Math-Verify's default timeouts use SIGALRM, which raises off the main thread.
+    out = []
+    thread = threading.Thread(target=lambda: out.append(math_answer_reward("\\boxed{9}", "9")))
+    thread.start()
+    thread.join()
+    assert out[0].score == 1.0 and out[0].error is None
+
+
+def test_format_reward_sees_the_response_only():
+    # rl_pitfalls.md: the prompt asked for \boxed{}, the response did not use it.
+    boxed, answer_is = REWARD_FNS["format_boxed"], REWARD_FNS["format_answer_is"]
+    assert boxed("The answer is 7.", "7").score == 0.0
+    assert answer_is("The answer is 7.", "7").score == 1.0
+    assert boxed("so \\boxed{7}.", "7").score == 1.0
+    assert boxed("so \\boxed{\\frac{1}{2}}", "0").score == 1.0  # nested braces
+    assert boxed("\\boxed{ }", "7").score == 0.0  # empty box
+    assert boxed("\\boxed{7", "7").score == 0.0  # unclosed box
+    assert answer_is("Answer: 42", "1").score == 1.0
+    assert answer_is("I have no answer.", "1").score == 0.0
+    both = REWARD_FNS["format_any"]("The answer is \\boxed{3}", "3")
+    assert both == RewardResult(score=1.0, components={"boxed": 1.0, "answer_is": 1.0})
+    with pytest.raises(ValueError, match="unknown forms"):
+        FormatReward(forms=("latex",))
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [("\\boxed{5}", 1.5), ("The answer is 5.", 1.0), ("\\boxed{4}", 0.5), ("no", 0.0)],
+)
+def test_combined(response, expected):
+    fn = combined({"math": 1.0, "format_boxed": 0.5})
+    result = fn(response, "5")
+    assert result.score == expected
+    assert set(result.components) == {
+        "math",
+        "math/correct",
+        "math/answer_found",
+        "format_boxed",
+        "format_boxed/boxed",
+    }
+    # Picklable, so it can run in reward-pool workers.
+    assert pickle.loads(pickle.dumps(fn))(response, "5") == result
+
+
+def test_combined_reports_part_errors():
+    result = combined({"math": 2.0, "format_boxed": 1.0})("\\boxed{5}", "")
+    assert result.score == 1.0
+    assert result.error == "math: could not parse reference answer ''"
+
+
+def test_registry_and_validation():
+    assert {"math", "format_boxed", "format_answer_is", "format_any"} <= set(REWARD_FNS)
+    assert get_reward_fn("math") is math_answer_reward
+    with pytest.raises(KeyError, match="nope"):
+        get_reward_fn("nope")
+    with pytest.raises(KeyError, match="nope"):
+        combined({"math": 1.0, "nope": 1.0})
+    with pytest.raises(ValueError, match="empty"):
+        combined({})
+    with pytest.raises(ValueError, match="finite"):
+        combined({"math": float("nan")})
+    with pytest.raises(ValueError, match="already registered"):
+        register("math")(math_answer_reward)
+    with pytest.raises(ValueError, match="finite"):
+        RewardResult(score=float("inf"))
+    with pytest.raises(TypeError, match="score"):
+        RewardResult(score=True)
