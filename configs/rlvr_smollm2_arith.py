@@ -73,9 +73,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.weight_decay = 0.0
     c.learner.grad_clip_norm = 1.0
     c.learner.micro_batch_size = 8  # sequences per micro-batch (gradient accumulation)
-    c.learner.loss = "ppo_clip"  # see jaxflash.algorithms.policy_loss.POLICY_LOSSES
-    c.learner.eps_low = 0.2
-    c.learner.eps_high = 0.28
+    c.learner.loss = "ppo"  # see jaxflash.algorithms.policy_loss.POLICY_LOSSES
+    # Hyper-parameters of that loss (PPO clip with DAPO's clip-higher bounds).
+    c.learner.loss_kwargs = ml_collections.ConfigDict({"clip_eps_low": 0.2, "clip_eps_high": 0.28})
     c.learner.aggregation = "token-mean"
     c.learner.advantage = "grpo"  # see jaxflash.algorithms.advantages
     c.learner.kl_coef = 0.0  # k3 KL to the initial policy; 0 = off

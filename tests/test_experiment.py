@@ -19,7 +19,7 @@ from jaxflash.types import PromptOutcome  # noqa: E402
 def test_configs_convert(module):
     exp = ExperimentConfig.from_config_dict(module.get_config())
     assert exp.rollout.sampling.max_new_tokens == module.get_config().rollout.max_new_tokens
-    assert exp.learner.loss_kwargs["eps_high"] == 0.28
+    assert exp.learner.loss_kwargs["clip_eps_high"] == 0.28
     assert exp.learner.sampling == exp.rollout.sampling
 
 

@@ -32,6 +32,31 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def truncate_jsonl(path: str, key: str, max_value: int) -> int:
+    """Drops rows whose ``key`` exceeds ``max_value`` (work lost after the last checkpoint).
+
+    Returns the number of rows dropped; a missing file drops nothing. Rows without
+    ``key`` are kept.
+    """
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if not (isinstance(row.get(key), int) and row[key] > max_value):
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 class MetricsWriter:
     """Writes per-step metrics and per-sample rollouts for one run.
 

@@ -186,13 +186,9 @@ class ExperimentConfig:
         )
         lr = dict(c.get("learner", {}))
         advantage = lr.pop("advantage", "grpo")
-        loss_kwargs = {}
-        for key in ("eps_low", "eps_high", "dual_clip", "tis_cap", "behaviour_cap"):
-            if key in lr:
-                loss_kwargs[key] = lr.pop(key)
         learner = LearnerConfig(
-            **lr,
-            loss_kwargs=loss_kwargs,
+            **{k: v for k, v in lr.items() if k != "loss_kwargs"},
+            loss_kwargs=dict(lr.get("loss_kwargs", {})),
             total_steps=int(c.get("total_steps", 10)),
             sampling=sampling,
             logprob_chunk=int(c.get("model", {}).get("logits_chunk", 256)),

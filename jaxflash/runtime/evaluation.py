@@ -1,0 +1,90 @@
+"""Held-out evaluation: accuracy (mean@n) on a fixed prompt set."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.slot_loop import check_request, run_requests
+from jaxflash.runtime.reward_pool import RewardPool
+from jaxflash.types import GenerationRequest, Prompt, SamplingParams
+
+EVAL_SEED_OFFSET = 1_000_003  # eval samples never share RNG streams with training samples
+
+
+def evaluate(
+    engine: LlamaEngine,
+    params: Any,
+    prompts: list[Prompt],
+    *,
+    samples_per_prompt: int,
+    sampling: SamplingParams,
+    seed: int,
+    policy_version: int,
+    tokenizer: Any,
+    reward_pool: RewardPool,
+) -> dict[str, float]:
+    """Answer accuracy on held-out prompts, as mean@n with its standard error.
+
+    Args:
+      engine, params: generation engine and params (engine samples ``sampling``).
+      prompts: held-out prompts (the same list at every evaluation).
+      samples_per_prompt: n samples per prompt.
+      sampling, seed, policy_version, tokenizer, reward_pool: as in ``rollout_round``.
+
+    Returns:
+      {"eval_accuracy": mean over prompts of the per-prompt mean correctness,
+       "eval_accuracy_stderr": standard error over prompts, "eval_prompts": count,
+       "eval_failed": prompts that could not be evaluated (too long / reward error)}.
+    """
+    requests = []
+    failed = 0
+    for p in prompts:
+        reqs = [
+            GenerationRequest(
+                prompt_id=p.prompt_id,
+                sample_index=i,
+                prompt_tokens=p.prompt_tokens,
+                sampling=sampling,
+                seed=seed + EVAL_SEED_OFFSET,
+            )
+            for i in range(samples_per_prompt)
+        ]
+        try:
+            check_request(engine, reqs[0])
+        except ValueError:
+            failed += 1
+            continue
+        requests.extend(reqs)
+    samples = run_requests(
+        engine, params, requests, policy_version=policy_version, eos_id=tokenizer.eos_id
+    )
+    answers = {p.prompt_id: p.answer for p in prompts}
+    futures = [
+        reward_pool.submit(
+            (
+                tokenizer.decode([int(t) for t in s.response_tokens if int(t) != tokenizer.eos_id]),
+                answers[s.prompt_id],
+                f"eval prompt {s.prompt_id} sample {s.sample_index}",
+            )
+        )
+        for s in samples
+    ]
+    per_prompt: dict[int, list[float]] = {}
+    errored: set[int] = set()
+    for s, fut in zip(samples, futures, strict=True):
+        result = fut.result()
+        if result.error is not None:
+            errored.add(s.prompt_id)
+        per_prompt.setdefault(s.prompt_id, []).append(result.components.get("math", 0.0))
+    means = np.array([np.mean(v) for k, v in per_prompt.items() if k not in errored])
+    n = len(means)
+    return {
+        "eval_accuracy": float(means.mean()) if n else float("nan"),
+        "eval_accuracy_stderr": float(means.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
+        "eval_prompts": n,
+        "eval_failed": failed + len(errored),
+    }

@@ -1,0 +1,100 @@
+"""Building the pieces a run needs from its ExperimentConfig: meshes, model, data, reward."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxflash.data.arithmetic import ArithmeticTask
+from jaxflash.data.files import load_rows
+from jaxflash.data.prompts import PromptFailure, PromptSource
+from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+from jaxflash.models.weights_hf import load_hf
+from jaxflash.rewards.base import CombinedReward, combined
+from jaxflash.runtime.experiment import DataSpec, ExperimentConfig, MeshSpec, ModelSpec, RolloutSpec
+from jaxflash.sharding.mesh import make_mesh
+from jaxflash.types import Prompt
+
+EVAL_SEED_OFFSET = 7919  # eval rows come from a different split stream as well
+
+
+def build_meshes(spec: MeshSpec) -> tuple[Mesh, Mesh]:
+    """(learner mesh, generation mesh). Colocated: generation uses the learner's first devices.
+
+    Raises:
+      ValueError: more devices requested than exist (both numbers named).
+    """
+    devices = jax.devices()
+    n_learner = math.prod(spec.learner.values())
+    n_gen = math.prod(spec.generation.values())
+    need = n_learner if spec.colocated else n_learner + n_gen
+    if need > len(devices):
+        raise ValueError(
+            f"mesh needs {need} devices (learner {dict(spec.learner)}, generation "
+            f"{dict(spec.generation)}, colocated={spec.colocated}) but jax sees {len(devices)}"
+        )
+    learner = make_mesh(devices[:n_learner], dict(spec.learner))
+    gen_devices = devices[:n_gen] if spec.colocated else devices[n_learner : n_learner + n_gen]
+    return learner, make_mesh(gen_devices, dict(spec.generation))
+
+
+def load_model(
+    spec: ModelSpec, rollout: RolloutSpec
+) -> tuple[ModelConfig, dict[str, Any] | None, Tokenizer]:
+    """(model config, imported params or None for random init, tokenizer).
+
+    The tokenizer of a random-init model is SmolLM2's (from the GGUF), so smoke
+    runs use real prompts; the model's vocabulary is sized to it.
+    """
+    overrides = dict(
+        compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk
+    )
+    need_len = rollout.max_prefill_length + rollout.sampling.max_new_tokens
+    if spec.source == "gguf":
+        path = spec.path or smollm2_gguf_path()
+        config, params = load_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path)
+    elif spec.source == "hf":
+        config, params = load_hf(spec.path)
+        tokenizer = Tokenizer.from_hf_dir(spec.path)
+    else:
+        tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
+        config, params = get_preset(spec.preset, vocab_size=tokenizer.vocab_size), None
+        overrides["max_seq_len"] = max(config.max_seq_len, need_len)
+    return config.replace(**overrides), params, tokenizer
+
+
+def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prompt]]:
+    """(training rows: a sequence or index -> row function, held-out eval prompts)."""
+    d: DataSpec = exp.data
+    if d.task == "arithmetic":
+        knobs = dict(
+            min_operands=d.min_operands,
+            max_operands=d.max_operands,
+            max_digits=d.max_digits,
+            ops=d.ops,
+        )
+        train = ArithmeticTask(exp.seed, split="train", **knobs)
+        held_out = ArithmeticTask(exp.seed, split="eval", **knobs)
+        train_rows: Any = train.row
+        eval_rows: Any = held_out.rows(0, d.eval_size)
+    else:
+        rows = load_rows(d.path)
+        n_eval = min(d.eval_size, len(rows) // 10)  # hold out at most 10 % of a file
+        train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
+    eval_source = PromptSource(eval_rows, tokenizer, max_prompt_tokens=d.max_prompt_tokens)
+    eval_prompts = [p for p in eval_source if not isinstance(p, PromptFailure)]
+    return train_rows, eval_prompts
+
+
+def make_reward(spec: Any) -> CombinedReward:
+    """Weighted Math-Verify answer reward (+ optional format reward)."""
+    weights = {"math": spec.answer_weight}
+    if spec.format_weight:
+        weights["format_any"] = spec.format_weight
+    return combined(weights)
