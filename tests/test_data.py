@@ -248,3 +248,19 @@ def test_prompt_source_validation():
         PromptSource([], FakeTokenizer(), max_prompt_tokens=5, start=-1)
     with pytest.raises(TypeError, match="rows"):
         PromptSource(3, FakeTokenizer(), max_prompt_tokens=5)
+
+
+@pytest.mark.slow
+def test_prompt_source_with_the_real_smollm2_tokenizer():
+    from jaxflash.models.tokenizer import Tokenizer
+    from jaxflash.models.weights_gguf import smollm2_gguf_path
+
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    prompt = next(PromptSource(ArithmeticTask(0).row, tok, max_prompt_tokens=64))
+    assert tok.decode(prompt.prompt_tokens).endswith(
+        "<|im_start|>user\nWhat is 2 + 3? Answer with just the number.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert prompt.prompt_tokens[0] == 1  # <|im_start|>, no BOS
+    failure = next(PromptSource(ArithmeticTask(0).row, tok, max_prompt_tokens=10))
+    assert failure.reason.startswith("prompt 0 is ") and "max_prompt_tokens=10" in failure.reason
