@@ -51,7 +51,7 @@ def test_hang_and_raise_among_normal_items(pool):
     t0 = time.monotonic()
     results = pool.score_many(items)
     elapsed = time.monotonic() - t0
-    assert elapsed < 20.0, elapsed  # a 60 s hang must not block the batch
+    assert elapsed < 10.0, elapsed  # a 60 s hang must not block the batch
     assert [r.score for r in results] == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     assert [r.error is None for r in results] == [True, False, True, False, True, True]
     assert results[1].error == "timeout after 1s scoring hung1"
