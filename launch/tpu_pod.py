@@ -18,7 +18,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # configs/ import each other as a package
     sys.path.insert(0, REPO_ROOT)
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
@@ -49,6 +49,10 @@ def _maybe_init_distributed() -> None:
 def main(argv: list[str]) -> None:
     del argv
     config = _CONFIG.value
+    # Orbax and JetStream log every save/step through absl at INFO: keep the console
+    # to our one line per step (pass --verbosity=0 to see them again).
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
     _set_cpu_device_count(int(config.mesh.num_cpu_devices))
     _maybe_init_distributed()
     # Library code never sees the ConfigDict: it becomes validated dataclasses here.
