@@ -1,0 +1,524 @@
+"""JetStream ``Engine`` over jaxflash's Llama forward: slots, a KV cache, sampling.
+
+``LlamaEngine`` implements ``jetstream.engine.engine_api.Engine`` on the pure
+function ``jaxflash.models.llama.forward`` — the same code the learner runs — so
+engine logprobs and learner logprobs agree to float rounding.
+
+Life of a request (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
+
+- ``prefill(params=, padded_tokens=, true_length=)`` runs the prompt (padded to a
+  power-of-two bucket, at most ``max_prefill_length``) at positions 0..P-1,
+  samples the first response token from the last prompt position and returns a
+  ``Prefix``: the prompt's k/v [L, 1, bucket, K, H], the first token and its
+  logprob, and the sample's RNG identity (seed, prompt_id, sample_index).
+- ``insert(prefix, decode_state, slot)`` copies that into row ``slot``.
+- ``generate(params, decode_state)`` runs one decode step for all B slots: feed
+  each slot's last token at its position, sample the next one. ``params`` is an
+  argument of every call, so new weights apply at the next step with nothing
+  rebuilt or recompiled; in-flight sequences keep their cache (partial rollout).
+
+Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i,
+so a sequence holds at most S tokens in all (prompt + response).
+
+First token and JetStream's Driver: JetStream 0.2.2's Driver ignores anything
+prefill samples and only streams what ``generate`` returns. ``insert`` therefore
+by default marks the slot *pending*: its next ``generate`` emits the prefill's
+token (the slot does not advance that step). jaxflash's slot loop reads the first
+token from the Prefix and inserts with ``emit_prefill_token=False``, so no step
+is spent on it.
+
+Each ``generate`` returns ``ResultTokens`` with data int32 [B, 4]: column 0 the
+token, 1 validity (0 once the slot's cache is full), 2 tokens emitted so far by
+the slot, 3 the token's logprob bit-cast to int32 (read with ``result_logprobs``;
+JetStream ignores extra columns). One array means one device-to-host copy.
+
+Compilation: prefill compiles once per bucket, insert once per bucket, generate
+once; ``trace_counts`` counts traces so tests can assert it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jetstream.engine import engine_api, tokenizer_pb2
+
+from jaxflash.generation.jetstream_compat import JetStreamTokenizer
+from jaxflash.generation.sampling import sample_key, sample_tokens
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.kv_cache import KVCache, init_kv_cache
+from jaxflash.models.llama import forward, unembed
+from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.types import SamplingParams
+
+LOGP_COLUMN = 3  # column of ResultTokens.data holding the float32 logprob bits
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Static shape and sampling choices of one engine (one compile each).
+
+    Attributes:
+      max_concurrent_decodes: B, decode slots.
+      max_prefill_length: longest prompt in tokens; prompts are padded to
+        power-of-two buckets between ``min_prefill_bucket`` and this.
+      max_target_length: S, cache positions per slot = longest prompt + response.
+      temperature, top_k, top_p: the sampling distribution (see
+        ``jaxflash.algorithms.distributions``); fixed per engine.
+      greedy: take the argmax instead of sampling (logprobs still under T/k/p).
+      min_prefill_bucket: smallest prefill bucket in tokens.
+    """
+
+    max_concurrent_decodes: int
+    max_prefill_length: int
+    max_target_length: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    min_prefill_bucket: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_decodes", "max_prefill_length", "min_prefill_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_prefill_length < self.max_target_length:
+            raise ValueError(
+                f"EngineConfig.max_prefill_length={self.max_prefill_length} must be < "
+                f"max_target_length={self.max_target_length} (room for a response)"
+            )
+        # SamplingParams validates temperature / top_k / top_p with named errors.
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def matches(self, sampling: SamplingParams) -> bool:
+        """Whether a request's distribution is the one this engine samples from."""
+        return (sampling.temperature, sampling.top_k, sampling.top_p) == (
+            self.temperature,
+            self.top_k,
+            self.top_p,
+        )
+
+
+@struct.dataclass
+class Prefix:
+    """A prefilled prompt (batch of one), ready to ``insert`` into a slot.
+
+    Attributes:
+      cache: KVCache [L, 1, bucket, K, H] of the prompt (pad positions hold junk
+        that is overwritten before any query can see it).
+      true_length: int32 [] prompt length P.
+      first_token: int32 [] first response token, sampled at position P-1.
+      first_logp: float32 [] its log q.
+      seed, prompt_id, sample_index: int32 [] RNG identity of the sample.
+    """
+
+    cache: KVCache
+    true_length: jax.Array
+    first_token: jax.Array
+    first_logp: jax.Array
+    seed: jax.Array
+    prompt_id: jax.Array
+    sample_index: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything ``generate`` transforms; one row per slot.
+
+    Attributes:
+      cache: KVCache [L, B, S, K, H].
+      next_token_b: int32 [B] last sampled token, fed at the next step.
+      next_logp_b: float32 [B] its log q.
+      pos_b: int32 [B] position ``next_token_b`` occupies.
+      token_index_b: int32 [B] response index of the token the next step samples.
+      seed_b, prompt_id_b, sample_index_b: int32 [B] RNG identity per slot.
+      length_b: int32 [B] tokens emitted through ResultTokens so far.
+      pending_b: bool [B] the prefill token still has to be emitted.
+    """
+
+    cache: KVCache
+    next_token_b: jax.Array
+    next_logp_b: jax.Array
+    pos_b: jax.Array
+    token_index_b: jax.Array
+    seed_b: jax.Array
+    prompt_id_b: jax.Array
+    sample_index_b: jax.Array
+    length_b: jax.Array
+    pending_b: jax.Array
+
+
+def result_logprobs(result: engine_api.ResultTokens) -> np.ndarray:
+    """float32 [B] logprobs of the tokens in a ``generate`` result (host copy)."""
+    data = np.asarray(result.data)
+    return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
+
+
+class LlamaEngine(engine_api.Engine):
+    """JetStream engine for jaxflash's Llama decoder.
+
+    Args:
+      model_config: the decoder's ``ModelConfig``.
+      config: slots, lengths and sampling (``EngineConfig``).
+      mesh: devices the engine runs on; default a one-device mesh on
+        ``jax.devices()[0]``. Arrays are replicated on it (tensor-parallel
+        generation rules are future work).
+      tokenizer: optional object with ``encode``, ``decode``, ``eos_id``,
+        ``pad_id`` (``jaxflash.models.tokenizer.Tokenizer``); needed only to
+        serve text through JetStream's Driver.
+      load_params_fn: returns the params for ``load_params`` (JetStream's server
+        calls it once at start).
+
+    Raises:
+      ValueError: if max_target_length exceeds model_config.max_seq_len.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        *,
+        mesh: Mesh | None = None,
+        tokenizer: Any = None,
+        load_params_fn: Callable[[], Any] | None = None,
+    ):
+        if config.max_target_length > model_config.max_seq_len:
+            raise ValueError(
+                f"EngineConfig.max_target_length={config.max_target_length} exceeds "
+                f"ModelConfig.max_seq_len={model_config.max_seq_len}"
+            )
+        self.model_config = model_config
+        self.config = config
+        self._mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]), ("tp",))
+        self._replicated = NamedSharding(self._mesh, PartitionSpec())
+        self.tokenizer = tokenizer
+        self._load_params_fn = load_params_fn
+        self._auto_prompt_id = itertools.count()  # for requests without an identity
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        self._prefill_jit = jax.jit(self._prefill_impl)
+        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
+        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self._init_jit = jax.jit(self._empty_state, out_shardings=self._replicated)
+
+    # ---------------------------------------------------------------- prefill
+
+    def prefill_bucket(self, length: int) -> int:
+        """Padded length for a prompt of ``length`` tokens: the smallest power of
+        two >= length and >= min_prefill_bucket, capped at max_prefill_length.
+
+        Raises:
+          ValueError: length < 1 or length > max_prefill_length (names both).
+        """
+        limit = self.config.max_prefill_length
+        if length > limit:
+            raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length={limit} tokens")
+        if length < 1:
+            raise ValueError(f"prompt must have at least 1 token, got {length}")
+        bucket = max(self.config.min_prefill_bucket, 1 << (length - 1).bit_length())
+        return min(bucket, limit)
+
+    def prefill(
+        self,
+        *,
+        params: Any,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: jax.Array | np.ndarray,
+        true_length: int,
+        seed: int = 0,
+        prompt_id: int | None = None,
+        sample_index: int = 0,
+    ) -> Prefix:
+        """Run a prompt and sample its first response token.
+
+        Args:
+          params: model params (nested dict, see docs/CONTRACTS.md).
+          existing_prefix: not supported (must be None).
+          padded_tokens: int [T_pad] prompt tokens; only the first true_length count.
+          true_length: P, the prompt length in tokens.
+          seed, prompt_id, sample_index: RNG identity of the sample (see
+            ``sampling.sample_key``); prompt_id None draws a fresh id from a
+            per-engine counter (what JetStream's Driver gets).
+
+        Returns:
+          Prefix on the engine's mesh.
+
+        Raises:
+          ValueError: P > max_prefill_length ("prompt of P tokens exceeds
+            max_prefill_length=..."), P < 1, or P > len(padded_tokens).
+          NotImplementedError: existing_prefix is given.
+        """
+        if existing_prefix is not None:
+            raise NotImplementedError("LlamaEngine.prefill: existing_prefix is not supported")
+        tokens = np.asarray(padded_tokens).reshape(-1)
+        true_length = int(true_length)
+        if true_length > tokens.shape[0]:
+            raise ValueError(
+                f"prefill: true_length={true_length} exceeds len(padded_tokens)={tokens.shape[0]}"
+            )
+        bucket = self.prefill_bucket(true_length)
+        ids_1t = np.zeros((1, bucket), np.int32)
+        ids_1t[0, :true_length] = tokens[:true_length]
+        if prompt_id is None:
+            prompt_id = next(self._auto_prompt_id)
+        ident = np.asarray([true_length, seed, prompt_id, sample_index], np.int32)
+        return self._prefill_jit(params, ids_1t, ident)
+
+    def _prefill_impl(self, params, ids_1t, ident_4):
+        self.trace_counts[f"prefill_{ids_1t.shape[1]}"] += 1
+        cfg, bucket = self.model_config, ids_1t.shape[1]
+        true_length, seed, prompt_id, sample_index = (ident_4[i] for i in range(4))
+        positions_1t = jnp.arange(bucket, dtype=jnp.int32)[None]
+        cache = init_kv_cache(cfg, 1, bucket)
+        h_1td, cache = forward(params, cfg, ids_1t, positions_1t, cache)
+        h_1d = jax.lax.dynamic_slice_in_dim(h_1td[0], true_length - 1, 1, axis=0)
+        logits_1v = logits_from_hidden(h_1d, unembed(params, cfg))
+        key_12 = sample_key(seed, prompt_id, sample_index, 0)[None]
+        token_1, logp_1 = self._sample(logits_1v, key_12)
+        return Prefix(
+            cache=cache,
+            true_length=true_length,
+            first_token=token_1[0],
+            first_logp=logp_1[0],
+            seed=seed,
+            prompt_id=prompt_id,
+            sample_index=sample_index,
+        )
+
+    def _sample(self, logits_bv, keys_b2):
+        c = self.config
+        return sample_tokens(
+            logits_bv,
+            keys_b2,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            greedy=c.greedy,
+        )
+
+    # ----------------------------------------------------------------- insert
+
+    def insert(
+        self,
+        prefix: Prefix,
+        decode_state: DecodeState,
+        slot: int,
+        *,
+        emit_prefill_token: bool = True,
+    ) -> DecodeState:
+        """Put a prefilled prompt into slot ``slot`` (the old state is donated).
+
+        Args:
+          prefix: from ``prefill``.
+          decode_state: current state; its buffers are donated (do not reuse it).
+          slot: int in [0, max_concurrent_decodes).
+          emit_prefill_token: True (JetStream's Driver): the next ``generate``
+            emits the prefill's token for this slot. False (jaxflash's slot
+            loop, which reads it from the Prefix): the next step samples the
+            second token.
+
+        Raises:
+          ValueError: slot out of range.
+        """
+        if not 0 <= slot < self.config.max_concurrent_decodes:
+            raise ValueError(
+                f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
+            )
+        return self._insert_jit(prefix, decode_state, np.int32(slot), np.bool_(emit_prefill_token))
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, emit):
+        self.trace_counts[f"insert_{prefix.cache.k_lbskh.shape[2]}"] += 1
+        start = (0, slot, 0, 0, 0)
+        cache = KVCache(
+            k_lbskh=jax.lax.dynamic_update_slice(state.cache.k_lbskh, prefix.cache.k_lbskh, start),
+            v_lbskh=jax.lax.dynamic_update_slice(state.cache.v_lbskh, prefix.cache.v_lbskh, start),
+        )
+
+        def put(row_b, value):
+            return row_b.at[slot].set(jnp.asarray(value, row_b.dtype))
+
+        return DecodeState(
+            cache=cache,
+            next_token_b=put(state.next_token_b, prefix.first_token),
+            next_logp_b=put(state.next_logp_b, prefix.first_logp),
+            pos_b=put(state.pos_b, prefix.true_length),
+            token_index_b=put(state.token_index_b, 1),
+            seed_b=put(state.seed_b, prefix.seed),
+            prompt_id_b=put(state.prompt_id_b, prefix.prompt_id),
+            sample_index_b=put(state.sample_index_b, prefix.sample_index),
+            length_b=put(state.length_b, jnp.where(emit, 0, 1)),
+            pending_b=put(state.pending_b, emit),
+        )
+
+    # --------------------------------------------------------------- generate
+
+    def generate(
+        self, params: Any, decode_state: DecodeState
+    ) -> tuple[DecodeState, engine_api.ResultTokens]:
+        """One decode step for every slot (the old state is donated).
+
+        A slot whose next token would not fit in the cache (position >= S) is
+        marked invalid and does not advance; a pending slot emits its prefill
+        token instead. Slots never inserted produce junk rows (ignore them).
+
+        Args:
+          params: model params; may differ from call to call (same shapes and
+            dtypes), which takes effect at this step without recompiling.
+          decode_state: current state; its buffers are donated.
+
+        Returns:
+          (new DecodeState, ResultTokens with int32 data [B, 4]: token, valid,
+          emitted length, logprob bits — see ``result_logprobs``).
+        """
+        return self._generate_jit(params, decode_state)
+
+    def _generate_impl(self, params, state: DecodeState):
+        self.trace_counts["generate"] += 1
+        cfg, S = self.model_config, self.config.max_target_length
+        h_b1d, cache = forward(
+            params, cfg, state.next_token_b[:, None], state.pos_b[:, None], state.cache
+        )
+        logits_bv = logits_from_hidden(h_b1d[:, 0], unembed(params, cfg))
+        keys_b2 = jax.vmap(sample_key)(
+            state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
+        )
+        token_b, logp_b = self._sample(logits_bv, keys_b2)
+        room_b = state.pos_b + 1 < S
+        pending_b = state.pending_b
+        advance_b = room_b & ~pending_b
+        valid_b = room_b | pending_b
+        out_token_b = jnp.where(pending_b, state.next_token_b, token_b)
+        out_logp_b = jnp.where(pending_b, state.next_logp_b, logp_b)
+        step_b = advance_b.astype(jnp.int32)
+        new_state = state.replace(
+            cache=cache,
+            next_token_b=jnp.where(advance_b, token_b, state.next_token_b),
+            next_logp_b=jnp.where(advance_b, logp_b, state.next_logp_b),
+            pos_b=state.pos_b + step_b,
+            token_index_b=state.token_index_b + step_b,
+            length_b=state.length_b + valid_b.astype(jnp.int32),
+            pending_b=jnp.zeros_like(pending_b),
+        )
+        data_b4 = jnp.stack(
+            [
+                out_token_b,
+                valid_b.astype(jnp.int32),
+                new_state.length_b,
+                jax.lax.bitcast_convert_type(out_logp_b.astype(jnp.float32), jnp.int32),
+            ],
+            axis=1,
+        )
+        result = engine_api.ResultTokens(
+            data=data_b4, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+        )
+        return new_state, result
+
+    # ------------------------------------------------- state, params, plumbing
+
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """Empty slots: zero cache [L, B, S, K, H], every slot idle."""
+        del args, kwargs
+        # Built under jit so every field is its own buffer: generate and insert
+        # donate the state, and XLA refuses to donate one buffer twice.
+        return self._init_jit()
+
+    def _empty_state(self) -> DecodeState:
+        B, S = self.config.max_concurrent_decodes, self.config.max_target_length
+        c = self.model_config
+        shape = (c.n_layers, B, S, c.n_kv_heads, c.head_dim)
+
+        def zeros_b(dtype=jnp.int32):
+            return jnp.zeros((B,), dtype)
+
+        return DecodeState(
+            cache=KVCache(
+                k_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
+                v_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
+            ),
+            next_token_b=zeros_b(),
+            next_logp_b=zeros_b(jnp.float32),
+            pos_b=zeros_b(),
+            token_index_b=zeros_b(),
+            seed_b=zeros_b(),
+            prompt_id_b=zeros_b(),
+            sample_index_b=zeros_b(),
+            length_b=zeros_b(),
+            pending_b=zeros_b(bool),
+        )
+
+    def load_params(self, *args, **kwargs) -> Any:
+        """Params from ``load_params_fn``, placed on the engine's mesh.
+
+        Raises:
+          ValueError: the engine was built without ``load_params_fn``.
+        """
+        del args, kwargs
+        if self._load_params_fn is None:
+            raise ValueError("LlamaEngine.load_params: construct the engine with load_params_fn")
+        return self.place_params(self._load_params_fn())
+
+    def place_params(self, params: Any) -> Any:
+        """Put params on the engine's mesh.
+
+        Leaves that are already jax arrays on exactly the mesh's devices keep
+        their sharding (e.g. tensor-parallel generator shardings from sync);
+        anything else (numpy, other devices) is placed replicated.
+        """
+        devices = set(self._mesh.devices.flat)
+
+        def place(leaf):
+            if isinstance(leaf, jax.Array) and set(leaf.sharding.device_set) == devices:
+                return leaf
+            return jax.device_put(leaf, self._replicated)
+
+        return jax.tree.map(place, params)
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return self._replicated
+
+    def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+        """Placeholder metadata: ``build_tokenizer`` wraps the engine's own tokenizer."""
+        return tokenizer_pb2.TokenizerParameters(path="jaxflash", extra_ids=0)
+
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
+        """The engine's tokenizer behind JetStream's Tokenizer interface.
+
+        Raises:
+          ValueError: the engine was built without a tokenizer.
+        """
+        del metadata
+        if self.tokenizer is None:
+            raise ValueError("LlamaEngine.build_tokenizer: construct the engine with tokenizer=")
+        return JetStreamTokenizer(self.tokenizer, max_prefill_length=self.max_prefill_length)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_concurrent_decodes
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    @property
+    def max_target_length(self) -> int:
+        return self.config.max_target_length
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        """No host-offload devices are used."""
+        return None

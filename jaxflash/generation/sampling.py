@@ -1,0 +1,90 @@
+"""Token sampling with per-sample RNG and the behaviour logprob of each draw.
+
+The engine samples from the *processed* distribution
+``q = processed_log_softmax(logits, temperature, top_k, top_p)`` and records
+``log q(token)`` — the same quantity the learner recomputes with
+``jaxflash.models.logprobs.target_logprobs`` — so the importance ratio of an
+unchanged policy is exactly 1 up to float rounding.
+
+RNG is keyed by the sample's identity, never by slot or batch position:
+    key = fold_in(fold_in(fold_in(PRNGKey(seed), prompt_id), sample_index), token_index)
+so a sample draws the same tokens whichever slot, server or batch it lands in,
+and a retried request reproduces its tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash.algorithms.distributions import processed_log_softmax
+
+
+def sample_key(
+    seed: jax.Array | int,
+    prompt_id: jax.Array | int,
+    sample_index: jax.Array | int,
+    token_index: jax.Array | int,
+) -> jax.Array:
+    """RNG key of one token of one sample.
+
+    Args:
+      seed: int32 scalar, run-level seed.
+      prompt_id: int32 scalar, ``Prompt.prompt_id``.
+      sample_index: int32 scalar, index of the sample within its prompt's group.
+      token_index: int32 scalar, 0 for the first response token.
+
+    Returns:
+      uint32 [2] raw PRNG key
+      ``fold_in(fold_in(fold_in(PRNGKey(seed), prompt_id), sample_index), token_index)``.
+    """
+    key = jax.random.PRNGKey(seed)
+    key = jax.random.fold_in(key, prompt_id)
+    key = jax.random.fold_in(key, sample_index)
+    return jax.random.fold_in(key, token_index)
+
+
+def sample_tokens(
+    logits_bv: jax.Array,
+    keys_b2: jax.Array,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    greedy: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row and return it with its processed log-probability.
+
+    Each row is drawn with its own key (Gumbel-max over log q via
+    ``jax.random.categorical``), so row b's token depends only on
+    ``logits_bv[b]`` and ``keys_b2[b]``.
+
+    Args:
+      logits_bv: float [B, V] raw logits.
+      keys_b2: uint32 [B, 2] one raw PRNG key per row (see ``sample_key``);
+        ignored when greedy.
+      temperature: static T > 0.
+      top_k: static int, 0 disables.
+      top_p: static float in (0, 1], 1.0 disables.
+      greedy: static; take argmax of the raw logits instead of sampling. The
+        returned logprob is still log q(argmax) under (T, top_k, top_p), which
+        is what the learner scores for that token.
+
+    Returns:
+      (token_b int32 [B], logp_b float32 [B]) with logp_b = log q(token_b).
+
+    Raises:
+      ValueError: if temperature <= 0 or logits_bv is not 2-D (top_k / top_p
+        are checked by ``processed_log_softmax``).
+    """
+    if not temperature > 0:
+        raise ValueError(f"sample_tokens: temperature must be > 0, got {temperature}")
+    if logits_bv.ndim != 2:
+        raise ValueError(f"sample_tokens: logits_bv must be [B, V], got {logits_bv.shape}")
+    logq_bv = processed_log_softmax(logits_bv, temperature=temperature, top_k=top_k, top_p=top_p)
+    if greedy:
+        token_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    else:
+        token_b = jax.vmap(jax.random.categorical)(keys_b2, logq_bv).astype(jnp.int32)
+    logp_b = jnp.take_along_axis(logq_bv, token_b[:, None], axis=-1)[:, 0]
+    return token_b, logp_b

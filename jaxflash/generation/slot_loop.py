@@ -1,0 +1,349 @@
+"""Continuous batching over a ``LlamaEngine``: jaxflash's own rollout loop.
+
+RL rollouts drive the Engine API directly instead of JetStream's Driver (see
+``serving.py``): params change between steps, samples can be aborted, and every
+token carries its behaviour logprob and policy version.
+
+``SlotBatcher`` owns the decode state and B slots. ``add`` queues a request,
+``step`` fills every free slot (prefill + insert), runs one ``generate`` for all
+slots and returns the samples that finished (EOS, or ``max_new_tokens`` reached
+= truncated); a finished slot is refilled at the start of the next step.
+``set_params`` swaps weights between steps (in-flight samples keep their cache
+and continue under the new weights, their tokens stamped with the new version);
+``abort`` removes a queued or running sample. ``run_requests`` is a thin loop
+over it. Single-threaded by design: the runtime layer owns any threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxflash.generation.engine import LlamaEngine, result_logprobs
+from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
+
+RequestKey = tuple[int, int]
+"""(prompt_id, sample_index): identity of a request inside a batcher."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class SlotStats:
+    """Counters of a batcher (host-side, cumulative).
+
+    Attributes:
+      steps: ``generate`` calls.
+      prefills: ``prefill`` calls.
+      generated_tokens: response tokens produced (first tokens from prefill included).
+      live_slot_steps: sum over steps of slots holding a running sample.
+      slot_steps: steps * B.
+      busy_s: wall-clock seconds spent inside ``step`` (prefill, insert, generate,
+        host copies).
+      slot_fills: (steps so far, slot, key) for every insert, in order.
+      slot_releases: (steps so far, slot, key) whenever a running sample leaves
+        its slot (finished or aborted); a slot refilled at once has a fill with
+        the same step count as its release.
+      finished: samples returned, by finish reason.
+    """
+
+    steps: int = 0
+    prefills: int = 0
+    generated_tokens: int = 0
+    live_slot_steps: int = 0
+    slot_steps: int = 0
+    busy_s: float = 0.0
+    slot_fills: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
+    slot_releases: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
+    finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    @property
+    def occupancy(self) -> float:
+        """Mean fraction of slots holding a running sample during ``generate``."""
+        return self.live_slot_steps / self.slot_steps if self.slot_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of ``step`` time."""
+        return self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+
+@dataclasses.dataclass
+class _Running:
+    request: GenerationRequest
+    start_version: PolicyVersion
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
+    """Raise if ``engine`` cannot run ``request``; call before ``add`` to count failures.
+
+    Raises:
+      ValueError: naming (prompt_id, sample_index) and the reason: prompt not a
+        non-empty 1-D int array, prompt longer than max_prefill_length, prompt +
+        max_new_tokens over max_target_length, or sampling parameters different
+        from the engine's (temperature / top_k / top_p are static per engine).
+    """
+    who = f"request (prompt_id={request.prompt_id}, sample_index={request.sample_index})"
+    tokens = np.asarray(request.prompt_tokens)
+    if tokens.ndim != 1 or tokens.shape[0] == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(
+            f"{who}: prompt_tokens must be a non-empty 1-D int array, got "
+            f"shape {tokens.shape} dtype {tokens.dtype}"
+        )
+    try:
+        engine.prefill_bucket(tokens.shape[0])
+    except ValueError as err:
+        raise ValueError(f"{who}: {err}") from None
+    total = tokens.shape[0] + request.sampling.max_new_tokens
+    if total > engine.max_target_length:
+        raise ValueError(
+            f"{who}: prompt ({tokens.shape[0]}) + max_new_tokens "
+            f"({request.sampling.max_new_tokens}) = {total} exceeds "
+            f"max_target_length={engine.max_target_length}"
+        )
+    c = engine.config
+    if not c.matches(request.sampling):
+        raise ValueError(
+            f"{who}: sampling (T={request.sampling.temperature}, top_k={request.sampling.top_k}, "
+            f"top_p={request.sampling.top_p}) differs from the engine's (T={c.temperature}, "
+            f"top_k={c.top_k}, top_p={c.top_p})"
+        )
+
+
+class SlotBatcher:
+    """Decode state + slots + a queue; the building block of rollout servers.
+
+    Args:
+      engine: the engine to drive.
+      params: model params (placed on the engine's mesh here).
+      policy_version: version of ``params``; stamped on every token.
+      eos_id: token that ends a sample (kept in the response).
+    """
+
+    def __init__(
+        self, engine: LlamaEngine, params: Any, *, policy_version: PolicyVersion, eos_id: int
+    ):
+        self.engine = engine
+        self.eos_id = int(eos_id)
+        self.stats = SlotStats()
+        self._params = engine.place_params(params)
+        self._version = int(policy_version)
+        self._state = engine.init_decode_state()
+        self._queue: collections.OrderedDict[RequestKey, GenerationRequest] = (
+            collections.OrderedDict()
+        )
+        self._slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
+
+    # ------------------------------------------------------------- interface
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return self._version
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing running."""
+        return not self._queue and self.num_running == 0
+
+    def add(self, request: GenerationRequest) -> RequestKey:
+        """Queue a request; it starts at the next ``step`` with a free slot.
+
+        Raises:
+          ValueError: see ``check_request``, or the key is already queued/running.
+        """
+        check_request(self.engine, request)
+        key = (int(request.prompt_id), int(request.sample_index))
+        if key in self._queue or any(r and _key(r.request) == key for r in self._slots):
+            raise ValueError(f"SlotBatcher.add: request {key} is already queued or running")
+        self._queue[key] = request
+        return key
+
+    def abort(self, key: RequestKey) -> Sample:
+        """Stop a queued or running request; its slot is free at the next step.
+
+        Returns:
+          The sample so far with finish_reason ABORTED (no tokens if it was queued).
+
+        Raises:
+          KeyError: no such request.
+        """
+        if key in self._queue:
+            return self._finish(_Running(self._queue.pop(key), self._version), FinishReason.ABORTED)
+        for slot, run in enumerate(self._slots):
+            if run is not None and _key(run.request) == key:
+                self._release(slot)
+                return self._finish(run, FinishReason.ABORTED)
+        raise KeyError(f"SlotBatcher.abort: no queued or running request {key}")
+
+    def set_params(self, params: Any, policy_version: PolicyVersion) -> None:
+        """Use new weights from the next step on (no recompilation: same shapes).
+
+        Raises:
+          ValueError: policy_version lower than the current one.
+        """
+        if policy_version < self._version:
+            raise ValueError(
+                f"SlotBatcher.set_params: policy_version {policy_version} < current "
+                f"{self._version} (versions only go up)"
+            )
+        self._params = self.engine.place_params(params)
+        self._version = int(policy_version)
+
+    def step(self, params: Any = None, policy_version: PolicyVersion | None = None) -> list[Sample]:
+        """Fill free slots, run one decode step, return the samples that finished.
+
+        Args:
+          params, policy_version: if given, ``set_params`` first.
+
+        Returns:
+          Finished samples (EOS or LENGTH), in slot order; empty if none.
+        """
+        if params is not None:
+            if policy_version is None:
+                raise ValueError("SlotBatcher.step: params given without policy_version")
+            self.set_params(params, policy_version)
+        start = time.perf_counter()
+        finished = self._fill()
+        live = [s for s, r in enumerate(self._slots) if r is not None]
+        if live:
+            self._state, result = self.engine.generate(self._params, self._state)
+            data = np.asarray(result.data)  # one device-to-host copy per step
+            logp_b = result_logprobs(result)
+            self.stats.steps += 1
+            self.stats.slot_steps += len(self._slots)
+            self.stats.live_slot_steps += len(live)
+            for slot in live:
+                run = self._slots[slot]
+                reason = self._append(run, int(data[slot, 0]), float(logp_b[slot]))
+                if reason is None and not data[slot, 1]:
+                    reason = FinishReason.LENGTH  # cache full (check_request prevents it)
+                if reason is not None:
+                    self._release(slot)
+                    finished.append(self._finish(run, reason))
+        self.stats.busy_s += time.perf_counter() - start
+        return finished
+
+    # -------------------------------------------------------------- internals
+
+    def _fill(self) -> list[Sample]:
+        """Prefill + insert queued requests into free slots until either runs out."""
+        finished: list[Sample] = []
+        while self._queue and None in self._slots:
+            started = []
+            for slot in [s for s, r in enumerate(self._slots) if r is None]:
+                if not self._queue:
+                    break
+                _, request = self._queue.popitem(last=False)
+                tokens = np.asarray(request.prompt_tokens, np.int32)
+                prefix = self.engine.prefill(
+                    params=self._params,
+                    padded_tokens=tokens,
+                    true_length=tokens.shape[0],
+                    seed=request.seed,
+                    prompt_id=request.prompt_id,
+                    sample_index=request.sample_index,
+                )
+                self._state = self.engine.insert(
+                    prefix, self._state, slot, emit_prefill_token=False
+                )
+                run = _Running(request, self._version)
+                self._slots[slot] = run
+                self.stats.prefills += 1
+                self.stats.slot_fills.append((self.stats.steps, slot, _key(request)))
+                started.append((slot, run, prefix.first_token, prefix.first_logp))
+            # One host sync for all first tokens of this round.
+            firsts = jax.device_get([(t, lp) for _, _, t, lp in started])
+            for (slot, run, _, _), (token, logp) in zip(started, firsts, strict=True):
+                reason = self._append(run, int(token), float(logp))
+                if reason is not None:  # done at its first token: free the slot again
+                    self._release(slot)
+                    finished.append(self._finish(run, reason))
+        return finished
+
+    def _release(self, slot: int) -> None:
+        run = self._slots[slot]
+        self._slots[slot] = None
+        self.stats.slot_releases.append((self.stats.steps, slot, _key(run.request)))
+
+    def _append(self, run: _Running, token: int, logp: float) -> FinishReason | None:
+        run.tokens.append(token)
+        run.logps.append(logp)
+        run.versions.append(self._version)
+        self.stats.generated_tokens += 1
+        if token == self.eos_id:
+            return FinishReason.EOS
+        if len(run.tokens) >= run.request.sampling.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, run: _Running, reason: FinishReason) -> Sample:
+        self.stats.finished[reason] += 1
+        return Sample(
+            prompt_id=run.request.prompt_id,
+            sample_index=run.request.sample_index,
+            prompt_tokens=np.asarray(run.request.prompt_tokens, np.int32),
+            response_tokens=np.asarray(run.tokens, np.int32),
+            behaviour_logprobs=np.asarray(run.logps, np.float32),
+            token_versions=np.asarray(run.versions, np.int32),
+            start_version=run.start_version,
+            finish_reason=reason,
+        )
+
+
+def _key(request: GenerationRequest) -> RequestKey:
+    return (int(request.prompt_id), int(request.sample_index))
+
+
+def run_requests(
+    engine: LlamaEngine,
+    params: Any,
+    requests: list[GenerationRequest],
+    *,
+    policy_version: PolicyVersion,
+    eos_id: int,
+    stats: SlotStats | None = None,
+) -> list[Sample]:
+    """Generate every request with continuous batching and fixed params.
+
+    Args:
+      engine: the engine (its sampling distribution must match the requests').
+      params: model params, used for every token.
+      requests: requests with distinct (prompt_id, sample_index).
+      policy_version: stamped on every token and as each sample's start_version.
+      eos_id: end-of-sequence token.
+      stats: if given, updated in place with this run's counters (occupancy,
+        tokens/s, slot fills).
+
+    Returns:
+      One Sample per request, in request order (finish_reason EOS or LENGTH).
+
+    Raises:
+      ValueError: if any request is invalid (see ``check_request``); raised
+        before any generation, naming the request. Check requests first with
+        ``check_request`` to count failures per prompt instead.
+    """
+    batcher = SlotBatcher(engine, params, policy_version=policy_version, eos_id=eos_id)
+    if stats is not None:
+        batcher.stats = stats
+    for request in requests:
+        check_request(engine, request)
+    keys = [batcher.add(r) for r in requests]
+    done: dict[RequestKey, Sample] = {}
+    while not batcher.idle:
+        for sample in batcher.step():
+            done[(sample.prompt_id, sample.sample_index)] = sample
+    return [done[k] for k in keys]

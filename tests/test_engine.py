@@ -1,0 +1,272 @@
+"""LlamaEngine + slot loop on the tiny fp32 model: logprob parity with the learner's
+recomputation, per-sample RNG, continuous batching, weight swaps, errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash.generation.engine import EngineConfig, LlamaEngine, result_logprobs
+from jaxflash.generation.sampling import sample_key, sample_tokens
+from jaxflash.generation.slot_loop import SlotBatcher, SlotStats, check_request, run_requests
+from jaxflash.models.config import get_preset
+from jaxflash.models.llama import forward, init_params, unembed
+from jaxflash.models.logprobs import target_logprobs
+from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
+
+CFG = get_preset("tiny")  # vocab 512, fp32
+NO_EOS = -1  # never sampled: every sample runs to max_new_tokens
+SAMPLING = {
+    "t1": dict(temperature=1.0, top_k=0, top_p=1.0),
+    "t07_k20_p09": dict(temperature=0.7, top_k=20, top_p=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, seed=0)
+
+
+_ENGINES = {}
+
+
+def engine_for(name):
+    """One engine per sampling setting for the whole module (compiles once)."""
+    if name not in _ENGINES:
+        cfg = EngineConfig(
+            max_concurrent_decodes=3,
+            max_prefill_length=16,
+            max_target_length=40,
+            **SAMPLING[name],
+        )
+        _ENGINES[name] = LlamaEngine(CFG, cfg)
+    return _ENGINES[name]
+
+
+def request(prompt_id, prompt_len, max_new, name="t1", sample_index=0, seed=0):
+    tokens = (np.arange(prompt_len, dtype=np.int32) * 37 + 11 * prompt_id) % CFG.vocab_size
+    return GenerationRequest(
+        prompt_id=prompt_id,
+        sample_index=sample_index,
+        prompt_tokens=tokens,
+        sampling=SamplingParams(max_new_tokens=max_new, **SAMPLING[name]),
+        seed=seed,
+    )
+
+
+# ----------------------------------------------------------------- sampling
+
+
+def test_sample_key_is_the_documented_fold_in_chain():
+    want = jax.random.fold_in(
+        jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(7), 3), 2), 5
+    )
+    np.testing.assert_array_equal(sample_key(7, 3, 2, 5), want)
+    assert not np.array_equal(sample_key(7, 3, 2, 5), sample_key(7, 3, 2, 6))
+
+
+def test_sample_tokens_hand_computed_logprobs():
+    # Temperature: logits [2, 1, 0], T = 0.5 -> softmax([4, 2, 0])[0] = 0.86681.
+    keys = jnp.zeros((1, 2), jnp.uint32)
+    tok, logp = sample_tokens(
+        jnp.array([[2.0, 1.0, 0.0]]), keys, temperature=0.5, top_k=0, top_p=1.0, greedy=True
+    )
+    assert int(tok[0]) == 0
+    assert float(logp[0]) == pytest.approx(math.log(0.86681), abs=1e-5)
+    # Top-k renormalisation: p = [0.5, 0.3, 0.15, 0.05], top-k 2 -> q(0) = 0.5 / 0.8.
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    tok, logp = sample_tokens(logits, keys, temperature=1.0, top_k=2, top_p=1.0, greedy=True)
+    assert float(logp[0]) == pytest.approx(math.log(0.625), abs=1e-6)
+
+
+def test_sampling_stays_in_the_kept_set_with_the_right_frequencies():
+    n = 4000
+    logits = jnp.broadcast_to(jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05])), (n, 4))
+    keys = jax.vmap(lambda i: sample_key(0, 0, 0, i))(jnp.arange(n))
+    tok, logp = sample_tokens(logits, keys, temperature=1.0, top_k=2, top_p=1.0, greedy=False)
+    tok, logp = np.asarray(tok), np.asarray(logp)
+    assert set(np.unique(tok)) <= {0, 1}
+    assert abs(np.mean(tok == 0) - 0.625) < 0.03  # 4 sigma ~ 0.031
+    np.testing.assert_allclose(logp[tok == 1], math.log(0.375), atol=1e-6)
+
+
+# ------------------------------------------------------------ engine + loop
+
+
+def learner_logprobs(params, samples, name):
+    """Recompute log q(response) on full sequences, as the learner does (no cache)."""
+    seqs = [np.concatenate([s.prompt_tokens, s.response_tokens]) for s in samples]
+    width = max(len(x) for x in seqs)
+    ids = np.zeros((len(seqs), width), np.int32)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = x  # right padding cannot affect earlier positions
+    targets = np.concatenate([ids[:, 1:], np.zeros((len(seqs), 1), np.int32)], axis=1)
+
+    @jax.jit
+    def score(params, ids, targets):
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), ids.shape)
+        h, _ = forward(params, CFG, ids, positions)
+        return target_logprobs(h, unembed(params, CFG), targets, chunk=8, **SAMPLING[name])[0]
+
+    logp = np.asarray(score(params, ids, targets))
+    out = []
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_tokens), len(s.response_tokens)
+        out.append(logp[i, p - 1 : p - 1 + r])  # position t scores token t + 1
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING))
+def test_behaviour_logprobs_match_learner_recomputation(params, name):
+    engine = engine_for(name)
+    reqs = [request(i, n, 14, name) for i, n in enumerate([3, 9, 16, 5])]
+    samples = run_requests(engine, params, reqs, policy_version=0, eos_id=NO_EOS)
+    assert [len(s.response_tokens) for s in samples] == [14, 14, 14, 14]
+    for sample, want in zip(samples, learner_logprobs(params, samples, name), strict=True):
+        assert np.all(sample.behaviour_logprobs < 0) and np.all(sample.behaviour_logprobs > -20)
+        assert np.max(np.abs(sample.behaviour_logprobs - want)) <= 1e-5
+        np.testing.assert_array_equal(sample.token_versions, np.zeros(14, np.int32))
+        assert sample.start_version == 0
+
+
+def test_sample_tokens_do_not_depend_on_slot_or_neighbours(params):
+    engine = engine_for("t07_k20_p09")
+    target = request(42, 7, 12, "t07_k20_p09", sample_index=3, seed=5)
+    alone = run_requests(engine, params, [target], policy_version=0, eos_id=NO_EOS)[0]
+    others = [request(i, 4 + i, 3 + 2 * i, "t07_k20_p09") for i in range(4)]
+    stats = SlotStats()
+    crowd = run_requests(
+        engine, params, [*others, target], policy_version=0, eos_id=NO_EOS, stats=stats
+    )[-1]
+    fill = [f for f in stats.slot_fills if f[2] == (42, 3)][0]
+    assert fill[:2] != (0, 0)  # it ran later and/or in another slot than when alone
+    np.testing.assert_array_equal(crowd.response_tokens, alone.response_tokens)
+    np.testing.assert_allclose(crowd.behaviour_logprobs, alone.behaviour_logprobs, atol=1e-6)
+    # A different sample index of the same prompt draws different tokens.
+    sibling = run_requests(
+        engine,
+        params,
+        [request(42, 7, 12, "t07_k20_p09", 4, seed=5)],
+        policy_version=0,
+        eos_id=NO_EOS,
+    )[0]
+    assert not np.array_equal(sibling.response_tokens, alone.response_tokens)
+
+
+def test_continuous_batching_refills_finished_slots_at_once(params):
+    engine = engine_for("t1")
+    max_new = [3, 9, 4, 6, 2, 8, 5]  # A..G; 3 slots, FIFO
+    reqs = [request(i, 4, n) for i, n in enumerate(max_new)]
+    stats = SlotStats()
+    samples = run_requests(engine, params, reqs, policy_version=0, eos_id=NO_EOS, stats=stats)
+    assert [len(s.response_tokens) for s in samples] == max_new
+    assert all(s.finish_reason == FinishReason.LENGTH and s.truncated for s in samples)
+    # Worked by hand: a sample of n tokens holds a slot for n - 1 generate steps
+    # (its first token comes from prefill). D fills A's slot after step 2, E
+    # takes C's after step 3, F takes E's after step 4, G takes D's after step 7.
+    assert stats.slot_fills == [
+        (0, 0, (0, 0)),
+        (0, 1, (1, 0)),
+        (0, 2, (2, 0)),
+        (2, 0, (3, 0)),
+        (3, 2, (4, 0)),
+        (4, 2, (5, 0)),
+        (7, 0, (6, 0)),
+    ]
+    released = {(step, slot) for step, slot, _ in stats.slot_releases}
+    assert all((step, slot) in released for step, slot, _ in stats.slot_fills[3:])
+    assert stats.steps == 11
+    assert stats.generated_tokens == 37
+    assert stats.occupancy == pytest.approx(30 / 33)
+    assert stats.tokens_per_s > 0
+
+
+def test_eos_finishes_a_sample_and_is_kept(params):
+    engine = engine_for("t1")
+    ref = run_requests(engine, params, [request(0, 5, 10)], policy_version=0, eos_id=NO_EOS)[0]
+    eos = int(ref.response_tokens[4])  # make the 5th token the "EOS"
+    first = int(np.argmax(ref.response_tokens == eos))
+    got = run_requests(engine, params, [request(0, 5, 10)], policy_version=0, eos_id=eos)[0]
+    assert got.finish_reason == FinishReason.EOS and not got.truncated
+    np.testing.assert_array_equal(got.response_tokens, ref.response_tokens[: first + 1])
+
+
+def test_new_params_change_outputs_without_recompiling(params):
+    engine = engine_for("t1")
+    new_params = init_params(CFG, seed=1)
+    batcher = SlotBatcher(engine, params, policy_version=0, eos_id=NO_EOS)
+    batcher.add(request(7, 6, 10))
+    for _ in range(3):
+        assert batcher.step() == []
+    counts = dict(engine.trace_counts)
+    batcher.set_params(new_params, 1)
+    done = []
+    while not batcher.idle:
+        done += batcher.step()
+    assert dict(engine.trace_counts) == counts  # no retrace, so no recompilation
+    assert engine.trace_counts["generate"] == 1
+    (sample,) = done
+    np.testing.assert_array_equal(sample.token_versions, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    assert sample.start_version == 0
+    old = run_requests(engine, params, [request(7, 6, 10)], policy_version=0, eos_id=NO_EOS)[0]
+    np.testing.assert_array_equal(sample.response_tokens[:4], old.response_tokens[:4])
+    assert not np.allclose(sample.behaviour_logprobs[4:], old.behaviour_logprobs[4:], atol=1e-3)
+    with pytest.raises(ValueError, match="versions only go up"):
+        batcher.set_params(params, 0)
+
+
+def test_abort_returns_partial_sample_and_frees_the_slot(params):
+    engine = engine_for("t1")
+    batcher = SlotBatcher(engine, params, policy_version=3, eos_id=NO_EOS)
+    for i in range(4):
+        batcher.add(request(i, 4, 8))
+    batcher.step()  # 3 running (2 tokens each), 1 queued
+    aborted = batcher.abort((1, 0))
+    assert aborted.finish_reason == FinishReason.ABORTED
+    assert len(aborted.response_tokens) == 2 and list(aborted.token_versions) == [3, 3]
+    queued = batcher.abort((3, 0))
+    assert len(queued.response_tokens) == 0
+    with pytest.raises(KeyError):
+        batcher.abort((3, 0))
+    batcher.add(request(9, 4, 8))
+    batcher.step()
+    assert batcher.stats.slot_fills[-1] == (1, 1, (9, 0))  # the aborted slot, at once
+
+
+def test_driver_style_insert_emits_the_prefill_token_first(params):
+    """JetStream's Driver only streams generate()'s tokens: the first step after a
+    default insert must return the prefill's token, then continue identically."""
+    engine = engine_for("t1")
+    ref = run_requests(engine, params, [request(5, 6, 5)], policy_version=0, eos_id=NO_EOS)[0]
+    req = request(5, 6, 5)
+    prefix = engine.prefill(
+        params=params, padded_tokens=req.prompt_tokens, true_length=6, prompt_id=5, sample_index=0
+    )
+    state = engine.insert(prefix, engine.init_decode_state(), 2)
+    tokens, logps, lengths = [], [], []
+    for _ in range(5):
+        state, result = engine.generate(params, state)
+        data = np.asarray(result.data)
+        tokens.append(data[2, 0])
+        lengths.append(data[2, 2])
+        logps.append(result_logprobs(result)[2])
+        assert data[2, 1] == 1
+    np.testing.assert_array_equal(tokens, ref.response_tokens)
+    np.testing.assert_allclose(logps, ref.behaviour_logprobs, atol=1e-6)
+    assert lengths == [1, 2, 3, 4, 5]
+
+
+def test_overlong_prompt_raises_named_error(params):
+    engine = engine_for("t1")
+    with pytest.raises(ValueError, match="prompt of 17 tokens exceeds max_prefill_length=16"):
+        engine.prefill(params=params, padded_tokens=np.ones(17, np.int32), true_length=17)
+    with pytest.raises(ValueError, match=r"prompt_id=4.*17 tokens exceeds max_prefill_length"):
+        run_requests(engine, params, [request(4, 17, 3)], policy_version=0, eos_id=NO_EOS)
+    with pytest.raises(ValueError, match=r"prompt \(10\) \+ max_new_tokens \(31\) = 41 exceeds"):
+        check_request(engine, request(4, 10, 31))
+    with pytest.raises(ValueError, match="differs from the engine's"):
+        check_request(engine, request(4, 10, 3, "t07_k20_p09"))
+    with pytest.raises(ValueError, match="must be < max_target_length"):
+        EngineConfig(max_concurrent_decodes=1, max_prefill_length=16, max_target_length=16)
