@@ -41,13 +41,17 @@ def processed_log_softmax(
       (-1e30), so exp() is exactly 0 there and sums over kept entries are 1.
 
     Raises:
-      ValueError: if top_k > V or top_p is outside (0, 1].
+      ValueError: if top_k is outside [0, V], top_p is outside (0, 1], or a
+        Python-number temperature is <= 0.
     """
     vocab = logits_xv.shape[-1]
     if top_k < 0 or top_k > vocab:
         raise ValueError(f"top_k must be in [0, vocab={vocab}], got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    # Python numbers are checked eagerly; arrays may be traced, so they are the caller's job.
+    if isinstance(temperature, int | float) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     z = logits_xv.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
     keep = jnp.ones(z.shape, dtype=bool)
     if 0 < top_k < vocab:
