@@ -278,15 +278,23 @@ def test_gguf_config_and_shapes(smollm2):
 
 @pytest.mark.slow
 def test_gguf_greedy_arithmetic_accuracy(smollm2):
+    """Greedy accuracy on 100 seeded one-digit problems: >= 35 % (measured 51 %).
+
+    The model usually restates the problem first ("4 * 5 = 20"), so the answer is the
+    *last* integer of the response (the first integer scores 15 % here, being mostly
+    an operand) and 12 new tokens leave room for the restatement (digits are single
+    tokens). Measured with q/k left in GGUF order (no un-permutation): 0 %, the model
+    emits <|im_end|> at once.
+    """
     config, params, tok = smollm2
     problems = arithmetic_problems(100, seed=0)
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q, _ in problems
     ]
-    outs = greedy_generate(config, jax.device_put(params), prompts, max_new=8, eos_id=tok.eos_id)
+    outs = greedy_generate(config, jax.device_put(params), prompts, max_new=12, eos_id=tok.eos_id)
     correct = 0
     for (_, ans), out in zip(problems, outs, strict=True):
-        found = re.search(r"-?\d+", tok.decode(out, skip_special_tokens=True))
-        correct += found is not None and int(found.group()) == ans
+        ints = re.findall(r"-?\d+", tok.decode(out, skip_special_tokens=True))
+        correct += bool(ints) and int(ints[-1]) == ans
     print(f"SmolLM2-135M Q4_1 greedy one-digit arithmetic accuracy: {correct}/100")
     assert correct >= 35
