@@ -99,3 +99,18 @@ def test_bad_inputs_are_named():
         aggregate(jnp.zeros(2), jnp.ones(2), "token-mean")
     with pytest.raises(ValueError, match="max_tokens"):
         aggregate(jnp.zeros((1, 2)), jnp.ones((1, 2)), "seq-mean-token-sum-norm")
+
+
+def test_batch_sharded_over_fake_mesh_matches_single_device():
+    """Global sums under a batch-sharded layout (8 fake CPU devices) equal the plain result."""
+    devices = np.array(jax.devices()[:8])
+    if devices.size < 8:
+        pytest.skip("needs the 8 fake CPU devices from conftest")
+    mesh = jax.sharding.Mesh(devices, ("batch",))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch", None))
+    rng = np.random.default_rng(2)
+    loss = jnp.array(rng.normal(size=(8, 4)), jnp.float32)
+    mask = jnp.array(rng.random((8, 4)) < 0.5, jnp.float32)
+    fn = jax.jit(lambda x, m: aggregate(x, m, "seq-mean-token-mean"))
+    sharded = fn(jax.device_put(loss, spec), jax.device_put(mask, spec))
+    np.testing.assert_allclose(sharded, aggregate(loss, mask, "seq-mean-token-mean"), rtol=1e-6)
