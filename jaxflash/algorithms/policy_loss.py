@@ -141,6 +141,16 @@ def _ppo_clip(ratio, adv, eps_low, eps_high, dual_clip_c):
     return loss, flags
 
 
+def _ppo_family(inputs, eps_low, eps_high, dual_clip_c, **positive):
+    """Shared start of ppo / decoupled_ppo / tis: checks, prepare, ratio, clipped loss."""
+    eps_high = eps_low if eps_high is None else eps_high
+    _check_hparams(eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, **positive)
+    x = _prepare(*inputs)
+    ratio = _exp_ratio(x.logp - x.old)
+    loss, flags = _ppo_clip(ratio, x.adv, eps_low, eps_high, dual_clip_c)
+    return x, ratio, loss, flags
+
+
 def vanilla_pg_loss(
     logp_bt: jax.Array,
     old_logp_bt: jax.Array,
@@ -176,11 +186,8 @@ def ppo_loss(
 
     References: PPO, arXiv 1707.06347.
     """
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_hparams(eps_low=clip_eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c)
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    ratio = _exp_ratio(x.logp - x.old)
-    loss, flags = _ppo_clip(ratio, x.adv, clip_eps_low, eps_high, dual_clip_c)
+    inputs = (logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    x, ratio, loss, flags = _ppo_family(inputs, clip_eps_low, clip_eps_high, dual_clip_c)
     return _finish(x, loss, _metrics(x, ratio, **flags))
 
 
@@ -205,16 +212,9 @@ def decoupled_ppo_loss(
 
     References: AReaL, arXiv 2505.24298 (decoupled objective, Hilton et al. 2110.00641).
     """
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_hparams(
-        eps_low=clip_eps_low,
-        eps_high=eps_high,
-        dual_clip_c=dual_clip_c,
-        **({} if behaviour_cap is None else {"behaviour_cap": behaviour_cap}),
-    )
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    ratio = _exp_ratio(x.logp - x.old)
-    loss, flags = _ppo_clip(ratio, x.adv, clip_eps_low, eps_high, dual_clip_c)
+    cap = {} if behaviour_cap is None else {"behaviour_cap": behaviour_cap}
+    inputs = (logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    x, ratio, loss, flags = _ppo_family(inputs, clip_eps_low, clip_eps_high, dual_clip_c, **cap)
     weight = _exp_ratio(x.old - x.behaviour)
     dropped = jnp.zeros_like(x.valid) if behaviour_cap is None else weight > behaviour_cap
     loss = jnp.where(dropped, 0.0, weight * loss)
@@ -241,13 +241,10 @@ def tis_loss(
     References: Yao et al., "Your efficient RL framework secretly brings you
     off-policy RL training" (2025); IMPALA V-trace truncation, arXiv 1802.01561.
     """
-    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _check_hparams(
-        eps_low=clip_eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, tis_cap=tis_cap
+    inputs = (logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    x, ratio, loss, flags = _ppo_family(
+        inputs, clip_eps_low, clip_eps_high, dual_clip_c, tis_cap=tis_cap
     )
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    ratio = _exp_ratio(x.logp - x.old)
-    loss, flags = _ppo_clip(ratio, x.adv, clip_eps_low, eps_high, dual_clip_c)
     raw_weight = _exp_ratio(x.old - x.behaviour)
     loss = jnp.minimum(raw_weight, tis_cap) * loss
     return _finish(x, loss, _metrics(x, ratio, is_truncated_frac=raw_weight > tis_cap, **flags))
