@@ -145,3 +145,16 @@ def test_publish_when_generation_mesh_does_not_divide_learner_mesh():
     out = publish(params, targets, 1)
     for got, want in zip(jax.tree.leaves(out.params), jax.tree.leaves(raw), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_colocated_publish_survives_learner_donation():
+    # Same mesh and spec on both sides (colocated mode): the generator must get
+    # its own buffers, or the train step's donation deletes its weights.
+    learner, _ = _meshes()
+    raw, params = _params(learner)
+    same = jax.tree.map(lambda x: x.sharding, params)
+    out = publish(params, same, 4)
+    jax.jit(lambda p: jax.tree.map(lambda v: v * 2, p), donate_argnums=0)(params)
+    for got, want in zip(jax.tree.leaves(out.params), jax.tree.leaves(raw), strict=True):
+        assert not got.is_deleted()
+        np.testing.assert_array_equal(np.asarray(got), want)

@@ -11,9 +11,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from jaxflash.algorithms.aggregation import AGGREGATION_MODES
+from jaxflash.algorithms.policy_loss import POLICY_LOSSES
 from jaxflash.types import SamplingParams
 
 SCHEDULES = ("constant", "cosine")
+RATIO_AGAINST = ("behaviour", "proximal")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,12 +35,21 @@ class LearnerConfig:
       b1, b2, eps: Adam moments' decay rates and denominator epsilon.
       grad_clip_norm: clip the global gradient norm to this; 0 disables.
       micro_batch_size: sequences per micro-batch (gradient accumulation unit).
-      loss: policy loss name in ``jaxflash.algorithms.policy_loss.POLICY_LOSSES``.
-      loss_kwargs: keyword hyper-parameters of that loss (e.g. ppo_clip's
-        ``eps_low``/``eps_high``).
+      loss: policy loss name in ``jaxflash.algorithms.policy_loss.POLICY_LOSSES``
+        ("ppo", "decoupled_ppo", "tis", "cispo", "gspo", ...).
+      loss_kwargs: keyword hyper-parameters of that loss (e.g. ppo's
+        ``clip_eps_low``/``clip_eps_high``).
+      ratio_against: what pi_old in r = pi/pi_old is. "behaviour": the engine's
+        logprobs mu (plain off-policy PPO). "proximal": the params at the start
+        of this step (AReaL's proximal policy, arXiv 2505.24298); with one
+        optimiser step per batch that is the current params, so pi_old =
+        stop_gradient(log pi) exactly and mu enters as ``behaviour_logp_bt``
+        (required by "decoupled_ppo" and "tis").
       aggregation: loss aggregation mode of ``jaxflash.algorithms.aggregation``
         (e.g. "token-mean"); it is normalised by whole-batch counts so it does
         not depend on the micro-batch split.
+      aggregation_max_tokens: the constant length normaliser of
+        "seq-mean-token-sum-norm" (Dr. GRPO: the generation budget).
       kl_coef: weight of the k3 KL estimate to reference params; 0 disables (and
         no reference params are held).
       entropy_coef: weight of an entropy bonus (loss -= coef * entropy); 0 disables.
@@ -58,9 +70,11 @@ class LearnerConfig:
     eps: float = 1e-8
     grad_clip_norm: float = 1.0
     micro_batch_size: int = 8
-    loss: str = "ppo_clip"
+    loss: str = "ppo"
     loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    ratio_against: str = "behaviour"
     aggregation: str = "token-mean"
+    aggregation_max_tokens: int | None = None
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
@@ -100,8 +114,34 @@ class LearnerConfig:
             raise ValueError(
                 f"LearnerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}"
             )
-        if not isinstance(self.loss, str) or not self.loss:
-            raise ValueError(f"LearnerConfig.loss must be a loss name, got {self.loss!r}")
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"LearnerConfig.loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}"
+            )
+        if self.ratio_against not in RATIO_AGAINST:
+            raise ValueError(
+                f"LearnerConfig.ratio_against must be one of {RATIO_AGAINST}, "
+                f"got {self.ratio_against!r}"
+            )
+        if self.loss in ("decoupled_ppo", "tis") and self.ratio_against != "proximal":
+            # Against mu itself the behaviour weight pi_prox/mu is identically 1:
+            # the off-policy correction would silently vanish.
+            raise ValueError(
+                f"LearnerConfig.loss={self.loss!r} needs ratio_against='proximal', "
+                f"got {self.ratio_against!r}"
+            )
+        if self.aggregation not in AGGREGATION_MODES:
+            raise ValueError(
+                f"LearnerConfig.aggregation must be one of {AGGREGATION_MODES}, "
+                f"got {self.aggregation!r}"
+            )
+        if self.aggregation == "seq-mean-token-sum-norm" and not (
+            self.aggregation_max_tokens and self.aggregation_max_tokens >= 1
+        ):
+            raise ValueError(
+                "LearnerConfig.aggregation_max_tokens must be >= 1 for "
+                f"'seq-mean-token-sum-norm', got {self.aggregation_max_tokens}"
+            )
         if not isinstance(self.loss_kwargs, Mapping):
             raise ValueError(
                 f"LearnerConfig.loss_kwargs must be a mapping, got {type(self.loss_kwargs)}"

@@ -141,7 +141,14 @@ def publish(
     check_version(version, previous_version)
     _check_targets(params, target_shardings)
     staged = _reshard(params, _on_source_mesh(params, target_shardings))
-    moved = jax.device_put(staged, target_shardings)
+    src_ids = {id(x) for x in jax.tree.leaves(params)}
+    if any(id(x) in src_ids for x in jax.tree.leaves(staged)):
+        # Never hand the generator the learner's own buffers: the train step
+        # donates them, which would delete the generator's weights.
+        moved = jax.device_put(staged, target_shardings, may_alias=False)
+    else:
+        # ``staged`` is our private copy: donate it so the two do not coexist.
+        moved = jax.device_put(staged, target_shardings, donate=True)
     return VersionedParams(params=moved, version=int(version))
 
 

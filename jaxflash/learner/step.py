@@ -1,0 +1,322 @@
+"""The learner step: one optimiser update from one TrainBatch, jitted once.
+
+``train_step(state, batch) -> (state, metrics)`` is a pure function with explicit
+in/out shardings and the state donated. Gradients accumulate over micro-batches
+with ``jax.lax.scan``; every micro-batch's loss is normalised by the *whole*
+batch's token / sequence counts (``aggregation.batch_normalizers``), so the sum of
+micro-batch gradients is the full-batch gradient and nothing depends on how the
+batch was split (see ../shared/cases/rl_pitfalls.md, "Micro-batch invariance").
+
+Per micro-batch: forward -> h [b, T, D] -> chunked log q(target) and entropy
+under the sampling distribution (temperature / top-k / top-p, the same q the
+engine sampled from) -> policy loss (``POLICY_LOSSES``) + optional entropy bonus
++ optional k3 KL to reference params.
+
+Parity metric: ``logprob_gap_max`` = max |log pi_theta - log mu| over masked
+tokens, computed in the forward passes of this step, i.e. under the params
+*before* the update. For tokens sampled by the current version it measures
+engine/learner numerical agreement (should be float rounding);
+``logprob_gap_max_current`` restricts it to those tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
+from jaxflash.algorithms.kl import kl_k3
+from jaxflash.algorithms.policy_loss import get_policy_loss
+from jaxflash.learner.batching import split_micro_batches
+from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.optimizer import make_optimizer, make_schedule
+from jaxflash.learner.state import TrainState, param_shardings, state_shardings
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.llama import forward, unembed
+from jaxflash.models.logprobs import target_logprobs
+from jaxflash.sharding.rules import Rules, logical_to_spec
+from jaxflash.types import TrainBatch
+
+Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
+_FIELDS = (
+    "input_ids_bt",
+    "positions_bt",
+    "target_ids_bt",
+    "loss_mask_bt",
+    "advantages_bt",
+    "behaviour_logp_bt",
+    "token_versions_bt",
+)
+# Per-micro-batch means of the policy loss metrics, recombined weighted by tokens.
+_MEAN_METRICS = ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "masked_frac")
+
+
+def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig):
+    h_btd, _ = forward(params, mc, mb["input_ids_bt"], mb["positions_bt"])
+    return target_logprobs(
+        h_btd,
+        unembed(params, mc),
+        mb["target_ids_bt"],
+        temperature=lc.sampling.temperature,
+        top_k=lc.sampling.top_k,
+        top_p=lc.sampling.top_p,
+        chunk=lc.logprob_chunk,
+    )
+
+
+def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Callable:
+    """Loss of one micro-batch, normalised by whole-batch counts.
+
+    Returns:
+      ``loss_fn(params, ref_params, mb, num_tokens, num_sequences, version) ->
+      (loss, aux)``: ``mb`` holds TrainBatch fields [b, T]; ``num_tokens`` /
+      ``num_sequences`` are float32 scalars of the *whole* batch; ``version`` is
+      the int32 learner step (the policy version of ``params``). ``loss`` is this
+      micro-batch's share of the batch loss (shares sum to the batch loss); ``aux``
+      holds sums / maxima that ``train_step`` combines into metrics.
+    """
+    mc, lc = model_config, learner_config
+    policy_loss = get_policy_loss(lc.loss, **dict(lc.loss_kwargs))
+
+    def agg(x_bt, mask_bt, n_tok, n_seq):
+        return aggregate(
+            x_bt,
+            mask_bt,
+            lc.aggregation,
+            num_tokens=n_tok,
+            num_sequences=n_seq,
+            max_tokens=lc.aggregation_max_tokens,
+        )
+
+    def loss_fn(params, ref_params, mb, num_tokens, num_sequences, version):
+        mask_bt = mb["loss_mask_bt"]
+        valid_bt = mask_bt > 0
+        logp_bt, ent_bt = _logprobs(params, mb, mc, lc)
+        mu_bt = mb["behaviour_logp_bt"]
+        if lc.ratio_against == "proximal":
+            old_bt, behaviour = jax.lax.stop_gradient(logp_bt), mu_bt
+        else:
+            old_bt, behaviour = mu_bt, None
+        pg_bt, m = policy_loss(
+            logp_bt, old_bt, mb["advantages_bt"], mask_bt, behaviour_logp_bt=behaviour
+        )
+        pg_loss = agg(pg_bt, mask_bt, num_tokens, num_sequences)
+        loss = pg_loss
+        if lc.entropy_coef > 0:
+            loss = loss - lc.entropy_coef * agg(ent_bt, mask_bt, num_tokens, num_sequences)
+        kl_sum = jnp.zeros((), jnp.float32)
+        if lc.uses_reference:
+            ref_logp_bt, _ = _logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc)
+            kl_bt = kl_k3(logp_bt, ref_logp_bt, mask_bt)
+            loss = loss + lc.kl_coef * agg(kl_bt, mask_bt, num_tokens, num_sequences)
+            kl_sum = jnp.sum(jnp.where(valid_bt, kl_bt, 0.0))
+        sg = jax.lax.stop_gradient
+        gap_bt = jnp.where(valid_bt, jnp.abs(sg(logp_bt) - mu_bt), 0.0)
+        current_bt = valid_bt & (mb["token_versions_bt"] == version)
+        n = m["num_tokens"]
+        aux = {
+            "pg_loss": sg(pg_loss),
+            "entropy_sum": sg(jnp.sum(jnp.where(valid_bt, ent_bt, 0.0))),
+            "kl_sum": sg(kl_sum),
+            "logprob_gap_max": jnp.max(gap_bt),
+            "logprob_gap_max_current": jnp.max(jnp.where(current_bt, gap_bt, 0.0)),
+            "current_tokens": jnp.sum(current_bt).astype(jnp.float32),
+            "ratio_max": jnp.where(n > 0, m["ratio_max"], -jnp.inf),
+            "ratio_min": jnp.where(n > 0, m["ratio_min"], jnp.inf),
+            "nonfinite_count": m["nonfinite_count"],
+            **{f"{k}_sum": m[k] * n for k in _MEAN_METRICS if k in m},
+        }
+        return loss, aux
+
+    return loss_fn
+
+
+def make_grad_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Callable:
+    """Gradient of the whole batch, accumulated over micro-batches (not jitted).
+
+    Returns:
+      ``grad_fn(params, ref_params, batch, version) -> (loss, grads, metrics)``
+      for ``batch`` a dict of TrainBatch fields [M, b, T]. ``loss`` and ``grads``
+      are those of the whole batch (independent of M up to float summation
+      order); metrics as documented on ``make_train_step``.
+    """
+    loss_fn = make_loss_fn(model_config, learner_config)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def grad_fn(params, ref_params, batch, version):
+        num_tokens, num_sequences = batch_normalizers(batch["loss_mask_bt"])
+
+        def body(carry, mb):
+            loss_acc, grads_acc, aux_acc = carry
+            (loss, aux), grads = value_and_grad(
+                params, ref_params, mb, num_tokens, num_sequences, version
+            )
+            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+            aux_acc = {
+                k: (jnp.maximum if "_max" in k else jnp.minimum if "_min" in k else jnp.add)(
+                    aux_acc[k], v
+                )
+                for k, v in aux.items()
+            }
+            return (loss_acc + loss, grads_acc, aux_acc), None
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        aux_shape = jax.eval_shape(
+            lambda: loss_fn(params, ref_params, first, num_tokens, num_sequences, version)[1]
+        )
+        aux0 = {
+            k: jnp.full(
+                s.shape, -jnp.inf if "_max" in k else jnp.inf if "_min" in k else 0.0, s.dtype
+            )
+            for k, s in aux_shape.items()
+        }
+        grads0 = jax.tree.map(jnp.zeros_like, params)
+        (loss, grads, aux), _ = jax.lax.scan(
+            body, (jnp.zeros((), jnp.float32), grads0, aux0), batch
+        )
+        denom = jnp.maximum(num_tokens, 1.0)
+        any_tok = num_tokens > 0
+        metrics = {
+            "loss": loss,
+            "pg_loss": aux["pg_loss"],
+            "entropy": aux["entropy_sum"] / denom,
+            "kl": aux["kl_sum"] / denom,
+            "logprob_gap_max": jnp.where(any_tok, aux["logprob_gap_max"], 0.0),
+            "logprob_gap_max_current": jnp.maximum(aux["logprob_gap_max_current"], 0.0),
+            "current_tokens": aux["current_tokens"],
+            "ratio_max": jnp.where(any_tok, aux["ratio_max"], 0.0),
+            "ratio_min": jnp.where(any_tok, aux["ratio_min"], 0.0),
+            "nonfinite_count": aux["nonfinite_count"],
+            "tokens": num_tokens,
+            "sequences": num_sequences,
+            **{k: aux[f"{k}_sum"] / denom for k in _MEAN_METRICS if f"{k}_sum" in aux},
+        }
+        return loss, grads, metrics
+
+    return grad_fn
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, micro_batch_size: int) -> NamedSharding:
+    """Sharding of [M, b, T] batch arrays: b over the rules' "batch" axes if divisible."""
+    spec = logical_to_spec((None, "batch", None), mesh, rules, (1, micro_batch_size, 1))
+    return NamedSharding(mesh, spec)
+
+
+def _to_device_batch(batch: TrainBatch, micro_batch_size: int, sharding: NamedSharding) -> Batch:
+    """Host TrainBatch [B, T] or [M, b, T] -> dict of device arrays [M, b, T]."""
+    if np.ndim(batch.input_ids_bt) == 2:
+        batch = split_micro_batches(batch, micro_batch_size)
+    arrays = {k: getattr(batch, k) for k in _FIELDS}
+    shape = np.shape(arrays["input_ids_bt"])
+    if len(shape) != 3 or shape[1] != micro_batch_size:
+        raise ValueError(
+            f"train batch must be [B, T] or [M, b={micro_batch_size}, T], got input_ids {shape}"
+        )
+    for k, v in arrays.items():
+        if np.shape(v) != shape:
+            raise ValueError(f"train batch field {k} has shape {np.shape(v)}, expected {shape}")
+    return jax.device_put(arrays, sharding)
+
+
+class TrainStep:
+    """Callable ``train_step(state, batch) -> (state, metrics)`` (see ``make_train_step``)."""
+
+    def __init__(self, jitted: Callable, micro_batch_size: int, sharding: NamedSharding):
+        self._jitted = jitted
+        self._mbs = micro_batch_size
+        self._sharding = sharding
+        self.trace_count = 0  # incremented at trace time: a test asserts it stays 1
+
+    def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
+        return self._jitted(state, _to_device_batch(batch, self._mbs, self._sharding))
+
+
+def make_train_step(
+    model_config: ModelConfig, learner_config: LearnerConfig, mesh: Mesh, rules: Rules
+) -> TrainStep:
+    """Build the jitted learner step.
+
+    Args:
+      model_config, learner_config: static configuration (closed over).
+      mesh: learner mesh; rules: logical-axis rules (``LEARNER_RULES``).
+
+    Returns:
+      ``train_step(state, batch) -> (state, metrics)``. ``batch`` is a host
+      TrainBatch [B, T] (split into micro-batches of ``micro_batch_size``, padding
+      with empty rows) or already [M, b, T]. ``state`` is donated: do not use it
+      after the call. Compiles once per distinct (M, T).
+      metrics (float32 scalars, replicated): loss, pg_loss, grad_norm (before
+      clipping), lr (used for this update), entropy and kl (token means), clip_frac
+      (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
+      logprob_gap_max (+ _current, current_tokens), tokens, sequences.
+
+    Raises:
+      ValueError: (at call time) a batch whose shapes are inconsistent.
+    """
+    optimizer = make_optimizer(learner_config)
+    schedule = make_schedule(learner_config)
+    grad_fn = make_grad_fn(model_config, learner_config)
+    s_shard = state_shardings(model_config, learner_config, mesh, rules)
+    b_shard = batch_sharding(mesh, rules, learner_config.micro_batch_size)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step_obj: TrainStep
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        step_obj.trace_count += 1  # Python side effect: runs only while tracing
+        loss, grads, metrics = grad_fn(state.params, state.ref_params, batch, state.step)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            **metrics,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": jnp.asarray(schedule(state.step), jnp.float32),
+        }
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    jitted = jax.jit(
+        train_step,
+        in_shardings=(s_shard, b_shard),
+        out_shardings=(s_shard, replicated),
+        donate_argnums=(0,),
+    )
+    step_obj = TrainStep(jitted, learner_config.micro_batch_size, b_shard)
+    return step_obj
+
+
+def make_logprob_fn(
+    model_config: ModelConfig, learner_config: LearnerConfig, mesh: Mesh, rules: Rules
+) -> Callable[[Any, TrainBatch], tuple[np.ndarray, np.ndarray]]:
+    """Jitted per-token log q(target) and entropy of a batch under given params.
+
+    For proximal logprobs or evaluation. Scores the processed sampling
+    distribution of ``learner_config.sampling`` (same as the train step).
+
+    Returns:
+      ``logprob_fn(params, batch) -> (logp_bt, entropy_bt)``: ``params`` on the
+      learner shardings; ``batch`` a host TrainBatch [B, T]; outputs numpy float32
+      [B, T] (masked positions hold whatever the model gives; apply the mask).
+    """
+    mc, lc = model_config, learner_config
+    b_shard = batch_sharding(mesh, rules, lc.micro_batch_size)
+    p_shard = param_shardings(mc, mesh, rules)
+
+    def fn(params, batch):
+        return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc), batch)
+
+    jitted = jax.jit(fn, in_shardings=(p_shard, b_shard))
+
+    def logprob_fn(params: Any, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
+        B, T = np.shape(batch.input_ids_bt)
+        logp_mbt, ent_mbt = jitted(params, _to_device_batch(batch, lc.micro_batch_size, b_shard))
+        logp = np.asarray(logp_mbt).reshape(-1, T)[:B]
+        ent = np.asarray(ent_mbt).reshape(-1, T)[:B]
+        return logp, ent
+
+    return logprob_fn
