@@ -1,0 +1,141 @@
+"""Serve a ``LlamaEngine`` through JetStream's own orchestrator and gRPC server.
+
+``serve(engine, params, port=...)`` builds JetStream's ``orchestrator.Driver``
+(interleaved mode: one engine does prefill and generate, as ``server_lib.run``
+sets up for ``interleaved_slices``) and wraps it in ``server_lib.JetStreamServer``
+— JetStream's gRPC ``Orchestrator`` service (``Decode`` streaming, ``HealthCheck``).
+A trained model is served this way; ``decode_text`` is a small client.
+
+Why RL rollouts do not use the Driver (they use ``slot_loop.SlotBatcher``):
+
+- **Params are fixed at start.** The Driver's generate thread reads its params
+  once; new learner weights would mean tearing the server down. The Engine API
+  takes params on every ``generate`` call, which the slot loop uses to swap
+  weights between steps with no recompilation.
+- **No abort.** A request runs until EOS or ``max_tokens``; there is no call to
+  drop a stale or surplus sample (the async-ratio bound needs one).
+- **No logprobs, versions or sampling parameters.** The gRPC API streams text
+  / token ids only: no behaviour logprobs, no per-token policy version, no
+  temperature / top-k / top-p or RNG identity per request (the engine's static
+  sampling applies, and requests get RNG ids from a per-engine counter).
+- It also discards the token ``prefill`` samples (the engine works around it by
+  emitting that token on the slot's first ``generate``), and a Python exception
+  in any Driver thread SIGKILLs the process (so over-long prompts are truncated
+  by the tokenizer adapter, as JetStream itself does, instead of raising).
+
+JetStream 0.2.2 needs ``jetstream_compat.import_orchestrator()`` first (the
+removed ``jax.tree_map``); ``serve`` does it.
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+from typing import Any
+
+import grpc
+
+from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.jetstream_compat import import_orchestrator
+
+
+def free_port() -> int:
+    """A TCP port that was free on localhost a moment ago (bind to port 0, release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class JetStreamService:
+    """A running Driver + gRPC server; stop it with ``stop()`` or a ``with`` block.
+
+    Args:
+      engine: the engine (built with a ``tokenizer``: the Driver tokenizes text).
+      params: model params, fixed for the server's lifetime.
+      port: TCP port; 0 picks a free one (see ``free_port``).
+      threads: gRPC handler threads (at least the number of concurrent requests).
+
+    Attributes:
+      address: "localhost:<port>" for clients.
+    """
+
+    def __init__(self, engine: LlamaEngine, params: Any, *, port: int = 0, threads: int = 4):
+        if engine.tokenizer is None:
+            raise ValueError("JetStreamService: the engine needs tokenizer= to serve text")
+        orchestrator = import_orchestrator()
+        from jetstream.core import server_lib  # noqa: PLC0415 (after the compat import)
+
+        self.port = port or free_port()
+        self.address = f"localhost:{self.port}"
+        params = engine.place_params(params)
+        self._driver = orchestrator.Driver(
+            prefill_engines=[engine],
+            generate_engines=[engine],
+            prefill_params=[params],
+            generate_params=[params],
+            interleaved_mode=True,
+            jax_padding=False,  # our engine copies prompts to host anyway
+        )
+        try:
+            self._server = server_lib.JetStreamServer(
+                self._driver, threads, self.port, grpc.insecure_server_credentials()
+            )
+            self._server.start()
+        except BaseException:
+            self._driver.stop()
+            raise
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Stop the Driver's threads, the gRPC server, its event loop and its
+        handler thread pool (JetStream's own ``stop`` leaves the last running)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        server, self._server, self._driver = self._server, None, None
+        server.stop()
+        server._executor.shutdown(wait=True)  # noqa: SLF001 (no public handle)
+        server._loop.close()  # noqa: SLF001
+        # grpc.aio runs one process-wide poller thread while any aio server
+        # object is alive; it exits once the last one is collected.
+        del server
+        gc.collect()
+
+    def __enter__(self) -> JetStreamService:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(engine: LlamaEngine, params: Any, *, port: int = 0, threads: int = 4) -> JetStreamService:
+    """Start serving ``engine`` with ``params`` over JetStream's gRPC API.
+
+    See ``JetStreamService`` for arguments. Returns the running service.
+    """
+    return JetStreamService(engine, params, port=port, threads=threads)
+
+
+def decode_text(address: str, text: str, *, max_tokens: int, timeout_s: float = 120.0) -> str:
+    """Send one text request to a JetStream server and return the whole completion.
+
+    Args:
+      address: "host:port".
+      text: the prompt, tokenized by the server.
+      max_tokens: response budget in tokens.
+      timeout_s: deadline for the whole streamed call.
+
+    Returns:
+      The concatenated streamed text (EOS not included).
+    """
+    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: PLC0415
+
+    request = jetstream_pb2.DecodeRequest(
+        text_content=jetstream_pb2.DecodeRequest.TextContent(text=text), max_tokens=max_tokens
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        pieces = []
+        for response in stub.Decode(request, timeout=timeout_s):
+            pieces.extend(s.text for s in response.stream_content.samples)
+    return "".join(pieces)
