@@ -142,3 +142,19 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
         ck.save({"w": np.full((512, 512), 3.0, np.float32)}, CheckpointMeta(step=2))
         ck.wait()
         assert ck.all_steps() == [1, 2]
+
+
+def test_state_without_reference_saves_under_transfer_guard(tmp_path):
+    model_config = get_preset("tiny", n_layers=1)
+    learner_config = LearnerConfig(lr=1e-3)  # kl_coef 0: no reference params held
+    mesh = make_mesh(jax.devices()[:2], {"fsdp": 2})
+    state = create_train_state(model_config, learner_config, mesh, LEARNER_RULES, seed=1)
+    assert state.ref_params is None
+    abstract = abstract_train_state(model_config, learner_config, mesh, LEARNER_RULES)
+    with Checkpointer(tmp_path, max_to_keep=1) as ck:
+        with jax.transfer_guard("disallow"):
+            ck.save(state, CheckpointMeta(step=0, policy_version=0))
+            ck.wait()
+            restored, meta = ck.restore_latest(abstract)
+    assert restored.ref_params is None and meta.step == 0
+    _assert_trees_equal(restored, state)

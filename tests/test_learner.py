@@ -30,6 +30,8 @@ def test_config_validates_and_names_field():
         LearnerConfig(schedule="cosine", warmup_steps=10, total_steps=10)
     with pytest.raises(ValueError, match="needs ratio_against='proximal'"):
         LearnerConfig(loss="decoupled_ppo")
+    with pytest.raises(ValueError, match=r"loss_kwargs has keys \['eps_low'\] that loss 'ppo'"):
+        LearnerConfig(loss="ppo", loss_kwargs={"eps_low": 0.2})
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
         LearnerConfig(micro_batch_size=0)
     with pytest.raises(ValueError, match="aggregation_max_tokens"):

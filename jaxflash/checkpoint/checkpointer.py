@@ -15,6 +15,7 @@ import os
 import random
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -125,10 +126,13 @@ class Checkpointer:
             a checkpoint for that step already exists.
         """
         state_step = getattr(state, "step", None)
-        if state_step is not None and int(state_step) != int(meta.step):
-            raise ValueError(
-                f"Checkpointer.save: meta.step={meta.step} != state.step={int(state_step)}"
-            )
+        if state_step is not None:
+            # Explicit device_get: an int() would trip jax.transfer_guard("disallow").
+            state_step = int(jax.device_get(state_step))
+            if state_step != int(meta.step):
+                raise ValueError(
+                    f"Checkpointer.save: meta.step={meta.step} != state.step={state_step}"
+                )
         if int(meta.step) in self._manager.all_steps():
             raise ValueError(f"Checkpointer.save: step {meta.step} already saved in {self.workdir}")
         return self._manager.save(

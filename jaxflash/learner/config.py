@@ -7,6 +7,7 @@ validated dataclass.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -145,6 +146,16 @@ class LearnerConfig:
         if not isinstance(self.loss_kwargs, Mapping):
             raise ValueError(
                 f"LearnerConfig.loss_kwargs must be a mapping, got {type(self.loss_kwargs)}"
+            )
+        params = inspect.signature(POLICY_LOSSES[self.loss]).parameters
+        accepted = {
+            n for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n != "behaviour_logp_bt"
+        }
+        unknown = sorted(set(self.loss_kwargs) - accepted)
+        if unknown:
+            raise ValueError(
+                f"LearnerConfig.loss_kwargs has keys {unknown} that loss {self.loss!r} does not "
+                f"take; it takes {sorted(accepted)}"
             )
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)

@@ -14,7 +14,6 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -190,7 +189,7 @@ def from_params(
         check_params(expected, ref_src, what="ref_params")
         # A separate buffer: the train step donates state, and params and
         # ref_params must not alias one buffer.
-        ref = jax.device_put(jax.tree.map(np.asarray, ref_src), shardings.ref_params)
+        ref = jax.device_put(jax.device_get(ref_src), shardings.ref_params)
 
     def init(p: Any, r: Any) -> TrainState:
         return _build(p, learner_config, seed, r)

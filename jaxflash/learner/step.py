@@ -315,6 +315,7 @@ def make_logprob_fn(
     def logprob_fn(params: Any, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
         B, T = np.shape(batch.input_ids_bt)
         logp_mbt, ent_mbt = jitted(params, _to_device_batch(batch, lc.micro_batch_size, b_shard))
+        logp_mbt, ent_mbt = jax.device_get((logp_mbt, ent_mbt))
         logp = np.asarray(logp_mbt).reshape(-1, T)[:B]
         ent = np.asarray(ent_mbt).reshape(-1, T)[:B]
         return logp, ent
