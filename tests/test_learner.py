@@ -250,3 +250,22 @@ def test_train_step_compiles_once_parity_and_pulse(world):
     adv = batch.advantages_bt
     assert delta[mask & (adv > 0)].mean() > 0.1, delta[mask]
     assert delta[mask & (adv < 0)].mean() < -0.1, delta[mask]
+
+
+def test_proximal_ratio_weights_by_behaviour_ratio(world):
+    # decoupled PPO with pi_old = proximal = current params: r = 1 and the loss is
+    # -w * A with w = pi_prox / mu. Behaviour logprobs set to log pi - log 2 give
+    # w = 2 on every token, so the token-mean loss is -2 * mean(A) with
+    # mean(A) = (6*1 + 2*(-1) + 1*0.5 + 3*(-0.5)) / 12 = 0.25  ->  loss = -0.5.
+    _, _, _, host_params, batch = world
+    lc = _learner_config(
+        loss="decoupled_ppo", ratio_against="proximal", kl_coef=0.0, entropy_coef=0.0
+    )
+    b = split_micro_batches(batch, 2)
+    b.behaviour_logp_bt = (b.behaviour_logp_bt - np.log(2.0) * b.loss_mask_bt).astype(np.float32)
+    fields = {k: jnp.asarray(v) for k, v in vars(b).items()}
+    loss, grads, m = jax.jit(make_grad_fn(MODEL, lc))(host_params, None, fields, jnp.int32(0))
+    np.testing.assert_allclose(float(loss), -0.5, rtol=1e-5)
+    np.testing.assert_allclose(float(m["ratio_max"]), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(m["logprob_gap_max"]), np.log(2.0), rtol=1e-5)
+    assert float(m["kl"]) == 0.0 and float(m["clip_frac"]) == 0.0
