@@ -158,3 +158,15 @@ def test_colocated_publish_survives_learner_donation():
     for got, want in zip(jax.tree.leaves(out.params), jax.tree.leaves(raw), strict=True):
         assert not got.is_deleted()
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_publish_copies_device_to_device():
+    # With the staging reshard, the final copy is a device-to-device transfer:
+    # forbidding explicit D2D transfers makes publish fail. (JAX's direct
+    # cross-mesh device_put of the learner layout does not go through the D2D
+    # path and passes this guard: checked on jax 0.10.2.)
+    learner, gen = _meshes()
+    _, params = _params(learner)
+    with jax.transfer_guard_device_to_device("disallow_explicit"):
+        with pytest.raises(Exception, match="Disallowed device-to-device transfer"):
+            jax.block_until_ready(publish(params, _gen_shardings(gen), 1).params)
