@@ -270,3 +270,23 @@ def test_overlong_prompt_raises_named_error(params):
         check_request(engine, request(4, 10, 3, "t07_k20_p09"))
     with pytest.raises(ValueError, match="must be < max_target_length"):
         EngineConfig(max_concurrent_decodes=1, max_prefill_length=16, max_target_length=16)
+
+
+def test_tensor_parallel_engine_matches_single_device(params):
+    """Generator rules on a 2-way tensor mesh: the KV cache is split over kv heads,
+    numpy params are placed per the rules, and samples match the 1-device engine."""
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES
+
+    mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
+    cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=16, max_target_length=40)
+    engine = LlamaEngine(CFG, cfg, mesh=mesh, rules=GENERATOR_RULES)
+    state = engine.init_decode_state()
+    assert tuple(state.cache.k_lbskh.sharding.spec) == (None, None, None, "tensor", None)
+    reqs = [request(i, 5 + i, 8) for i in range(3)]
+    host_params = jax.tree.map(np.asarray, params)
+    got = run_requests(engine, host_params, reqs, policy_version=0, eos_id=NO_EOS)
+    want = run_requests(engine_for("t1"), params, reqs, policy_version=0, eos_id=NO_EOS)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.response_tokens, w.response_tokens)
+        np.testing.assert_allclose(g.behaviour_logprobs, w.behaviour_logprobs, atol=1e-5)

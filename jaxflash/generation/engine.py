@@ -39,7 +39,6 @@ once; ``trace_counts`` counts traces so tests can assert it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -47,119 +46,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, tokenizer_pb2
 
+from jaxflash.generation.engine_state import (
+    LOGP_COLUMN,
+    DecodeState,
+    EngineConfig,
+    Prefix,
+    empty_decode_state,
+    result_logprobs,
+    state_shardings,
+)
 from jaxflash.generation.jetstream_compat import JetStreamTokenizer
 from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, init_kv_cache
-from jaxflash.models.llama import forward, unembed
+from jaxflash.models.llama import abstract_params, forward, logical_axes, unembed
 from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.types import SamplingParams
+from jaxflash.sharding.rules import Rules, logical_to_shardings
 
-LOGP_COLUMN = 3  # column of ResultTokens.data holding the float32 logprob bits
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Static shape and sampling choices of one engine (one compile each).
-
-    Attributes:
-      max_concurrent_decodes: B, decode slots.
-      max_prefill_length: longest prompt in tokens; prompts are padded to
-        power-of-two buckets between ``min_prefill_bucket`` and this.
-      max_target_length: S, cache positions per slot = longest prompt + response.
-      temperature, top_k, top_p: the sampling distribution (see
-        ``jaxflash.algorithms.distributions``); fixed per engine.
-      greedy: take the argmax instead of sampling (logprobs still under T/k/p).
-      min_prefill_bucket: smallest prefill bucket in tokens.
-    """
-
-    max_concurrent_decodes: int
-    max_prefill_length: int
-    max_target_length: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    min_prefill_bucket: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("max_concurrent_decodes", "max_prefill_length", "min_prefill_bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.max_prefill_length < self.max_target_length:
-            raise ValueError(
-                f"EngineConfig.max_prefill_length={self.max_prefill_length} must be < "
-                f"max_target_length={self.max_target_length} (room for a response)"
-            )
-        # SamplingParams validates temperature / top_k / top_p with named errors.
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
-    def matches(self, sampling: SamplingParams) -> bool:
-        """Whether a request's distribution is the one this engine samples from."""
-        return (sampling.temperature, sampling.top_k, sampling.top_p) == (
-            self.temperature,
-            self.top_k,
-            self.top_p,
-        )
-
-
-@struct.dataclass
-class Prefix:
-    """A prefilled prompt (batch of one), ready to ``insert`` into a slot.
-
-    Attributes:
-      cache: KVCache [L, 1, bucket, K, H] of the prompt (pad positions hold junk
-        that is overwritten before any query can see it).
-      true_length: int32 [] prompt length P.
-      first_token: int32 [] first response token, sampled at position P-1.
-      first_logp: float32 [] its log q.
-      seed, prompt_id, sample_index: int32 [] RNG identity of the sample.
-    """
-
-    cache: KVCache
-    true_length: jax.Array
-    first_token: jax.Array
-    first_logp: jax.Array
-    seed: jax.Array
-    prompt_id: jax.Array
-    sample_index: jax.Array
-
-
-@struct.dataclass
-class DecodeState:
-    """Everything ``generate`` transforms; one row per slot.
-
-    Attributes:
-      cache: KVCache [L, B, S, K, H].
-      next_token_b: int32 [B] last sampled token, fed at the next step.
-      next_logp_b: float32 [B] its log q.
-      pos_b: int32 [B] position ``next_token_b`` occupies.
-      token_index_b: int32 [B] response index of the token the next step samples.
-      seed_b, prompt_id_b, sample_index_b: int32 [B] RNG identity per slot.
-      length_b: int32 [B] tokens emitted through ResultTokens so far.
-      pending_b: bool [B] the prefill token still has to be emitted.
-    """
-
-    cache: KVCache
-    next_token_b: jax.Array
-    next_logp_b: jax.Array
-    pos_b: jax.Array
-    token_index_b: jax.Array
-    seed_b: jax.Array
-    prompt_id_b: jax.Array
-    sample_index_b: jax.Array
-    length_b: jax.Array
-    pending_b: jax.Array
-
-
-def result_logprobs(result: engine_api.ResultTokens) -> np.ndarray:
-    """float32 [B] logprobs of the tokens in a ``generate`` result (host copy)."""
-    data = np.asarray(result.data)
-    return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
+__all__ = ["LOGP_COLUMN", "DecodeState", "EngineConfig", "LlamaEngine", "Prefix", "result_logprobs"]
 
 
 class LlamaEngine(engine_api.Engine):
@@ -169,8 +76,10 @@ class LlamaEngine(engine_api.Engine):
       model_config: the decoder's ``ModelConfig``.
       config: slots, lengths and sampling (``EngineConfig``).
       mesh: devices the engine runs on; default a one-device mesh on
-        ``jax.devices()[0]``. Arrays are replicated on it (tensor-parallel
-        generation rules are future work).
+        ``jax.devices()[0]``.
+      rules: logical-axis rules (e.g. ``jaxflash.sharding.rules.GENERATOR_RULES``)
+        for the KV cache and for params that arrive unplaced; None replicates
+        everything on the mesh. Params already on the mesh keep their sharding.
       tokenizer: optional object with ``encode``, ``decode``, ``eos_id``,
         ``pad_id`` (``jaxflash.models.tokenizer.Tokenizer``); needed only to
         serve text through JetStream's Driver.
@@ -187,6 +96,7 @@ class LlamaEngine(engine_api.Engine):
         config: EngineConfig,
         *,
         mesh: Mesh | None = None,
+        rules: Rules | None = None,
         tokenizer: Any = None,
         load_params_fn: Callable[[], Any] | None = None,
     ):
@@ -203,10 +113,23 @@ class LlamaEngine(engine_api.Engine):
         self._load_params_fn = load_params_fn
         self._auto_prompt_id = itertools.count()  # for requests without an identity
         self.trace_counts: collections.Counter[str] = collections.Counter()
-        self._prefill_jit = jax.jit(self._prefill_impl)
-        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
-        self._init_jit = jax.jit(self._empty_state, out_shardings=self._replicated)
+        self._param_shardings = (
+            None
+            if rules is None
+            else logical_to_shardings(
+                logical_axes(model_config), self._mesh, rules, shapes=abstract_params(model_config)
+            )
+        )
+        state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
+        rep = self._replicated
+        self._prefill_jit = jax.jit(self._prefill_impl, out_shardings=self._prefix_shardings)
+        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_sh)
+        self._generate_jit = jax.jit(
+            self._generate_impl, donate_argnums=(1,), out_shardings=(state_sh, rep)
+        )
+        self._init_jit = jax.jit(
+            lambda: empty_decode_state(model_config, config), out_shardings=state_sh
+        )
 
     # ---------------------------------------------------------------- prefill
 
@@ -429,30 +352,6 @@ class LlamaEngine(engine_api.Engine):
         # donate the state, and XLA refuses to donate one buffer twice.
         return self._init_jit()
 
-    def _empty_state(self) -> DecodeState:
-        B, S = self.config.max_concurrent_decodes, self.config.max_target_length
-        c = self.model_config
-        shape = (c.n_layers, B, S, c.n_kv_heads, c.head_dim)
-
-        def zeros_b(dtype=jnp.int32):
-            return jnp.zeros((B,), dtype)
-
-        return DecodeState(
-            cache=KVCache(
-                k_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
-                v_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
-            ),
-            next_token_b=zeros_b(),
-            next_logp_b=zeros_b(jnp.float32),
-            pos_b=zeros_b(),
-            token_index_b=zeros_b(),
-            seed_b=zeros_b(),
-            prompt_id_b=zeros_b(),
-            sample_index_b=zeros_b(),
-            length_b=zeros_b(),
-            pending_b=zeros_b(bool),
-        )
-
     def load_params(self, *args, **kwargs) -> Any:
         """Params from ``load_params_fn``, placed on the engine's mesh.
 
@@ -468,20 +367,23 @@ class LlamaEngine(engine_api.Engine):
         """Put params on the engine's mesh.
 
         Leaves that are already jax arrays on exactly the mesh's devices keep
-        their sharding (e.g. tensor-parallel generator shardings from sync);
-        anything else (numpy, other devices) is placed replicated.
+        their sharding (e.g. generator shardings from ``sync``); anything else
+        (numpy, other devices) gets the ``rules`` sharding, or is replicated.
         """
         devices = set(self._mesh.devices.flat)
 
-        def place(leaf):
+        def place(leaf, sharding):
             if isinstance(leaf, jax.Array) and set(leaf.sharding.device_set) == devices:
                 return leaf
-            return jax.device_put(leaf, self._replicated)
+            return jax.device_put(leaf, sharding)
 
-        return jax.tree.map(place, params)
+        if self._param_shardings is None:
+            return jax.tree.map(lambda leaf: place(leaf, self._replicated), params)
+        return jax.tree.map(place, params, self._param_shardings)
 
     def get_prefix_destination_sharding(self) -> Any:
-        return self._replicated
+        """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""
+        return self._prefix_shardings
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
         """Placeholder metadata: ``build_tokenizer`` wraps the engine's own tokenizer."""

@@ -1,0 +1,186 @@
+"""Static configuration and device-state types of ``LlamaEngine``.
+
+``EngineConfig`` (slots, lengths, sampling), ``Prefix`` (a prefilled prompt),
+``DecodeState`` (all slots), their sharding on a generation mesh, and the
+layout of the ``ResultTokens`` that ``generate`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jetstream.engine import engine_api
+
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.kv_cache import KV_CACHE_LOGICAL_AXES, KVCache
+from jaxflash.sharding.rules import Rules, logical_to_spec
+from jaxflash.types import SamplingParams
+
+LOGP_COLUMN = 3  # column of ResultTokens.data holding the float32 logprob bits
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Static shape and sampling choices of one engine (one compile each).
+
+    Attributes:
+      max_concurrent_decodes: B, decode slots.
+      max_prefill_length: longest prompt in tokens; prompts are padded to
+        power-of-two buckets between ``min_prefill_bucket`` and this.
+      max_target_length: S, cache positions per slot = longest prompt + response.
+      temperature, top_k, top_p: the sampling distribution (see
+        ``jaxflash.algorithms.distributions``); fixed per engine.
+      greedy: take the argmax instead of sampling (logprobs still under T/k/p).
+      min_prefill_bucket: smallest prefill bucket in tokens.
+    """
+
+    max_concurrent_decodes: int
+    max_prefill_length: int
+    max_target_length: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    min_prefill_bucket: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_decodes", "max_prefill_length", "min_prefill_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_prefill_length < self.max_target_length:
+            raise ValueError(
+                f"EngineConfig.max_prefill_length={self.max_prefill_length} must be < "
+                f"max_target_length={self.max_target_length} (room for a response)"
+            )
+        # SamplingParams validates temperature / top_k / top_p with named errors.
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def matches(self, sampling: SamplingParams) -> bool:
+        """Whether a request's distribution is the one this engine samples from."""
+        return (sampling.temperature, sampling.top_k, sampling.top_p) == (
+            self.temperature,
+            self.top_k,
+            self.top_p,
+        )
+
+
+@struct.dataclass
+class Prefix:
+    """A prefilled prompt (batch of one), ready to ``insert`` into a slot.
+
+    Attributes:
+      cache: KVCache [L, 1, bucket, K, H] of the prompt (pad positions hold junk
+        that is overwritten before any query can see it).
+      true_length: int32 [] prompt length P.
+      first_token: int32 [] first response token, sampled at position P-1.
+      first_logp: float32 [] its log q.
+      seed, prompt_id, sample_index: int32 [] RNG identity of the sample.
+    """
+
+    cache: KVCache
+    true_length: jax.Array
+    first_token: jax.Array
+    first_logp: jax.Array
+    seed: jax.Array
+    prompt_id: jax.Array
+    sample_index: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything ``generate`` transforms; one row per slot.
+
+    Attributes:
+      cache: KVCache [L, B, S, K, H].
+      next_token_b: int32 [B] last sampled token, fed at the next step.
+      next_logp_b: float32 [B] its log q.
+      pos_b: int32 [B] position ``next_token_b`` occupies.
+      token_index_b: int32 [B] response index of the token the next step samples.
+      seed_b, prompt_id_b, sample_index_b: int32 [B] RNG identity per slot.
+      length_b: int32 [B] tokens emitted through ResultTokens so far.
+      pending_b: bool [B] the prefill token still has to be emitted.
+    """
+
+    cache: KVCache
+    next_token_b: jax.Array
+    next_logp_b: jax.Array
+    pos_b: jax.Array
+    token_index_b: jax.Array
+    seed_b: jax.Array
+    prompt_id_b: jax.Array
+    sample_index_b: jax.Array
+    length_b: jax.Array
+    pending_b: jax.Array
+
+
+def result_logprobs(result: engine_api.ResultTokens) -> np.ndarray:
+    """float32 [B] logprobs of the tokens in a ``generate`` result (host copy)."""
+    data = np.asarray(result.data)
+    return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
+
+
+def state_shardings(
+    model_config: ModelConfig, config: EngineConfig, mesh: Mesh, rules: Rules | None
+) -> tuple[DecodeState, Prefix]:
+    """Shardings of the decode state and of a Prefix on ``mesh``.
+
+    KV caches follow ``rules`` through ``KV_CACHE_LOGICAL_AXES`` (e.g. kv heads
+    over "tensor" with ``GENERATOR_RULES``; dims that do not divide stay
+    replicated); per-slot vectors and scalars are replicated. Without rules
+    everything is replicated.
+
+    Returns:
+      (DecodeState of NamedShardings, Prefix of NamedShardings).
+    """
+    rep = NamedSharding(mesh, PartitionSpec())
+    c = model_config
+
+    def cache_sharding(batch: int, length: int) -> NamedSharding:
+        if rules is None:
+            return rep
+        shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
+        return NamedSharding(mesh, logical_to_spec(KV_CACHE_LOGICAL_AXES, mesh, rules, shape))
+
+    big = cache_sharding(config.max_concurrent_decodes, config.max_target_length)
+    one = cache_sharding(1, config.max_prefill_length)
+    names = [f.name for f in dataclasses.fields(DecodeState) if f.name != "cache"]
+    decode = DecodeState(cache=KVCache(big, big), **{n: rep for n in names})
+    names = [f.name for f in dataclasses.fields(Prefix) if f.name != "cache"]
+    prefix = Prefix(cache=KVCache(one, one), **{n: rep for n in names})
+    return decode, prefix
+
+
+def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> DecodeState:
+    """All slots idle: zero cache [L, B, S, K, H] and zero per-slot vectors.
+
+    Call it under jit (``LlamaEngine.init_decode_state`` does) so that every
+    field is its own buffer: ``generate`` and ``insert`` donate the state, and
+    XLA refuses to donate one buffer twice.
+    """
+    B, S = config.max_concurrent_decodes, config.max_target_length
+    c = model_config
+    shape = (c.n_layers, B, S, c.n_kv_heads, c.head_dim)
+
+    def zeros_b(dtype=jnp.int32):
+        return jnp.zeros((B,), dtype)
+
+    return DecodeState(
+        cache=KVCache(
+            k_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
+            v_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
+        ),
+        next_token_b=zeros_b(),
+        next_logp_b=zeros_b(jnp.float32),
+        pos_b=zeros_b(),
+        token_index_b=zeros_b(),
+        seed_b=zeros_b(),
+        prompt_id_b=zeros_b(),
+        sample_index_b=zeros_b(),
+        length_b=zeros_b(),
+        pending_b=zeros_b(bool),
+    )
