@@ -45,6 +45,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.ops = "+-*"
     c.data.max_prompt_tokens = 64  # longer prompts are failed (counted), not truncated
     c.data.eval_size = 64  # held-out prompts scored at each evaluation
+    c.data.prompt_key = "prompt"  # task=file: field names (dotted for nested fields)
+    c.data.answer_key = "answer"
+    c.data.answer_marker = ""  # e.g. "####" for GSM8K: the answer follows its last occurrence
+    c.data.on_error = "fail"  # malformed row: fail that prompt (counted) | raise
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.prompts_per_step = 8  # B: prompts per learner step
@@ -61,6 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.filter_zero_variance = False  # drop groups whose rewards are all equal
 
     c.reward = ml_collections.ConfigDict()
+    c.reward.fn = "math"  # or "package.module:attr", a picklable (response, answer) -> RewardResult
     c.reward.answer_weight = 1.0  # Math-Verify answer correctness
     c.reward.format_weight = 0.0  # format reward (answer given in the requested form)
     c.reward.num_workers = 2  # reward processes

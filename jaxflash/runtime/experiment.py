@@ -76,6 +76,10 @@ class DataSpec:
     ops: str = "+-*"
     max_prompt_tokens: int = 64
     eval_size: int = 64
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    answer_marker: str = ""
+    on_error: str = "fail"
 
     def __post_init__(self) -> None:
         _check(
@@ -88,6 +92,10 @@ class DataSpec:
             f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}",
         )
         _check(self.eval_size >= 0, f"data.eval_size must be >= 0, got {self.eval_size}")
+        _check(
+            self.on_error in ("fail", "raise"),
+            f"data.on_error must be fail | raise, got {self.on_error!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +128,9 @@ class RolloutSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSpec:
+    """Reward: Math-Verify answer (+ format), or any picklable "module:attr" callable."""
+
+    fn: str = "math"
     answer_weight: float = 1.0
     format_weight: float = 0.0
     num_workers: int = 2

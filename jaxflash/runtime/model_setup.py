@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -15,7 +16,7 @@ from jaxflash.models.config import ModelConfig, get_preset
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
-from jaxflash.rewards.base import CombinedReward, combined
+from jaxflash.rewards.base import combined
 from jaxflash.runtime.experiment import DataSpec, ExperimentConfig, MeshSpec, ModelSpec, RolloutSpec
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.types import Prompt
@@ -84,7 +85,15 @@ def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prom
         train_rows: Any = train.row
         eval_rows: Any = held_out.rows(0, d.eval_size)
     else:
-        rows = load_rows(d.path)
+        # on_error="fail": a malformed row becomes a prompt failed with its file:line
+        # (counted by the ledger) instead of stopping the run.
+        rows = load_rows(
+            d.path,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            answer_marker=d.answer_marker or None,
+            on_error="skip" if d.on_error == "fail" else "raise",
+        )
         n_eval = min(d.eval_size, len(rows) // 10)  # hold out at most 10 % of a file
         train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
     eval_source = PromptSource(eval_rows, tokenizer, max_prompt_tokens=d.max_prompt_tokens)
@@ -92,8 +101,20 @@ def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prom
     return train_rows, eval_prompts
 
 
-def make_reward(spec: Any) -> CombinedReward:
-    """Weighted Math-Verify answer reward (+ optional format reward)."""
+def make_reward(spec: Any) -> Any:
+    """Weighted Math-Verify answer reward (+ optional format reward), or ``spec.fn``.
+
+    ``spec.fn`` is "math" or a "package.module:attr" path to a picklable reward
+    callable ``(response_text, answer) -> RewardResult`` (it runs in worker processes).
+
+    Raises:
+      ValueError: a malformed path; ImportError / AttributeError: it does not resolve.
+    """
+    if spec.fn != "math":
+        module_name, sep, attr = spec.fn.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"reward.fn must be 'math' or 'module:attr', got {spec.fn!r}")
+        return getattr(importlib.import_module(module_name), attr)
     weights = {"math": spec.answer_weight}
     if spec.format_weight:
         weights["format_any"] = spec.format_weight

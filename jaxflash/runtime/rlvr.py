@@ -124,7 +124,11 @@ def run(exp: ExperimentConfig, *, workdir: str) -> dict[str, Any]:
     # ------------------------------------------------------------ data + rewards
     train_rows, eval_prompts_source = make_datasets(exp, tokenizer)
     source = PromptSource(
-        train_rows, tokenizer, max_prompt_tokens=exp.data.max_prompt_tokens, start=meta.data_cursor
+        train_rows,
+        tokenizer,
+        max_prompt_tokens=exp.data.max_prompt_tokens,
+        start=meta.data_cursor,
+        cycle=not callable(train_rows),  # a file is read in epochs; ids keep growing
     )
     eval_prompts = eval_prompts_source
     reward_pool = RewardPool(
@@ -168,6 +172,8 @@ def run(exp: ExperimentConfig, *, workdir: str) -> dict[str, Any]:
             groups, dropped = buffer.take(B, learner_version=version, async_ratio=0)
             for d in dropped:
                 ledger.close(d.prompt_id, d.outcome, d.reason)
+                if d.outcome == PromptOutcome.FAILED:
+                    print(f"failed: {d.detail or d.reason}", flush=True)
             writer.write_rollouts([{**row, "learner_step": version + 1} for row in rnd.rows])
             if not groups:
                 empty_rounds += 1
@@ -228,6 +234,7 @@ def run(exp: ExperimentConfig, *, workdir: str) -> dict[str, Any]:
                 "round_time_s": time.monotonic() - t_round,
                 "policy_version": version,
                 **ledger.metrics(),
+                "prompt_outcomes": ledger.outcomes,
             }
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(

@@ -154,7 +154,7 @@ def rollout_round(
                 "answer": prompts[s.prompt_id].answer,
                 "response": s.response_text,
                 "reward": s.reward,
-                "correct": s.reward_info["components"].get("math"),
+                "correct": _correct(s),
                 "reward_error": s.reward_info["error"],
                 "finish_reason": str(s.finish_reason),
                 "start_version": s.start_version,
@@ -164,6 +164,12 @@ def rollout_round(
             }
         )
     return RoundResult(samples=samples, metrics=_round_metrics(samples, stats, gen_s), rows=rows)
+
+
+def _correct(sample: Sample) -> float:
+    """Answer correctness: the Math-Verify component, else reward >= 1 for custom rewards."""
+    components = sample.reward_info.get("components", {})
+    return float(components.get("math", float(sample.reward is not None and sample.reward >= 1.0)))
 
 
 def _round_metrics(samples: list[Sample], stats: SlotStats, gen_s: float) -> dict[str, float]:

@@ -1,0 +1,104 @@
+"""End-to-end runs of the synchronous loop on a tiny random model (real tokenizer).
+
+Bad input must end as counted failures naming the input, never as a crash or a
+silent drop: a malformed dataset row, a prompt longer than the limit, a reward
+function that raises and one that hangs.
+"""
+
+import json
+
+import pytest
+
+from configs import smoke
+from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.rlvr import run
+
+
+def _rows(tmp_path):
+    path = tmp_path / "data.jsonl"
+    lines = [
+        json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}),
+        "{this is not json",
+        json.dumps({"prompt": "What is 2 + 2?"}),  # no answer
+        json.dumps({"prompt": "word " * 200, "answer": "4"}),  # over-long prompt
+        json.dumps({"prompt": "What is 3 + 3?", "answer": "raise"}),
+        json.dumps({"prompt": "What is 4 + 4?", "answer": "hang"}),
+        json.dumps({"prompt": "What is 5 + 5?", "answer": "10"}),
+        json.dumps({"prompt": "What is 6 + 6?", "answer": "12"}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(tmp_path, total_steps=2, **overrides):
+    c = smoke.get_config()
+    c.total_steps = total_steps
+    c.data.task = "file"
+    c.data.path = str(_rows(tmp_path))
+    c.data.eval_size = 0
+    c.data.max_prompt_tokens = 48
+    c.rollout.prompts_per_step = 8
+    c.rollout.group_size = 2
+    c.reward.fn = "tests.reward_fixtures:flaky_reward"
+    c.reward.timeout_s = 2.0
+    c.reward.num_workers = 2
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        c[section][field] = value
+    return ExperimentConfig.from_config_dict(c)
+
+
+@pytest.mark.timeout(600)
+def test_bad_input_is_counted_not_lost(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    metrics = run(_config(tmp_path), workdir=str(workdir))
+    rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    last = rows[-1]
+    # Each step takes 8 prompts: 16 in all, none left in flight.
+    assert last["prompts_taken"] == 16
+    assert last["prompts_in_flight"] == 0
+    assert (
+        last["prompts_trained"]
+        + last["prompts_failed"]
+        + last["prompts_filtered"]
+        + last["prompts_stale"]
+        == 16
+    )
+    # Per epoch of 8 rows: malformed JSON, missing answer, over-long, raise, hang fail.
+    assert last["prompts_failed"] == 10
+    assert last["prompts_trained"] == 6
+    failed = last["prompt_outcomes"]["failed"]
+    assert sum(failed.values()) == 10
+    out = capsys.readouterr().out
+    assert "data.jsonl:2" in out and "bad JSON" in out  # names file and line
+    assert "data.jsonl:3" in out and "answer" in out
+    assert "prompt 3" in out and "48" in out  # over-long prompt: id and limit
+    assert "reward backend exploded" in out
+    assert "timeout" in out
+    assert metrics["policy_version"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_keeps_counters_and_cursor(tmp_path):
+    workdir = str(tmp_path / "run")
+    run(_config(tmp_path, **{"reward.fn": "math"}), workdir=workdir)
+    first = [json.loads(x) for x in open(f"{workdir}/metrics.jsonl")]
+    # Same workdir, more steps: resumes after step 2 with the ledger and data cursor.
+    last = run(_config(tmp_path, total_steps=3, **{"reward.fn": "math"}), workdir=workdir)
+    rows = [json.loads(x) for x in open(f"{workdir}/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[:2] == first
+    assert last["prompts_taken"] == 24
+    assert last["policy_version"] == 3
+    rollouts = [json.loads(x) for x in open(f"{workdir}/rollouts.jsonl")]
+    # The third step read rows 16..23 of the cycled file: prompt ids continue.
+    # Rows 17-19 (malformed, no answer, over-long) never reach generation.
+    assert sorted({r["prompt_id"] for r in rollouts if r["learner_step"] == 3}) == [
+        16,
+        20,
+        21,
+        22,
+        23,
+    ]
