@@ -3,7 +3,8 @@
     python launch/tpu_pod.py --config configs/smoke.py --workdir runs/smoke
 
 About a minute on 2 CPU cores. Same code path as the real job; the model is
-random, so rewards are ~0 — it checks plumbing, not learning.
+random, so it is rewarded for emitting digits (a toy reward with a learning
+signal) — it checks plumbing, not arithmetic.
 """
 
 import ml_collections
@@ -27,4 +28,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.micro_batch_size = 4
     c.learner.lr = 1e-3
     c.eval.every = 2
+    # A random model never solves arithmetic: a dense toy reward gives GRPO a signal.
+    c.reward.fn = "digit_fraction"
     return c

@@ -1,10 +1,11 @@
 """jaxflash.rewards: scoring responses (layer 1).
 
 Importing the package fills the `REWARD_FNS` registry: "math" (answer
-correctness on Math-Verify), "format_boxed", "format_answer_is", "format_any".
+correctness on Math-Verify), "format_boxed", "format_answer_is", "format_any",
+"digit_fraction" (a toy reward for smoke runs).
 """
 
-from jaxflash.rewards import format, math_reward  # noqa: F401  (fill the registry)
+from jaxflash.rewards import format, math_reward, toy  # noqa: F401  (fill the registry)
 from jaxflash.rewards.base import (
     REWARD_FNS,
     CombinedReward,

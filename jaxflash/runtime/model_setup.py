@@ -16,7 +16,7 @@ from jaxflash.models.config import ModelConfig, get_preset
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
-from jaxflash.rewards.base import combined
+from jaxflash.rewards.base import REWARD_FNS, combined
 from jaxflash.runtime.experiment import DataSpec, ExperimentConfig, MeshSpec, ModelSpec, RolloutSpec
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.types import Prompt
@@ -104,16 +104,22 @@ def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prom
 def make_reward(spec: Any) -> Any:
     """Weighted Math-Verify answer reward (+ optional format reward), or ``spec.fn``.
 
-    ``spec.fn`` is "math" or a "package.module:attr" path to a picklable reward
+    ``spec.fn`` is "math", another registered name (``REWARD_FNS``) or a
+    "package.module:attr" path to a picklable reward
     callable ``(response_text, answer) -> RewardResult`` (it runs in worker processes).
 
     Raises:
       ValueError: a malformed path; ImportError / AttributeError: it does not resolve.
     """
+    if spec.fn in REWARD_FNS and spec.fn != "math":
+        return spec.fn  # a registered name; workers resolve it from the registry
     if spec.fn != "math":
         module_name, sep, attr = spec.fn.partition(":")
         if not sep or not module_name or not attr:
-            raise ValueError(f"reward.fn must be 'math' or 'module:attr', got {spec.fn!r}")
+            raise ValueError(
+                f"reward.fn must be a registered name {sorted(REWARD_FNS)} or "
+                f"'module:attr', got {spec.fn!r}"
+            )
         return getattr(importlib.import_module(module_name), attr)
     weights = {"math": spec.answer_weight}
     if spec.format_weight:
