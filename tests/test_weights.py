@@ -104,6 +104,58 @@ def test_config_from_gguf_metadata():
         config_from_gguf_metadata({**fields, "llama.rope.dimension_count": 32})
 
 
+def _write_tiny_gguf(path, config, params):
+    """A float32 llama GGUF written the way llama.cpp's converter writes one (q/k permuted)."""
+    import gguf
+
+    c, lay = config, params["layers"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.d_ff)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tensor("token_embd.weight", params["embed_vd"])
+    w.add_tensor("output_norm.weight", params["final_norm_d"])
+    for i in range(c.n_layers):
+        q_od = lay["w_q_ldnh"][i].reshape(c.d_model, -1).T  # HF (out, in)
+        k_od = lay["w_k_ldkh"][i].reshape(c.d_model, -1).T
+        tensors = {
+            "attn_norm": lay["attn_norm_ld"][i],
+            "ffn_norm": lay["mlp_norm_ld"][i],
+            "attn_q": _llama_cpp_permute(q_od, c.n_heads),
+            "attn_k": _llama_cpp_permute(k_od, c.n_kv_heads),
+            "attn_v": lay["w_v_ldkh"][i].reshape(c.d_model, -1).T,
+            "attn_output": lay["w_o_lnhd"][i].reshape(-1, c.d_model).T,
+            "ffn_gate": lay["w_gate_ldf"][i].T,
+            "ffn_up": lay["w_up_ldf"][i].T,
+            "ffn_down": lay["w_down_lfd"][i].T,
+        }
+        for name, x in tensors.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_load_gguf_tiny_exact(tmp_path):
+    config = get_preset("tiny", logits_chunk=256)
+    params = jax.tree.map(np.asarray, llama.init_params(config, seed=4))
+    _write_tiny_gguf(tmp_path / "tiny.gguf", config, params)
+    loaded_config, loaded = load_gguf(tmp_path / "tiny.gguf")
+    assert loaded_config == config
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        load_gguf(tmp_path / "missing.gguf")
+
+
 # ----------------------------------------------------------------------------- HF round trip
 
 

@@ -29,20 +29,20 @@ from jaxflash.models.params import Params
 _SUPPORTED_ARCHS = ("llama", "qwen2")
 # GGUF tensor name (per block) -> (our name, kind); kinds say how to reshape.
 _BLOCK_TENSORS = {
-    "attn_norm.weight": ("attn_norm_ld", "vector"),
-    "ffn_norm.weight": ("mlp_norm_ld", "vector"),
+    "attn_norm.weight": ("attn_norm_ld", "norm"),
+    "ffn_norm.weight": ("mlp_norm_ld", "norm"),
     "attn_q.weight": ("w_q_ldnh", "q"),
-    "attn_k.weight": ("w_k_ldkh", "kv"),
-    "attn_v.weight": ("w_v_ldkh", "kv"),
+    "attn_k.weight": ("w_k_ldkh", "k"),
+    "attn_v.weight": ("w_v_ldkh", "v"),
     "attn_output.weight": ("w_o_lnhd", "o"),
-    "ffn_gate.weight": ("w_gate_ldf", "in_out"),
-    "ffn_up.weight": ("w_up_ldf", "in_out"),
-    "ffn_down.weight": ("w_down_lfd", "in_out"),
+    "ffn_gate.weight": ("w_gate_ldf", "ffn"),
+    "ffn_up.weight": ("w_up_ldf", "ffn"),
+    "ffn_down.weight": ("w_down_lfd", "ffn"),
 }
 _BIAS_TENSORS = {
     "attn_q.bias": ("b_q_lnh", "q"),
-    "attn_k.bias": ("b_k_lkh", "kv"),
-    "attn_v.bias": ("b_v_lkh", "kv"),
+    "attn_k.bias": ("b_k_lkh", "k"),
+    "attn_v.bias": ("b_v_lkh", "v"),
 }
 
 
@@ -136,6 +136,8 @@ def config_from_gguf_metadata(fields: dict[str, Any], *, path: str = "<gguf>") -
         raise ValueError(f"load_gguf: {path}: RoPE scaling {scaling!r} is not supported")
     vocab = fields.get(f"{arch}.vocab_size")
     if vocab is None:
+        if "tokenizer.ggml.tokens" not in fields:
+            raise ValueError(f"load_gguf: {path}: neither {arch}.vocab_size nor a vocabulary")
         vocab = len(fields["tokenizer.ggml.tokens"])
     return ModelConfig(
         vocab_size=int(vocab),
@@ -180,7 +182,8 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
     fields: dict[str, Any] = {
         k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
     }
-    fields["tokenizer.ggml.tokens"] = reader.fields["tokenizer.ggml.tokens"].contents()
+    if "tokenizer.ggml.tokens" in reader.fields:  # vocab size fallback only
+        fields["tokenizer.ggml.tokens"] = reader.fields["tokenizer.ggml.tokens"].contents()
     fields["__tensor_names__"] = frozenset(tensors)
     config = config_from_gguf_metadata(fields, path=path)
     c = config
@@ -198,33 +201,33 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
             )
         return w
 
-    def block(i: int, suffix: str, our: str, kind: str) -> np.ndarray:
-        name = f"blk.{i}.{suffix}"
-        n_out = {"q": c.n_heads, "kv": c.n_kv_heads}.get(kind, 0) * c.head_dim
-        if our.startswith("b_"):  # bias [out] -> [heads, H]
-            b = matrix(name, (n_out,))
-            b = (
-                unpermute_qk_rows(b, c.n_heads if kind == "q" else c.n_kv_heads)
-                if (permute and our != "b_v_lkh")
-                else b
-            )
-            return b.reshape(-1, c.head_dim)
-        if kind == "vector":
+    heads = {"q": c.n_heads, "k": c.n_kv_heads, "v": c.n_kv_heads}
+
+    def block(i: int, suffix: str, kind: str) -> np.ndarray:
+        name, is_bias = f"blk.{i}.{suffix}", suffix.endswith(".bias")
+        if kind == "norm":
             return matrix(name, (c.d_model,))
-        if kind in ("q", "kv"):
-            w = matrix(name, (n_out, c.d_model))
-            if permute and our in ("w_q_ldnh", "w_k_ldkh"):
-                w = unpermute_qk_rows(w, c.n_heads if kind == "q" else c.n_kv_heads)
-            return w.T.reshape(c.d_model, -1, c.head_dim)  # (out, in) -> [D, heads, H]
-        if kind == "o":
+        if kind in heads:  # (heads*H, D) weight or (heads*H,) bias
+            rows = heads[kind] * c.head_dim
+            w = matrix(name, (rows,) if is_bias else (rows, c.d_model))
+            if permute and kind in ("q", "k"):
+                w = unpermute_qk_rows(w, heads[kind])
+            return (
+                w.reshape(heads[kind], c.head_dim)
+                if is_bias
+                else (w.T.reshape(c.d_model, heads[kind], c.head_dim))
+            )
+        if kind == "o":  # (D, N*H) -> [N, H, D]
             w = matrix(name, (c.d_model, c.n_heads * c.head_dim))
             return w.T.reshape(c.n_heads, c.head_dim, c.d_model)
-        out_dim, in_dim = (c.d_model, c.d_ff) if our == "w_down_lfd" else (c.d_ff, c.d_model)
-        return matrix(name, (out_dim, in_dim)).T  # [in, out]
+        out_dim, in_dim = (
+            (c.d_model, c.d_ff) if suffix.startswith("ffn_down") else (c.d_ff, c.d_model)
+        )
+        return matrix(name, (out_dim, in_dim)).T  # (out, in) -> [in, out]
 
     per_block = dict(_BLOCK_TENSORS, **(_BIAS_TENSORS if c.qkv_bias else {}))
     layers = {
-        our: np.stack([block(i, suffix, our, kind) for i in range(c.n_layers)])
+        our: np.stack([block(i, suffix, kind) for i in range(c.n_layers)])
         for suffix, (our, kind) in per_block.items()
     }
     params: Params = {
