@@ -269,3 +269,20 @@ def test_proximal_ratio_weights_by_behaviour_ratio(world):
     np.testing.assert_allclose(float(m["ratio_max"]), 1.0, rtol=1e-6)
     np.testing.assert_allclose(float(m["logprob_gap_max"]), np.log(2.0), rtol=1e-5)
     assert float(m["kl"]) == 0.0 and float(m["clip_frac"]) == 0.0
+
+
+@pytest.mark.slow
+def test_bfloat16_params_train_step_keeps_dtypes_and_compiles_once(world):
+    _, _, _, _, batch = world
+    mc = get_preset("tiny", n_layers=1, param_dtype="bfloat16", compute_dtype="bfloat16")
+    mesh = make_mesh(jax.devices()[:2], {"fsdp": 2})
+    lc = _learner_config(kl_coef=0.0, entropy_coef=0.0)
+    state = create_train_state(mc, lc, mesh, LEARNER_RULES, seed=0)
+    dtypes0 = [x.dtype for x in jax.tree.leaves(state)]
+    train_step = make_train_step(mc, lc, mesh, LEARNER_RULES)
+    for _ in range(2):
+        state, metrics = train_step(state, _copy(batch))
+    assert train_step.trace_count == 1
+    assert [x.dtype for x in jax.tree.leaves(state)] == dtypes0
+    assert state.params["embed_vd"].dtype == jnp.bfloat16
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0

@@ -137,8 +137,14 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
     return loss_fn
 
 
-def make_grad_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Callable:
+def make_grad_fn(
+    model_config: ModelConfig, learner_config: LearnerConfig, *, grad_shardings: Any = None
+) -> Callable:
     """Gradient of the whole batch, accumulated over micro-batches (not jitted).
+
+    Gradients accumulate in float32 (also for bfloat16 params), laid out per
+    ``grad_shardings`` (the params' shardings) when given, so the accumulator is
+    sharded like the params (FSDP) rather than wherever propagation puts it.
 
     Returns:
       ``grad_fn(params, ref_params, batch, version) -> (loss, grads, metrics)``
@@ -157,7 +163,7 @@ def make_grad_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             (loss, aux), grads = value_and_grad(
                 params, ref_params, mb, num_tokens, num_sequences, version
             )
-            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             aux_acc = {
                 k: (jnp.maximum if "_max" in k else jnp.minimum if "_min" in k else jnp.add)(
                     aux_acc[k], v
@@ -176,7 +182,9 @@ def make_grad_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             )
             for k, s in aux_shape.items()
         }
-        grads0 = jax.tree.map(jnp.zeros_like, params)
+        grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        if grad_shardings is not None:
+            grads0 = jax.lax.with_sharding_constraint(grads0, grad_shardings)
         (loss, grads, aux), _ = jax.lax.scan(
             body, (jnp.zeros((), jnp.float32), grads0, aux0), batch
         )
@@ -261,8 +269,8 @@ def make_train_step(
     """
     optimizer = make_optimizer(learner_config)
     schedule = make_schedule(learner_config)
-    grad_fn = make_grad_fn(model_config, learner_config)
     s_shard = state_shardings(model_config, learner_config, mesh, rules)
+    grad_fn = make_grad_fn(model_config, learner_config, grad_shardings=s_shard.params)
     b_shard = batch_sharding(mesh, rules, learner_config.micro_batch_size)
     replicated = NamedSharding(mesh, PartitionSpec())
     step_obj: TrainStep
@@ -270,11 +278,15 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         step_obj.trace_count += 1  # Python side effect: runs only while tracing
         loss, grads, metrics = grad_fn(state.params, state.ref_params, batch, state.step)
+        grad_norm = optax.tree.norm(grads)  # of the float32 accumulator
+        # Back to the params' dtype so optimizer state dtypes (and so the traced
+        # signature) stay fixed across steps for bfloat16 params.
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             **metrics,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": jnp.asarray(schedule(state.step), jnp.float32),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
