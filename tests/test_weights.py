@@ -364,6 +364,9 @@ def test_hf_export_matches_transformers(smollm2, tmp_path):
     )
     config, params, tok = smollm2
     save_hf(tmp_path, config, params, tokenizer=tok)
+    back_config, back = load_hf(tmp_path)  # our reader on a real-size export
+    assert back_config == config
+    jax.tree.map(np.testing.assert_array_equal, back, params)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
 
