@@ -322,7 +322,6 @@ def greedy_generate(config, params, prompts: list[list[int]], *, max_new: int, e
 def test_gguf_config_and_shapes(smollm2):
     config, params, _ = smollm2
     assert config == get_preset("smollm2_135m", max_seq_len=8192)
-    assert llama.abstract_params(config) is not None
     from jaxflash.models.params import check_params
 
     check_params(llama.abstract_params(config), params, what="load_gguf params")
