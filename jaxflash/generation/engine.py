@@ -180,7 +180,9 @@ class LlamaEngine(engine_api.Engine):
         """
         if existing_prefix is not None:
             raise NotImplementedError("LlamaEngine.prefill: existing_prefix is not supported")
-        tokens = np.asarray(padded_tokens).reshape(-1)
+        # Explicit copies both ways, so the engine runs under
+        # jax.transfer_guard("disallow") (implicit transfers are bugs there).
+        tokens = np.asarray(jax.device_get(padded_tokens)).reshape(-1)
         true_length = int(true_length)
         if true_length > tokens.shape[0]:
             raise ValueError(
@@ -192,6 +194,7 @@ class LlamaEngine(engine_api.Engine):
         if prompt_id is None:
             prompt_id = next(self._auto_prompt_id)
         ident = np.asarray([true_length, seed, prompt_id, sample_index], np.int32)
+        ids_1t, ident = jax.device_put((ids_1t, ident), self._replicated)
         return self._prefill_jit(params, ids_1t, ident)
 
     def _prefill_impl(self, params, ids_1t, ident_4):
@@ -254,7 +257,8 @@ class LlamaEngine(engine_api.Engine):
             raise ValueError(
                 f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
             )
-        return self._insert_jit(prefix, decode_state, np.int32(slot), np.bool_(emit_prefill_token))
+        slot_emit = jax.device_put((np.int32(slot), np.bool_(emit_prefill_token)), self._replicated)
+        return self._insert_jit(prefix, decode_state, *slot_emit)
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, emit):
         self.trace_counts[f"insert_{prefix.cache.k_lbskh.shape[2]}"] += 1

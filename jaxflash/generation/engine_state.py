@@ -118,9 +118,15 @@ class DecodeState:
     pending_b: jax.Array
 
 
-def result_logprobs(result: engine_api.ResultTokens) -> np.ndarray:
-    """float32 [B] logprobs of the tokens in a ``generate`` result (host copy)."""
-    data = np.asarray(result.data)
+def result_logprobs(result: engine_api.ResultTokens | np.ndarray) -> np.ndarray:
+    """float32 [B] logprobs of the tokens in a ``generate`` result.
+
+    Args:
+      result: the ResultTokens, or its ``data`` already copied to host
+        (int32 [B, 4]); a device array is copied with an explicit device_get.
+    """
+    data = result.data if isinstance(result, engine_api.ResultTokens) else result
+    data = np.asarray(jax.device_get(data))
     return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
 
 

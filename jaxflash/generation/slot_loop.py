@@ -221,8 +221,8 @@ class SlotBatcher:
         live = [s for s, r in enumerate(self._slots) if r is not None]
         if live:
             self._state, result = self.engine.generate(self._params, self._state)
-            data = np.asarray(result.data)  # one device-to-host copy per step
-            logp_b = result_logprobs(result)
+            data = jax.device_get(result.data)  # one explicit device-to-host copy per step
+            logp_b = result_logprobs(data)
             self.stats.steps += 1
             self.stats.slot_steps += len(self._slots)
             self.stats.live_slot_steps += len(live)
