@@ -64,6 +64,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, init_kv_cache
 from jaxflash.models.llama import abstract_params, forward, logical_axes, unembed
 from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
 __all__ = ["LOGP_COLUMN", "DecodeState", "EngineConfig", "LlamaEngine", "Prefix", "result_logprobs"]
@@ -75,8 +76,8 @@ class LlamaEngine(engine_api.Engine):
     Args:
       model_config: the decoder's ``ModelConfig``.
       config: slots, lengths and sampling (``EngineConfig``).
-      mesh: devices the engine runs on; default a one-device mesh on
-        ``jax.devices()[0]``.
+      mesh: devices the engine runs on; default ``make_mesh`` (data, fsdp,
+        tensor) over ``jax.devices()[0]``.
       rules: logical-axis rules (e.g. ``jaxflash.sharding.rules.GENERATOR_RULES``)
         for the KV cache and for params that arrive unplaced; None replicates
         everything on the mesh. Params already on the mesh keep their sharding.
@@ -107,7 +108,7 @@ class LlamaEngine(engine_api.Engine):
             )
         self.model_config = model_config
         self.config = config
-        self._mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]), ("tp",))
+        self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self.tokenizer = tokenizer
         self._load_params_fn = load_params_fn
