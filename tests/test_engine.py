@@ -343,3 +343,33 @@ def test_prefill_buckets_are_powers_of_two_capped_at_the_limit():
     assert got == {1: 16, 16: 16, 17: 32, 32: 32, 33: 48, 48: 48}
     with pytest.raises(ValueError, match="at least 1 token"):
         engine.prefill_bucket(0)
+
+
+@pytest.mark.parametrize("in_flight", ["continue", "restart"])
+def test_weight_update_in_flight_policies(params, in_flight):
+    """rl_pitfalls "Restart means restart": a sample with 2 tokens at version 2 gets
+    version-3 weights; continue -> versions [2, 2, 3, ...]; restart -> all 3, no old
+    prefix, identical to a fresh run under version 3."""
+    engine = engine_for("t1")
+    new_params = init_params(CFG, seed=1)
+    batcher = SlotBatcher(engine, params, policy_version=2, eos_id=NO_EOS)
+    batcher.add(request(8, 5, 6))
+    batcher.step()  # first token from prefill + one generated
+    batcher.set_params(new_params, 3, in_flight=in_flight)
+    done = []
+    while not batcher.idle:
+        done += batcher.step()
+    (sample,) = done
+    fresh = run_requests(engine, new_params, [request(8, 5, 6)], policy_version=3, eos_id=NO_EOS)
+    if in_flight == "continue":
+        assert list(sample.token_versions) == [2, 2, 3, 3, 3, 3] and sample.start_version == 2
+        assert batcher.stats.restarted == 0
+    else:
+        assert list(sample.token_versions) == [3] * 6 and sample.start_version == 3
+        assert batcher.stats.restarted == 1
+        np.testing.assert_array_equal(sample.response_tokens, fresh[0].response_tokens)
+        np.testing.assert_allclose(
+            sample.behaviour_logprobs, fresh[0].behaviour_logprobs, atol=1e-6
+        )
+    with pytest.raises(ValueError, match="in_flight must be"):
+        batcher.set_params(new_params, 3, in_flight="recompute")

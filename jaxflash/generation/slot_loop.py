@@ -48,6 +48,8 @@ class SlotStats:
         its slot (finished or aborted); a slot refilled at once has a fill with
         the same step count as its release.
       finished: samples returned, by finish reason.
+      restarted: running samples sent back to the queue by
+        ``set_params(..., in_flight="restart")``.
     """
 
     steps: int = 0
@@ -59,6 +61,7 @@ class SlotStats:
     slot_fills: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
     slot_releases: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    restarted: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -189,19 +192,45 @@ class SlotBatcher:
                 return self._finish(run, FinishReason.ABORTED)
         raise KeyError(f"SlotBatcher.abort: no queued or running request {key}")
 
-    def set_params(self, params: Any, policy_version: PolicyVersion) -> None:
+    def set_params(
+        self, params: Any, policy_version: PolicyVersion, *, in_flight: str = "continue"
+    ) -> None:
         """Use new weights from the next step on (no recompilation: same shapes).
 
+        Args:
+          params: new model params (same layout).
+          policy_version: their version; never lower than the current one.
+          in_flight: what running samples do. "continue" (partial rollout): keep
+            their KV cache and tokens; later tokens carry the new version, so a
+            sample's versions read e.g. [2, 2, 3, ...]. "restart": drop their
+            tokens and put them back at the front of the queue; they regenerate
+            from scratch (same RNG identity) under the new weights, every token
+            at the new version, counted in ``stats.restarted``.
+
         Raises:
-          ValueError: policy_version lower than the current one.
+          ValueError: policy_version lower than the current one, or an unknown
+            in_flight policy.
         """
         if policy_version < self._version:
             raise ValueError(
                 f"SlotBatcher.set_params: policy_version {policy_version} < current "
                 f"{self._version} (versions only go up)"
             )
+        if in_flight not in ("continue", "restart"):
+            raise ValueError(
+                f"SlotBatcher.set_params: in_flight must be 'continue' or 'restart', "
+                f"got {in_flight!r}"
+            )
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
+        if in_flight == "restart":
+            running = [(s, r) for s, r in enumerate(self._slots) if r is not None]
+            for slot, run in reversed(running):  # front of the queue, in slot order
+                self._release(slot)
+                key = _key(run.request)
+                self._queue[key] = run.request
+                self._queue.move_to_end(key, last=False)
+                self.stats.restarted += 1
 
     def step(self, params: Any = None, policy_version: PolicyVersion | None = None) -> list[Sample]:
         """Fill free slots, run one decode step, return the samples that finished.
