@@ -112,6 +112,7 @@ def run(exp: ExperimentConfig, *, workdir: str) -> dict[str, Any]:
             top_p=sampling.top_p,
         ),
         mesh=gen_mesh,
+        rules=GENERATOR_RULES,  # shards the KV cache like the params (tensor parallel)
         tokenizer=tokenizer,
     )
     gen_shardings = logical_to_shardings(
