@@ -372,4 +372,4 @@ def test_weight_update_in_flight_policies(params, in_flight):
             sample.behaviour_logprobs, fresh[0].behaviour_logprobs, atol=1e-6
         )
     with pytest.raises(ValueError, match="in_flight must be"):
-        batcher.set_params(new_params, 3, in_flight="recompute")
+        batcher.set_params(new_params, 3, in_flight="resume")

@@ -159,6 +159,7 @@ class LlamaEngine(engine_api.Engine):
         seed: int = 0,
         prompt_id: int | None = None,
         sample_index: int = 0,
+        token_index: int = 0,
     ) -> Prefix:
         """Run a prompt and sample its first response token.
 
@@ -170,6 +171,12 @@ class LlamaEngine(engine_api.Engine):
           seed, prompt_id, sample_index: RNG identity of the sample (see
             ``sampling.sample_key``); prompt_id None draws a fresh id from a
             per-engine counter (what JetStream's Driver gets).
+          token_index: response index of the token sampled here. 0 for a
+            prompt; n to resume a sample whose prompt + first n response tokens
+            are ``padded_tokens`` (AReaL-style recompute, arXiv 2505.24298):
+            the token drawn at position P-1 uses key token_index n, the one the
+            uninterrupted sample would have used, and decoding continues with
+            n + 1. P (prompt + prefix) is bounded by max_prefill_length.
 
         Returns:
           Prefix on the engine's mesh.
@@ -194,20 +201,22 @@ class LlamaEngine(engine_api.Engine):
         ids_1t[0, :true_length] = tokens[:true_length]
         if prompt_id is None:
             prompt_id = next(self._auto_prompt_id)
-        ident = np.asarray([true_length, seed, prompt_id, sample_index], np.int32)
+        if token_index < 0:
+            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
+        ident = np.asarray([true_length, seed, prompt_id, sample_index, token_index], np.int32)
         ids_1t, ident = jax.device_put((ids_1t, ident), self._replicated)
         return self._prefill_jit(params, ids_1t, ident)
 
-    def _prefill_impl(self, params, ids_1t, ident_4):
+    def _prefill_impl(self, params, ids_1t, ident_5):
         self.trace_counts[f"prefill_{ids_1t.shape[1]}"] += 1
         cfg, bucket = self.model_config, ids_1t.shape[1]
-        true_length, seed, prompt_id, sample_index = (ident_4[i] for i in range(4))
+        true_length, seed, prompt_id, sample_index, token_index = (ident_5[i] for i in range(5))
         positions_1t = jnp.arange(bucket, dtype=jnp.int32)[None]
         cache = init_kv_cache(cfg, 1, bucket)
         h_1td, cache = forward(params, cfg, ids_1t, positions_1t, cache)
         h_1d = jax.lax.dynamic_slice_in_dim(h_1td[0], true_length - 1, 1, axis=0)
         logits_1v = logits_from_hidden(h_1d, unembed(params, cfg))
-        key_12 = sample_key(seed, prompt_id, sample_index, 0)[None]
+        key_12 = sample_key(seed, prompt_id, sample_index, token_index)[None]
         token_1, logp_1 = self._sample(logits_1v, key_12)
         return Prefix(
             cache=cache,
@@ -217,6 +226,7 @@ class LlamaEngine(engine_api.Engine):
             seed=seed,
             prompt_id=prompt_id,
             sample_index=sample_index,
+            token_index=token_index,
         )
 
     def _sample(self, logits_bv, keys_b2):
@@ -277,7 +287,7 @@ class LlamaEngine(engine_api.Engine):
             next_token_b=put(state.next_token_b, prefix.first_token),
             next_logp_b=put(state.next_logp_b, prefix.first_logp),
             pos_b=put(state.pos_b, prefix.true_length),
-            token_index_b=put(state.token_index_b, 1),
+            token_index_b=put(state.token_index_b, prefix.token_index + 1),
             seed_b=put(state.seed_b, prefix.seed),
             prompt_id_b=put(state.prompt_id_b, prefix.prompt_id),
             sample_index_b=put(state.sample_index_b, prefix.sample_index),

@@ -77,9 +77,12 @@ class Prefix:
       cache: KVCache [L, 1, bucket, K, H] of the prompt (pad positions hold junk
         that is overwritten before any query can see it).
       true_length: int32 [] prompt length P.
-      first_token: int32 [] first response token, sampled at position P-1.
+      first_token: int32 [] response token sampled at position P-1.
       first_logp: float32 [] its log q.
       seed, prompt_id, sample_index: int32 [] RNG identity of the sample.
+      token_index: int32 [] response index of ``first_token``: 0 for a prompt,
+        n when the prefilled sequence is prompt + n already generated tokens
+        (a recompute after a weight update).
     """
 
     cache: KVCache
@@ -89,6 +92,7 @@ class Prefix:
     seed: jax.Array
     prompt_id: jax.Array
     sample_index: jax.Array
+    token_index: jax.Array
 
 
 @struct.dataclass

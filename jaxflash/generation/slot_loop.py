@@ -8,10 +8,12 @@ token carries its behaviour logprob and policy version.
 ``step`` fills every free slot (prefill + insert), runs one ``generate`` for all
 slots and returns the samples that finished (EOS, or ``max_new_tokens`` reached
 = truncated); a finished slot is refilled at the start of the next step.
-``set_params`` swaps weights between steps (in-flight samples keep their cache
-and continue under the new weights, their tokens stamped with the new version);
-``abort`` removes a queued or running sample. ``run_requests`` is a thin loop
-over it. Single-threaded by design: the runtime layer owns any threads.
+``set_params`` swaps weights between steps; in-flight samples then continue
+(keep their KV cache), restart (regenerate from scratch) or recompute (re-prefill
+prompt + generated prefix under the new weights, then continue), see
+``IN_FLIGHT_POLICIES``; ``abort`` removes a queued or running sample.
+``run_requests`` is a thin loop over it. Single-threaded by design: the runtime
+layer owns any threads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sampl
 
 RequestKey = tuple[int, int]
 """(prompt_id, sample_index): identity of a request inside a batcher."""
+
+IN_FLIGHT_POLICIES = ("continue", "restart", "recompute")
+"""What running samples do at ``set_params`` (``config.rollout.partial_rollout``)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,6 +55,12 @@ class SlotStats:
       finished: samples returned, by finish reason.
       restarted: running samples sent back to the queue by
         ``set_params(..., in_flight="restart")``.
+      recomputed: running samples re-prefilled by ``in_flight="recompute"``.
+      recompute_tokens: tokens run through those re-prefills (prompt + prefix +
+        nothing else: the cost of recompute in prefill tokens).
+      recompute_fallbacks: samples that ``recompute`` restarted instead, because
+        prompt + prefix exceeded max_prefill_length (their tokens are dropped,
+        as under restart; not included in ``restarted``).
     """
 
     steps: int = 0
@@ -62,6 +73,9 @@ class SlotStats:
     slot_releases: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     restarted: int = 0
+    recomputed: int = 0
+    recompute_tokens: int = 0
+    recompute_fallbacks: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -76,8 +90,10 @@ class SlotStats:
 
 @dataclasses.dataclass
 class _Running:
+    """A queued or running sample; queued with tokens = waiting for a recompute."""
+
     request: GenerationRequest
-    start_version: PolicyVersion
+    start_version: PolicyVersion | None  # None until it first gets a slot
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -138,9 +154,7 @@ class SlotBatcher:
         self._params = engine.place_params(params)
         self._version = int(policy_version)
         self._state = engine.init_decode_state()
-        self._queue: collections.OrderedDict[RequestKey, GenerationRequest] = (
-            collections.OrderedDict()
-        )
+        self._queue: collections.OrderedDict[RequestKey, _Running] = collections.OrderedDict()
         self._slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
 
     # ------------------------------------------------------------- interface
@@ -157,6 +171,10 @@ class SlotBatcher:
     def num_running(self) -> int:
         return sum(r is not None for r in self._slots)
 
+    def __contains__(self, key: RequestKey) -> bool:
+        """Whether ``key`` is queued or running."""
+        return key in self._queue or any(r and _key(r.request) == key for r in self._slots)
+
     @property
     def idle(self) -> bool:
         """Nothing queued and nothing running."""
@@ -170,22 +188,23 @@ class SlotBatcher:
         """
         check_request(self.engine, request)
         key = (int(request.prompt_id), int(request.sample_index))
-        if key in self._queue or any(r and _key(r.request) == key for r in self._slots):
+        if key in self:
             raise ValueError(f"SlotBatcher.add: request {key} is already queued or running")
-        self._queue[key] = request
+        self._queue[key] = _Running(request, None)
         return key
 
     def abort(self, key: RequestKey) -> Sample:
         """Stop a queued or running request; its slot is free at the next step.
 
         Returns:
-          The sample so far with finish_reason ABORTED (no tokens if it was queued).
+          The sample so far with finish_reason ABORTED (no tokens if it was
+          queued fresh; its prefix if it was waiting for a recompute).
 
         Raises:
           KeyError: no such request.
         """
         if key in self._queue:
-            return self._finish(_Running(self._queue.pop(key), self._version), FinishReason.ABORTED)
+            return self._finish(self._queue.pop(key), FinishReason.ABORTED)
         for slot, run in enumerate(self._slots):
             if run is not None and _key(run.request) == key:
                 self._release(slot)
@@ -205,7 +224,15 @@ class SlotBatcher:
             sample's versions read e.g. [2, 2, 3, ...]. "restart": drop their
             tokens and put them back at the front of the queue; they regenerate
             from scratch (same RNG identity) under the new weights, every token
-            at the new version, counted in ``stats.restarted``.
+            at the new version, counted in ``stats.restarted``. "recompute"
+            (AReaL's interruptible rollout, arXiv 2505.24298): go back to the
+            front of the queue keeping tokens, behaviour logprobs and versions;
+            at the next fill the prompt + prefix is re-prefilled under the new
+            weights (rebuilding the KV cache) and sampling continues with the
+            same per-sample key chain at the next token index, so versions read
+            [2, 2, 3, ...] and, with unchanged weights, the tokens equal an
+            uninterrupted run's. A prefix whose prompt + prefix exceeds
+            max_prefill_length restarts instead (``stats.recompute_fallbacks``).
 
         Raises:
           ValueError: policy_version lower than the current one, or an unknown
@@ -216,21 +243,31 @@ class SlotBatcher:
                 f"SlotBatcher.set_params: policy_version {policy_version} < current "
                 f"{self._version} (versions only go up)"
             )
-        if in_flight not in ("continue", "restart"):
+        if in_flight not in IN_FLIGHT_POLICIES:
             raise ValueError(
-                f"SlotBatcher.set_params: in_flight must be 'continue' or 'restart', "
+                f"SlotBatcher.set_params: in_flight must be one of {IN_FLIGHT_POLICIES}, "
                 f"got {in_flight!r}"
             )
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
-        if in_flight == "restart":
-            running = [(s, r) for s, r in enumerate(self._slots) if r is not None]
-            for slot, run in reversed(running):  # front of the queue, in slot order
-                self._release(slot)
-                key = _key(run.request)
-                self._queue[key] = run.request
-                self._queue.move_to_end(key, last=False)
+        if in_flight == "continue":
+            return
+        limit = self.engine.max_prefill_length
+        running = [(s, r) for s, r in enumerate(self._slots) if r is not None]
+        for slot, run in reversed(running):  # front of the queue, in slot order
+            self._release(slot)
+            if in_flight == "restart":
                 self.stats.restarted += 1
+            elif len(run.request.prompt_tokens) + len(run.tokens) > limit:
+                self.stats.recompute_fallbacks += 1
+            else:
+                self.stats.recomputed += 1
+                self._queue[_key(run.request)] = run  # keeps its prefix
+                self._queue.move_to_end(_key(run.request), last=False)
+                continue
+            fresh = _Running(run.request, None)
+            self._queue[_key(run.request)] = fresh
+            self._queue.move_to_end(_key(run.request), last=False)
 
     def step(self, params: Any = None, policy_version: PolicyVersion | None = None) -> list[Sample]:
         """Fill free slots, run one decode step, return the samples that finished.
@@ -276,8 +313,17 @@ class SlotBatcher:
             for slot in [s for s, r in enumerate(self._slots) if r is None]:
                 if not self._queue:
                     break
-                _, request = self._queue.popitem(last=False)
-                tokens = np.asarray(request.prompt_tokens, np.int32)
+                _, run = self._queue.popitem(last=False)
+                request = run.request
+                # A recompute re-prefills prompt + prefix; its next token has
+                # response index len(run.tokens), keyed as if never interrupted.
+                tokens = np.concatenate(
+                    [np.asarray(request.prompt_tokens, np.int32), np.asarray(run.tokens, np.int32)]
+                )
+                if run.tokens:
+                    self.stats.recompute_tokens += tokens.shape[0]
+                else:
+                    run.start_version = self._version
                 prefix = self.engine.prefill(
                     params=self._params,
                     padded_tokens=tokens,
@@ -285,11 +331,11 @@ class SlotBatcher:
                     seed=request.seed,
                     prompt_id=request.prompt_id,
                     sample_index=request.sample_index,
+                    token_index=len(run.tokens),
                 )
                 self._state = self.engine.insert(
                     prefix, self._state, slot, emit_prefill_token=False
                 )
-                run = _Running(request, self._version)
                 self._slots[slot] = run
                 self.stats.prefills += 1
                 self.stats.slot_fills.append((self.stats.steps, slot, _key(request)))
@@ -328,7 +374,7 @@ class SlotBatcher:
             response_tokens=np.asarray(run.tokens, np.int32),
             behaviour_logprobs=np.asarray(run.logps, np.float32),
             token_versions=np.asarray(run.versions, np.int32),
-            start_version=run.start_version,
+            start_version=self._version if run.start_version is None else run.start_version,
             finish_reason=reason,
         )
 
