@@ -23,10 +23,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Devices. On CPU, `num_cpu_devices` fake devices are created before jax is
     # imported; the learner mesh and the generation mesh are carved from them.
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.num_cpu_devices = 2  # CPU only: fake devices (2 cores here -> 2 devices)
-    c.mesh.learner = ml_collections.ConfigDict({"fsdp": 2, "tensor": 1})  # learner axes
+    # `colocated` is a reference the device counts follow: True (sync) -> 2 CPU
+    # devices, learner fsdp 2; False (async, --config.mesh.colocated=False) -> 3
+    # devices: learner 1 + 2 generation slices x 1 (one core each is all 2 cores allow).
+    colocated = ml_collections.FieldReference(True)
+    c.mesh.num_cpu_devices = 3 - colocated.to_int()  # CPU only: fake devices
+    c.mesh.learner = ml_collections.ConfigDict({"fsdp": 1 + colocated.to_int(), "tensor": 1})
     c.mesh.generation = ml_collections.ConfigDict({"tensor": 1})  # per generation slice
-    c.mesh.colocated = True  # sync mode: generation uses the learner's devices
+    c.mesh.colocated = colocated  # sync mode: generation uses the learner's devices
+    # Async mode (colocated=False): learner devices first, then this many disjoint
+    # generation slices of mesh.generation each (one device each on CPU).
+    c.mesh.num_generation_slices = 2
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "gguf"  # gguf | hf | random
@@ -63,6 +70,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.truncation = "penalty"  # penalty | mask: what a truncated response gets
     c.rollout.truncation_penalty = 0.0  # reward of a truncated response (penalty mode)
     c.rollout.filter_zero_variance = False  # drop groups whose rewards are all equal
+    # Async runtime (ROLL Flash, arXiv 2510.11345); the synchronous loop ignores these.
+    c.rollout.filter_min_mean = ml_collections.config_dict.placeholder(float)  # drop below
+    c.rollout.filter_max_mean = ml_collections.config_dict.placeholder(float)  # drop above
+    c.rollout.filter_min_std = ml_collections.config_dict.placeholder(float)  # drop below
+    c.rollout.max_extra_prompts = 0  # dynamic-sampling extras in flight (beyond (alpha+1)*B)
+    c.rollout.partial_rollout = "continue"  # continue | recompute | restart on a weight update
+    c.rollout.stale_policy = "drop"  # drop | regenerate a group older than alpha allows
+    c.rollout.sample_deadline_s = 900.0  # a sample not back by then is aborted and retried
+    c.rollout.max_retries = 1  # retries of a timed-out sample before its prompt fails
 
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = "math"  # or "package.module:attr", a picklable (response, answer) -> RewardResult

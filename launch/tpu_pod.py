@@ -6,7 +6,9 @@
 On CPU the fake device count comes from `config.mesh.num_cpu_devices`, set here
 before jax is imported. On a multi-host TPU/GPU slice (JAX_COORDINATOR_ADDRESS or
 a TPU pod environment), `jax.distributed.initialize()` runs first. Restarting with
-the same --workdir resumes from the last complete checkpoint.
+the same --workdir resumes from the last complete checkpoint. `mesh.colocated`
+picks the loop: True -> `runtime.rlvr` (synchronous), False -> `runtime.rlvr_async`
+(disjoint slices, e.g. `--config configs/smoke_async.py`).
 """
 
 from __future__ import annotations
@@ -56,11 +58,14 @@ def main(argv: list[str]) -> None:
     _set_cpu_device_count(int(config.mesh.num_cpu_devices))
     _maybe_init_distributed()
     # Library code never sees the ConfigDict: it becomes validated dataclasses here.
-    from jaxflash.runtime.rlvr import run
-
     from jaxflash.runtime.experiment import ExperimentConfig
 
-    run(ExperimentConfig.from_config_dict(config), workdir=_WORKDIR.value)
+    exp = ExperimentConfig.from_config_dict(config)
+    if exp.mesh.colocated:  # synchronous baseline: generation on the learner's devices
+        from jaxflash.runtime.rlvr import run
+    else:  # ROLL Flash async: disjoint learner and generation slices
+        from jaxflash.runtime.rlvr_async import run
+    run(exp, workdir=_WORKDIR.value)
 
 
 if __name__ == "__main__":

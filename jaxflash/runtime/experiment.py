@@ -28,14 +28,21 @@ class MeshSpec:
       learner: learner mesh axis sizes, e.g. {"fsdp": 4, "tensor": 2}.
       generation: axis sizes of each generation slice, e.g. {"tensor": 1}.
       colocated: sync mode; generation runs on the learner's devices.
+      num_generation_slices: async mode (colocated False): disjoint generation
+        slices after the learner's devices, one GenerationServer each.
     """
 
     num_cpu_devices: int = 1
     learner: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"fsdp": 1})
     generation: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"tensor": 1})
     colocated: bool = True
+    num_generation_slices: int = 1
 
     def __post_init__(self) -> None:
+        _check(
+            self.num_generation_slices >= 1,
+            f"mesh.num_generation_slices must be >= 1, got {self.num_generation_slices}",
+        )
         for name, axes in (("learner", self.learner), ("generation", self.generation)):
             for axis, size in axes.items():
                 _check(int(size) >= 1, f"mesh.{name}.{axis} must be >= 1, got {size}")
@@ -111,6 +118,15 @@ class RolloutSpec:
     truncation: str = "penalty"
     truncation_penalty: float = 0.0
     filter_zero_variance: bool = False
+    # Async runtime (ROLL Flash, arXiv 2510.11345); ignored by the synchronous loop.
+    filter_min_mean: float | None = None  # drop groups with mean reward below
+    filter_max_mean: float | None = None  # drop groups with mean reward above
+    filter_min_std: float | None = None  # drop groups with reward std below
+    max_extra_prompts: int = 0  # dynamic-sampling extras kept in flight
+    partial_rollout: str = "continue"  # continue | recompute | restart (on weight update)
+    stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows
+    sample_deadline_s: float = 600.0  # a sample not back by then is aborted and retried
+    max_retries: int = 1  # retries of a timed-out sample before its prompt fails
 
     def __post_init__(self) -> None:
         _check(
@@ -124,6 +140,24 @@ class RolloutSpec:
             self.truncation in ("penalty", "mask"),
             f"rollout.truncation must be penalty | mask, got {self.truncation!r}",
         )
+        _check(
+            self.max_extra_prompts >= 0,
+            f"rollout.max_extra_prompts must be >= 0, got {self.max_extra_prompts}",
+        )
+        _check(
+            self.partial_rollout in ("continue", "recompute", "restart"),
+            "rollout.partial_rollout must be continue | recompute | restart, "
+            f"got {self.partial_rollout!r}",
+        )
+        _check(
+            self.stale_policy in ("drop", "regenerate"),
+            f"rollout.stale_policy must be drop | regenerate, got {self.stale_policy!r}",
+        )
+        _check(
+            self.sample_deadline_s > 0,
+            f"rollout.sample_deadline_s must be > 0, got {self.sample_deadline_s}",
+        )
+        _check(self.max_retries >= 0, f"rollout.max_retries must be >= 0, got {self.max_retries}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,6 +261,7 @@ class ExperimentConfig:
                 learner=dict(mesh.get("learner", {"fsdp": 1})),
                 generation=dict(mesh.get("generation", {"tensor": 1})),
                 colocated=bool(mesh.get("colocated", True)),
+                num_generation_slices=int(mesh.get("num_generation_slices", 1)),
             ),
             model=ModelSpec(**c.get("model", {})),
             data=DataSpec(**c.get("data", {})),

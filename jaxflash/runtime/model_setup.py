@@ -125,3 +125,44 @@ def make_reward(spec: Any) -> Any:
     if spec.format_weight:
         weights["format_any"] = spec.format_weight
     return combined(weights)
+
+
+def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, tokenizer: Any):
+    """The rollout engine of one generation mesh (sampling static per engine).
+
+    Returns:
+      (LlamaEngine, generator param shardings on ``mesh`` for ``sync.publish``).
+    """
+    from jaxflash.generation.engine import EngineConfig, LlamaEngine
+    from jaxflash.models.llama import abstract_params, logical_axes
+    from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
+
+    sampling = exp.rollout.sampling
+    engine = LlamaEngine(
+        model_config,
+        EngineConfig(
+            max_concurrent_decodes=exp.rollout.num_slots,
+            max_prefill_length=exp.rollout.max_prefill_length,
+            max_target_length=exp.rollout.max_prefill_length + sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        ),
+        mesh=mesh,
+        rules=GENERATOR_RULES,  # shards the KV cache like the params (tensor parallel)
+        tokenizer=tokenizer,
+    )
+    shardings = logical_to_shardings(
+        logical_axes(model_config), mesh, GENERATOR_RULES, shapes=abstract_params(model_config)
+    )
+    return engine, shardings
+
+
+def prompt_by_id(rows: Any, source: PromptSource, prompt_id: int) -> Prompt | PromptFailure:
+    """Re-render prompt ``prompt_id`` (a resumed run regenerates prompts in flight).
+
+    ``rows`` is what ``make_datasets`` returned (a sequence, read in epochs, or an
+    index -> row function); ``source`` renders it without moving its cursor.
+    """
+    row = rows(prompt_id) if callable(rows) else rows[prompt_id % len(rows)]
+    return source.render(prompt_id, row)

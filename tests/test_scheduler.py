@@ -1,0 +1,246 @@
+"""RolloutScheduler with fake servers (no jax): capacity, α gate, deadlines, counters.
+
+The fake server "generates" a sample a few milliseconds after it is submitted,
+stamping the version it holds; the fake reward scores sample i with reward i, so
+every group has variance unless a test says otherwise.
+"""
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
+from jaxflash.replay.versions import PolicyClock
+from jaxflash.rewards.base import RewardResult
+from jaxflash.runtime.ledger import PromptLedger
+from jaxflash.runtime.scheduler import RolloutScheduler
+from jaxflash.types import FinishReason, Prompt, PromptOutcome, Sample, SamplingParams
+
+
+class FakeServer:
+    """Finishes each request after ``delay_s``; ``dead`` servers never finish anything."""
+
+    def __init__(self, *, delay_s=0.005, dead=False, hang=()):
+        self.version, self.delay_s, self.dead, self.hang = 0, delay_s, dead, set(hang)
+        self.on_finished = None
+        self.submitted, self.aborted = [], []
+        self._lock = threading.Lock()
+        self._queue = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def submit(self, request):
+        with self._lock:
+            self.submitted.append((request.prompt_id, request.sample_index))
+            self._queue.append((time.monotonic() + self.delay_s, request, self.version))
+
+    def abort_prompt(self, prompt_id):
+        with self._lock:
+            n = len(self._queue)
+            self._queue = [q for q in self._queue if q[1].prompt_id != prompt_id]
+            self.aborted.append(prompt_id)
+            return n - len(self._queue)
+
+    def update_weights(self, params, version):
+        assert version > self.version
+        self.version = version
+
+    def _loop(self):
+        while not self._stop.is_set():
+            time.sleep(0.002)
+            if self.dead:
+                continue
+            now, done = time.monotonic(), []
+            with self._lock:
+                for q in list(self._queue):
+                    key = (q[1].prompt_id, q[1].sample_index)
+                    if q[0] <= now and key not in self.hang:
+                        self._queue.remove(q)
+                        done.append(q)
+            for _, req, version in done:
+                self.on_finished(
+                    Sample(
+                        prompt_id=req.prompt_id,
+                        sample_index=req.sample_index,
+                        prompt_tokens=np.asarray(req.prompt_tokens, np.int32),
+                        response_tokens=np.array([5, 0], np.int32),
+                        behaviour_logprobs=np.zeros(2, np.float32),
+                        token_versions=np.array([version, version], np.int32),
+                        start_version=version,
+                        finish_reason=FinishReason.EOS,
+                    )
+                )
+
+
+class FakeSource:
+    def __init__(self):
+        self.cursor = 0
+
+    def take(self, n):
+        out = []
+        for _ in range(n):
+            pid = self.cursor
+            self.cursor += 1
+            out.append(
+                Prompt(prompt_id=pid, text=f"q{pid}", prompt_tokens=np.array([1, 2]), answer="a")
+            )
+        return out
+
+
+class FakeRewards:
+    """Reward = sample index (from the item id), or 1.0 for prompts in ``flat``."""
+
+    def __init__(self, flat=()):
+        self.flat = set(flat)
+
+    def submit(self, item):
+        _, pid, _, idx = item[2].split()
+        f = concurrent.futures.Future()
+        f.set_result(RewardResult(score=1.0 if int(pid) in self.flat else float(idx)))
+        return f
+
+
+class Tok:
+    eos_id = 0
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _scheduler(servers, *, B=2, G=2, alpha=0, rewards=None, group_filter=None, **kw):
+    ledger = PromptLedger()
+    s = RolloutScheduler(
+        servers,
+        FakeSource(),
+        ledger,
+        GroupBuffer(G, group_filter=group_filter),
+        rewards or FakeRewards(),
+        tokenizer=Tok(),
+        batch_prompts=B,
+        group_size=G,
+        async_ratio=alpha,
+        sampling=SamplingParams(max_new_tokens=4),
+        seed=0,
+        clock=PolicyClock(0),
+        **kw,
+    )
+    for srv in servers:
+        srv.on_finished = s.on_finished
+    s.start()
+    return s, ledger
+
+
+def _trained_total(ledger):
+    return sum(ledger.count(o) for o in PromptOutcome) + len(ledger.open_ids)
+
+
+def test_alpha0_next_prompts_start_after_publish():
+    servers = [FakeServer(), FakeServer()]
+    sched, ledger = _scheduler(servers, B=2, G=2, alpha=0)
+    try:
+        batch = sched.next_batch(0, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [0, 1]
+        # Prompt replication: 2 prompts x 2 samples spread 2 and 2 over the servers.
+        assert [len(s.submitted) for s in servers] == [2, 2]
+        time.sleep(0.1)
+        assert sum(len(s.submitted) for s in servers) == 4  # nothing new before publish
+        sched.mark_trained(batch.groups)
+        sched.publish([None, None], 1)
+        batch = sched.next_batch(1, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [2, 3]
+        assert {s.start_version for g in batch.groups for s in g.samples} == {1}
+        assert [r["outcome"] for r in batch.rows] == ["trained"] * 4
+    finally:
+        sched.close()
+    assert ledger.taken == 4 and ledger.count(PromptOutcome.TRAINED) == 2
+
+
+def test_at_most_alpha_plus_one_batches_in_flight():
+    servers = [FakeServer(delay_s=10.0)]  # nothing finishes during the test
+    sched, ledger = _scheduler(servers, B=2, G=2, alpha=2)
+    time.sleep(0.2)
+    assert ledger.taken == 6  # (2 + 1) * 2 prompts
+    assert len(servers[0].submitted) == 12
+    sched.close()
+    assert sched.counters["samples_aborted"] == 12  # surplus aborted at shutdown, counted
+
+
+@pytest.mark.parametrize("policy", ["drop", "regenerate"])
+def test_stale_groups_dropped_or_regenerated(policy):
+    servers = [FakeServer()]
+    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1, stale_policy=policy)
+    try:
+        time.sleep(0.2)  # prompts 0 and 1 finish at version 0
+        sched.publish([None], 1)
+        sched.publish([None], 2)
+        batch = sched.next_batch(2, timeout_s=10)
+        if policy == "drop":
+            # staleness 2 > alpha 1: both dropped, closed as stale, rows say why.
+            assert batch.groups == [] and [d.reason for d in batch.dropped] == ["stale"] * 2
+            assert ledger.count(PromptOutcome.STALE) == 2
+            assert {r["outcome"] for r in batch.rows} == {"stale"}
+            sched.release()
+            batch = sched.next_batch(2, timeout_s=10)
+            assert [g.prompt_id for g in batch.groups] == [2]
+        else:
+            assert [g.prompt_id for g in batch.groups] == [0]
+            assert {s.start_version for s in batch.groups[0].samples} == {2}
+            assert ledger.count(PromptOutcome.STALE) == 0
+            assert sched.counters["prompts_regenerated_stale"] == 2
+    finally:
+        sched.close()
+    ledger.check()
+
+
+def test_dead_server_and_hung_sample_do_not_block():
+    # Server 1 is dead; sample (1, 0) never returns anywhere: retried once, then failed.
+    servers = [FakeServer(hang={(1, 0)}), FakeServer(dead=True, hang={(1, 0)})]
+    sched, ledger = _scheduler(servers, B=2, G=2, alpha=0, sample_deadline_s=0.3, max_retries=1)
+    t0 = time.monotonic()
+    try:
+        batch = sched.next_batch(0, timeout_s=20)
+    finally:
+        sched.close()
+    assert time.monotonic() - t0 < 5
+    assert [g.prompt_id for g in batch.groups] == [0]
+    assert [(d.prompt_id, d.reason) for d in batch.dropped] == [(1, "failed")]
+    assert sched.counters["samples_timed_out"] >= 2
+    assert sched.counters["samples_retried"] >= 1
+    assert sched.counters["samples_failed"] == 1
+    assert ledger.count(PromptOutcome.FAILED) == 1
+    ledger.check()
+
+
+def test_dynamic_sampling_refills_filtered_groups():
+    # Prompts 0 and 2 have equal rewards: filtered, replaced at once, batch still full.
+    sched, ledger = _scheduler(
+        [FakeServer(), FakeServer()],
+        B=2,
+        G=2,
+        alpha=0,
+        rewards=FakeRewards(flat={0, 2}),
+        group_filter=GroupFilter(zero_variance=True),
+        refill_dropped=True,
+    )
+    try:
+        batch = sched.next_batch(0, timeout_s=10)
+    finally:
+        sched.close()
+    assert [g.prompt_id for g in batch.groups] == [1, 3]
+    assert sorted(d.prompt_id for d in batch.dropped) == [0, 2]
+    assert ledger.count(PromptOutcome.FILTERED) == 2
+    assert sched.counters["samples_dropped_zero_variance"] == 4
+    ledger.check()
+
+
+def test_next_batch_times_out_loudly_when_everything_is_dead():
+    sched, _ = _scheduler([FakeServer(dead=True)], B=1, G=1, alpha=0, sample_deadline_s=100)
+    try:
+        with pytest.raises(TimeoutError, match="0/1 groups"):
+            sched.next_batch(0, timeout_s=0.5)
+    finally:
+        sched.close()
