@@ -17,6 +17,11 @@ Life of a request (B = ``max_concurrent_decodes`` slots, S = ``max_target_length
   argument of every call, so new weights apply at the next step with nothing
   rebuilt or recompiled; in-flight sequences keep their cache (partial rollout).
 
+Recompute (AReaL's interruptible rollout, arXiv 2505.24298): after a weight
+update, ``prefill`` of prompt + the n tokens generated so far with
+``token_index=n`` rebuilds the sample's KV cache under the new weights and
+draws its next token with the key the uninterrupted sample would have used.
+
 Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i,
 so a sequence holds at most S tokens in all (prompt + response).
 
