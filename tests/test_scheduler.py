@@ -26,6 +26,7 @@ class FakeServer:
     def __init__(self, *, delay_s=0.005, dead=False, hang=()):
         self.version, self.delay_s, self.dead, self.hang = 0, delay_s, dead, set(hang)
         self.on_finished = None
+        self.error = None  # set it to kill the server: check/submit raise, nothing finishes
         self.submitted, self.aborted = [], []
         self._lock = threading.Lock()
         self._queue = []
@@ -33,7 +34,12 @@ class FakeServer:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
+    def check(self):
+        if self.error:
+            raise RuntimeError(f"server loop failed: {self.error}")
+
     def submit(self, request):
+        self.check()
         with self._lock:
             self.submitted.append((request.prompt_id, request.sample_index))
             self._queue.append((time.monotonic() + self.delay_s, request, self.version))
@@ -52,7 +58,7 @@ class FakeServer:
     def _loop(self):
         while not self._stop.is_set():
             time.sleep(0.002)
-            if self.dead:
+            if self.dead or self.error:
                 continue
             now, done = time.monotonic(), []
             with self._lock:
@@ -244,3 +250,20 @@ def test_next_batch_times_out_loudly_when_everything_is_dead():
             sched.next_batch(0, timeout_s=0.5)
     finally:
         sched.close()
+
+
+def test_server_that_dies_is_routed_around():
+    servers = [FakeServer(delay_s=0.3), FakeServer(delay_s=0.3)]
+    sched, ledger = _scheduler(servers, B=2, G=2, alpha=0, sample_deadline_s=100)
+    time.sleep(0.1)
+    servers[1].error = "engine exploded"  # its 2 outstanding samples never come back
+    try:
+        batch = sched.next_batch(0, timeout_s=10)
+    finally:
+        sched.close()
+    assert [g.prompt_id for g in batch.groups] == [0, 1]
+    assert sched.counters["server_failures"] == 1
+    assert sched.counters["samples_rerouted"] == 2
+    assert sched.counters["samples_timed_out"] == 0  # noticed at once, not at the deadline
+    assert len(servers[0].submitted) == 4
+    ledger.check()

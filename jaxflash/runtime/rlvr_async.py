@@ -240,6 +240,11 @@ def run(
             train_s = time.monotonic() - t_train
             scheduler.mark_trained(batch.groups)
 
+            # Version lag: which weights each server was generating with during this step.
+            gen_now = _gen_times(scheduler.servers)
+            server_metrics = _server_metrics(scheduler.servers, gen_before, gen_now, version)
+            gen_before = gen_now
+
             # 4. Weight sync: D2D to every generation slice; servers keep decoding.
             t_sync = time.monotonic()
             version = int(jax.device_get(state.step))
@@ -253,12 +258,11 @@ def run(
 
             # 5. Metrics, evaluation, checkpoint.
             step_s = time.monotonic() - t_step
-            gen_now = _gen_times(scheduler.servers)
             metrics = {
                 **_sample_metrics(batch),
                 **train_metrics,
                 **_staleness_metrics(stale_s),
-                **_server_metrics(scheduler.servers, gen_before, gen_now, version),
+                **server_metrics,
                 "train_time_s": train_s,
                 "train_tokens_per_s": train_metrics.get("tokens", 0.0) / train_s,
                 "weight_sync_s": copy_s + handover_s,
@@ -270,7 +274,6 @@ def run(
                 **scheduler.stats(),
                 "prompt_outcomes": ledger.outcomes,
             }
-            gen_before = gen_now
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(
                     _eval(
@@ -294,7 +297,10 @@ def run(
     finally:
         scheduler.close()  # surplus requests aborted (counted) once the last batch is full
         for server in scheduler.servers:
-            server.stop()
+            try:
+                server.stop()
+            except Exception as err:  # a server stuck in a step: it is a daemon thread
+                print(f"generation server did not stop: {err!r}", flush=True)
         checkpointer.close()
         reward_pool.close()
         writer.close()
@@ -344,10 +350,17 @@ def _sample_metrics(batch) -> dict[str, float]:
     }
 
 
+def _stats(server) -> dict[str, Any]:
+    try:
+        return server.stats()
+    except Exception:  # a dead server: the scheduler has counted and rerouted it
+        return {}
+
+
 def _gen_times(servers) -> list[tuple[float, float]]:
     out = []
     for s in servers:
-        st = s.stats()
+        st = _stats(s)
         out.append((float(st.get("busy_s", 0.0)), float(st.get("idle_s", 0.0))))
     return out
 
@@ -357,7 +370,7 @@ def _server_metrics(servers, before, now, version: int) -> dict[str, float]:
     out: dict[str, float] = {}
     busy = idle = 0.0
     for i, (s, (b0, i0), (b1, i1)) in enumerate(zip(servers, before, now, strict=True)):
-        st = s.stats()
+        st = _stats(s)
         out[f"gen{i}_occupancy"] = float(st.get("occupancy", 0.0))
         out[f"gen{i}_version_lag"] = int(version - s.version)
         busy, idle = busy + (b1 - b0), idle + (i1 - i0)

@@ -154,6 +154,7 @@ class RolloutScheduler:
         self._scoring: set[tuple[int, int]] = set()
         self._to_release: list[int] = []  # taken by the learner, released at publish
         self._suspect: set[int] = set()  # servers that let a sample time out
+        self._dead: set[int] = set()  # servers whose loop raised
         self._exhausted = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -244,8 +245,14 @@ class RolloutScheduler:
           Seconds spent handing the weights over.
         """
         t0 = time.monotonic()
-        for server, params in zip(self.servers, params_by_server, strict=True):
-            server.update_weights(params, version)
+        for i, (server, params) in enumerate(zip(self.servers, params_by_server, strict=True)):
+            if i in self._dead:
+                continue
+            try:
+                server.update_weights(params, version)
+            except Exception as err:  # a dead server: reroute its work, keep going
+                with self._lock:
+                    self._mark_dead(i, err)
         self.clock.publish(int(version))
         self.release()
         return time.monotonic() - t0
@@ -297,6 +304,7 @@ class RolloutScheduler:
                             self._on_generated(sample)
                         else:
                             self._on_scored(sample, rest[0])
+                    self._check_servers()
                     self._check_deadlines()
                     self._admit()
                     self._changed.notify_all()
@@ -345,12 +353,15 @@ class RolloutScheduler:
         """Send to the least-loaded server (prefer up to date, healthy, not ``avoid``)."""
         load = collections.Counter(r.server for r in self._out.values())
         version = self.clock.version
+        alive = [i for i in range(len(self.servers)) if i not in self._dead]
+        if not alive:
+            raise RuntimeError(f"every generation server died: {self.stats()}")
 
         def rank(i: int) -> tuple:
             s = self.servers[i]
             return (i == avoid, i in self._suspect, s.version < version, load[i], i)
 
-        best = min(range(len(self.servers)), key=rank)
+        best = min(alive, key=rank)
         key = (request.prompt_id, request.sample_index)
         try:
             self.servers[best].submit(request)
@@ -359,6 +370,9 @@ class RolloutScheduler:
             self.buffer.fail(request.prompt_id, f"prompt {request.prompt_id}: {err}")
             self._abort_prompt(request.prompt_id)
             return False
+        except Exception as err:  # the server died: mark it, try another
+            self._mark_dead(best, err)
+            return self._dispatch(request, attempts, avoid)
         self._out[key] = _Request(
             request=request, server=best, dispatched_at=time.monotonic(), attempts=attempts
         )
@@ -410,9 +424,11 @@ class RolloutScheduler:
                 continue  # resubmitted as a sibling of an earlier late one
             self.counters["samples_timed_out"] += 1
             self._suspect.add(req.server)
-            siblings = [(k, r) for k, r in self._out.items() if k[0] == key[0]]
-            self.servers[req.server].abort_prompt(key[0])
-            on_server = [(k, r) for k, r in siblings if r.server == req.server]
+            on_server = [
+                (k, r) for k, r in self._out.items() if k[0] == key[0] and r.server == req.server
+            ]
+            self._server_abort(req.server, key[0])
+            on_server = [(k, r) for k, r in on_server if self._out.get(k) is r]  # not rerouted
             for k, _ in on_server:
                 del self._out[k]
             if req.attempts >= self.max_retries:
@@ -435,8 +451,35 @@ class RolloutScheduler:
         for k in [k for k in self._out if k[0] == pid]:
             del self._out[k]
             self.counters["samples_aborted"] += 1
-        for i in sorted(holders):
+        for i in sorted(holders - self._dead):
+            self._server_abort(i, pid)
+
+    def _server_abort(self, i: int, pid: int) -> None:
+        try:
             self.servers[i].abort_prompt(pid)
+        except Exception as err:  # dead: its other work is rerouted
+            self._mark_dead(i, err)
+
+    def _check_servers(self) -> None:
+        for i, server in enumerate(self.servers):
+            if i not in self._dead and hasattr(server, "check"):
+                try:
+                    server.check()
+                except Exception as err:
+                    self._mark_dead(i, err)
+
+    def _mark_dead(self, i: int, err: BaseException) -> None:
+        """A server raised: stop using it and send its outstanding samples elsewhere."""
+        if i in self._dead:
+            return
+        self._dead.add(i)
+        self.counters["server_failures"] += 1
+        print(f"generation server {i} died: {err!r}", flush=True)
+        lost = [(k, r) for k, r in self._out.items() if r.server == i]
+        for k, r in lost:
+            del self._out[k]
+            self.counters["samples_rerouted"] += 1
+            self._dispatch(r.request, r.attempts, avoid=i)
 
     def _resolve_dropped(self, d: DroppedGroup) -> None:
         """Close a dropped group in the ledger, or resubmit it (regenerate)."""
