@@ -97,6 +97,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.loss = "ppo"  # see jaxflash.algorithms.policy_loss.POLICY_LOSSES
     # Hyper-parameters of that loss (PPO clip with DAPO's clip-higher bounds).
     c.learner.loss_kwargs = ml_collections.ConfigDict({"clip_eps_low": 0.2, "clip_eps_high": 0.28})
+    # pi_old of the ratio: "behaviour" (engine logprobs) | "proximal" (the params before
+    # this step, AReaL's decoupled PPO; required by loss=decoupled_ppo | tis).
+    c.learner.ratio_against = "behaviour"
     c.learner.aggregation = "token-mean"
     c.learner.advantage = "grpo"  # see jaxflash.algorithms.advantages
     c.learner.kl_coef = 0.0  # k3 KL to the initial policy; 0 = off
