@@ -21,6 +21,7 @@ def _rows(path):
     return [json.loads(x) for x in open(path)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_alpha0_disjoint_slices_reproduce_the_sync_loop(tmp_path):
     c = smoke.get_config()
@@ -58,6 +59,7 @@ def test_alpha0_disjoint_slices_reproduce_the_sync_loop(tmp_path):
         assert a["staleness_max"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_alpha2_staleness_bound_counters_and_resume(tmp_path):
     c = smoke_async.get_config()
@@ -90,3 +92,28 @@ def test_alpha2_staleness_bound_counters_and_resume(tmp_path):
     assert all(0 <= r["staleness"] <= 2 for r in trained)
     keys = [(r["prompt_id"], r["sample_index"]) for r in trained]
     assert len(keys) == len(set(keys)) == 5 * 4 * 2  # nothing trained twice
+
+
+@pytest.mark.timeout(600)
+def test_async_smoke_restart_policy_two_steps(tmp_path):
+    """The fast end-to-end check: α = 1, partial_rollout=restart, stale groups regenerated."""
+    c = smoke_async.get_config()
+    c.data.eval_size = 0
+    c.total_steps = 2
+    c.rollout.async_ratio = 1
+    c.rollout.partial_rollout = "restart"
+    c.rollout.stale_policy = "regenerate"
+    workdir = tmp_path / "run"
+    rlvr_async.run(ExperimentConfig.from_config_dict(c), workdir=str(workdir))
+    metrics = _rows(workdir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0 <= m["staleness_max"] <= 1
+        assert m["prompts_trained"] == 4 * m["step"]
+        assert m["prompts_taken"] <= (1 + 1) * 4 + 4 * m["step"]
+        for key in ("gen0_version_lag", "gen1_version_lag", "weight_sync_s", "gen_idle_frac"):
+            assert key in m
+    for r in _rows(workdir / "rollouts.jsonl"):
+        # restart: a sample never mixes versions, and it starts where its tokens start.
+        assert r["token_version_min"] == r["token_version_max"] == r["start_version"]
+        assert 0 <= r["staleness"] <= 1 or r["outcome"] != "trained"
