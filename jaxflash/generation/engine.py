@@ -22,6 +22,13 @@ update, ``prefill`` of prompt + the n tokens generated so far with
 ``token_index=n`` rebuilds the sample's KV cache under the new weights and
 draws its next token with the key the uninterrupted sample would have used.
 
+Prefix sharing (G samples per prompt in RL): ``prefill`` is ``prefill_prompt``
+(forward pass: KV cache + last-position logits) followed by ``first_tokens``
+(one sampled first token per sample identity). A slot loop calls
+``prefill_prompt`` once per prompt and ``first_tokens`` for all its samples, so
+the prompt runs once instead of G times, with bit-identical results (a row of
+``sample_tokens`` depends only on its logits and key).
+
 Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i,
 so a sequence holds at most S tokens in all (prompt + response).
 
@@ -37,8 +44,9 @@ token, 1 validity (0 once the slot's cache is full), 2 tokens emitted so far by
 the slot, 3 the token's logprob bit-cast to int32 (read with ``result_logprobs``;
 JetStream ignores extra columns). One array means one device-to-host copy.
 
-Compilation: prefill compiles once per bucket, insert once per bucket, generate
-once; ``trace_counts`` counts traces so tests can assert it.
+Compilation: prefill compiles once per bucket, first_tokens once per power-of-two
+sample count, insert once per bucket, generate once; ``trace_counts`` counts traces
+so tests can assert it.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from jaxflash.generation.engine_state import (
     DecodeState,
     EngineConfig,
     Prefix,
+    PromptPrefill,
     empty_decode_state,
     result_logprobs,
     state_shardings,
@@ -72,7 +81,15 @@ from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
-__all__ = ["LOGP_COLUMN", "DecodeState", "EngineConfig", "LlamaEngine", "Prefix", "result_logprobs"]
+__all__ = [
+    "LOGP_COLUMN",
+    "DecodeState",
+    "EngineConfig",
+    "LlamaEngine",
+    "Prefix",
+    "PromptPrefill",
+    "result_logprobs",
+]
 
 
 class LlamaEngine(engine_api.Engine):
@@ -128,7 +145,10 @@ class LlamaEngine(engine_api.Engine):
         )
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
         rep = self._replicated
-        self._prefill_jit = jax.jit(self._prefill_impl, out_shardings=self._prefix_shardings)
+        self._prefill_jit = jax.jit(
+            self._prefill_impl, out_shardings=(self._prefix_shardings.cache, rep)
+        )
+        self._first_jit = jax.jit(self._first_tokens_impl, out_shardings=rep)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_sh)
         self._generate_jit = jax.jit(
             self._generate_impl, donate_argnums=(1,), out_shardings=(state_sh, rep)
@@ -193,6 +213,40 @@ class LlamaEngine(engine_api.Engine):
         """
         if existing_prefix is not None:
             raise NotImplementedError("LlamaEngine.prefill: existing_prefix is not supported")
+        if token_index < 0:
+            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
+        if prompt_id is None:
+            prompt_id = next(self._auto_prompt_id)
+        shared = self.prefill_prompt(
+            params=params, padded_tokens=padded_tokens, true_length=true_length
+        )
+        (prefix,) = self.first_tokens(
+            shared, [(seed, prompt_id, sample_index)], token_index=token_index
+        )
+        return prefix
+
+    def prefill_prompt(
+        self, *, params: Any, padded_tokens: jax.Array | np.ndarray, true_length: int
+    ) -> PromptPrefill:
+        """Run a prompt once, keeping its KV cache and last-position logits.
+
+        The shareable half of ``prefill``: G samples of one prompt (GRPO-style
+        replication) call this once and ``first_tokens`` once for all G, instead
+        of G full prefills. ``prefill`` is exactly these two calls, so tokens
+        and logprobs are bit-identical either way (each row of
+        ``sample_tokens`` depends only on its own logits and key).
+
+        Args:
+          params: model params.
+          padded_tokens: int [T_pad]; only the first true_length count.
+          true_length: P, tokens in the sequence (prompt, or prompt + prefix).
+
+        Returns:
+          PromptPrefill (cache [L, 1, bucket, K, H], true_length, logits f32 [1, V]).
+
+        Raises:
+          ValueError: P > max_prefill_length, P < 1, or P > len(padded_tokens).
+        """
         # Explicit copies both ways, so the engine runs under
         # jax.transfer_guard("disallow") (implicit transfers are bugs there).
         tokens = np.asarray(jax.device_get(padded_tokens)).reshape(-1)
@@ -204,35 +258,74 @@ class LlamaEngine(engine_api.Engine):
         bucket = self.prefill_bucket(true_length)
         ids_1t = np.zeros((1, bucket), np.int32)
         ids_1t[0, :true_length] = tokens[:true_length]
-        if prompt_id is None:
-            prompt_id = next(self._auto_prompt_id)
-        if token_index < 0:
-            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
-        ident = np.asarray([true_length, seed, prompt_id, sample_index, token_index], np.int32)
-        ids_1t, ident = jax.device_put((ids_1t, ident), self._replicated)
-        return self._prefill_jit(params, ids_1t, ident)
+        ids_1t, length = jax.device_put((ids_1t, np.int32(true_length)), self._replicated)
+        cache, logits_1v = self._prefill_jit(params, ids_1t, length)
+        return PromptPrefill(cache=cache, true_length=length, logits_1v=logits_1v)
 
-    def _prefill_impl(self, params, ids_1t, ident_5):
+    def _prefill_impl(self, params, ids_1t, true_length):
         self.trace_counts[f"prefill_{ids_1t.shape[1]}"] += 1
         cfg, bucket = self.model_config, ids_1t.shape[1]
-        true_length, seed, prompt_id, sample_index, token_index = (ident_5[i] for i in range(5))
         positions_1t = jnp.arange(bucket, dtype=jnp.int32)[None]
         cache = init_kv_cache(cfg, 1, bucket)
         h_1td, cache = forward(params, cfg, ids_1t, positions_1t, cache)
         h_1d = jax.lax.dynamic_slice_in_dim(h_1td[0], true_length - 1, 1, axis=0)
-        logits_1v = logits_from_hidden(h_1d, unembed(params, cfg))
-        key_12 = sample_key(seed, prompt_id, sample_index, token_index)[None]
-        token_1, logp_1 = self._sample(logits_1v, key_12)
-        return Prefix(
-            cache=cache,
-            true_length=true_length,
-            first_token=token_1[0],
-            first_logp=logp_1[0],
-            seed=seed,
-            prompt_id=prompt_id,
-            sample_index=sample_index,
-            token_index=token_index,
-        )
+        logits_1v = logits_from_hidden(h_1d, unembed(params, cfg)).astype(jnp.float32)
+        return cache, logits_1v
+
+    def first_tokens(
+        self,
+        shared: PromptPrefill,
+        identities: list[tuple[int, int, int]],
+        *,
+        token_index: int = 0,
+    ) -> list[Prefix]:
+        """Sample each sample's first token from one ``prefill_prompt``.
+
+        Args:
+          shared: from ``prefill_prompt`` under the params the samples use.
+          identities: (seed, prompt_id, sample_index) per sample, N >= 1.
+          token_index: response index of the tokens drawn (0 for a prompt, n
+            for a recompute of prompt + n tokens; see ``prefill``).
+
+        Returns:
+          N Prefixes, in order; they share ``shared.cache`` (insert does not
+          donate a Prefix, so each can be inserted into its own slot).
+
+        Raises:
+          ValueError: no identities, or token_index < 0.
+        """
+        if not identities:
+            raise ValueError("first_tokens: identities is empty")
+        if token_index < 0:
+            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
+        n = len(identities)
+        width = 1 << (n - 1).bit_length()  # power-of-two rows: few compiles
+        ident_g4 = np.zeros((width, 4), np.int32)
+        ident_g4[:n, :3] = np.asarray(identities, np.int64).reshape(n, 3)
+        ident_g4[n:, :3] = ident_g4[0, :3]  # padding rows: discarded copies of row 0
+        ident_g4[:, 3] = token_index
+        ident_g4 = jax.device_put(ident_g4, self._replicated)
+        rows = self._first_jit(shared.logits_1v, shared.true_length, ident_g4)
+        return [Prefix(cache=shared.cache, **row) for row in rows[:n]]
+
+    def _first_tokens_impl(self, logits_1v, true_length, ident_g4):
+        width = ident_g4.shape[0]
+        self.trace_counts[f"first_tokens_{width}"] += 1
+        keys_g2 = jax.vmap(sample_key)(*(ident_g4[:, i] for i in range(4)))
+        logits_gv = jnp.broadcast_to(logits_1v, (width, logits_1v.shape[1]))
+        token_g, logp_g = self._sample(logits_gv, keys_g2)
+        return [
+            dict(
+                true_length=true_length,
+                first_token=token_g[g],
+                first_logp=logp_g[g],
+                seed=ident_g4[g, 0],
+                prompt_id=ident_g4[g, 1],
+                sample_index=ident_g4[g, 2],
+                token_index=ident_g4[g, 3],
+            )
+            for g in range(width)
+        ]
 
     def _sample(self, logits_bv, keys_b2):
         c = self.config

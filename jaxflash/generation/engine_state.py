@@ -96,6 +96,23 @@ class Prefix:
 
 
 @struct.dataclass
+class PromptPrefill:
+    """A prompt run once, shareable by every sample of it (``LlamaEngine.prefill_prompt``).
+
+    Valid only under the params it was computed with.
+
+    Attributes:
+      cache: KVCache [L, 1, bucket, K, H] of the sequence.
+      true_length: int32 [] sequence length P.
+      logits_1v: float32 [1, V] raw logits at position P-1 (the first token's).
+    """
+
+    cache: KVCache
+    true_length: jax.Array
+    logits_1v: jax.Array
+
+
+@struct.dataclass
 class DecodeState:
     """Everything ``generate`` transforms; one row per slot.
 

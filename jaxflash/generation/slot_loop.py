@@ -14,6 +14,13 @@ prompt + generated prefix under the new weights, then continue), see
 ``IN_FLIGHT_POLICIES``; ``abort`` removes a queued or running sample.
 ``run_requests`` is a thin loop over it. Single-threaded by design: the runtime
 layer owns any threads.
+
+Prefix sharing (``share_prefix=True``, the default): fresh requests with the same
+prompt tokens reuse one prompt prefill (``LlamaEngine.prefill_prompt``) and each
+draws its own first token from it (``first_tokens``), so a prompt replicated G
+times is prefilled once, not G times, with bit-identical tokens and logprobs.
+A prefill is kept for later fills while queued requests still need it, and
+dropped at every ``set_params`` (valid only under the params it ran with).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine, result_logprobs
+from jaxflash.generation.engine import LlamaEngine, Prefix, PromptPrefill, result_logprobs
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
 
 RequestKey = tuple[int, int]
@@ -42,7 +49,9 @@ class SlotStats:
 
     Attributes:
       steps: ``generate`` calls.
-      prefills: ``prefill`` calls.
+      prefills: prompt forward passes (``prefill`` / ``prefill_prompt`` calls).
+      shared_prefills: samples started from a prefill run for another sample of
+        the same prompt (prefix sharing); prefills + shared_prefills = fills.
       generated_tokens: response tokens produced (first tokens from prefill included).
       live_slot_steps: sum over steps of slots holding a running sample.
       slot_steps: steps * B.
@@ -65,6 +74,7 @@ class SlotStats:
 
     steps: int = 0
     prefills: int = 0
+    shared_prefills: int = 0
     generated_tokens: int = 0
     live_slot_steps: int = 0
     slot_steps: int = 0
@@ -143,12 +153,25 @@ class SlotBatcher:
       params: model params (placed on the engine's mesh here).
       policy_version: version of ``params``; stamped on every token.
       eos_id: token that ends a sample (kept in the response).
+      share_prefix: fresh requests with equal prompt tokens share one prompt
+        prefill (see the module docstring); False prefills every request alone.
+        Either way the tokens and logprobs are bit-identical.
     """
 
     def __init__(
-        self, engine: LlamaEngine, params: Any, *, policy_version: PolicyVersion, eos_id: int
+        self,
+        engine: LlamaEngine,
+        params: Any,
+        *,
+        policy_version: PolicyVersion,
+        eos_id: int,
+        share_prefix: bool = True,
     ):
         self.engine = engine
+        self.share_prefix = bool(share_prefix)
+        # prompt tokens (bytes) -> its prefill under the current params; at most
+        # B entries, cleared by set_params, pruned when no queued request needs it.
+        self._shared: dict[bytes, PromptPrefill] = {}
         self.eos_id = int(eos_id)
         self.stats = SlotStats()
         self._params = engine.place_params(params)
@@ -250,6 +273,7 @@ class SlotBatcher:
             )
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
+        self._shared.clear()  # a shared prefill is valid only under its params
         if in_flight == "continue":
             return
         limit = self.engine.max_prefill_length
@@ -309,36 +333,22 @@ class SlotBatcher:
         """Prefill + insert queued requests into free slots until either runs out."""
         finished: list[Sample] = []
         while self._queue and None in self._slots:
-            started = []
+            placed: list[tuple[int, _Running]] = []
             for slot in [s for s, r in enumerate(self._slots) if r is None]:
                 if not self._queue:
                     break
                 _, run = self._queue.popitem(last=False)
-                request = run.request
-                # A recompute re-prefills prompt + prefix; its next token has
-                # response index len(run.tokens), keyed as if never interrupted.
-                tokens = np.concatenate(
-                    [np.asarray(request.prompt_tokens, np.int32), np.asarray(run.tokens, np.int32)]
-                )
-                if run.tokens:
-                    self.stats.recompute_tokens += tokens.shape[0]
-                else:
+                if not run.tokens:
                     run.start_version = self._version
-                prefix = self.engine.prefill(
-                    params=self._params,
-                    padded_tokens=tokens,
-                    true_length=tokens.shape[0],
-                    seed=request.seed,
-                    prompt_id=request.prompt_id,
-                    sample_index=request.sample_index,
-                    token_index=len(run.tokens),
-                )
+                placed.append((slot, run))
+            prefixes = self._prefixes([run for _, run in placed])
+            started = []
+            for (slot, run), prefix in zip(placed, prefixes, strict=True):
                 self._state = self.engine.insert(
                     prefix, self._state, slot, emit_prefill_token=False
                 )
                 self._slots[slot] = run
-                self.stats.prefills += 1
-                self.stats.slot_fills.append((self.stats.steps, slot, _key(request)))
+                self.stats.slot_fills.append((self.stats.steps, slot, _key(run.request)))
                 started.append((slot, run, prefix.first_token, prefix.first_logp))
             # One host sync for all first tokens of this round.
             firsts = jax.device_get([(t, lp) for _, _, t, lp in started])
@@ -347,7 +357,67 @@ class SlotBatcher:
                 if reason is not None:  # done at its first token: free the slot again
                     self._release(slot)
                     finished.append(self._finish(run, reason))
+        self._prune_shared()
         return finished
+
+    def _prefixes(self, runs: list[_Running]) -> list[Prefix]:
+        """One Prefix per run: fresh runs of one prompt share a prefill; a
+        recompute (run with tokens) or ``share_prefix=False`` prefills alone."""
+        out: dict[int, Prefix] = {}
+        groups: dict[bytes, list[int]] = {}
+        for i, run in enumerate(runs):
+            request = run.request
+            prompt = np.asarray(request.prompt_tokens, np.int32)
+            if self.share_prefix and not run.tokens:
+                groups.setdefault(prompt.tobytes(), []).append(i)
+                continue
+            # A recompute re-prefills prompt + prefix; its next token has
+            # response index len(run.tokens), keyed as if never interrupted.
+            tokens = np.concatenate([prompt, np.asarray(run.tokens, np.int32)])
+            if run.tokens:
+                self.stats.recompute_tokens += tokens.shape[0]
+            out[i] = self.engine.prefill(
+                params=self._params,
+                padded_tokens=tokens,
+                true_length=tokens.shape[0],
+                seed=request.seed,
+                prompt_id=request.prompt_id,
+                sample_index=request.sample_index,
+                token_index=len(run.tokens),
+            )
+            self.stats.prefills += 1
+        for key, members in groups.items():
+            shared = self._shared.get(key)
+            if shared is None:
+                prompt = np.frombuffer(key, np.int32)
+                shared = self.engine.prefill_prompt(
+                    params=self._params, padded_tokens=prompt, true_length=prompt.shape[0]
+                )
+                self._shared[key] = shared
+                self.stats.prefills += 1
+                self.stats.shared_prefills += len(members) - 1
+            else:
+                self.stats.shared_prefills += len(members)
+            ids = [
+                (r.seed, r.prompt_id, r.sample_index) for r in (runs[i].request for i in members)
+            ]
+            for i, prefix in zip(members, self.engine.first_tokens(shared, ids), strict=True):
+                out[i] = prefix
+        return [out[i] for i in range(len(runs))]
+
+    def _prune_shared(self) -> None:
+        """Keep only prefills that queued fresh requests still need (at most B)."""
+        if not self._shared:
+            return
+        wanted = {
+            np.asarray(r.request.prompt_tokens, np.int32).tobytes()
+            for r in self._queue.values()
+            if not r.tokens
+        }
+        for key in [k for k in self._shared if k not in wanted]:
+            del self._shared[key]
+        while len(self._shared) > len(self._slots):
+            del self._shared[next(iter(self._shared))]  # oldest first
 
     def _release(self, slot: int) -> None:
         run = self._slots[slot]
@@ -391,6 +461,7 @@ def run_requests(
     policy_version: PolicyVersion,
     eos_id: int,
     stats: SlotStats | None = None,
+    share_prefix: bool = True,
 ) -> list[Sample]:
     """Generate every request with continuous batching and fixed params.
 
@@ -402,6 +473,7 @@ def run_requests(
       eos_id: end-of-sequence token.
       stats: if given, updated in place with this run's counters (occupancy,
         tokens/s, slot fills).
+      share_prefix: see ``SlotBatcher`` (same results either way; fewer prefills).
 
     Returns:
       One Sample per request, in request order (finish_reason EOS or LENGTH).
@@ -411,7 +483,9 @@ def run_requests(
         before any generation, naming the request. Check requests first with
         ``check_request`` to count failures per prompt instead.
     """
-    batcher = SlotBatcher(engine, params, policy_version=policy_version, eos_id=eos_id)
+    batcher = SlotBatcher(
+        engine, params, policy_version=policy_version, eos_id=eos_id, share_prefix=share_prefix
+    )
     if stats is not None:
         batcher.stats = stats
     for request in requests:
