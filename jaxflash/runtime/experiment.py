@@ -79,6 +79,7 @@ class DataSpec:
     path: str = ""
     min_operands: int = 2
     max_operands: int = 2
+    min_digits: int = 1
     max_digits: int = 1
     ops: str = "+-*"
     max_prompt_tokens: int = 64

@@ -77,6 +77,7 @@ def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prom
         knobs = dict(
             min_operands=d.min_operands,
             max_operands=d.max_operands,
+            min_digits=d.min_digits,
             max_digits=d.max_digits,
             ops=d.ops,
         )
