@@ -34,68 +34,22 @@ import jax
 import numpy as np
 
 from jaxflash.generation.engine import LlamaEngine, Prefix, PromptPrefill, result_logprobs
+from jaxflash.generation.slot_types import (
+    IN_FLIGHT_POLICIES,
+    RequestKey,
+    SlotStats,
+    check_request,
+)
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
 
-RequestKey = tuple[int, int]
-"""(prompt_id, sample_index): identity of a request inside a batcher."""
-
-IN_FLIGHT_POLICIES = ("continue", "restart", "recompute")
-"""What running samples do at ``set_params`` (``config.rollout.partial_rollout``)."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class SlotStats:
-    """Counters of a batcher (host-side, cumulative).
-
-    Attributes:
-      steps: ``generate`` calls.
-      prefills: prompt forward passes (``prefill`` / ``prefill_prompt`` calls).
-      shared_prefills: samples started from a prefill run for another sample of
-        the same prompt (prefix sharing); prefills + shared_prefills = fills.
-      generated_tokens: response tokens produced (first tokens from prefill included).
-      live_slot_steps: sum over steps of slots holding a running sample.
-      slot_steps: steps * B.
-      busy_s: wall-clock seconds spent inside ``step`` (prefill, insert, generate,
-        host copies).
-      slot_fills: (steps so far, slot, key) for every insert, in order.
-      slot_releases: (steps so far, slot, key) whenever a running sample leaves
-        its slot (finished or aborted); a slot refilled at once has a fill with
-        the same step count as its release.
-      finished: samples returned, by finish reason.
-      restarted: running samples sent back to the queue by
-        ``set_params(..., in_flight="restart")``.
-      recomputed: running samples re-prefilled by ``in_flight="recompute"``.
-      recompute_tokens: tokens run through those re-prefills (prompt + prefix +
-        nothing else: the cost of recompute in prefill tokens).
-      recompute_fallbacks: samples that ``recompute`` restarted instead, because
-        prompt + prefix exceeded max_prefill_length (their tokens are dropped,
-        as under restart; not included in ``restarted``).
-    """
-
-    steps: int = 0
-    prefills: int = 0
-    shared_prefills: int = 0
-    generated_tokens: int = 0
-    live_slot_steps: int = 0
-    slot_steps: int = 0
-    busy_s: float = 0.0
-    slot_fills: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
-    slot_releases: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
-    finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    restarted: int = 0
-    recomputed: int = 0
-    recompute_tokens: int = 0
-    recompute_fallbacks: int = 0
-
-    @property
-    def occupancy(self) -> float:
-        """Mean fraction of slots holding a running sample during ``generate``."""
-        return self.live_slot_steps / self.slot_steps if self.slot_steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of ``step`` time."""
-        return self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0
+__all__ = [
+    "IN_FLIGHT_POLICIES",
+    "RequestKey",
+    "SlotBatcher",
+    "SlotStats",
+    "check_request",
+    "run_requests",
+]
 
 
 @dataclasses.dataclass
@@ -107,42 +61,6 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
-
-
-def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
-    """Raise if ``engine`` cannot run ``request``; call before ``add`` to count failures.
-
-    Raises:
-      ValueError: naming (prompt_id, sample_index) and the reason: prompt not a
-        non-empty 1-D int array, prompt longer than max_prefill_length, prompt +
-        max_new_tokens over max_target_length, or sampling parameters different
-        from the engine's (temperature / top_k / top_p are static per engine).
-    """
-    who = f"request (prompt_id={request.prompt_id}, sample_index={request.sample_index})"
-    tokens = np.asarray(request.prompt_tokens)
-    if tokens.ndim != 1 or tokens.shape[0] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(
-            f"{who}: prompt_tokens must be a non-empty 1-D int array, got "
-            f"shape {tokens.shape} dtype {tokens.dtype}"
-        )
-    try:
-        engine.prefill_bucket(tokens.shape[0])
-    except ValueError as err:
-        raise ValueError(f"{who}: {err}") from None
-    total = tokens.shape[0] + request.sampling.max_new_tokens
-    if total > engine.max_target_length:
-        raise ValueError(
-            f"{who}: prompt ({tokens.shape[0]}) + max_new_tokens "
-            f"({request.sampling.max_new_tokens}) = {total} exceeds "
-            f"max_target_length={engine.max_target_length}"
-        )
-    c = engine.config
-    if not c.matches(request.sampling):
-        raise ValueError(
-            f"{who}: sampling (T={request.sampling.temperature}, top_k={request.sampling.top_k}, "
-            f"top_p={request.sampling.top_p}) differs from the engine's (T={c.temperature}, "
-            f"top_k={c.top_k}, top_p={c.top_p})"
-        )
 
 
 class SlotBatcher:
