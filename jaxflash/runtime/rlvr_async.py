@@ -239,6 +239,9 @@ def run(
             train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
             train_s = time.monotonic() - t_train
             scheduler.mark_trained(batch.groups)
+            # Books as of now, before publish frees capacity: the checkpoint's in-flight
+            # prompts are exactly those admitted under the weights being replaced.
+            snapshot, sched_stats = scheduler.snapshot(), scheduler.stats()
 
             # Version lag: which weights each server was generating with during this step.
             gen_now = _gen_times(scheduler.servers)
@@ -271,7 +274,7 @@ def run(
                 "learner_idle_frac": batch.wait_s / step_s,
                 "step_time_s": step_s,
                 "policy_version": version,
-                **scheduler.stats(),
+                **sched_stats,
                 "prompt_outcomes": ledger.outcomes,
             }
             if version % exp.eval.every == 0 or version == exp.total_steps:
@@ -283,7 +286,7 @@ def run(
             _check_finite(metrics, version)
             writer.write_step(version, metrics)
             if version % exp.checkpoint.every == 0 or version == exp.total_steps:
-                ledger_state, counts, cursor = scheduler.snapshot()
+                ledger_state, counts, cursor = snapshot
                 checkpointer.save(
                     state,
                     CheckpointMeta(
