@@ -77,7 +77,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.filter_min_mean = ml_collections.config_dict.placeholder(float)  # drop below
     c.rollout.filter_max_mean = ml_collections.config_dict.placeholder(float)  # drop above
     c.rollout.filter_min_std = ml_collections.config_dict.placeholder(float)  # drop below
-    c.rollout.max_extra_prompts = 0  # dynamic-sampling extras in flight (beyond (alpha+1)*B)
     c.rollout.partial_rollout = "continue"  # continue | recompute | restart on a weight update
     c.rollout.stale_policy = "drop"  # drop | regenerate a group older than alpha allows
     c.rollout.sample_deadline_s = 900.0  # a sample not back by then is aborted and retried

@@ -123,7 +123,6 @@ class RolloutSpec:
     filter_min_mean: float | None = None  # drop groups with mean reward below
     filter_max_mean: float | None = None  # drop groups with mean reward above
     filter_min_std: float | None = None  # drop groups with reward std below
-    max_extra_prompts: int = 0  # dynamic-sampling extras kept in flight
     partial_rollout: str = "continue"  # continue | recompute | restart (on weight update)
     stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows
     sample_deadline_s: float = 600.0  # a sample not back by then is aborted and retried
@@ -140,10 +139,6 @@ class RolloutSpec:
         _check(
             self.truncation in ("penalty", "mask"),
             f"rollout.truncation must be penalty | mask, got {self.truncation!r}",
-        )
-        _check(
-            self.max_extra_prompts >= 0,
-            f"rollout.max_extra_prompts must be >= 0, got {self.max_extra_prompts}",
         )
         _check(
             self.partial_rollout in ("continue", "recompute", "restart"),

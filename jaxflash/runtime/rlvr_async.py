@@ -164,13 +164,13 @@ def run(
         seed=exp.seed,
         clock=PolicyClock(version),
         stale_policy=r.stale_policy,
-        max_extra_prompts=r.max_extra_prompts,
         sample_deadline_s=r.sample_deadline_s,
         max_retries=r.max_retries,
         truncation=truncation,
         resume_prompts=resume,
         counters=counters,
-        refill_dropped=group_filter is not None or r.max_extra_prompts > 0,
+        # Dynamic sampling: a filtered group's prompt is replaced at once (within the cap).
+        refill_dropped=group_filter is not None,
     )
     if server_factory is None:
         from jaxflash.runtime.gen_server import GenerationServer

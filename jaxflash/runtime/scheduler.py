@@ -9,8 +9,8 @@
   scored the moment it finishes (``RewardPool.submit`` from the server's
   callback; no batch barrier), filed in the ``GroupBuffer`` which assembles
   groups of G.
-* Async ratio α (arXiv 2510.11345): at most ``(α+1)·B + max_extra_prompts``
-  prompts are in flight or waiting (a prompt's capacity is released only when
+* Async ratio α (arXiv 2510.11345): at most ``(α+1)·B`` prompts, dynamic-sampling
+  extras included, are in flight or waiting (a prompt's capacity is released only when
   the weights it was trained on — or dropped before — are published, so with α
   = 0 the next prompts start at the new version, exactly like the synchronous
   loop). Batches are assembled oldest first; a group older than learner version
@@ -87,7 +87,6 @@ class RolloutScheduler:
       sampling, seed: of every request (the RNG is keyed per sample).
       clock: the learner's PolicyClock (version the servers hold after publish).
       stale_policy: "drop" | "regenerate".
-      max_extra_prompts: dynamic-sampling extras allowed in flight.
       sample_deadline_s: per-sample deadline (queue time on the server included).
       max_retries: retries after a deadline before the prompt fails.
       truncation: what a truncated response gets.
@@ -115,7 +114,6 @@ class RolloutScheduler:
         seed: int,
         clock: PolicyClock,
         stale_policy: str = "drop",
-        max_extra_prompts: int = 0,
         sample_deadline_s: float = 600.0,
         max_retries: int = 1,
         truncation: TruncationPolicy | None = None,
@@ -134,7 +132,7 @@ class RolloutScheduler:
         self.source, self.ledger, self.buffer = source, ledger, buffer
         self.reward_pool, self.tokenizer = reward_pool, tokenizer
         self.B, self.G, self.alpha = batch_prompts, group_size, async_ratio
-        self.capacity = (async_ratio + 1) * batch_prompts + max_extra_prompts
+        self.capacity = (async_ratio + 1) * batch_prompts
         self.sampling, self.seed, self.clock = sampling, seed, clock
         self.stale_policy, self.deadline_s, self.max_retries = (
             stale_policy,
