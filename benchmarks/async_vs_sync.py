@@ -65,7 +65,11 @@ response) several times the cost of generation, so the run is learner-bound and
 the speed-up is capped near 1 + gen/train; on accelerators with disjoint slices
 (and memory-bound decoding) the ratio would be set by the ROLL Flash bound
 instead. On a machine shared with other jobs the load average (printed per
-mode) moves the absolute numbers; compare modes within one invocation.
+mode) moves the absolute numbers; compare modes within one invocation. And when
+the cores are oversubscribed, a process with more runnable threads (async: the
+learner plus two servers) gets a larger share of them from the OS scheduler: the
+"cores" column (CPU seconds / wall seconds of the mode) shows how much each got,
+so part of an async speed-up there is taken from the other jobs, not from overlap.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -233,6 +238,15 @@ def make_config(args: argparse.Namespace, model_dir: str, alpha: int | None):
     return c
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its reaped children (reward workers)."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _read_jsonl(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -339,11 +353,13 @@ def main() -> None:
     for name, alpha in modes:
         exp = ExperimentConfig.from_config_dict(make_config(args, model_dir, alpha))
         run_dir = os.path.join(workdir, name.replace(" ", "_").replace("=", ""))
-        load0, t0 = os.getloadavg()[0], time.monotonic()
+        load0, t0, cpu0 = os.getloadavg()[0], time.monotonic(), _cpu_s()
         print(f"=== {name}: {run_dir}", flush=True)
         (rlvr.run if alpha is None else rlvr_async.run)(exp, workdir=run_dir)
         res = summarize(run_dir, sync=alpha is None, warmup=args.warmup)
         res.update(alpha=alpha, run_s=time.monotonic() - t0, load_before=load0)
+        res["cpu_s"] = _cpu_s() - cpu0
+        res["cores_used"] = res["cpu_s"] / res["run_s"]
         res["load_after"] = os.getloadavg()[0]
         results[name] = res
 
@@ -356,7 +372,7 @@ def main() -> None:
     head = (
         f"{'mode':<11}{'samples/s':>10}{'x sync':>8}{'stale':>11}{'L idle':>8}{'G idle':>8}"
         f"{'occup':>7}{'len μ/max':>11}{'s/sample':>10}{'bound':>8}{'train':>8}{'ideal':>8}"
-        f"{'load':>11}"
+        f"{'cores':>6}{'load':>11}"
     )
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():
@@ -374,13 +390,14 @@ def main() -> None:
             f"{r['len_mean']:>6.1f}/{r['len_max']:<4.0f}{r['s_per_sample']:>10.3f}"
             f"{r['bound_s_per_sample']:>8.3f}{r['train_s_per_sample']:>8.3f}"
             f"{r['ideal_s_per_sample']:>8.3f}"
-            f"{r['load_before']:>5.1f}->{r['load_after']:<4.1f}"
+            f"{r['cores_used']:>6.2f}{r['load_before']:>5.1f}->{r['load_after']:<4.1f}"
         )
     print(
         "stale = mean/max staleness of trained samples; L/G idle = learner / generation idle "
         "fraction; occup = decode-slot occupancy; s/sample = measured wall seconds per trained "
         "sample; bound = μ_gen/K + L_gen/Q (generation only); train = learner seconds per sample; "
         "ideal = bound + train (sync) or max(bound, train) (async: full overlap); "
+        "cores = CPU seconds / wall seconds of the whole mode (this process + reward workers); "
         "load = 1-min load average before->after the mode (2 cores, shared machine)."
     )
     with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
