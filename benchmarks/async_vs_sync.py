@@ -133,9 +133,12 @@ def build_length_model(directory: str, *, eos_prob: float, max_len: int, seed: i
         h0 = np.asarray(forward(params, config, ids_bt, pos_bt)[0][..., 0])
         delta = gap / float(h0.mean())
     params["embed_vd"][eos, 0] = EMBED_DIM0 + delta
-    h0 = np.asarray(forward(params, config, ids_bt, pos_bt)[0][..., 0], np.float64)
-    # Non-EOS logits all equal h0*C (other final-norm weights are 0); EOS is h0*(C+δ).
-    p_eos = 1.0 / (1.0 + (V - 1) * np.exp(-h0 * delta))
+    h_btd = np.asarray(forward(params, config, ids_bt, pos_bt)[0], np.float64)
+    h0 = h_btd[..., 0]
+    # The real next-token distribution at every position (tied: logits = h @ embed.T).
+    logits_btv = h_btd @ params["embed_vd"].astype(np.float64).T
+    logits_btv -= logits_btv.max(axis=-1, keepdims=True)
+    p_eos = np.exp(logits_btv[..., eos]) / np.exp(logits_btv).sum(axis=-1)
     save_hf(directory, config, params, tokenizer)
     return {
         "p_target": eos_prob,
