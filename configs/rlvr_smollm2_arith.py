@@ -18,7 +18,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # keys data order, sampling RNG (per sample) and init
-    c.total_steps = 200  # learner steps (policy versions) to train for
+    c.total_steps = 20  # learner steps (policy versions); ~5 min each on 2 CPU cores
 
     # Devices. On CPU, `num_cpu_devices` fake devices are created before jax is
     # imported; the learner mesh and the generation mesh are carved from them.
@@ -70,7 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.num_slots = 32  # decode slots (continuous batching) per engine
     c.rollout.max_prefill_length = 64  # prompt bucket limit of the engine
     c.rollout.async_ratio = 0  # alpha: 0 = synchronous
-    c.rollout.truncation = "penalty"  # penalty | mask: what a truncated response gets
+    c.rollout.truncation = "penalty"  # penalty | mask | none: what a truncated response gets
     c.rollout.truncation_penalty = 0.0  # reward of a truncated response (penalty mode)
     c.rollout.filter_zero_variance = False  # drop groups whose rewards are all equal
     # Async runtime (ROLL Flash, arXiv 2510.11345); the synchronous loop ignores these.

@@ -55,6 +55,9 @@ def main(argv: list[str]) -> None:
     # to our one line per step (pass --verbosity=0 to see them again).
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+    # JetStream imports TensorFlow (through seqio) only for tokenizer utilities we do
+    # not use; keep its C++ start-up chatter off the console.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     _set_cpu_device_count(int(config.mesh.num_cpu_devices))
     _maybe_init_distributed()
     # Library code never sees the ConfigDict: it becomes validated dataclasses here.
@@ -65,7 +68,15 @@ def main(argv: list[str]) -> None:
         from jaxflash.runtime.rlvr import run
     else:  # ROLL Flash async: disjoint learner and generation slices
         from jaxflash.runtime.rlvr_async import run
-    run(exp, workdir=_WORKDIR.value)
+    try:
+        run(exp, workdir=_WORKDIR.value)
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: run the same command again to resume {_WORKDIR.value} from its "
+            "last complete checkpoint",
+            file=sys.stderr,
+        )
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -222,7 +222,8 @@ class GroupBuffer:
                 return
             pend = self._get_or_create(pid)
             if pend.failure is None:
-                pend.failure = f"prompt {pid}: {reason}"
+                prefix = f"prompt {pid}"
+                pend.failure = reason if reason.startswith(prefix) else f"{prefix}: {reason}"
 
     def _get_or_create(self, pid: int) -> _Pending:
         pend = self._pending.get(pid)

@@ -7,11 +7,15 @@ into these; every field is checked eagerly, with errors naming the field.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.types import SamplingParams
+
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+"""Advantage estimators whose baseline is the prompt's own group of samples."""
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -137,8 +141,8 @@ class RolloutSpec:
         _check(self.num_slots >= 1, f"rollout.num_slots must be >= 1, got {self.num_slots}")
         _check(self.async_ratio >= 0, f"rollout.async_ratio must be >= 0, got {self.async_ratio}")
         _check(
-            self.truncation in ("penalty", "mask"),
-            f"rollout.truncation must be penalty | mask, got {self.truncation!r}",
+            self.truncation in ("penalty", "mask", "none"),
+            f"rollout.truncation must be penalty | mask | none, got {self.truncation!r}",
         )
         _check(
             self.partial_rollout in ("continue", "recompute", "restart"),
@@ -211,7 +215,28 @@ class ExperimentConfig:
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
 
     def __post_init__(self) -> None:
+        # Cross-field checks, so a bad combination fails before any model is loaded.
         _check(self.total_steps >= 0, f"total_steps must be >= 0, got {self.total_steps}")
+        _check(
+            self.eval.temperature == self.rollout.sampling.temperature,
+            "eval.temperature must equal rollout.temperature (one engine, one compiled "
+            f"distribution), got {self.eval.temperature} vs {self.rollout.sampling.temperature}",
+        )
+        _check(
+            self.data.max_prompt_tokens <= self.rollout.max_prefill_length,
+            f"data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds "
+            f"rollout.max_prefill_length={self.rollout.max_prefill_length}: prompts in "
+            "between would pass the data filter and then fail in the engine",
+        )
+        _check(
+            self.rollout.group_size >= 2 or self.advantage not in GROUP_RELATIVE,
+            f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "
+            "group-relative advantage of one sample is always 0 (use group_size >= 2)",
+        )
+        _check(
+            self.data.task != "file" or os.path.isfile(self.data.path),
+            f"data.path={self.data.path!r} is not a file",
+        )
 
     @classmethod
     def from_config_dict(cls, config: Any) -> ExperimentConfig:

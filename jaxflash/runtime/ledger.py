@@ -13,6 +13,30 @@ from typing import Any
 
 from jaxflash.types import PromptOutcome
 
+_FAILURE_CATEGORIES = (
+    # (substring of the failure detail, reason counted in the ledger); first match wins
+    ("malformed row", "malformed_row"),
+    ("longer than max_prompt_tokens", "prompt_too_long"),
+    ("exceeds max_prefill_length", "prompt_too_long"),
+    ("max_target_length", "prompt_too_long"),
+    ("reward error", "reward_error"),
+    ("not back within", "generation_timeout"),
+)
+
+
+def failure_reason(detail: str) -> str:
+    """The ledger reason for a failed prompt, from its human-readable detail.
+
+    Reward errors become "reward_timeout" when the reward worker hit its deadline.
+    Unknown details are counted as "other" (the detail itself is still printed).
+    """
+    for needle, reason in _FAILURE_CATEGORIES:
+        if needle in detail:
+            if reason == "reward_error" and "timeout" in detail:
+                return "reward_timeout"
+            return reason
+    return "other"
+
 
 class LedgerError(RuntimeError):
     """A prompt was closed twice, or closed without being taken."""

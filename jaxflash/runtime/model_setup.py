@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
+import os
 from typing import Any
 
 import jax
@@ -67,7 +69,50 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
         config, params = get_preset(spec.preset, vocab_size=tokenizer.vocab_size), None
         overrides["max_seq_len"] = max(config.max_seq_len, need_len)
-    return config.replace(**overrides), params, tokenizer
+    config = config.replace(**overrides)
+    if need_len > config.max_seq_len:
+        raise ValueError(
+            f"rollout.max_prefill_length={rollout.max_prefill_length} + "
+            f"rollout.max_new_tokens={rollout.sampling.max_new_tokens} = {need_len} exceeds "
+            f"the model's max_seq_len={config.max_seq_len}"
+        )
+    return config, params, tokenizer
+
+
+def check_workdir_model(workdir: str, config: ModelConfig) -> None:
+    """Records the model's shape in ``<workdir>/model_config.json``, or checks it on resume.
+
+    Raises:
+      ValueError: the workdir holds a run of a different model (naming the fields
+        that differ), instead of an Orbax shape mismatch deep in the restore.
+    """
+    path = os.path.join(workdir, "model_config.json")
+    shape_fields = (
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "d_ff",
+        "tie_embeddings",
+        "qkv_bias",
+        "param_dtype",
+    )
+    current = {k: getattr(config, k) for k in shape_fields}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+        if diff:
+            raise ValueError(
+                f"workdir {workdir} holds a run of a different model "
+                f"(field: saved vs now) {diff}; use a new --workdir"
+            )
+        return
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(current, f, indent=1)
 
 
 def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prompt]]:
@@ -95,6 +140,8 @@ def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prom
             answer_marker=d.answer_marker or None,
             on_error="skip" if d.on_error == "fail" else "raise",
         )
+        if not rows:
+            raise ValueError(f"data.path={d.path!r} has no rows")
         n_eval = min(d.eval_size, len(rows) // 10)  # hold out at most 10 % of a file
         train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
     eval_source = PromptSource(eval_rows, tokenizer, max_prompt_tokens=d.max_prompt_tokens)

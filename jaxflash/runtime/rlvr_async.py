@@ -43,6 +43,7 @@ from jaxflash.replay.versions import PolicyClock
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.model_setup import (
+    check_workdir_model,
     load_model,
     make_datasets,
     make_engine,
@@ -89,10 +90,12 @@ def run(
 
     # ------------------------------------------------------------ devices
     learner_mesh, gen_meshes = build_slices(exp.mesh)
+    reward = make_reward(exp.reward)  # resolve a custom reward before the slow model load
 
     # ------------------------------------------------------------ model + learner
     model_config, imported_params, tokenizer = load_model(exp.model, exp.rollout)
     print(f"model: {model_config}", flush=True)
+    check_workdir_model(workdir, model_config)
     checkpointer = Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=exp.checkpoint.max_to_keep
     )
@@ -144,7 +147,7 @@ def run(
     )
     resume = tuple(prompt_by_id(train_rows, source, pid) for pid in sorted(ledger.open_ids))
     reward_pool = RewardPool(
-        make_reward(exp.reward), num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s
+        reward, num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s
     )
     group_filter = group_filter_of(exp)
     r = exp.rollout

@@ -26,7 +26,8 @@ class TruncationPolicy:
     """What a truncated response (hit max_new_tokens) gets.
 
     mode "penalty": its reward is replaced by ``penalty``; mode "mask": it is
-    scored normally but carries no loss (the learner never sees it).
+    scored normally but carries no loss (the learner never sees it); mode "none":
+    it keeps its reward like any other response.
     """
 
     mode: str = "penalty"

@@ -38,7 +38,7 @@ from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import DroppedGroup, Group, GroupBuffer
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.replay.versions import PolicyClock
-from jaxflash.runtime.ledger import PromptLedger
+from jaxflash.runtime.ledger import PromptLedger, failure_reason
 from jaxflash.runtime.rollout import TruncationPolicy, _correct
 from jaxflash.types import FinishReason, GenerationRequest, Prompt, PromptOutcome, SamplingParams
 
@@ -488,7 +488,8 @@ class RolloutScheduler:
             for i in range(self.G):
                 self._dispatch(self._request(self._active[d.prompt_id], i))
             return
-        self.ledger.close(d.prompt_id, d.outcome, d.reason)
+        failed = d.outcome == PromptOutcome.FAILED
+        self.ledger.close(d.prompt_id, d.outcome, failure_reason(d.detail) if failed else d.reason)
         if d.outcome == PromptOutcome.FAILED:
             print(f"failed: {d.detail or d.reason}", flush=True)
         if self.refill_dropped:  # dynamic sampling: start a replacement now
