@@ -209,12 +209,13 @@ def make_config(args: argparse.Namespace, model_dir: str, alpha: int | None):
     """The experiment ConfigDict of one mode (alpha None = the synchronous loop)."""
     import ml_collections
 
-    from configs import smoke
+    from configs import rlvr_smollm2_arith
 
-    c = smoke.get_config()
+    c = rlvr_smollm2_arith.get_config()
     c.seed = args.seed
     c.total_steps = args.steps
     c.model.source, c.model.path = "hf", model_dir
+    c.model.remat = False
     c.data.eval_size = 0  # no evaluation: async servers would keep generating through it
     c.eval.every = args.steps
     c.checkpoint.every = args.steps  # one save, after the last measured step
@@ -225,6 +226,8 @@ def make_config(args: argparse.Namespace, model_dir: str, alpha: int | None):
     c.rollout.temperature = 1.0  # the calibrated p holds at temperature 1 only
     c.learner.lr = 0.0  # the policy (hence the length distribution) never changes
     c.learner.micro_batch_size = args.prompts * args.group // 2
+    # Any cheap registered reward: with lr = 0 its value changes nothing but the logs.
+    c.reward.fn = "format_any"
     c.reward.num_workers = 1
     c.mesh.num_cpu_devices = 8
     c.mesh.learner = ml_collections.ConfigDict({"fsdp": 3, "tensor": 2})
