@@ -3,7 +3,7 @@
     python launch/tpu_pod.py --config configs/smoke.py --workdir runs/smoke
 
 About a minute on 2 CPU cores. Same code path as the real job; the model is
-random, so it is rewarded for emitting digits (a toy reward with a learning
+random, so it is rewarded for capitalised word pieces (a toy reward with a learning
 signal) — it checks plumbing, not arithmetic.
 """
 
@@ -29,7 +29,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.lr = 1e-3
     c.eval.every = 2
     # A random model never solves arithmetic: a dense toy reward gives GRPO a signal.
-    c.reward.fn = "digit_fraction"
+    c.reward.fn = "uppercase_fraction"
     # A random model rarely emits EOS within 8 tokens: keep truncated samples' rewards
     # (the default penalty would zero every reward and leave nothing to learn).
     c.rollout.truncation = "none"

@@ -2,7 +2,7 @@
 
 Importing the package fills the `REWARD_FNS` registry: "math" (answer
 correctness on Math-Verify), "format_boxed", "format_answer_is", "format_any",
-"digit_fraction" (a toy reward for smoke runs).
+"uppercase_fraction" (a toy reward for smoke runs).
 """
 
 from jaxflash.rewards import format, math_reward, toy  # noqa: F401  (fill the registry)

@@ -22,28 +22,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash.algorithms.advantages import get_advantage_estimator
-from jaxflash.checkpoint.checkpointer import Checkpointer, CheckpointMeta
+from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.data.prompts import PromptSource
-from jaxflash.generation.engine import EngineConfig, LlamaEngine
 from jaxflash.learner.batching import pack_batch
-from jaxflash.learner.state import abstract_train_state, create_train_state, from_params
 from jaxflash.learner.step import make_train_step
-from jaxflash.metrics.writer import MetricsWriter, truncate_jsonl
-from jaxflash.models.llama import abstract_params, logical_axes
+from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.runtime.evaluation import evaluate
 from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.ledger import PromptLedger, failure_reason
+from jaxflash.runtime.ledger import failure_reason
 from jaxflash.runtime.model_setup import (
     build_meshes,
     check_workdir_model,
     load_model,
     make_datasets,
+    make_engine,
     make_reward,
 )
+from jaxflash.runtime.resume import init_or_restore_learner
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.rollout import TruncationPolicy, rollout_round
-from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_shardings
+from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.publish import Publisher
 from jaxflash.types import PromptOutcome
 
@@ -76,56 +75,15 @@ def run(exp: ExperimentConfig, *, workdir: str) -> dict[str, Any]:
     check_workdir_model(workdir, model_config)
 
     # ------------------------------------------------------------ learner (born sharded)
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=exp.checkpoint.max_to_keep
+    state, meta, ledger, checkpointer = init_or_restore_learner(
+        exp, model_config, imported_params, learner_mesh, workdir
     )
-    abstract_state = abstract_train_state(model_config, exp.learner, learner_mesh, LEARNER_RULES)
-    restored = checkpointer.restore_latest(abstract_state)
-    if restored is not None:
-        state, meta = restored
-        ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
-        print(f"resumed from step {meta.step} (data cursor {meta.data_cursor})", flush=True)
-        # Rows written after the last complete checkpoint belong to lost work.
-        truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
-        truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
-    else:
-        meta = CheckpointMeta(step=0)
-        ledger = PromptLedger()
-        if imported_params is None:
-            state = create_train_state(
-                model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
-            )
-        else:
-            state = from_params(
-                imported_params,
-                model_config,
-                exp.learner,
-                learner_mesh,
-                LEARNER_RULES,
-                seed=exp.seed,
-            )
     del imported_params
     train_step = make_train_step(model_config, exp.learner, learner_mesh, LEARNER_RULES)
 
     # ------------------------------------------------------------ engine + weight sync
     sampling = exp.rollout.sampling
-    engine = LlamaEngine(
-        model_config,
-        EngineConfig(
-            max_concurrent_decodes=exp.rollout.num_slots,
-            max_prefill_length=exp.rollout.max_prefill_length,
-            max_target_length=exp.rollout.max_prefill_length + sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-        ),
-        mesh=gen_mesh,
-        rules=GENERATOR_RULES,  # shards the KV cache like the params (tensor parallel)
-        tokenizer=tokenizer,
-    )
-    gen_shardings = logical_to_shardings(
-        logical_axes(model_config), gen_mesh, GENERATOR_RULES, shapes=abstract_params(model_config)
-    )
+    engine, gen_shardings = make_engine(exp, model_config, gen_mesh, tokenizer)
     version = int(meta.step)  # policy version == learner steps taken
     publisher = Publisher()
     gen_params = publisher.publish(state.params, gen_shardings, version).params

@@ -31,17 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash.algorithms.advantages import get_advantage_estimator
-from jaxflash.checkpoint.checkpointer import Checkpointer, CheckpointMeta
+from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.data.prompts import PromptSource
 from jaxflash.learner.batching import pack_batch
-from jaxflash.learner.state import abstract_train_state, create_train_state, from_params
 from jaxflash.learner.step import make_train_step
-from jaxflash.metrics.writer import MetricsWriter, truncate_jsonl
+from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.replay.versions import PolicyClock
 from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.model_setup import (
     check_workdir_model,
     load_model,
@@ -50,6 +48,7 @@ from jaxflash.runtime.model_setup import (
     make_reward,
     prompt_by_id,
 )
+from jaxflash.runtime.resume import init_or_restore_learner
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.rlvr import MAX_EMPTY_ROUNDS, _check_finite, _eval
 from jaxflash.runtime.rollout import TruncationPolicy
@@ -96,34 +95,10 @@ def run(
     model_config, imported_params, tokenizer = load_model(exp.model, exp.rollout)
     print(f"model: {model_config}", flush=True)
     check_workdir_model(workdir, model_config)
-    checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=exp.checkpoint.max_to_keep
+    state, meta, ledger, checkpointer = init_or_restore_learner(
+        exp, model_config, imported_params, learner_mesh, workdir
     )
-    abstract_state = abstract_train_state(model_config, exp.learner, learner_mesh, LEARNER_RULES)
-    restored = checkpointer.restore_latest(abstract_state)
-    counters: dict[str, int] = {}
-    if restored is not None:
-        state, meta = restored
-        ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
-        counters = dict(meta.extra.get("async_counters", {}))
-        print(f"resumed from step {meta.step} ({len(ledger.open_ids)} prompts in flight)")
-        truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
-        truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
-    else:
-        meta, ledger = CheckpointMeta(step=0), PromptLedger()
-        if imported_params is None:
-            state = create_train_state(
-                model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
-            )
-        else:
-            state = from_params(
-                imported_params,
-                model_config,
-                exp.learner,
-                learner_mesh,
-                LEARNER_RULES,
-                seed=exp.seed,
-            )
+    counters: dict[str, int] = dict(meta.extra.get("async_counters", {}))
     del imported_params
     train_step = make_train_step(model_config, exp.learner, learner_mesh, LEARNER_RULES)
 
