@@ -351,6 +351,26 @@ def test_random_add_take_conserves_every_group():
             pid = rng.choice(sorted(outstanding))
             buf.fail(pid, "generation timeout")
             late += pid in closed_failed
+        elif action < 0.80 and outstanding:
+            # A surplus prompt aborted in flight: dropped (late samples discarded)
+            # or resubmitted at the current version.
+            pid = rng.choice(sorted(outstanding))
+            regen = rng.random() < 0.5 and pid not in closed_failed
+            d = buf.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
+            if d is None:
+                # Nothing pending: no sample of that attempt had arrived (nothing
+                # produced), or its failed group was already reported.
+                instances -= pid not in closed_failed
+            else:
+                assert d.outcome == PromptOutcome.STALE and d.regenerate == regen
+                dropped_reasons[d.reason] = dropped_reasons.get(d.reason, 0) + 1
+                samples_seen += len(d.samples)
+            if regen:
+                del outstanding[pid]  # aborted on the server: never delivered
+                start_group(pid)
+                regenerated += 1
+            else:
+                closed_failed.add(pid)  # its outstanding samples arrive late
         else:
             if rng.random() < 0.3:
                 version += 1
@@ -400,7 +420,7 @@ def test_random_add_take_conserves_every_group():
     assert samples_added == samples_seen + late
     # the run exercised every path
     assert len(returned) > 10 and late > 0 and regenerated > 0
-    assert {"stale", "failed", "zero_variance", "drained"} <= set(dropped_reasons)
+    assert {"stale", "failed", "zero_variance", "drained", "surplus_stale"} <= set(dropped_reasons)
 
 
 def test_concurrent_add_and_take_lose_nothing():

@@ -267,3 +267,109 @@ def test_server_that_dies_is_routed_around():
     assert sched.counters["samples_timed_out"] == 0  # noticed at once, not at the deadline
     assert len(servers[0].submitted) == 4
     ledger.check()
+
+
+def _balanced(buf):
+    c = buf.counts()
+    return c["produced"] == c["returned"] + c["dropped"] + c["pending"]
+
+
+def test_surplus_prompt_aborted_once_it_can_no_longer_be_trained_fresh():
+    # alpha=1, B=1: capacity 2. Prompt 1's sample 1 never finishes by itself.
+    servers = [FakeServer(hang={(1, 1)})]
+    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1)
+    try:
+        batch = sched.next_batch(0, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [0]
+        # Still fresh at step 1 (start 0 >= 0 + 1 - 1): kept running, not aborted.
+        assert servers[0].aborted == [] and sched.counters["samples_aborted_surplus"] == 0
+        sched.mark_trained(batch.groups)
+        sched.publish([None], 1)  # prompt 2 starts at version 1
+        time.sleep(0.1)  # sample (1, 0) (start 0) is back and scored
+        batch = sched.next_batch(1, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [2]
+        # Prompt 1 would be stale at step 2 (start 0 < 1 + 1 - 1): aborted at once.
+        assert servers[0].aborted == [1]
+        assert [(d.prompt_id, d.reason, d.outcome) for d in batch.dropped] == [
+            (1, "surplus_stale", PromptOutcome.STALE)
+        ]
+        assert [(r["prompt_id"], r["outcome"]) for r in batch.rows] == [
+            (2, "trained"),
+            (2, "trained"),
+            (1, "surplus_stale"),
+        ]
+        assert ledger.outcomes["stale"] == {"surplus_stale": 1}
+        assert sched.counters["samples_aborted_surplus"] == 1  # (1, 1) was outstanding
+        assert sched.counters["samples_aborted"] == 1
+        assert sched.counters["samples_dropped_surplus_stale"] == 1  # (1, 0) had arrived
+        c = sched.buffer.counts()
+        assert c["dropped_surplus_stale"] == 1 and _balanced(sched.buffer)
+        # Its capacity is free now (a prompt started at version 1 is fresh at step 2).
+        time.sleep(0.1)
+        assert (3, 0) in servers[0].submitted and ledger.taken == 4
+        sched.mark_trained(batch.groups)
+    finally:
+        sched.close()
+    assert ledger.count(PromptOutcome.TRAINED) == 2 and ledger.count(PromptOutcome.STALE) == 1
+    assert ledger.taken == 4 and ledger.open_ids == {3}
+    ledger.check()
+
+
+@pytest.mark.parametrize("partial_rollout", ["continue", "restart"])
+def test_in_flight_start_version_depends_on_partial_rollout(partial_rollout):
+    # Prompt 1 has no finished sample. On a continue server its samples keep the
+    # start version they were dispatched at (0): stale at step 2, aborted at step 1.
+    # On a restart server a sample still running at the next publish restarts at
+    # the new version, so the prompt is kept.
+    servers = [FakeServer(hang={(1, 0), (1, 1)})]
+    servers[0].partial_rollout = partial_rollout
+    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1)
+    try:
+        batch = sched.next_batch(0, timeout_s=10)
+        sched.mark_trained(batch.groups)
+        sched.publish([None], 1)
+        batch = sched.next_batch(1, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [2]
+        assert batch.dropped == []  # no sample of prompt 1 had arrived
+        if partial_rollout == "continue":
+            assert servers[0].aborted == [1]
+            assert sched.counters["samples_aborted_surplus"] == 2
+            assert ledger.outcomes["stale"] == {"surplus_stale": 1}
+        else:
+            assert servers[0].aborted == []
+            assert sched.counters["samples_aborted_surplus"] == 0
+            assert ledger.count(PromptOutcome.STALE) == 0
+    finally:
+        sched.close()
+    ledger.check()
+
+
+def test_surplus_prompt_regenerated_fresh():
+    servers = [FakeServer(hang={(1, 1)})]
+    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1, stale_policy="regenerate")
+    try:
+        batch = sched.next_batch(0, timeout_s=10)
+        sched.mark_trained(batch.groups)
+        sched.publish([None], 1)
+        time.sleep(0.1)
+        batch = sched.next_batch(1, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [2]
+        assert servers[0].aborted == [1]
+        assert [(d.prompt_id, d.reason, d.regenerate) for d in batch.dropped] == [
+            (1, "surplus_stale", True)
+        ]
+        assert sched.counters["prompts_regenerated_stale"] == 1
+        servers[0].hang.clear()  # the resubmitted requests finish normally
+        sched.mark_trained(batch.groups)
+        sched.publish([None], 2)
+        batch = sched.next_batch(2, timeout_s=10)
+        # The regenerated group started at version 1: fresh at step 2, trained.
+        assert [g.prompt_id for g in batch.groups] == [1]
+        assert {s.start_version for s in batch.groups[0].samples} == {1}
+        assert servers[0].submitted.count((1, 0)) == 2 and servers[0].submitted.count((1, 1)) == 2
+        sched.mark_trained(batch.groups)
+    finally:
+        sched.close()
+    assert ledger.count(PromptOutcome.STALE) == 0 and ledger.count(PromptOutcome.TRAINED) == 3
+    assert sched.counters["samples_aborted_surplus"] == 1
+    ledger.check()

@@ -3,7 +3,7 @@
 A group is the G samples of one prompt. `GroupBuffer.take` returns complete, fresh
 groups oldest-first (by start version, then prompt_id) and never more than asked:
 what does not fit stays for the next call ("Nothing dropped at the batch edge",
-../shared/cases/rl_pitfalls.md). Every group leaves through `take` (or `drain`),
+../shared/cases/rl_pitfalls.md). Every group leaves through `take` (or `drain`, `discard`),
 either returned or in the `dropped` list with an outcome and a reason, so at any time
 
     produced == returned + dropped + pending                       (see `counts`)
@@ -11,7 +11,8 @@ either returned or in the `dropped` list with an outcome and a reason, so at any
 Dropped reasons: "stale" (staleness > async_ratio, or negative -- that one is also
 counted as an anomaly), "failed" (a sample carried an error or a non-finite reward,
 or `fail` was called), the filter reasons "zero_variance", "mean_below_min",
-"mean_above_max", "std_below_min", and "drained" (`drain`, at shutdown).
+"mean_above_max", "std_below_min", "drained" (`drain`, at shutdown), and whatever
+reason the caller gives `discard` (e.g. "surplus_stale": a prompt aborted in flight).
 With policy="regenerate", stale groups are still reported in `dropped` (reason
 "stale", `regenerate=True`): the caller resubmits the prompt instead of closing it,
 and the regenerated samples (start version = the new version) form a new group,
@@ -154,7 +155,7 @@ class GroupBuffer:
         self.group_filter = group_filter
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
-        self._closed_failed: set[int] = set()  # late siblings of these are discarded
+        self._closed_failed: set[int] = set()  # failed or discarded: late samples dropped
         self._last_learner_version: int | None = None
         self._produced = 0
         self._returned = 0
@@ -339,6 +340,46 @@ class GroupBuffer:
                 for pid in sorted(self._pending)
             ]
             return out
+
+    def discard(
+        self,
+        prompt_id: int,
+        outcome: PromptOutcome,
+        reason: str,
+        *,
+        regenerate: bool = False,
+    ) -> DroppedGroup | None:
+        """Remove one prompt's pending group now (e.g. a surplus prompt aborted in flight).
+
+        The group (complete or not) is counted as dropped with `reason`, so
+        produced == returned + dropped + pending still holds. Unless `regenerate`,
+        the prompt is closed: samples of it added later are discarded and counted
+        (`samples_late_discarded`). With `regenerate=True` the caller resubmits it
+        and its new samples form a new group (counted as produced again).
+
+        Args:
+          prompt_id: the prompt.
+          outcome: PromptOutcome for the ledger (e.g. STALE).
+          reason: non-empty short reason (e.g. "surplus_stale").
+          regenerate: the prompt will be resubmitted (do not close it).
+
+        Returns:
+          The DroppedGroup (samples that had arrived, maybe none), or None when no
+          group was pending (nothing produced, nothing dropped).
+
+        Raises:
+          ValueError: empty reason.
+        """
+        if not reason:
+            raise ValueError(f"discard({prompt_id}) needs a non-empty reason")
+        pid = int(prompt_id)
+        with self._lock:
+            if not regenerate:
+                self._closed_failed.add(pid)  # closed: late samples are discarded
+            pend = self._pending.pop(pid, None)
+            if pend is None:
+                return None
+            return self._drop(pid, pend, outcome, reason, reason, regenerate=regenerate)
 
     def _drop(
         self,

@@ -15,6 +15,14 @@
   = 0 the next prompts start at the new version, exactly like the synchronous
   loop). Batches are assembled oldest first; a group older than learner version
   − α is dropped or regenerated (``stale_policy``) and counted.
+* Surplus aborted once a batch is full (ROLL Flash §5.1): when ``next_batch(v)``
+  returns B groups, every in-flight prompt whose start version (oldest sample's;
+  see ``_start_estimate`` for continue/recompute vs restart servers) is below
+  v + 1 − α -- stale at the next step -- is aborted on its servers at once,
+  discarded from the buffer and closed STALE "surplus_stale" (drop, its capacity
+  freed for a fresh prompt) or resubmitted (regenerate); its late samples are
+  counted ``samples_late`` and never trained. Other outstanding requests are
+  aborted only at ``close()``.
 * No silent hang ("No silent hang", ../shared/cases/rl_pitfalls.md): a sample
   not back within ``sample_deadline_s`` is aborted on its server and retried on
   another (``max_retries``), then its prompt fails; ``next_batch`` itself raises
@@ -48,6 +56,7 @@ class _Request:
     request: GenerationRequest
     server: int
     dispatched_at: float
+    version: int = 0  # the server's version at dispatch (start estimate, see _start_estimate)
     attempts: int = 0  # timeouts so far
 
 
@@ -149,7 +158,9 @@ class RolloutScheduler:
         self._requeue: collections.deque = collections.deque(resume_prompts)
         self.counters["prompts_regenerated_on_resume"] += len(resume_prompts)
         self._out: dict[tuple[int, int], _Request] = {}  # dispatched, not finished
-        self._scoring: set[tuple[int, int]] = set()
+        self._scoring: dict[tuple[int, int], Any] = {}  # key -> the sample being scored
+        self._min_start: dict[int, int] = {}  # prompt -> oldest start of its accepted samples
+        self._regen_at_publish: list[int] = []  # surplus prompts resubmitted at release
         self._to_release: list[int] = []  # taken by the learner, released at publish
         self._suspect: set[int] = set()  # servers that let a sample time out
         self._dead: set[int] = set()  # servers whose loop raised
@@ -212,6 +223,9 @@ class RolloutScheduler:
                     self._resolve_dropped(d)
                 self._to_release += [g.prompt_id for g in got]
                 if len(groups) == self.B:
+                    gone, gone_rows = self._abort_surplus(learner_version)
+                    dropped += gone
+                    rows += gone_rows
                     break
                 if self._quiescent() and not self.buffer.num_complete():
                     break
@@ -260,7 +274,13 @@ class RolloutScheduler:
         with self._changed:
             for pid in self._to_release:
                 self._active.pop(pid, None)
+                self._min_start.pop(pid, None)
             self._to_release = []
+            for pid in self._regen_at_publish:  # surplus prompts, fresh at this version
+                if pid in self._active:
+                    for i in range(self.G):
+                        self._dispatch(self._request(self._active[pid], i))
+            self._regen_at_publish = []
             self._changed.notify_all()
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, int], int]:
@@ -361,6 +381,7 @@ class RolloutScheduler:
 
         best = min(alive, key=rank)
         key = (request.prompt_id, request.sample_index)
+        held = int(self.servers[best].version)
         try:
             self.servers[best].submit(request)
         except ValueError as err:  # e.g. a prompt the engine cannot hold
@@ -372,7 +393,11 @@ class RolloutScheduler:
             self._mark_dead(best, err)
             return self._dispatch(request, attempts, avoid)
         self._out[key] = _Request(
-            request=request, server=best, dispatched_at=time.monotonic(), attempts=attempts
+            request=request,
+            server=best,
+            dispatched_at=time.monotonic(),
+            version=held,
+            attempts=attempts,
         )
         return True
 
@@ -385,19 +410,24 @@ class RolloutScheduler:
         del self._out[key]
         self._suspect.discard(req.server)
         self.counters["samples_generated"] += 1
+        start = int(start_version_of(sample))
+        self._min_start[key[0]] = min(self._min_start.get(key[0], start), start)
         prompt = self._active[key[0]]
         eos = self.tokenizer.eos_id
         sample.response_text = self.tokenizer.decode(
             [int(t) for t in sample.response_tokens if int(t) != eos]
         )
-        self._scoring.add(key)
+        self._scoring[key] = sample
         item = (sample.response_text, prompt.answer, f"prompt {key[0]} sample {key[1]}")
         future = self.reward_pool.submit(item)
         future.add_done_callback(lambda f, s=sample: self._done.put(("scored", s, f)))
 
     def _on_scored(self, sample: Any, future: Any) -> None:
         key = (int(sample.prompt_id), int(sample.sample_index))
-        self._scoring.discard(key)
+        if self._scoring.get(key) is not sample:
+            self.counters["samples_late"] += 1  # its prompt was aborted as surplus meanwhile
+            return
+        del self._scoring[key]
         if key[0] not in self._active or key in self._out:
             self.counters["samples_late"] += 1  # prompt closed or resubmitted meanwhile
             return
@@ -485,6 +515,7 @@ class RolloutScheduler:
         self.counters[f"samples_dropped_{d.reason}"] += len(d.samples)
         if d.regenerate and d.prompt_id in self._active:
             self.counters["prompts_regenerated_stale"] += 1
+            self._min_start.pop(d.prompt_id, None)
             for i in range(self.G):
                 self._dispatch(self._request(self._active[d.prompt_id], i))
             return
@@ -494,8 +525,81 @@ class RolloutScheduler:
             print(f"failed: {d.detail or d.reason}", flush=True)
         if self.refill_dropped:  # dynamic sampling: start a replacement now
             self._active.pop(d.prompt_id, None)
+            self._min_start.pop(d.prompt_id, None)
         else:  # as the synchronous loop: the next prompts start at the next version
             self._to_release.append(d.prompt_id)
+
+    def _start_estimate(self, pid: int) -> float:
+        """The start version an in-flight prompt's group will have (oldest sample's).
+
+        Finished samples count with their own start version. An outstanding sample
+        on a ``continue``/``recompute`` server keeps its start across weight updates
+        (slot_loop stamps it when the sample first gets a slot): the estimate is the
+        version its server held at dispatch -- exact when it got a slot before the
+        server's next weight update, too old by the updates it spent queued
+        otherwise (then it is aborted one step early, never kept too long). On a
+        ``restart`` server a sample still running at the next publish is restarted
+        at the new version, so it bounds nothing (inf).
+        """
+        start: float = self._min_start.get(pid, float("inf"))
+        for k, r in self._out.items():
+            server = self.servers[r.server]
+            if k[0] == pid and getattr(server, "partial_rollout", "continue") != "restart":
+                start = min(start, r.version)
+        return start
+
+    def _abort_surplus(
+        self, learner_version: int
+    ) -> tuple[list[DroppedGroup], list[dict[str, Any]]]:
+        """The batch is full: abort in-flight prompts that would be stale at the next step.
+
+        A prompt is doomed when its group's start version < (v + 1) - α. With
+        ``stale_policy="drop"`` it is aborted on its servers, its pending group is
+        discarded from the buffer and it is closed in the ledger as STALE
+        "surplus_stale"; its capacity is freed now if a prompt started now would
+        be fresh at the next step, else at the next ``release`` (as the synchronous
+        loop). With "regenerate" its G requests are resubmitted (now, or at the next
+        ``release`` when a sample started now would be doomed as well). Samples of
+        it still arriving are counted ``samples_late`` and never trained.
+
+        Returns:
+          (groups discarded from the buffer with reason "surplus_stale", their rows).
+        """
+        oldest_fresh = learner_version + 1 - self.alpha
+        now_fresh = self.clock.version >= oldest_fresh
+        doomed = [
+            pid
+            for pid in sorted({k[0] for k in self._out})
+            if pid in self._active and self._start_estimate(pid) < oldest_fresh
+        ]
+        dropped: list[DroppedGroup] = []
+        rows: list[dict[str, Any]] = []
+        for pid in doomed:
+            regen = self.stale_policy == "regenerate"
+            self.counters["samples_aborted_surplus"] += sum(k[0] == pid for k in self._out)
+            self._abort_prompt(pid)
+            for k in [k for k in self._scoring if k[0] == pid]:
+                del self._scoring[k]  # its score arrives late and is discarded
+            self._min_start.pop(pid, None)
+            d = self.buffer.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
+            if d is not None:
+                self.counters["samples_dropped_surplus_stale"] += len(d.samples)
+                dropped.append(d)
+                rows += [self._row(s, d.reason) for s in d.samples]
+            if regen:
+                self.counters["prompts_regenerated_stale"] += 1
+                if now_fresh:
+                    for i in range(self.G):
+                        self._dispatch(self._request(self._active[pid], i))
+                else:
+                    self._regen_at_publish.append(pid)
+                continue
+            self.ledger.close(pid, PromptOutcome.STALE, "surplus_stale")
+            if now_fresh:  # a replacement started now is fresh at the next step
+                self._active.pop(pid, None)
+            else:
+                self._to_release.append(pid)
+        return dropped, rows
 
     def _row(self, s: Any, outcome: str) -> dict[str, Any]:
         prompt = self._active.get(s.prompt_id)
