@@ -54,8 +54,13 @@ def test_alpha0_disjoint_slices_reproduce_the_sync_loop(tmp_path):
     a_metrics = _rows(tmp_path / "async/metrics.jsonl")
     assert [m["step"] for m in a_metrics] == [1, 2]
     for s, a in zip(s_metrics, a_metrics, strict=True):
-        for key in ("loss", "pg_loss", "grad_norm", "tokens"):
-            assert a[key] == s[key], (s["step"], key)
+        assert a["tokens"] == s["tokens"], s["step"]
+        # Same tokens, same training order; the behaviour logprobs come from engines with
+        # different slot counts (2 servers vs 1), whose matmuls may round the last bits
+        # differently, so logprob-derived values agree to float32 rounding, not bit for bit.
+        for key in ("loss", "pg_loss"):
+            assert abs(a[key] - s[key]) <= 1e-6, (s["step"], key, a[key], s[key])
+        assert a["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5), s["step"]
         assert a["staleness_max"] == 0
 
 
