@@ -57,11 +57,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, tokenizer_pb2
 
+from jaxflash.generation.engine_kernels import EngineKernels
 from jaxflash.generation.engine_state import (
     LOGP_COLUMN,
     DecodeState,
@@ -73,11 +73,8 @@ from jaxflash.generation.engine_state import (
     state_shardings,
 )
 from jaxflash.generation.jetstream_compat import JetStreamTokenizer
-from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KVCache, init_kv_cache
-from jaxflash.models.llama import abstract_params, forward, logical_axes, unembed
-from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.models.llama import abstract_params, logical_axes
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
@@ -92,7 +89,7 @@ __all__ = [
 ]
 
 
-class LlamaEngine(engine_api.Engine):
+class LlamaEngine(EngineKernels, engine_api.Engine):
     """JetStream engine for jaxflash's Llama decoder.
 
     Args:
@@ -262,16 +259,6 @@ class LlamaEngine(engine_api.Engine):
         cache, logits_1v = self._prefill_jit(params, ids_1t, length)
         return PromptPrefill(cache=cache, true_length=length, logits_1v=logits_1v)
 
-    def _prefill_impl(self, params, ids_1t, true_length):
-        self.trace_counts[f"prefill_{ids_1t.shape[1]}"] += 1
-        cfg, bucket = self.model_config, ids_1t.shape[1]
-        positions_1t = jnp.arange(bucket, dtype=jnp.int32)[None]
-        cache = init_kv_cache(cfg, 1, bucket)
-        h_1td, cache = forward(params, cfg, ids_1t, positions_1t, cache)
-        h_1d = jax.lax.dynamic_slice_in_dim(h_1td[0], true_length - 1, 1, axis=0)
-        logits_1v = logits_from_hidden(h_1d, unembed(params, cfg)).astype(jnp.float32)
-        return cache, logits_1v
-
     def first_tokens(
         self,
         shared: PromptPrefill,
@@ -308,36 +295,6 @@ class LlamaEngine(engine_api.Engine):
         rows = self._first_jit(shared.logits_1v, shared.true_length, ident_g4)
         return [Prefix(cache=shared.cache, **row) for row in rows[:n]]
 
-    def _first_tokens_impl(self, logits_1v, true_length, ident_g4):
-        width = ident_g4.shape[0]
-        self.trace_counts[f"first_tokens_{width}"] += 1
-        keys_g2 = jax.vmap(sample_key)(*(ident_g4[:, i] for i in range(4)))
-        logits_gv = jnp.broadcast_to(logits_1v, (width, logits_1v.shape[1]))
-        token_g, logp_g = self._sample(logits_gv, keys_g2)
-        return [
-            dict(
-                true_length=true_length,
-                first_token=token_g[g],
-                first_logp=logp_g[g],
-                seed=ident_g4[g, 0],
-                prompt_id=ident_g4[g, 1],
-                sample_index=ident_g4[g, 2],
-                token_index=ident_g4[g, 3],
-            )
-            for g in range(width)
-        ]
-
-    def _sample(self, logits_bv, keys_b2):
-        c = self.config
-        return sample_tokens(
-            logits_bv,
-            keys_b2,
-            temperature=c.temperature,
-            top_k=c.top_k,
-            top_p=c.top_p,
-            greedy=c.greedy,
-        )
-
     # ----------------------------------------------------------------- insert
 
     def insert(
@@ -369,30 +326,6 @@ class LlamaEngine(engine_api.Engine):
         slot_emit = jax.device_put((np.int32(slot), np.bool_(emit_prefill_token)), self._replicated)
         return self._insert_jit(prefix, decode_state, *slot_emit)
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, emit):
-        self.trace_counts[f"insert_{prefix.cache.k_lbskh.shape[2]}"] += 1
-        start = (0, slot, 0, 0, 0)
-        cache = KVCache(
-            k_lbskh=jax.lax.dynamic_update_slice(state.cache.k_lbskh, prefix.cache.k_lbskh, start),
-            v_lbskh=jax.lax.dynamic_update_slice(state.cache.v_lbskh, prefix.cache.v_lbskh, start),
-        )
-
-        def put(row_b, value):
-            return row_b.at[slot].set(jnp.asarray(value, row_b.dtype))
-
-        return DecodeState(
-            cache=cache,
-            next_token_b=put(state.next_token_b, prefix.first_token),
-            next_logp_b=put(state.next_logp_b, prefix.first_logp),
-            pos_b=put(state.pos_b, prefix.true_length),
-            token_index_b=put(state.token_index_b, prefix.token_index + 1),
-            seed_b=put(state.seed_b, prefix.seed),
-            prompt_id_b=put(state.prompt_id_b, prefix.prompt_id),
-            sample_index_b=put(state.sample_index_b, prefix.sample_index),
-            length_b=put(state.length_b, jnp.where(emit, 0, 1)),
-            pending_b=put(state.pending_b, emit),
-        )
-
     # --------------------------------------------------------------- generate
 
     def generate(
@@ -414,47 +347,6 @@ class LlamaEngine(engine_api.Engine):
           emitted length, logprob bits — see ``result_logprobs``).
         """
         return self._generate_jit(params, decode_state)
-
-    def _generate_impl(self, params, state: DecodeState):
-        self.trace_counts["generate"] += 1
-        cfg, S = self.model_config, self.config.max_target_length
-        h_b1d, cache = forward(
-            params, cfg, state.next_token_b[:, None], state.pos_b[:, None], state.cache
-        )
-        logits_bv = logits_from_hidden(h_b1d[:, 0], unembed(params, cfg))
-        keys_b2 = jax.vmap(sample_key)(
-            state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
-        )
-        token_b, logp_b = self._sample(logits_bv, keys_b2)
-        room_b = state.pos_b + 1 < S
-        pending_b = state.pending_b
-        advance_b = room_b & ~pending_b
-        valid_b = room_b | pending_b
-        out_token_b = jnp.where(pending_b, state.next_token_b, token_b)
-        out_logp_b = jnp.where(pending_b, state.next_logp_b, logp_b)
-        step_b = advance_b.astype(jnp.int32)
-        new_state = state.replace(
-            cache=cache,
-            next_token_b=jnp.where(advance_b, token_b, state.next_token_b),
-            next_logp_b=jnp.where(advance_b, logp_b, state.next_logp_b),
-            pos_b=state.pos_b + step_b,
-            token_index_b=state.token_index_b + step_b,
-            length_b=state.length_b + valid_b.astype(jnp.int32),
-            pending_b=jnp.zeros_like(pending_b),
-        )
-        data_b4 = jnp.stack(
-            [
-                out_token_b,
-                valid_b.astype(jnp.int32),
-                new_state.length_b,
-                jax.lax.bitcast_convert_type(out_logp_b.astype(jnp.float32), jnp.int32),
-            ],
-            axis=1,
-        )
-        result = engine_api.ResultTokens(
-            data=data_b4, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
-        )
-        return new_state, result
 
     # ------------------------------------------------- state, params, plumbing
 

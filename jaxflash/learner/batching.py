@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxflash.types import Sample, TrainBatch
 
-_FIELDS = (
+TRAIN_BATCH_FIELDS = (
     "input_ids_bt",
     "positions_bt",
     "target_ids_bt",
@@ -171,7 +171,7 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
     M = -(-B // micro_batch_size)
     extra = M * micro_batch_size - B
     out = {}
-    for name in _FIELDS:
+    for name in TRAIN_BATCH_FIELDS:
         x = np.asarray(getattr(batch, name))
         if x.shape != (B, T):
             raise ValueError(f"split_micro_batches: {name} has shape {x.shape}, expected {(B, T)}")

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
 from jaxflash.algorithms.kl import kl_k3
 from jaxflash.algorithms.policy_loss import get_policy_loss
-from jaxflash.learner.batching import split_micro_batches
+from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.state import TrainState, param_shardings, state_shardings
@@ -44,15 +44,6 @@ from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import TrainBatch
 
 Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
-_FIELDS = (
-    "input_ids_bt",
-    "positions_bt",
-    "target_ids_bt",
-    "loss_mask_bt",
-    "advantages_bt",
-    "behaviour_logp_bt",
-    "token_versions_bt",
-)
 # Per-micro-batch means of the policy loss metrics, recombined weighted by tokens.
 _MEAN_METRICS = ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "masked_frac")
 
@@ -220,7 +211,7 @@ def _to_device_batch(batch: TrainBatch, micro_batch_size: int, sharding: NamedSh
     """Host TrainBatch [B, T] or [M, b, T] -> dict of device arrays [M, b, T]."""
     if np.ndim(batch.input_ids_bt) == 2:
         batch = split_micro_batches(batch, micro_batch_size)
-    arrays = {k: getattr(batch, k) for k in _FIELDS}
+    arrays = {k: getattr(batch, k) for k in TRAIN_BATCH_FIELDS}
     shape = np.shape(arrays["input_ids_bt"])
     if len(shape) != 3 or shape[1] != micro_batch_size:
         raise ValueError(

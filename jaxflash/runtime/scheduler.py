@@ -46,8 +46,10 @@ from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import DroppedGroup, Group, GroupBuffer
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.replay.versions import PolicyClock
-from jaxflash.runtime.ledger import PromptLedger, failure_reason
-from jaxflash.runtime.rollout import TruncationPolicy, _correct
+from jaxflash.runtime.ledger import PromptLedger
+from jaxflash.runtime.rollout import TruncationPolicy
+from jaxflash.runtime.scheduler_drops import DropsAndSurplus
+from jaxflash.runtime.scheduler_faults import FaultHandling
 from jaxflash.types import FinishReason, GenerationRequest, Prompt, PromptOutcome, SamplingParams
 
 
@@ -78,7 +80,7 @@ class Batch:
     wait_s: float
 
 
-class RolloutScheduler:
+class RolloutScheduler(DropsAndSurplus, FaultHandling):
     """Keeps the generation servers fed and turns finished samples into groups.
 
     Args:
@@ -442,182 +444,3 @@ class RolloutScheduler:
             sample.reward = float(self.truncation.penalty)
         self.counters["samples_scored"] += 1
         self.buffer.add(sample)
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        late = [k for k, r in self._out.items() if now - r.dispatched_at > self.deadline_s]
-        for key in late:
-            req = self._out.get(key)
-            if req is None:
-                continue  # resubmitted as a sibling of an earlier late one
-            self.counters["samples_timed_out"] += 1
-            self._suspect.add(req.server)
-            on_server = [
-                (k, r) for k, r in self._out.items() if k[0] == key[0] and r.server == req.server
-            ]
-            self._server_abort(req.server, key[0])
-            on_server = [(k, r) for k, r in on_server if self._out.get(k) is r]  # not rerouted
-            for k, _ in on_server:
-                del self._out[k]
-            if req.attempts >= self.max_retries:
-                self.counters["samples_failed"] += 1
-                self.buffer.fail(
-                    key[0],
-                    f"sample {key[1]} not back within {self.deadline_s}s after "
-                    f"{req.attempts + 1} tries",
-                )
-                self._abort_prompt(key[0])
-                continue
-            self.counters["samples_retried"] += 1
-            for k, r in on_server:  # the server dropped all of them: send them elsewhere
-                tries = r.attempts + 1 if k == key else r.attempts
-                self._dispatch(r.request, attempts=tries, avoid=req.server)
-
-    def _abort_prompt(self, pid: int) -> None:
-        """Abort a prompt's outstanding requests on every server holding one."""
-        holders = {r.server for k, r in self._out.items() if k[0] == pid}
-        for k in [k for k in self._out if k[0] == pid]:
-            del self._out[k]
-            self.counters["samples_aborted"] += 1
-        for i in sorted(holders - self._dead):
-            self._server_abort(i, pid)
-
-    def _server_abort(self, i: int, pid: int) -> None:
-        try:
-            self.servers[i].abort_prompt(pid)
-        except Exception as err:  # dead: its other work is rerouted
-            self._mark_dead(i, err)
-
-    def _check_servers(self) -> None:
-        for i, server in enumerate(self.servers):
-            if i not in self._dead and hasattr(server, "check"):
-                try:
-                    server.check()
-                except Exception as err:
-                    self._mark_dead(i, err)
-
-    def _mark_dead(self, i: int, err: BaseException) -> None:
-        """A server raised: stop using it and send its outstanding samples elsewhere."""
-        if i in self._dead:
-            return
-        self._dead.add(i)
-        self.counters["server_failures"] += 1
-        print(f"generation server {i} died: {err!r}", flush=True)
-        lost = [(k, r) for k, r in self._out.items() if r.server == i]
-        for k, r in lost:
-            del self._out[k]
-            self.counters["samples_rerouted"] += 1
-            self._dispatch(r.request, r.attempts, avoid=i)
-
-    def _resolve_dropped(self, d: DroppedGroup) -> None:
-        """Close a dropped group in the ledger, or resubmit it (regenerate)."""
-        self._abort_prompt(d.prompt_id)  # e.g. siblings of a failed sample
-        self.counters[f"samples_dropped_{d.reason}"] += len(d.samples)
-        if d.regenerate and d.prompt_id in self._active:
-            self.counters["prompts_regenerated_stale"] += 1
-            self._min_start.pop(d.prompt_id, None)
-            for i in range(self.G):
-                self._dispatch(self._request(self._active[d.prompt_id], i))
-            return
-        failed = d.outcome == PromptOutcome.FAILED
-        self.ledger.close(d.prompt_id, d.outcome, failure_reason(d.detail) if failed else d.reason)
-        if d.outcome == PromptOutcome.FAILED:
-            print(f"failed: {d.detail or d.reason}", flush=True)
-        if self.refill_dropped:  # dynamic sampling: start a replacement now
-            self._active.pop(d.prompt_id, None)
-            self._min_start.pop(d.prompt_id, None)
-        else:  # as the synchronous loop: the next prompts start at the next version
-            self._to_release.append(d.prompt_id)
-
-    def _start_estimate(self, pid: int) -> float:
-        """The start version an in-flight prompt's group will have (oldest sample's).
-
-        Finished samples count with their own start version. An outstanding sample
-        on a ``continue``/``recompute`` server keeps its start across weight updates
-        (slot_loop stamps it when the sample first gets a slot): the estimate is the
-        version its server held at dispatch -- exact when it got a slot before the
-        server's next weight update, too old by the updates it spent queued
-        otherwise (then it is aborted one step early, never kept too long). On a
-        ``restart`` server a sample still running at the next publish is restarted
-        at the new version, so it bounds nothing (inf).
-        """
-        start: float = self._min_start.get(pid, float("inf"))
-        for k, r in self._out.items():
-            server = self.servers[r.server]
-            if k[0] == pid and getattr(server, "partial_rollout", "continue") != "restart":
-                start = min(start, r.version)
-        return start
-
-    def _abort_surplus(
-        self, learner_version: int
-    ) -> tuple[list[DroppedGroup], list[dict[str, Any]]]:
-        """The batch is full: abort in-flight prompts that would be stale at the next step.
-
-        A prompt is doomed when its group's start version < (v + 1) - α. With
-        ``stale_policy="drop"`` it is aborted on its servers, its pending group is
-        discarded from the buffer and it is closed in the ledger as STALE
-        "surplus_stale"; its capacity is freed now if a prompt started now would
-        be fresh at the next step, else at the next ``release`` (as the synchronous
-        loop). With "regenerate" its G requests are resubmitted (now, or at the next
-        ``release`` when a sample started now would be doomed as well). Samples of
-        it still arriving are counted ``samples_late`` and never trained.
-
-        Returns:
-          (groups discarded from the buffer with reason "surplus_stale", their rows).
-        """
-        oldest_fresh = learner_version + 1 - self.alpha
-        now_fresh = self.clock.version >= oldest_fresh
-        doomed = [
-            pid
-            for pid in sorted({k[0] for k in self._out})
-            if pid in self._active and self._start_estimate(pid) < oldest_fresh
-        ]
-        dropped: list[DroppedGroup] = []
-        rows: list[dict[str, Any]] = []
-        for pid in doomed:
-            regen = self.stale_policy == "regenerate"
-            self.counters["samples_aborted_surplus"] += sum(k[0] == pid for k in self._out)
-            self._abort_prompt(pid)
-            for k in [k for k in self._scoring if k[0] == pid]:
-                del self._scoring[k]  # its score arrives late and is discarded
-            self._min_start.pop(pid, None)
-            d = self.buffer.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
-            if d is not None:
-                self.counters["samples_dropped_surplus_stale"] += len(d.samples)
-                dropped.append(d)
-                rows += [self._row(s, d.reason) for s in d.samples]
-            if regen:
-                self.counters["prompts_regenerated_stale"] += 1
-                if now_fresh:
-                    for i in range(self.G):
-                        self._dispatch(self._request(self._active[pid], i))
-                else:
-                    self._regen_at_publish.append(pid)
-                continue
-            self.ledger.close(pid, PromptOutcome.STALE, "surplus_stale")
-            if now_fresh:  # a replacement started now is fresh at the next step
-                self._active.pop(pid, None)
-            else:
-                self._to_release.append(pid)
-        return dropped, rows
-
-    def _row(self, s: Any, outcome: str) -> dict[str, Any]:
-        prompt = self._active.get(s.prompt_id)
-        versions = s.token_versions
-        return {
-            "prompt_id": int(s.prompt_id),
-            "sample_index": int(s.sample_index),
-            "prompt": getattr(prompt, "text", ""),
-            "answer": getattr(prompt, "answer", ""),
-            "response": s.response_text,
-            "reward": s.reward,
-            "correct": _correct(s),
-            "reward_error": (s.reward_info or {}).get("error"),
-            "finish_reason": str(s.finish_reason),
-            "outcome": outcome,
-            "start_version": int(start_version_of(s)),
-            "token_version_min": int(versions.min()) if len(versions) else None,
-            "token_version_max": int(versions.max()) if len(versions) else None,
-            "response_len": len(s.response_tokens),
-            "response_tokens": [int(t) for t in s.response_tokens],
-        }
