@@ -77,7 +77,9 @@ def eos_ids_field(value: Any, *, source: str) -> list[int]:
         return []
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         return list(value)
     raise ValueError(f"{source}: eos_token_id must be an int or a list of ints, got {value!r}")
 

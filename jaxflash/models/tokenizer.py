@@ -11,8 +11,8 @@ Two sources give the same object (``tokenizer_files.py`` reads them):
 It behaves like ``transformers``' fast tokenizer where that matters for RL:
 
 - **BOS.** ``encode(text, add_special_tokens=True)`` adds what the tokenizer's
-  post-processor adds (transformers rebuilds it from ``add_bos_token`` /
-  ``add_eos_token`` when tokenizer_config sets them, and so do we).
+  post-processor adds (``tokenizer.json``'s, as transformers 5 does; for GGUF
+  files the one ``tokenizer.ggml.add_bos_token`` implies).
   ``encode_chat`` / ``apply_chat_template(tokenize=True)`` render the template
   with every named special token (``bos_token`` included, whether or not the
   tokenizer adds BOS) and encode *without* special tokens, as
@@ -257,6 +257,39 @@ class Tokenizer:
         return self.apply_chat_template(
             messages, add_generation_prompt, tokenize=True, **template_kwargs
         )
+
+    def encode_chat_with_mask(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """``encode_chat`` plus a 0/1 mask of the tokens inside ``{% generation %}``
+        blocks (transformers' ``return_assistant_tokens_mask``: a token counts when
+        its characters overlap a block).
+
+        Raises:
+          ValueError: as ``apply_chat_template``, or the template has no
+            ``{% generation %}`` block (the mask would be all zeros).
+        """
+        if self.chat_template is None or "generation" not in self.chat_template:
+            raise ValueError(
+                "Tokenizer.encode_chat_with_mask: the chat template has no {% generation %} block"
+            )
+        text, spans = render_chat_template(
+            self.chat_template,
+            messages,
+            special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            return_generation_spans=True,
+            **template_kwargs,
+        )
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        mask = [
+            int(any(s < end and e > start for s, e in spans)) for start, end in encoding.offsets
+        ]
+        return encoding.ids, mask
 
     # ------------------------------------------------------------------ files
 

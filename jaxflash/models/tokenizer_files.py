@@ -49,7 +49,9 @@ def bos_eos_processor(
     (``TokenizersBackend.update_post_processor``): ``[BOS] $A [EOS]``."""
     add_bos = add_bos and bos is not None
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    pair = (
+        f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    )
     specials = [(bos, tok.token_to_id(bos))] if add_bos else []
     specials += [(eos, tok.token_to_id(eos))] if add_eos else []
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
@@ -153,9 +155,11 @@ def _token_content(token: Any) -> str | None:
 def tokenizer_from_hf_dir(directory: str | os.PathLike) -> Tokenizer:
     """Load a Hugging Face checkpoint directory's tokenizer, template and stop set.
 
-    - ``tokenizer.json``: the tokenizer; its post-processor stands unless
-      ``tokenizer_config.json`` sets ``add_bos_token`` / ``add_eos_token``, which
-      rebuild it as transformers does.
+    - ``tokenizer.json``: the tokenizer; its post-processor decides what
+      ``encode(add_special_tokens=True)`` adds. tokenizer_config's
+      ``add_bos_token`` / ``add_eos_token`` are ignored, as transformers 5 does
+      whenever a tokenizer.json exists (real checkpoints that add BOS carry it
+      in the post-processor).
     - chat template: ``chat_template.jinja`` if present, else
       ``tokenizer_config.json``'s ``chat_template`` (a named list: "default").
     - special tokens: ``bos/eos/unk/sep/pad/cls/mask_token`` of tokenizer_config.
@@ -185,16 +189,11 @@ def tokenizer_from_hf_dir(directory: str | os.PathLike) -> Tokenizer:
     special = {k: v for k, v in special.items() if v is not None}
     if "eos_token" not in special:
         raise ValueError(f"Tokenizer.from_hf_dir: {cfg_path} names no eos_token")
-    if "add_bos_token" in cfg or "add_eos_token" in cfg or tok.post_processor is None:
-        tok.post_processor = bos_eos_processor(
-            tok,
-            bos=special.get("bos_token"),
-            add_bos=bool(cfg.get("add_bos_token", False)),
-            eos=special["eos_token"],
-            add_eos=bool(cfg.get("add_eos_token", False)),
-        )
     stops = []
-    for name, source in (("generation_config.json", GENERATION_CONFIG_SOURCE), ("config.json", CONFIG_SOURCE)):
+    for name, source in (
+        ("generation_config.json", GENERATION_CONFIG_SOURCE),
+        ("config.json", CONFIG_SOURCE),
+    ):
         path = os.path.join(directory, name)
         ids = eos_ids_field(_read_json(path).get("eos_token_id"), source=path)
         if ids:
@@ -213,8 +212,6 @@ def save_tokenizer_hf(tokenizer: Tokenizer, directory: str | os.PathLike) -> Non
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **tokenizer.special_tokens,
-        "add_bos_token": tokenizer.add_bos,
-        "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 30,
     }
