@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jaxflash.data.arithmetic import ArithmeticTask
 from jaxflash.data.files import load_rows
 from jaxflash.data.prompts import PromptFailure, PromptSource
-from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.models.config import ModelConfig, get_preset, reconcile_vocab
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
@@ -52,7 +52,9 @@ def load_model(
     """(model config, imported params or None for random init, tokenizer).
 
     The tokenizer of a random-init model is SmolLM2's (from the GGUF), so smoke
-    runs use real prompts; the model's vocabulary is sized to it.
+    runs use real prompts; the model's vocabulary is sized to it. The tokenizer
+    carries the stop set (``tokenizer.stop_ids``) and the config the valid
+    vocabulary (``config.valid_vocab_size``, see ``reconcile_vocab``).
     """
     overrides = dict(
         compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk
@@ -69,7 +71,8 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
         config, params = get_preset(spec.preset, vocab_size=tokenizer.vocab_size), None
         overrides["max_seq_len"] = max(config.max_seq_len, need_len)
-    config = config.replace(**overrides)
+    # Padded embeddings: ids past the tokenizer are masked; a larger tokenizer is refused.
+    config = reconcile_vocab(config.replace(**overrides), tokenizer.vocab_size)
     if need_len > config.max_seq_len:
         raise ValueError(
             f"rollout.max_prefill_length={rollout.max_prefill_length} + "
