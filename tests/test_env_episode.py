@@ -82,7 +82,8 @@ def play(tok, env, ep, replies, **sample_kw):
 
 
 def test_chatml_assistant_turn_mask_exact(tok):
-    # Pitfall case: [<|im_start|>, "assistant", "\n", "Hi", "!", <|im_end|>, "\n"] -> [0,0,0,1,1,1,0].
+    # Pitfall case: [<|im_start|>, "assistant", "\n", "Hi", "!", <|im_end|>, "\n"]
+    # -> loss mask [0, 0, 0, 1, 1, 1, 0].
     env = ScriptEnv()
     traj = play(tok, env, new_episode(tok, env), ["Hi!", "Hi!", "Hi!"])
     ids = [tok.token_to_id(t) for t in ("<|im_start|>", "assistant", "\n", "Hi", "!", "<|im_end|>")]
