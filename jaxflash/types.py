@@ -117,6 +117,12 @@ class Sample:
       reward: scalar reward, set after scoring; None before.
       reward_info: per-component rewards and errors.
       response_text: decoded response (set by the scheduler for logging/rewards).
+      response_mask: optional float32 [T_resp]: 1.0 on tokens the policy sampled
+        (trained), 0.0 on tokens inserted between turns of a multi-turn episode
+        (chat-template glue, environment observations, tool output). None means
+        every response token was sampled (single-turn). Where it is 0,
+        ``behaviour_logprobs`` is 0.0 and ``token_versions`` holds the sample's
+        start version (so staleness, the oldest stamp, is unchanged by it).
     """
 
     prompt_id: int
@@ -130,6 +136,7 @@ class Sample:
     reward: float | None = None
     reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     response_text: str = ""
+    response_mask: np.ndarray | None = None
 
     @property
     def truncated(self) -> bool:
