@@ -177,20 +177,22 @@ def test_load_rows_bad_path(tmp_path):
 class FakeTokenizer:
     """Chat template "<s>{system}|<u>{user}|<a>"; one token per character (its code point)."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, tokenize=False):
         assert add_generation_prompt
         tags = {"system": "<s>", "user": "<u>"}
-        return "".join(f"{tags[m['role']]}{m['content']}|" for m in messages) + "<a>"
+        text = "".join(f"{tags[m['role']]}{m['content']}|" for m in messages) + "<a>"
+        return self.encode(text) if tokenize else text
 
     def encode(self, text):
         return [ord(c) for c in text]
 
 
 class IdsTokenizer(FakeTokenizer):
-    """Like Hugging Face tokenizers: apply_chat_template returns token ids."""
+    """Like transformers 5: apply_chat_template(tokenize=True) returns a dict with input_ids."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return self.encode(super().apply_chat_template(messages, add_generation_prompt))
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, tokenize=False):
+        out = super().apply_chat_template(messages, add_generation_prompt, tokenize=tokenize)
+        return {"input_ids": out, "attention_mask": [1] * len(out)} if tokenize else out
 
 
 def test_prompt_source_renders_and_counts_failures():

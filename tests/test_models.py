@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxflash.algorithms.distributions import processed_log_softmax
+from jaxflash.algorithms.distributions import (
+    LOGPROB_FLOOR,
+    floor_logprobs,
+    processed_log_softmax,
+)
 from jaxflash.models.config import ModelConfig, get_preset
 from jaxflash.models.kv_cache import init_kv_cache
 from jaxflash.models.llama import (
@@ -356,13 +360,14 @@ def test_chunked_logprobs_equal_unchunked_values_and_grads(sampling):
 
     def full(h, w):
         logq = processed_log_softmax(h @ w, **sampling)
-        return jnp.take_along_axis(logq, ids[..., None], -1)[..., 0]
+        # Targets outside the kept set read the floor (-100), not -1e30.
+        return floor_logprobs(jnp.take_along_axis(logq, ids[..., None], -1)[..., 0])
 
     def chunked(h, w):
         return target_logprobs(h, w, ids, chunk=4, **sampling)[0]  # 13 = 3*4 + 1: padding path
 
     np.testing.assert_allclose(chunked(h, w), full(h, w), atol=1e-5)
-    keep = full(h, w) > -1e29  # gradients only where the target is in the kept set
+    keep = full(h, w) > LOGPROB_FLOOR  # gradients only where the target is in the kept set
     g_full = jax.jit(jax.grad(lambda h, w: jnp.sum(jnp.where(keep, full(h, w), 0.0)), (0, 1)))(h, w)
     g_chunk = jax.jit(jax.grad(lambda h, w: jnp.sum(jnp.where(keep, chunked(h, w), 0.0)), (0, 1)))(
         h, w

@@ -60,6 +60,7 @@ class EngineKernels:
             top_k=c.top_k,
             top_p=c.top_p,
             greedy=c.greedy,
+            valid_vocab_size=self.model_config.valid_vocab_size,  # padded ids never drawn
         )
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, emit):

@@ -6,8 +6,9 @@ token carries its behaviour logprob and policy version.
 
 ``SlotBatcher`` owns the decode state and B slots. ``add`` queues a request,
 ``step`` fills every free slot (prefill + insert), runs one ``generate`` for all
-slots and returns the samples that finished (EOS, or ``max_new_tokens`` reached
-= truncated); a finished slot is refilled at the start of the next step.
+slots and returns the samples that finished (a stop id — any of ``stop_ids`` —
+gives EOS; ``max_new_tokens`` reached = LENGTH, truncated); a finished slot is
+refilled at the start of the next step.
 ``set_params`` swaps weights between steps; in-flight samples then continue
 (keep their KV cache), restart (regenerate from scratch) or recompute (re-prefill
 prompt + generated prefix under the new weights, then continue), see
@@ -28,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -39,6 +41,7 @@ from jaxflash.generation.slot_types import (
     RequestKey,
     SlotStats,
     check_request,
+    resolve_stop_ids,
 )
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
 
@@ -48,6 +51,7 @@ __all__ = [
     "SlotBatcher",
     "SlotStats",
     "check_request",
+    "resolve_stop_ids",
     "run_requests",
 ]
 
@@ -70,7 +74,10 @@ class SlotBatcher:
       engine: the engine to drive.
       params: model params (placed on the engine's mesh here).
       policy_version: version of ``params``; stamped on every token.
-      eos_id: token that ends a sample (kept in the response).
+      stop_ids: every token id that ends a sample (finish reason EOS; the
+        token is kept in the response), e.g. ``Tokenizer.stop_ids``.
+      eos_id: a single stop id, the same as ``stop_ids={eos_id}`` (give one
+        of the two).
       share_prefix: fresh requests with equal prompt tokens share one prompt
         prefill (see the module docstring); False prefills every request alone.
         Either way the tokens and logprobs are bit-identical.
@@ -82,15 +89,16 @@ class SlotBatcher:
         params: Any,
         *,
         policy_version: PolicyVersion,
-        eos_id: int,
+        stop_ids: Collection[int] | None = None,
+        eos_id: int | None = None,
         share_prefix: bool = True,
     ):
+        self.stop_ids = resolve_stop_ids(stop_ids, eos_id)
         self.engine = engine
         self.share_prefix = bool(share_prefix)
         # prompt tokens (bytes) -> its prefill under the current params; at most
         # B entries, cleared by set_params, pruned when no queued request needs it.
         self._shared: dict[bytes, PromptPrefill] = {}
-        self.eos_id = int(eos_id)
         self.stats = SlotStats()
         self._params = engine.place_params(params)
         self._version = int(policy_version)
@@ -347,7 +355,7 @@ class SlotBatcher:
         run.logps.append(logp)
         run.versions.append(self._version)
         self.stats.generated_tokens += 1
-        if token == self.eos_id:
+        if token in self.stop_ids:
             return FinishReason.EOS
         if len(run.tokens) >= run.request.sampling.max_new_tokens:
             return FinishReason.LENGTH
@@ -377,7 +385,8 @@ def run_requests(
     requests: list[GenerationRequest],
     *,
     policy_version: PolicyVersion,
-    eos_id: int,
+    stop_ids: Collection[int] | None = None,
+    eos_id: int | None = None,
     stats: SlotStats | None = None,
     share_prefix: bool = True,
 ) -> list[Sample]:
@@ -388,7 +397,7 @@ def run_requests(
       params: model params, used for every token.
       requests: requests with distinct (prompt_id, sample_index).
       policy_version: stamped on every token and as each sample's start_version.
-      eos_id: end-of-sequence token.
+      stop_ids / eos_id: the ids that end a sample (see ``SlotBatcher``).
       stats: if given, updated in place with this run's counters (occupancy,
         tokens/s, slot fills).
       share_prefix: see ``SlotBatcher`` (same results either way; fewer prefills).
@@ -402,7 +411,12 @@ def run_requests(
         ``check_request`` to count failures per prompt instead.
     """
     batcher = SlotBatcher(
-        engine, params, policy_version=policy_version, eos_id=eos_id, share_prefix=share_prefix
+        engine,
+        params,
+        policy_version=policy_version,
+        stop_ids=stop_ids,
+        eos_id=eos_id,
+        share_prefix=share_prefix,
     )
     if stats is not None:
         batcher.stats = stats

@@ -48,7 +48,7 @@ Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
 _MEAN_METRICS = ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "masked_frac")
 
 
-def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig):
+def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False):
     h_btd, _ = forward(params, mc, mb["input_ids_bt"], mb["positions_bt"])
     return target_logprobs(
         h_btd,
@@ -58,6 +58,8 @@ def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig):
         top_k=lc.sampling.top_k,
         top_p=lc.sampling.top_p,
         chunk=lc.logprob_chunk,
+        valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
+        full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
     )
 
 
@@ -88,7 +90,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
     def loss_fn(params, ref_params, mb, num_tokens, num_sequences, version):
         mask_bt = mb["loss_mask_bt"]
         valid_bt = mask_bt > 0
-        logp_bt, ent_bt = _logprobs(params, mb, mc, lc)
+        logp_bt, ent_bt, *full_bt = _logprobs(params, mb, mc, lc, full_vocab=lc.uses_reference)
         mu_bt = mb["behaviour_logp_bt"]
         if lc.ratio_against == "proximal":
             old_bt, behaviour = jax.lax.stop_gradient(logp_bt), mu_bt
@@ -103,8 +105,10 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             loss = loss - lc.entropy_coef * agg(ent_bt, mask_bt, num_tokens, num_sequences)
         kl_sum = jnp.zeros((), jnp.float32)
         if lc.uses_reference:
-            ref_logp_bt, _ = _logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc)
-            kl_bt = kl_k3(logp_bt, ref_logp_bt, mask_bt)
+            # KL between the tempered full-vocabulary distributions (finite even for
+            # a token outside the reference's top-p nucleus; algorithms.distributions).
+            ref_full_bt = _logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc, True)[2]
+            kl_bt = kl_k3(full_bt[0], ref_full_bt, mask_bt)
             loss = loss + lc.kl_coef * agg(kl_bt, mask_bt, num_tokens, num_sequences)
             kl_sum = jnp.sum(jnp.where(valid_bt, kl_bt, 0.0))
         sg = jax.lax.stop_gradient

@@ -2,9 +2,11 @@
 
 The learner scores ``log q(target)`` where q is the temperature / top-k / top-p
 distribution the engine sampled from (``processed_log_softmax``), never the
-full-vocabulary softmax unless sampling used it (see shared/cases/rl_pitfalls.md,
-"Importance ratios"). Logits for a [B, T] batch of a 49k vocabulary would be
-[B, T, V] floats; we compute them ``chunk`` tokens at a time under
+full-vocabulary softmax unless sampling used it (importance ratios of an
+unchanged policy must be 1). KL terms use the tempered full-vocabulary softmax
+instead (``full_vocab=True``); see ``algorithms.distributions`` for both.
+Logits for a [B, T] batch of a 49k vocabulary would be [B, T, V] floats; we
+compute them ``chunk`` tokens at a time under
 ``jax.checkpoint`` so neither the forward nor the backward pass holds more than
 [B, chunk, V] logits.
 """
@@ -14,7 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxflash.algorithms.distributions import entropy_from_logprobs, processed_log_softmax
+from jaxflash.algorithms.distributions import (
+    entropy_from_logprobs,
+    floor_logprobs,
+    processed_log_softmax,
+)
 
 
 def logits_from_hidden(h_btd: jax.Array, unembed_dv: jax.Array) -> jax.Array:
@@ -43,10 +49,12 @@ def target_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     chunk: int = 256,
-) -> tuple[jax.Array, jax.Array]:
+    valid_vocab_size: int | None = None,
+    full_vocab: bool = False,
+) -> tuple[jax.Array, ...]:
     """log q(target) and entropy of q at every position, chunked over time.
 
-    q(v) ∝ exp(z_v / T) on the top-k / top-p kept set, z = h @ unembed.
+    q(v) ∝ exp(z_v / T) on the top-k / top-p kept set of valid ids, z = h @ unembed.
 
     Args:
       h_btd: float [B, T, D] final-normed hidden states (``forward``'s output).
@@ -56,10 +64,15 @@ def target_logprobs(
       top_k: static int, 0 disables.
       top_p: static float in (0, 1], 1.0 disables.
       chunk: static tokens per chunk (T is padded up to a multiple of it).
+      valid_vocab_size: static; ids >= it are padded rows, outside every
+        distribution (``ModelConfig.valid_vocab_size``).
+      full_vocab: static; also return ``full_logp_bt`` = log softmax(z / T)[target]
+        over the valid ids without top-k / top-p (the distribution KL terms use).
 
     Returns:
-      (logp_bt, entropy_bt): float32 [B, T]. A target outside the kept set gets
-      NEG_INF (-1e30) — mask such positions; entropy in nats.
+      (logp_bt, entropy_bt) or, with ``full_vocab``, (logp_bt, entropy_bt,
+      full_logp_bt): float32 [B, T]. A target outside the kept set reads
+      ``LOGPROB_FLOOR`` (-100, zero gradient), never -1e30; entropy in nats.
 
     Raises:
       ValueError: mismatched shapes, chunk < 1, or a temperature that is neither
@@ -99,11 +112,25 @@ def target_logprobs(
     def one_chunk(args):
         h_bcd, ids_bc = args
         logits_bcv = logits_from_hidden(h_bcd, unembed_dv)
-        logq_bcv = processed_log_softmax(logits_bcv, temperature=temp, top_k=top_k, top_p=top_p)
-        logp_bc = jnp.take_along_axis(logq_bcv, ids_bc[..., None], axis=-1)[..., 0]
-        return logp_bc, entropy_from_logprobs(logq_bcv)
+        logq_bcv = processed_log_softmax(
+            logits_bcv,
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            valid_vocab_size=valid_vocab_size,
+        )
+        out = [_gather(logq_bcv, ids_bc), entropy_from_logprobs(logq_bcv)]
+        if full_vocab:
+            full_bcv = processed_log_softmax(
+                logits_bcv, temperature=temp, valid_vocab_size=valid_vocab_size
+            )
+            out.append(_gather(full_bcv, ids_bc))
+        return tuple(out)
 
-    logp_nbc, ent_nbc = jax.lax.map(one_chunk, (h_nbcd, ids_nbc))
-    logp_bt = logp_nbc.transpose(1, 0, 2).reshape(batch, -1)[:, :time]
-    ent_bt = ent_nbc.transpose(1, 0, 2).reshape(batch, -1)[:, :time]
-    return logp_bt, ent_bt
+    outs_nbc = jax.lax.map(one_chunk, (h_nbcd, ids_nbc))
+    return tuple(x.transpose(1, 0, 2).reshape(batch, -1)[:, :time] for x in outs_nbc)
+
+
+def _gather(logq_bcv: jax.Array, ids_bc: jax.Array) -> jax.Array:
+    """log q(target), floored outside the support (see ``floor_logprobs``)."""
+    return floor_logprobs(jnp.take_along_axis(logq_bcv, ids_bc[..., None], axis=-1)[..., 0])

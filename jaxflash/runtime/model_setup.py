@@ -11,10 +11,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxflash.data.arithmetic import ArithmeticTask
-from jaxflash.data.files import load_rows
 from jaxflash.data.prompts import PromptFailure, PromptSource
-from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.data.tasks import make_task
+from jaxflash.models.config import ModelConfig, get_preset, reconcile_vocab
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
@@ -52,7 +51,9 @@ def load_model(
     """(model config, imported params or None for random init, tokenizer).
 
     The tokenizer of a random-init model is SmolLM2's (from the GGUF), so smoke
-    runs use real prompts; the model's vocabulary is sized to it.
+    runs use real prompts; the model's vocabulary is sized to it. The tokenizer
+    carries the stop set (``tokenizer.stop_ids``) and the config the valid
+    vocabulary (``config.valid_vocab_size``, see ``reconcile_vocab``).
     """
     overrides = dict(
         compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk
@@ -69,7 +70,8 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
         config, params = get_preset(spec.preset, vocab_size=tokenizer.vocab_size), None
         overrides["max_seq_len"] = max(config.max_seq_len, need_len)
-    config = config.replace(**overrides)
+    # Padded embeddings: ids past the tokenizer are masked; a larger tokenizer is refused.
+    config = reconcile_vocab(config.replace(**overrides), tokenizer.vocab_size)
     if need_len > config.max_seq_len:
         raise ValueError(
             f"rollout.max_prefill_length={rollout.max_prefill_length} + "
@@ -116,37 +118,34 @@ def check_workdir_model(workdir: str, config: ModelConfig) -> None:
 
 
 def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prompt]]:
-    """(training rows: a sequence or index -> row function, held-out eval prompts)."""
+    """(training rows: a sequence or index -> row function, held-out eval prompts).
+
+    Rows come from the task registry (``jaxflash.data.tasks.make_task``); file
+    tasks are read in epochs shuffled with the run's seed.
+    """
     d: DataSpec = exp.data
     if d.task == "arithmetic":
-        knobs = dict(
+        options: dict[str, Any] = dict(
             min_operands=d.min_operands,
             max_operands=d.max_operands,
             min_digits=d.min_digits,
             max_digits=d.max_digits,
             ops=d.ops,
         )
-        train = ArithmeticTask(exp.seed, split="train", **knobs)
-        held_out = ArithmeticTask(exp.seed, split="eval", **knobs)
-        train_rows: Any = train.row
-        eval_rows: Any = held_out.rows(0, d.eval_size)
     else:
         # on_error="fail": a malformed row becomes a prompt failed with its file:line
         # (counted by the ledger) instead of stopping the run.
-        rows = load_rows(
-            d.path,
+        options = dict(
+            path=d.path,
             prompt_key=d.prompt_key,
             answer_key=d.answer_key,
             answer_marker=d.answer_marker or None,
             on_error="skip" if d.on_error == "fail" else "raise",
         )
-        if not rows:
-            raise ValueError(f"data.path={d.path!r} has no rows")
-        n_eval = min(d.eval_size, len(rows) // 10)  # hold out at most 10 % of a file
-        train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
-    eval_source = PromptSource(eval_rows, tokenizer, max_prompt_tokens=d.max_prompt_tokens)
+    task = make_task(d.task, seed=exp.seed, eval_size=d.eval_size, **options)
+    eval_source = PromptSource(task.eval_rows, tokenizer, max_prompt_tokens=d.max_prompt_tokens)
     eval_prompts = [p for p in eval_source if not isinstance(p, PromptFailure)]
-    return train_rows, eval_prompts
+    return task.train, eval_prompts
 
 
 def make_reward(spec: Any) -> Any:
