@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxflash.replay import replay_sampling as rs
-from jaxflash.replay.replay_buffer import ReplayBuffer, ReplayConfig
+from jaxflash.replay.replay_buffer import ReplayBuffer
+from jaxflash.replay.replay_config import ReplayConfig
 from jaxflash.replay.replay_entry import prompt_key
 from tests.replay_fixtures import make_group, make_sample
 
