@@ -124,3 +124,24 @@ def test_layout_cache_builds_once_per_layout():
     assert cache(a) == 1 and cache(b) == 2 and cache(_mesh([0, 1, 2, 3])) == 1
     assert cache.builds == 2
     assert cache(_mesh([0, 1, 2, 3], data=2, fsdp=2)) == 3  # same devices, other layout
+
+
+def test_role_split_plans_whole_slices_and_round_trips():
+    from jaxflash.sync.reshard_plan import RoleSplit, plan_role_split
+
+    start = RoleSplit(learner=(0, 1, 2, 3), generation=((4, 5), (6, 7)))
+    grow = plan_role_split(start, 6)
+    assert grow.to_learner == ((4, 5),) and grow.after.learner == (0, 1, 2, 3, 4, 5)
+    assert grow.after.generation == ((6, 7),)
+    shrink = plan_role_split(grow.after, 2)
+    assert shrink.to_generation == ((2, 3), (4, 5))
+    assert shrink.after == RoleSplit(learner=(0, 1), generation=((2, 3), (4, 5), (6, 7)))
+    back = plan_role_split(shrink.after, 4)
+    assert back.after == RoleSplit(learner=(0, 1, 2, 3), generation=((4, 5), (6, 7)))
+    assert not plan_role_split(start, 4).moved
+    with pytest.raises(ValueError, match="whole number"):
+        plan_role_split(start, 5)
+    with pytest.raises(ValueError, match="need >= 1"):
+        plan_role_split(start, 8)
+    with pytest.raises(ValueError, match="two roles"):
+        RoleSplit(learner=(0, 1), generation=((1, 2),))
