@@ -313,3 +313,16 @@ def test_state_dict_is_json_and_refuses_other_config():
     assert a.sample.reward_info == b.sample.reward_info and a.sample.response_text == "r1.0"
     with pytest.raises(ValueError, match=r"\['max_age'\]"):
         ReplayBuffer.from_state_dict(ReplayConfig(drop_uniform_groups=False, max_age=9), state)
+
+
+def test_reward_info_with_numpy_numbers_is_stored_as_json():
+    buf = ReplayBuffer(ReplayConfig(drop_uniform_groups=False))
+    s = make_sample(1)
+    s.reward_info = {"components": {"math": np.float32(1.0)}, "error": None}
+    buf.ingest([s], [1.0], learner_version=0)
+    json.dumps(buf.state_dict())
+    s2 = make_sample(2)
+    s2.reward_info = {"bad": object()}
+    with pytest.raises(TypeError, match=r"prompt 2, index 0\): reward_info"):
+        buf.ingest([make_sample(3), s2], [1.0, 1.0], learner_version=0)
+    assert buf.counters()["ingested"] == 1  # nothing of the refused call was stored

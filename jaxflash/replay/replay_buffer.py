@@ -169,7 +169,8 @@ class ReplayBuffer:
         for s, a in zip(samples, advantages, strict=True):
             what = f"ReplayBuffer.ingest sample (prompt {s.prompt_id}, index {s.sample_index})"
             _check_sample(s, what)
-            checked.append((s, _advantage_array(a, s, what)))
+            # Everything is checked (and copied) before anything is stored.
+            checked.append((freeze_sample(s), _advantage_array(a, s, what)))
         rewards_by_prompt: dict[int, list[float]] = {}
         for s, _ in checked:
             rewards_by_prompt.setdefault(s.prompt_id, []).append(float(s.reward))
@@ -182,12 +183,11 @@ class ReplayBuffer:
             if v + 1 - start > self.config.max_age:
                 self._counts["rejected_age"] += 1
                 continue
-            frozen = freeze_sample(s)
             entry = ReplayEntry(
                 uid=self._next_uid,
-                sample=frozen,
+                sample=s,
                 advantage=np.array(a, copy=True),
-                prompt_key=prompt_key(frozen.prompt_tokens),
+                prompt_key=prompt_key(s.prompt_tokens),
                 start_version=start,
                 ingest_version=v,
             )

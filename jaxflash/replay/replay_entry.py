@@ -95,8 +95,28 @@ class Replayed:
     replay_count: int
 
 
+def _plain(o: Any) -> Any:
+    if isinstance(o, np.ndarray | np.generic):
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
+
+
 def freeze_sample(sample: Sample) -> Sample:
-    """A copy of ``sample`` whose arrays are read-only copies (dtypes as in types.Sample)."""
+    """A copy of ``sample`` whose arrays are read-only copies (dtypes as in types.Sample).
+
+    ``reward_info`` is copied as plain JSON (numpy scalars become Python numbers), so
+    the entry can go into a checkpoint's JSON metadata.
+
+    Raises:
+      TypeError: ``reward_info`` holds something JSON cannot represent (names the sample).
+    """
+    try:
+        info = json.loads(json.dumps(sample.reward_info, default=_plain))
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"sample (prompt {sample.prompt_id}, index {sample.sample_index}): reward_info "
+            f"is not JSON-serialisable: {err}"
+        ) from None
     return dataclasses.replace(
         sample,
         prompt_tokens=_frozen(sample.prompt_tokens, np.int32),
@@ -106,7 +126,7 @@ def freeze_sample(sample: Sample) -> Sample:
         response_mask=None
         if sample.response_mask is None
         else _frozen(sample.response_mask, np.float32),
-        reward_info=json.loads(json.dumps(sample.reward_info)),
+        reward_info=info,
     )
 
 
@@ -121,10 +141,8 @@ def pack_entries(entries: Sequence[ReplayEntry]) -> tuple[dict[str, np.ndarray],
         ``response_tokens``, ``token_versions`` (int32), ``behaviour_logprobs``,
         ``response_mask``, ``advantage_tokens`` (float32) and ``advantage_scalar``
         float32 [n].
-      meta: per entry {"reward_info", "response_text"}.
-
-    Raises:
-      TypeError: a ``reward_info`` that is not JSON-serialisable (names the entry).
+      meta: per entry {"reward_info", "text"} (``reward_info`` is already plain JSON:
+        ``freeze_sample`` made it so at ingestion).
     """
     n = len(entries)
     scalars = np.zeros((n, 8), np.int64)
@@ -169,14 +187,7 @@ def pack_entries(entries: Sequence[ReplayEntry]) -> tuple[dict[str, np.ndarray],
             parts["advantage_tokens"].append(e.advantage.astype(np.float32))
         else:
             adv_scalar[i] = e.advantage
-        try:
-            meta.append(
-                {"reward_info": json.loads(json.dumps(s.reward_info)), "text": s.response_text}
-            )
-        except TypeError as err:
-            raise TypeError(
-                f"replay entry uid={e.uid} (prompt {s.prompt_id}): reward_info is not JSON: {err}"
-            ) from None
+        meta.append({"reward_info": s.reward_info, "text": s.response_text})
     dtypes = {"prompt_tokens": np.int32, "response_tokens": np.int32, "token_versions": np.int32}
     arrays = {
         k: np.concatenate(v).astype(dtypes.get(k, np.float32))
