@@ -326,3 +326,17 @@ def test_reward_info_with_numpy_numbers_is_stored_as_json():
     with pytest.raises(TypeError, match=r"prompt 2, index 0\): reward_info"):
         buf.ingest([make_sample(3), s2], [1.0, 1.0], learner_version=0)
     assert buf.counters()["ingested"] == 1  # nothing of the refused call was stored
+
+
+def test_future_versions_are_refused_and_a_refused_call_changes_nothing():
+    buf = ReplayBuffer(ReplayConfig(drop_uniform_groups=False, max_age=3))
+    _ingest(buf, [make_sample(1, start=0)], v=0)
+    bad = make_sample(2, start=1)
+    bad.reward = None
+    with pytest.raises(ValueError, match="reward"):
+        buf.ingest([make_sample(3, start=5), bad], [1.0, 1.0], learner_version=5)
+    assert buf.version == 0 and len(buf) == 1  # no eviction, no version advance
+    # A sample stamped after the learner version (negative staleness) is never stored.
+    assert _ingest(buf, [make_sample(4, versions=[2, 3, 3])], v=2) == 0
+    assert buf.counters()["rejected_anomaly"] == 1
+    assert [r.age for r in buf.sample(2, learner_version=3)] == [3]

@@ -38,6 +38,8 @@ from jaxflash.replay.replay_config import ReplayConfig
 from jaxflash.replay.replay_entry import (
     Replayed,
     ReplayEntry,
+    advantage_array,
+    check_sample,
     decode_arrays,
     encode_arrays,
     freeze_sample,
@@ -59,33 +61,6 @@ EVICTION_REASONS = ("capacity", "age", "reuse")
 _STATE_FORMAT = 1
 
 
-def _advantage_array(adv: Any, sample: Sample, what: str) -> np.ndarray:
-    a = np.asarray(adv, np.float32)
-    if a.ndim not in (0, 1) or (a.ndim == 1 and a.size != len(sample.response_tokens)):
-        raise ValueError(
-            f"{what}: advantage must be a scalar or [T_resp={len(sample.response_tokens)}], "
-            f"got shape {a.shape}"
-        )
-    if not np.all(np.isfinite(a)):
-        raise ValueError(f"{what}: advantage is not finite")
-    return a
-
-
-def _check_sample(sample: Sample, what: str) -> None:
-    r = len(sample.response_tokens)
-    for name in ("behaviour_logprobs", "token_versions"):
-        if len(getattr(sample, name)) != r:
-            raise ValueError(
-                f"{what}: {name} has {len(getattr(sample, name))} entries, expected {r}"
-            )
-    if sample.response_mask is not None and len(sample.response_mask) != r:
-        raise ValueError(
-            f"{what}: response_mask has {len(sample.response_mask)} entries, expected {r}"
-        )
-    if sample.reward is None or not np.isfinite(float(sample.reward)):
-        raise ValueError(f"{what}: reward must be a finite number, got {sample.reward!r}")
-
-
 class ReplayBuffer:
     """Trajectories of the last few policy versions (see module docstring)."""
 
@@ -100,6 +75,7 @@ class ReplayBuffer:
             (
                 "ingested",
                 "rejected_age",
+                "rejected_anomaly",
                 "rejected_uniform",
                 "replayed",
                 *(f"evicted_{r}" for r in EVICTION_REASONS),
@@ -112,13 +88,17 @@ class ReplayBuffer:
         self._age_hist = np.zeros(config.max_age + 1, np.int64)
 
     # ---------------------------------------------------------------- versions
-    def _advance(self, learner_version: int) -> None:
+    def _check_version(self, learner_version: int) -> int:
         v = int(learner_version)
         if self._version is not None and v < self._version:
             raise ValueError(
                 f"ReplayBuffer: learner version {v} after version {self._version}; "
                 "versions only go up"
             )
+        return v
+
+    def _advance(self, learner_version: int) -> None:
+        v = self._check_version(learner_version)
         self._version = v
         expired = [u for u, e in self._entries.items() if e.age(v) > self.config.max_age]
         for uid in expired:
@@ -143,9 +123,12 @@ class ReplayBuffer:
     ) -> int:
         """Store the fresh samples trained at ``learner_version`` with their advantages.
 
-        Samples are grouped by prompt_id for ``drop_uniform_groups``. A sample
-        whose age one version later would exceed ``max_age`` is never replayable
-        and is not stored (``rejected_age``).
+        Samples are grouped by prompt_id for ``drop_uniform_groups`` (rewards
+        within 1e-6 of each other count as equal). A sample whose age one version
+        later would exceed ``max_age`` is never replayable and is not stored
+        (``rejected_age``); one with a start or token version above
+        ``learner_version`` (a version from the future: a bug upstream) is not stored
+        (``rejected_anomaly``). A refused call changes nothing.
 
         Args:
           samples: scored Samples (finite reward; arrays of equal length T_resp).
@@ -163,25 +146,33 @@ class ReplayBuffer:
             raise ValueError(
                 f"ReplayBuffer.ingest: {len(samples)} samples but {len(advantages)} advantages"
             )
-        self._advance(learner_version)
-        v = int(learner_version)
+        v = self._check_version(learner_version)
         checked = []
         for s, a in zip(samples, advantages, strict=True):
             what = f"ReplayBuffer.ingest sample (prompt {s.prompt_id}, index {s.sample_index})"
-            _check_sample(s, what)
+            check_sample(s, what)
             # Everything is checked (and copied) before anything is stored.
-            checked.append((freeze_sample(s), _advantage_array(a, s, what)))
+            checked.append((freeze_sample(s), advantage_array(a, s, what)))
+        self._advance(v)
         rewards_by_prompt: dict[int, list[float]] = {}
         for s, _ in checked:
             rewards_by_prompt.setdefault(s.prompt_id, []).append(float(s.reward))
         stored = 0
         for s, a in checked:
-            if self.config.drop_uniform_groups and len(set(rewards_by_prompt[s.prompt_id])) == 1:
+            group = rewards_by_prompt[s.prompt_id]
+            if self.config.drop_uniform_groups and max(group) - min(group) <= 1e-6:
                 self._counts["rejected_uniform"] += 1
                 continue
             start = start_version_of(s)
-            if v + 1 - start > self.config.max_age:
-                self._counts["rejected_age"] += 1
+            newest = int(np.max(s.token_versions)) if len(s.token_versions) else start
+            if max(start, newest) > v:
+                reason = "anomaly"
+            elif v + 1 - start > self.config.max_age:
+                reason = "age"
+            else:
+                reason = None
+            if reason:
+                self._counts[f"rejected_{reason}"] += 1
                 continue
             entry = ReplayEntry(
                 uid=self._next_uid,

@@ -130,6 +130,35 @@ def freeze_sample(sample: Sample) -> Sample:
     )
 
 
+def advantage_array(adv: Any, sample: Sample, what: str) -> np.ndarray:
+    """``adv`` as float32 [] or [T_resp]; ValueError (prefixed ``what``) otherwise."""
+    a = np.asarray(adv, np.float32)
+    if a.ndim not in (0, 1) or (a.ndim == 1 and a.size != len(sample.response_tokens)):
+        raise ValueError(
+            f"{what}: advantage must be a scalar or [T_resp={len(sample.response_tokens)}], "
+            f"got shape {a.shape}"
+        )
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{what}: advantage is not finite")
+    return a
+
+
+def check_sample(sample: Sample, what: str) -> None:
+    """ValueError (prefixed ``what``) unless arrays match T_resp and the reward is finite."""
+    r = len(sample.response_tokens)
+    for name in ("behaviour_logprobs", "token_versions"):
+        if len(getattr(sample, name)) != r:
+            raise ValueError(
+                f"{what}: {name} has {len(getattr(sample, name))} entries, expected {r}"
+            )
+    if sample.response_mask is not None and len(sample.response_mask) != r:
+        raise ValueError(
+            f"{what}: response_mask has {len(sample.response_mask)} entries, expected {r}"
+        )
+    if sample.reward is None or not np.isfinite(float(sample.reward)):
+        raise ValueError(f"{what}: reward must be a finite number, got {sample.reward!r}")
+
+
 def pack_entries(entries: Sequence[ReplayEntry]) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Entries -> (flat arrays, per-entry JSON metadata); inverse of ``unpack_entries``.
 
