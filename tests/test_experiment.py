@@ -12,7 +12,7 @@ from configs import rlvr_smollm2_arith, smoke  # noqa: E402
 from jaxflash.metrics.writer import MetricsWriter  # noqa: E402
 from jaxflash.runtime.experiment import ExperimentConfig  # noqa: E402
 from jaxflash.runtime.ledger import LedgerError, PromptLedger  # noqa: E402
-from jaxflash.types import PromptOutcome  # noqa: E402
+from jaxflash.types import FailureReason, PromptOutcome  # noqa: E402
 
 
 @pytest.mark.parametrize("module", [rlvr_smollm2_arith, smoke])
@@ -44,7 +44,9 @@ def test_ledger_adds_up_and_round_trips():
         ledger.take(i)
     ledger.close(0, PromptOutcome.TRAINED, "ok")
     ledger.close(1, PromptOutcome.FILTERED, "zero_variance")
-    ledger.close(2, PromptOutcome.FAILED, "prompt too long")
+    with pytest.raises(TypeError, match="FailureReason"):
+        ledger.close(2, PromptOutcome.FAILED, "prompt too long")  # text is not a reason
+    ledger.close(2, PromptOutcome.FAILED, FailureReason.PROMPT_TOO_LONG)
     ledger.close(3, PromptOutcome.STALE, "staleness 3 > 2")
     ledger.check()
     assert ledger.metrics() == {
@@ -55,6 +57,7 @@ def test_ledger_adds_up_and_round_trips():
         "prompts_stale": 1,
         "prompts_failed": 1,
     }
+    assert ledger.outcomes["failed"] == {"prompt_too_long": 1}
     with pytest.raises(LedgerError, match="prompt 0"):
         ledger.close(0, PromptOutcome.TRAINED, "again")
     with pytest.raises(LedgerError, match="prompt 4 taken twice"):
