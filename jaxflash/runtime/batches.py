@@ -31,6 +31,8 @@ from jaxflash.types import FailureReason, PromptOutcome
 
 log = logging.getLogger(__name__)
 
+ALL_TRUNCATED = "all_truncated"  # filter reason of a group with no sample carrying loss
+
 
 @dataclasses.dataclass
 class Batch:
@@ -102,7 +104,9 @@ class BatchAssembler:
         f = self.forming = self.forming or Batch()
         got, gone = self.buffer.take(self.B - len(f.groups), v, self.alpha, self.stale_policy)
         f.groups += got
-        f.rows += [self._row(s, "trained", "trained", v) for g in got for s in g.samples]
+        for g in got:  # a group whose every sample is masked trains nothing: filtered
+            kind = ("filtered", ALL_TRUNCATED) if self.truncation.masks_all(g.samples) else None
+            f.rows += [self._row(s, *(kind or ("trained", "trained")), v) for s in g.samples]
         for d in gone:
             f.dropped.append(d)
             f.rows += self._resolve_dropped(d, v)

@@ -29,7 +29,7 @@ from typing import Any
 from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import Group, GroupBuffer
 from jaxflash.runtime.admission import Admission
-from jaxflash.runtime.batches import Batch, BatchAssembler
+from jaxflash.runtime.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.dispatch import Dispatcher, Inbox
 from jaxflash.runtime.ledger import PromptLedger
@@ -183,10 +183,17 @@ class RolloutScheduler:
                 self.counters[name] += 1
 
     def mark_trained(self, groups: Sequence[Group]) -> None:
-        """Close the trained prompts in the ledger (their capacity returns at ``publish``)."""
+        """Close a batch's prompts in the ledger (their capacity returns at ``publish``).
+
+        TRAINED, or FILTERED "all_truncated" when no sample of the group carried
+        loss (``truncation="mask"`` with every sample truncated).
+        """
         with self._lock:
             for g in groups:
-                self.ledger.close(g.prompt_id, PromptOutcome.TRAINED, "trained")
+                if self.truncation.masks_all(g.samples):
+                    self.ledger.close(g.prompt_id, PromptOutcome.FILTERED, ALL_TRUNCATED)
+                else:
+                    self.ledger.close(g.prompt_id, PromptOutcome.TRAINED, "trained")
             self.ledger.check()
 
     def publish(self, params_by_server: Sequence[Any], version: int) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from jaxflash.rewards.base import RewardResult
@@ -44,6 +45,11 @@ class TruncationPolicy:
     def masks(self, sample: Sample) -> bool:
         """True if ``sample`` carries no loss."""
         return self.mode == "mask" and sample.truncated
+
+    def masks_all(self, samples: Sequence[Sample]) -> bool:
+        """True if no sample of a group carries loss: its prompt is FILTERED
+        "all_truncated", not trained."""
+        return all(self.masks(s) for s in samples)
 
 
 class Scorer(Protocol):
