@@ -295,6 +295,12 @@ class RolloutScheduler:
         """Each server's cumulative ``stats()`` ({} once dead)."""
         return self.pool.stats()
 
+    def next_deadline(self) -> float | None:
+        """Clock time at which the oldest outstanding sample misses its deadline (None if
+        nothing is out): the next event a discrete-event driver must ``poll`` at."""
+        with self._lock:
+            return self.dispatcher.table.next_deadline(self.dispatcher.deadline_s)
+
     @property
     def first_request_at(self) -> float | None:
         """Clock time of the first sample sent to a server (None before)."""
