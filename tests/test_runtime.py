@@ -1,8 +1,9 @@
-"""End-to-end runs of the synchronous loop on a tiny random model (real tokenizer).
+"""End-to-end runs of the loop on a tiny random model (real tokenizer), both placements.
 
 Bad input must end as counted failures naming the input, never as a crash or a
 silent drop: a malformed dataset row, a prompt longer than the limit, a reward
-function that raises and one that hangs.
+function that raises and one that hangs -- each counted under its own reason in
+the colocated and the disjoint placement alike.
 """
 
 import json
@@ -48,10 +49,11 @@ def _config(tmp_path, total_steps=2, **overrides):
     return ExperimentConfig.from_config_dict(c)
 
 
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "disjoint"])
 @pytest.mark.timeout(600)
-def test_bad_input_is_counted_not_lost(tmp_path, capsys):
+def test_bad_input_is_counted_not_lost(tmp_path, caplog, colocated):
     workdir = tmp_path / "run"
-    metrics = run(_config(tmp_path), workdir=str(workdir))
+    metrics = run(_config(tmp_path, **{"mesh.colocated": colocated}), workdir=str(workdir))
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     last = rows[-1]
@@ -68,9 +70,13 @@ def test_bad_input_is_counted_not_lost(tmp_path, capsys):
     # Per epoch of 8 rows: malformed JSON, missing answer, over-long, raise, hang fail.
     assert last["prompts_failed"] == 10
     assert last["prompts_trained"] == 6
-    failed = last["prompt_outcomes"]["failed"]
-    assert sum(failed.values()) == 10
-    out = capsys.readouterr().out
+    assert last["prompt_outcomes"]["failed"] == {
+        "malformed_row": 4,
+        "prompt_too_long": 2,
+        "reward_error": 2,
+        "reward_timeout": 2,
+    }
+    out = caplog.text
     assert "data.jsonl:2" in out and "bad JSON" in out  # names file and line
     assert "data.jsonl:3" in out and "answer" in out
     assert "prompt 3" in out and "48" in out  # over-long prompt: id and limit

@@ -186,11 +186,6 @@ class RolloutSpec:
             lo is None or hi is None or lo <= hi,
             f"rollout.filter_min_mean={lo} > rollout.filter_max_mean={hi} filters every group",
         )
-        _check(
-            self.group_size >= 2 or not (self.filter_zero_variance or self.filter_min_std),
-            "rollout.filter_zero_variance / rollout.filter_min_std with rollout.group_size=1 "
-            "filter every group (one sample has no spread)",
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
