@@ -14,6 +14,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -22,10 +23,30 @@ from jaxflash.runtime import rlvr
 from jaxflash.runtime.experiment import ExperimentConfig
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
+README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
 
 
 def _rows(path):
     return [json.loads(x) for x in open(path)]
+
+
+def _undocumented(metrics_rows):
+    """Metric names a run wrote that the README's metrics table does not name."""
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    patterns = [
+        (r"^gen\d+_", "gen{i}_"),
+        (r"^(samples_dropped|buffer_dropped|steps_skipped)_.+$", r"\1_<reason>"),
+    ]
+    missing = set()
+    for row in metrics_rows:
+        for key in row:
+            name = key
+            for pattern, repl in patterns:
+                name = re.sub(pattern, repl, name)
+            if key != "step" and f"`{name}`" not in readme:
+                missing.add(key)
+    return missing
 
 
 @pytest.mark.timeout(900)
@@ -56,6 +77,7 @@ def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path):
         assert m["grad_norm"] == pytest.approx(g["grad_norm"], rel=1e-5), step
         assert m["entropy"] == pytest.approx(g["entropy"], rel=1e-5), step
         assert m["reward_mean"] == pytest.approx(g["reward_mean"], rel=1e-12), step
+    assert not _undocumented(metrics)  # every metric is in the README's table
 
 
 @pytest.mark.slow
@@ -117,6 +139,7 @@ def test_alpha2_staleness_bound_counters_and_resume(tmp_path):
         closed = sum(m[f"prompts_{o}"] for o in ("trained", "filtered", "stale", "failed"))
         assert m["prompts_taken"] == closed + m["prompts_in_flight"]
         assert m["prompts_taken"] <= 3 * 4 + 4 * m["step"]  # (α+1)·B in flight at most
+    assert not _undocumented(first)
     open_at_end = first[-1]["prompts_in_flight"]
     assert open_at_end > 0  # α = 2: prompts for later steps were in flight
 
@@ -180,6 +203,7 @@ def test_all_truncated_batches_are_skipped_and_the_run_goes_on(tmp_path, placeme
         assert "loss" not in m and "grad_norm" not in m
     assert last["policy_version"] == 2
     assert last["steps_skipped"] == last["steps_skipped_all_truncated"] == 2
+    assert not _undocumented(metrics)
     assert last["prompts_trained"] == 0
     assert last["prompt_outcomes"]["filtered"] == {"all_truncated": 2 * 4}
     closed = sum(last[f"prompts_{o}"] for o in ("trained", "filtered", "stale", "failed"))
