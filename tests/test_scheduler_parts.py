@@ -357,7 +357,7 @@ def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
         batch = sched.try_batch(learner_version)
         if batch is not None:
             return batch
-        if sched.dispatcher.scoring or not sched.dispatcher.inbox.empty():
+        if sched.dispatcher.num_scoring or not sched.dispatcher.inbox.empty():
             sched.dispatcher.inbox.wait(RealClock(), 0.05)
             continue
         events = [s.next_due() for s in servers] + [sched.next_deadline()]

@@ -139,7 +139,7 @@ class BatchAssembler:
         outcome = "regenerated" if regen else str(d.outcome)
         rows = [self._row(s, outcome, d.reason, v, d.failure) for s in d.samples]
         self.dispatcher.abort_prompt(d.prompt_id)  # e.g. siblings of a failed sample
-        self.dispatcher.table.forget(d.prompt_id)
+        self.dispatcher.forget(d.prompt_id)
         self.counters[f"samples_dropped_{d.reason}"] += len(d.samples)
         if regen:
             self.counters["prompts_regenerated_stale"] += 1
@@ -166,20 +166,17 @@ class BatchAssembler:
         at the next release).
         """
         oldest_fresh = v + 1 - self.alpha
-        now_fresh = self.dispatcher.policy.version >= oldest_fresh
-        table = self.dispatcher.table
+        now_fresh = self.dispatcher.version >= oldest_fresh
         doomed = [
             pid
-            for pid in table.prompts()
-            if self.admission.is_active(pid)
-            and table.start_estimate(pid, self.dispatcher.pool.restarts) < oldest_fresh
+            for pid in self.dispatcher.in_flight()
+            if self.admission.is_active(pid) and self.dispatcher.start_estimate(pid) < oldest_fresh
         ]
         regen = self.stale_policy == "regenerate"
         for pid in doomed:
-            self.counters["samples_aborted_surplus"] += len(table.by_prompt(pid))
+            self.counters["samples_aborted_surplus"] += self.dispatcher.outstanding(pid)
             self.dispatcher.abort_prompt(pid)
-            self.dispatcher.forget_scoring(pid)  # its scores arrive late and are discarded
-            table.forget(pid)
+            self.dispatcher.forget(pid, scoring=True)  # late scores are discarded
             d = self.buffer.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
             if d is not None:
                 self.counters["samples_dropped_surplus_stale"] += len(d.samples)
@@ -203,5 +200,5 @@ class BatchAssembler:
         """New weights are published: the prompts handed out since return their capacity."""
         for pid in self.taken:
             self.admission.release_at_publish(pid)
-            self.dispatcher.table.forget(pid)
+            self.dispatcher.forget(pid)
         self.taken = []

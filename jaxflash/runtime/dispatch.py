@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure
@@ -28,6 +27,7 @@ from jaxflash.replay.staleness import start_version_of
 from jaxflash.replay.versions import PolicyClock
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.clock import Clock
+from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.scoring import (
@@ -42,41 +42,6 @@ from jaxflash.runtime.server_pool import ServerPool, Submitted
 from jaxflash.types import FailureReason, FinishReason, GenerationRequest, Prompt, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class Inbox:
-    """Where servers and reward futures report back (any thread); drained by ``poll``."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._events: collections.deque[tuple] = collections.deque()
-
-    def generated(self, sample: Any) -> None:
-        """A server finished ``sample`` (the servers' ``on_finished``)."""
-        with self._cond:
-            self._events.append(("generated", sample))
-            self._cond.notify_all()
-
-    def scored(self, sample: Any, future: Any) -> None:
-        """The reward of ``sample`` resolved (a future's done-callback)."""
-        with self._cond:
-            self._events.append(("scored", sample, future))
-            self._cond.notify_all()
-
-    def drain(self) -> list[tuple]:
-        with self._cond:
-            events, self._events = list(self._events), collections.deque()
-            return events
-
-    def empty(self) -> bool:
-        with self._cond:
-            return not self._events
-
-    def wait(self, clock: Clock, timeout_s: float) -> None:
-        """Block until an event arrives or ``timeout_s`` of ``clock`` time passes."""
-        with self._cond:
-            if not self._events:
-                clock.wait(self._cond, timeout_s)
 
 
 class Dispatcher:
@@ -216,10 +181,48 @@ class Dispatcher:
             if self.pool.abort(i, prompt_id) is Submitted.DIED:
                 self.server_died(i)
 
-    def forget_scoring(self, prompt_id: int) -> None:
-        """Discard a prompt's samples awaiting their reward (their scores come back late)."""
-        for key in [k for k in self.scoring if k[0] == prompt_id]:
-            del self.scoring[key]
+    # ------------------------------------------------------------------ for the batch side
+
+    @property
+    def version(self) -> int:
+        """The published policy version the servers were handed last."""
+        return self.policy.version
+
+    def publish(self, version: int) -> None:
+        """The learner published ``version`` (ValueError unless it increases)."""
+        self.policy.publish(int(version))
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.table)
+
+    @property
+    def num_scoring(self) -> int:
+        return len(self.scoring)
+
+    def next_deadline(self) -> float | None:
+        """Clock time at which the oldest outstanding sample misses its deadline."""
+        return self.table.next_deadline(self.deadline_s)
+
+    def in_flight(self) -> list[int]:
+        """Prompts with at least one sample on a server, sorted."""
+        return self.table.prompts()
+
+    def outstanding(self, prompt_id: int) -> int:
+        """Samples of ``prompt_id`` on a server."""
+        return len(self.table.by_prompt(prompt_id))
+
+    def start_estimate(self, prompt_id: int) -> float:
+        """The start version the prompt's group will have (``OutstandingTable``)."""
+        return self.table.start_estimate(prompt_id, self.pool.restarts)
+
+    def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
+        """Drop a prompt's start record (trained, dropped or regenerated); with
+        ``scoring``, also its samples awaiting a reward (their scores come back late)."""
+        self.table.forget(prompt_id)
+        if scoring:
+            for key in [k for k in self.scoring if k[0] == prompt_id]:
+                del self.scoring[key]
 
     def _request(self, prompt: Prompt, index: int) -> GenerationRequest:
         return GenerationRequest(
@@ -243,8 +246,11 @@ class Dispatcher:
         self.counters["samples_generated"] += 1
         self.table.note_finished(key[0], start_version_of(sample))
         sample.response_text = response_text(sample, self.tokenizer)
-        self.scoring[key] = sample
         prompt = self.admission.prompt(key[0])
+        if prompt is None:  # released meanwhile: nothing will take this sample
+            self.counters["samples_late"] += 1
+            return
+        self.scoring[key] = sample
         try:
             future = self.scorer.submit(reward_item(sample, prompt.answer))
         except Exception as err:  # the pool is closed or broken: fail, never hang

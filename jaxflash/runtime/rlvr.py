@@ -50,6 +50,7 @@ from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.evaluation import evaluate
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
+from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.learner_batch import empty_reason, learner_batch
 from jaxflash.runtime.model_setup import (
     check_workdir_model,
@@ -62,7 +63,7 @@ from jaxflash.runtime.model_setup import (
 from jaxflash.runtime.placement import carve
 from jaxflash.runtime.resume import init_or_restore_learner
 from jaxflash.runtime.reward_pool import RewardPool
-from jaxflash.runtime.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.publish import Publisher

@@ -31,7 +31,8 @@ from jaxflash.replay.group_buffer import Group, GroupBuffer
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.clock import Clock, RealClock
-from jaxflash.runtime.dispatch import Dispatcher, Inbox
+from jaxflash.runtime.dispatch import Dispatcher
+from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.scoring import Scorer, TruncationPolicy
 from jaxflash.runtime.server_pool import GenerationServerProtocol, ServerPool, Submitted
@@ -211,7 +212,7 @@ class RolloutScheduler:
             for i, params in enumerate(params_by_server):
                 if self.pool.update(i, params, version) is Submitted.DIED:
                     self.dispatcher.server_died(i)
-            self.dispatcher.policy.publish(int(version))
+            self.dispatcher.publish(version)
             self.assembler.release()
             for prompt in self.admission.release():  # surplus prompts, fresh at this version
                 self.dispatcher.dispatch_prompt(prompt)
@@ -256,7 +257,7 @@ class RolloutScheduler:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            for pid in self.dispatcher.table.prompts():
+            for pid in self.dispatcher.in_flight():
                 self.dispatcher.abort_prompt(pid)
         self.pool.stop()
 
@@ -284,8 +285,8 @@ class RolloutScheduler:
             out = {k: int(v) for k, v in sorted(self.counters.items())}
             out.update(
                 prompts_active=len(self.admission),
-                samples_outstanding=len(self.dispatcher.table),
-                samples_scoring=len(self.dispatcher.scoring),
+                samples_outstanding=self.dispatcher.num_outstanding,
+                samples_scoring=self.dispatcher.num_scoring,
                 **{f"buffer_{k}": v for k, v in self.buffer.counts().items()},
                 **self.ledger.metrics(),
             )
@@ -299,7 +300,7 @@ class RolloutScheduler:
         """Clock time at which the oldest outstanding sample misses its deadline (None if
         nothing is out): the next event a discrete-event driver must ``poll`` at."""
         with self._lock:
-            return self.dispatcher.table.next_deadline(self.dispatcher.deadline_s)
+            return self.dispatcher.next_deadline()
 
     @property
     def first_request_at(self) -> float | None:
