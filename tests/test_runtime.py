@@ -2,8 +2,8 @@
 
 Bad input must end as counted failures naming the input, never as a crash or a
 silent drop: a malformed dataset row, a prompt longer than the limit, a reward
-function that raises and one that hangs -- each counted under its own reason in
-the colocated and the disjoint placement alike.
+function that raises and one that hangs, a generation server that dies -- each
+counted under its own reason in the colocated and the disjoint placement alike.
 """
 
 import json
@@ -12,6 +12,7 @@ import pytest
 
 from configs import smoke
 from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.rlvr import run
 
 
@@ -108,3 +109,43 @@ def test_resume_keeps_counters_and_cursor(tmp_path):
         22,
         23,
     ]
+
+
+class _DiesOnPrompt(GenerationServer):
+    """A real generation server that dies when it is handed prompt ``POISON``."""
+
+    POISON = 15
+
+    def submit(self, request):
+        if request.prompt_id == self.POISON:
+            self.dead = RuntimeError(f"{self.name}: device lost on prompt {request.prompt_id}")
+        if getattr(self, "dead", None) is not None:
+            raise self.dead
+        super().submit(request)
+
+    def check(self):
+        if getattr(self, "dead", None) is not None:
+            raise self.dead
+        super().check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "disjoint"])
+@pytest.mark.timeout(600)
+def test_server_death_fails_the_prompts_in_flight_and_the_run_goes_on(tmp_path, colocated):
+    """Step 2 admits prompts 8-15 in one pass; prompt 15 kills every server it reaches,
+    so the ones in flight (8, 12, 13, 14, 15; 9-11 fail on their own first) fail
+    SERVER_DIED, the step trains nothing and the run still ends normally."""
+    workdir = tmp_path / "run"
+    exp = _config(tmp_path, **{"mesh.colocated": colocated})
+    last = run(exp, workdir=str(workdir), server_factory=_DiesOnPrompt)
+    assert last["policy_version"] == 2 and last["skipped"] == "all_failed"
+    assert last["prompt_outcomes"]["failed"] == {
+        "malformed_row": 4,
+        "prompt_too_long": 2,
+        "reward_error": 1,
+        "reward_timeout": 1,
+        "server_died": 5,
+    }
+    assert last["prompts_trained"] == 3 and last["prompts_taken"] == 16
+    assert last["server_failures"] == (1 if colocated else 2)
