@@ -12,6 +12,23 @@ adds only the pump thread that calls ``poll`` in a loop and the blocking
 ``next_batch``. A simulator drives the same object without threads under a
 ``VirtualClock`` (``runtime.clock``).
 
+Driving it without threads (a discrete-event simulator; see
+tests/test_scheduler_parts.py for a complete driver)::
+
+    clock, inbox = VirtualClock(), Inbox()
+    servers = [SimServer(on_finished=inbox.generated, clock=clock) for _ in range(n)]
+    sched = RolloutScheduler(servers, inbox, source, ledger, buffer, scorer, ..., clock=clock)
+    while v < steps:
+        sched.poll()
+        batch = sched.try_batch(v)
+        if batch is None:  # jump to the next event; servers deliver what is due
+            clock.advance_to(min(next server completion, sched.next_deadline()))
+            continue
+        clock.advance(learner time)
+        sched.mark_trained(batch.groups)
+        v += 1
+        sched.publish([None] * n, v)
+
 With α = 0 (capacity B, release at publish) the next prompts start at the new
 version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
 Threads: servers and reward futures only append to the ``Inbox``; everything
