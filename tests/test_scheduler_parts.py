@@ -542,3 +542,51 @@ def test_prompt_failure_items_fail_with_their_own_reason():
     batch = drive(sched, clock, servers, 0)
     assert [(d.prompt_id, d.failure) for d in batch.dropped] == [(0, FailureReason.MALFORMED_ROW)]
     assert ledger.outcomes["failed"] == {"malformed_row": 1}
+
+
+class LowRewards(InstantRewards):
+    """Reward 0 for every sample of the prompts in ``low``, else the sample index."""
+
+    def __init__(self, low):
+        self.low = set(low)
+
+    def submit(self, item):
+        _, pid, _, idx = item[2].split()
+        f = concurrent.futures.Future()
+        f.set_result(Scored(RewardResult(score=0.0 if int(pid) in self.low else float(idx))))
+        return f
+
+
+def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
+    """Filter thresholds act at alpha = 0 on one server (the colocated shape) too; a
+    filtered prompt is replaced at once, at most B times per step, so a run whose
+    every group is filtered cannot read its whole dataset in one step."""
+    from jaxflash.replay.group_buffer import GroupFilter
+
+    clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
+    servers = [VirtualServer(inbox.generated, clock, latency_s=0.1)]
+    sched = RolloutScheduler(
+        servers,
+        inbox,
+        _Source(),
+        ledger,
+        GroupBuffer(2, group_filter=GroupFilter(min_mean=0.25)),
+        LowRewards(low={0, 1, 2, 3, 5}),
+        tokenizer=Tok(),
+        batch_prompts=2,
+        group_size=2,
+        async_ratio=0,
+        sampling=SAMPLING,
+        seed=0,
+        refill_dropped=True,
+        clock=clock,
+    )
+    batch = drive(sched, clock, servers, 0)
+    # 0 and 1 filtered -> replaced by 2 and 3 (budget 2 spent) -> filtered, not replaced.
+    assert batch.groups == [] and [d.prompt_id for d in batch.dropped] == [0, 1, 2, 3]
+    assert {d.reason for d in batch.dropped} == {"mean_below_min"}
+    assert ledger.taken == 4 and ledger.outcomes["filtered"] == {"mean_below_min": 4}
+    sched.publish([None], 1)  # the skipped step's version: capacity and budget are back
+    batch = drive(sched, clock, servers, 1)
+    assert [g.prompt_id for g in batch.groups] == [4, 6]  # 5 filtered and replaced by 6
+    assert ledger.outcomes["filtered"] == {"mean_below_min": 5}

@@ -95,7 +95,9 @@ class BatchAssembler:
 
         Complete means B groups, or fewer when nothing more can arrive (nothing in
         flight or being scored and no capacity to admit: e.g. α = 0 with failed
-        prompts, as in the synchronous loop). Partial progress is kept.
+        prompts, as in the synchronous loop). Partial progress is kept. Capacity
+        freed here (dynamic-sampling refills, surplus drops) is used at once, so
+        after a None only a server, reward or deadline event can make progress.
 
         Raises:
           RuntimeError: every generation server died and nothing is left to hand out.
@@ -113,7 +115,8 @@ class BatchAssembler:
         self.taken += [g.prompt_id for g in got]
         if len(f.groups) == self.B:
             self._abort_surplus(f, v)
-        elif not self.dispatcher.idle() or self.buffer.num_complete():
+            self.dispatcher.admit()  # capacity freed by surplus drops: replacements start
+        elif self.dispatcher.admit() or not self.dispatcher.idle() or self.buffer.num_complete():
             return None
         elif not f.groups and not f.dropped and self.admission.halted:
             raise RuntimeError("every generation server died: no prompt can be generated")

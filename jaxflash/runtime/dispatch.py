@@ -120,9 +120,11 @@ class Dispatcher:
             and not self.admission.can_admit()
         )
 
-    def admit(self) -> None:
-        """Admit prompts while capacity allows: each becomes G requests."""
+    def admit(self) -> int:
+        """Admit prompts while capacity allows (each becomes G requests); how many."""
+        n = 0
         while (nxt := self.admission.next()) is not None:
+            n += 1
             item, from_source = nxt
             if from_source:
                 self.ledger.take(item.prompt_id)
@@ -130,6 +132,7 @@ class Dispatcher:
                 self.buffer.fail(item.prompt_id, item.failure, item.reason)
                 continue
             self.dispatch_prompt(item)
+        return n
 
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Send all G samples of ``prompt`` (stops at the first that fails)."""
