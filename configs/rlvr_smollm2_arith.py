@@ -30,10 +30,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.num_cpu_devices = 3 - colocated.to_int()  # CPU only: fake devices
     c.mesh.learner = ml_collections.ConfigDict({"fsdp": 1 + colocated.to_int(), "tensor": 1})
     c.mesh.generation = ml_collections.ConfigDict({"tensor": 1})  # per generation slice
-    c.mesh.colocated = colocated  # sync mode: generation uses the learner's devices
-    # Async mode (colocated=False): learner devices first, then this many disjoint
-    # generation slices of mesh.generation each (one device each on CPU).
-    c.mesh.num_generation_slices = 2
+    # True: one generation server on the learner's devices, idle while it trains
+    # (the synchronous baseline, async_ratio 0 only).
+    c.mesh.colocated = colocated
+    # colocated=False: learner devices first, then this many disjoint generation
+    # slices of mesh.generation each (one device each on CPU); 1 when colocated.
+    c.mesh.num_generation_slices = 2 - colocated.to_int()
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "gguf"  # gguf | hf | random
@@ -69,14 +71,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 24
     c.rollout.num_slots = 32  # decode slots (continuous batching) per engine
     c.rollout.max_prefill_length = 64  # prompt bucket limit of the engine
-    c.rollout.async_ratio = 0  # alpha: 0 = synchronous
+    c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
     c.rollout.truncation = "penalty"  # penalty | mask | none: what a truncated response gets
     c.rollout.truncation_penalty = 0.0  # reward of a truncated response (penalty mode)
+    # Dynamic sampling (DAPO): dropped groups are replaced at once, up to B per step.
     c.rollout.filter_zero_variance = False  # drop groups whose rewards are all equal
-    # Async runtime (ROLL Flash, arXiv 2510.11345); the synchronous loop ignores these.
     c.rollout.filter_min_mean = ml_collections.config_dict.placeholder(float)  # drop below
     c.rollout.filter_max_mean = ml_collections.config_dict.placeholder(float)  # drop above
     c.rollout.filter_min_std = ml_collections.config_dict.placeholder(float)  # drop below
+    # ROLL Flash (arXiv 2510.11345), async_ratio > 0 only:
     c.rollout.partial_rollout = "continue"  # continue | recompute | restart on a weight update
     c.rollout.stale_policy = "drop"  # drop | regenerate a group older than alpha allows
     c.rollout.sample_deadline_s = 900.0  # a sample not back by then is aborted and retried

@@ -38,6 +38,27 @@ class PromptOutcome(enum.StrEnum):
     FAILED = "failed"  # bad input, reward error/timeout, generation error (with reason)
 
 
+class FailureReason(enum.StrEnum):
+    """Why a prompt FAILED: set where the failure happens, carried to the ledger unchanged.
+
+    The ledger counts failed prompts by these values (``prompt_outcomes["failed"]``);
+    the human-readable detail (file and line, the exception, the deadline) travels
+    next to it for logs and rollouts.jsonl, and is never parsed.
+    """
+
+    MALFORMED_ROW = "malformed_row"  # a dataset row that is not {prompt: str, answer: str}
+    PROMPT_TOO_LONG = "prompt_too_long"  # rendered prompt longer than data.max_prompt_tokens
+    REQUEST_REJECTED = "request_rejected"  # the engine refused the request (length, sampling)
+    REWARD_ERROR = "reward_error"  # the reward raised, or returned an error
+    REWARD_TIMEOUT = "reward_timeout"  # the reward missed its per-sample deadline
+    REWARD_CRASH = "reward_crash"  # the reward worker process died while scoring
+    REWARD_UNAVAILABLE = "reward_unavailable"  # the reward pool was closed or broken
+    NON_FINITE_REWARD = "non_finite_reward"  # a reward of NaN or +-inf
+    GENERATION_TIMEOUT = "generation_timeout"  # a sample missed its deadline on every try
+    SERVER_DIED = "server_died"  # every generation server died with the sample in flight
+    SHUTDOWN = "shutdown"  # still pending when the buffer was drained at shutdown
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How tokens are drawn; the learner rescores under the same distribution.

@@ -6,9 +6,10 @@
 On CPU the fake device count comes from `config.mesh.num_cpu_devices`, set here
 before jax is imported. On a multi-host TPU/GPU slice (JAX_COORDINATOR_ADDRESS or
 a TPU pod environment), `jax.distributed.initialize()` runs first. Restarting with
-the same --workdir resumes from the last complete checkpoint. `mesh.colocated`
-picks the loop: True -> `runtime.rlvr` (synchronous), False -> `runtime.rlvr_async`
-(disjoint slices, e.g. `--config configs/smoke_async.py`).
+the same --workdir resumes from the last complete checkpoint. One loop,
+`runtime.rlvr.run`, serves both placements: `mesh.colocated=True` (one generation
+server on the learner's devices, async_ratio 0: the synchronous baseline) and
+disjoint slices (`--config.mesh.colocated=False`, e.g. `configs/smoke_async.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # configs/ import each other as a package
     sys.path.insert(0, REPO_ROOT)
+
+import logging as pylogging  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -55,6 +58,7 @@ def main(argv: list[str]) -> None:
     # to our one line per step (pass --verbosity=0 to see them again).
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
+        pylogging.getLogger("jaxflash").setLevel(pylogging.INFO)  # ours: placement, model
     # JetStream imports TensorFlow (through seqio) only for tokenizer utilities we do
     # not use; keep its C++ start-up chatter off the console.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -63,11 +67,13 @@ def main(argv: list[str]) -> None:
     # Library code never sees the ConfigDict: it becomes validated dataclasses here.
     from jaxflash.runtime.experiment import ExperimentConfig
 
-    exp = ExperimentConfig.from_config_dict(config)
-    if exp.mesh.colocated:  # synchronous baseline: generation on the learner's devices
-        from jaxflash.runtime.rlvr import run
-    else:  # ROLL Flash async: disjoint learner and generation slices
-        from jaxflash.runtime.rlvr_async import run
+    try:
+        exp = ExperimentConfig.from_config_dict(config)
+    except ValueError as err:  # a bad or silently-ignored setting: one line, naming fields
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    from jaxflash.runtime.rlvr import run
+
     try:
         run(exp, workdir=_WORKDIR.value)
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import pytest
 from jaxflash.data.arithmetic import DEFAULT_TEMPLATE, ArithmeticTask, evaluate
 from jaxflash.data.files import DatasetError, RowFailure, load_rows
 from jaxflash.data.prompts import PromptFailure, PromptSource
-from jaxflash.types import Prompt
+from jaxflash.types import FailureReason, Prompt
 
 # ------------------------------------------------------------------ arithmetic
 
@@ -213,14 +213,17 @@ def test_prompt_source_renders_and_counts_failures():
     assert out[1] == PromptFailure(
         prompt_id=1,
         reason="prompt 1 is 47 tokens, longer than max_prompt_tokens=30",
+        failure=FailureReason.PROMPT_TOO_LONG,
         meta={"prompt_tokens": 47},
     )
     assert out[2] == PromptFailure(
         prompt_id=2,
         reason="prompt 2: malformed row: f.jsonl:3: bad JSON",
+        failure=FailureReason.MALFORMED_ROW,
         meta={"source": "f.jsonl", "line": 3},
     )
     assert out[3].prompt_id == 3 and "'answer' must be a string, got int" in out[3].reason
+    assert out[3].failure == FailureReason.MALFORMED_ROW
 
 
 def test_prompt_source_cursor_resume_and_cycle():

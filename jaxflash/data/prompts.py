@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxflash.data.files import RowFailure
-from jaxflash.types import Prompt
+from jaxflash.types import FailureReason, Prompt
 
 
 class ChatTokenizer(Protocol):
@@ -48,12 +48,14 @@ class PromptFailure:
 
     Attributes:
       prompt_id: the cursor index of the row (as a Prompt would have had).
-      reason: what went wrong, naming the prompt id.
+      reason: what went wrong, naming the prompt id (for people; never parsed).
+      failure: the kind, counted by the ledger (MALFORMED_ROW or PROMPT_TOO_LONG).
       meta: provenance (source file and line when known).
     """
 
     prompt_id: int
     reason: str
+    failure: FailureReason
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -143,6 +145,7 @@ class PromptSource:
             return PromptFailure(
                 prompt_id=prompt_id,
                 reason=f"prompt {prompt_id}: malformed row: {row}",
+                failure=FailureReason.MALFORMED_ROW,
                 meta={"source": row.source, "line": row.line},
             )
         meta = (
@@ -155,6 +158,7 @@ class PromptSource:
             return PromptFailure(
                 prompt_id=prompt_id,
                 reason=f"prompt {prompt_id}: malformed row: {problem}",
+                failure=FailureReason.MALFORMED_ROW,
                 meta=meta,
             )
         messages = [{"role": "user", "content": row["prompt"]}]
@@ -177,6 +181,7 @@ class PromptSource:
                     f"prompt {prompt_id} is {len(tokens)} tokens, longer than "
                     f"max_prompt_tokens={self._max_prompt_tokens}"
                 ),
+                failure=FailureReason.PROMPT_TOO_LONG,
                 meta={**meta, "prompt_tokens": len(tokens)},
             )
         return Prompt(

@@ -5,7 +5,7 @@ in/out shardings and the state donated. Gradients accumulate over micro-batches
 with ``jax.lax.scan``; every micro-batch's loss is normalised by the *whole*
 batch's token / sequence counts (``aggregation.batch_normalizers``), so the sum of
 micro-batch gradients is the full-batch gradient and nothing depends on how the
-batch was split (see ../shared/cases/rl_pitfalls.md, "Micro-batch invariance").
+batch was split ("Micro-batch invariance", tests/test_learner.py).
 
 Per micro-batch: forward -> h [b, T, D] -> chunked log q(target) and entropy
 under the sampling distribution (temperature / top-k / top-p, the same q the
@@ -16,7 +16,8 @@ Parity metric: ``logprob_gap_max`` = max |log pi_theta - log mu| over masked
 tokens, computed in the forward passes of this step, i.e. under the params
 *before* the update. For tokens sampled by the current version it measures
 engine/learner numerical agreement (should be float rounding);
-``logprob_gap_max_current`` restricts it to those tokens.
+``logprob_gap_max_current`` restricts it to those tokens and
+``logprob_gap_max_off_policy`` to the others (sampled by older versions).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             "kl_sum": sg(kl_sum),
             "logprob_gap_max": jnp.max(gap_bt),
             "logprob_gap_max_current": jnp.max(jnp.where(current_bt, gap_bt, 0.0)),
+            "logprob_gap_max_off_policy": jnp.max(jnp.where(current_bt, 0.0, gap_bt)),
             "current_tokens": jnp.sum(current_bt).astype(jnp.float32),
             "ratio_max": jnp.where(n > 0, m["ratio_max"], -jnp.inf),
             "ratio_min": jnp.where(n > 0, m["ratio_min"], jnp.inf),
@@ -192,6 +194,7 @@ def make_grad_fn(
             "kl": aux["kl_sum"] / denom,
             "logprob_gap_max": jnp.where(any_tok, aux["logprob_gap_max"], 0.0),
             "logprob_gap_max_current": jnp.maximum(aux["logprob_gap_max_current"], 0.0),
+            "logprob_gap_max_off_policy": jnp.maximum(aux["logprob_gap_max_off_policy"], 0.0),
             "current_tokens": aux["current_tokens"],
             "ratio_max": jnp.where(any_tok, aux["ratio_max"], 0.0),
             "ratio_min": jnp.where(any_tok, aux["ratio_min"], 0.0),
@@ -257,7 +260,7 @@ def make_train_step(
       metrics (float32 scalars, replicated): loss, pg_loss, grad_norm (before
       clipping), lr (used for this update), entropy and kl (token means), clip_frac
       (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
-      logprob_gap_max (+ _current, current_tokens), tokens, sequences.
+      logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences.
 
     Raises:
       ValueError: (at call time) a batch whose shapes are inconsistent.

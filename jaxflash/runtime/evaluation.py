@@ -10,9 +10,11 @@ import numpy as np
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.slot_loop import check_request, run_requests
 from jaxflash.runtime.reward_pool import RewardPool
+from jaxflash.runtime.scoring import TruncationPolicy, apply_score, correctness, response_text
 from jaxflash.types import GenerationRequest, Prompt, SamplingParams
 
 EVAL_SEED_OFFSET = 1_000_003  # eval samples never share RNG streams with training samples
+_NO_TRUNCATION_PENALTY = TruncationPolicy(mode="none")  # accuracy counts the answer alone
 
 
 def evaluate(
@@ -33,10 +35,14 @@ def evaluate(
       engine, params: generation engine and params (engine samples ``sampling``).
       prompts: held-out prompts (the same list at every evaluation).
       samples_per_prompt: n samples per prompt.
-      sampling, seed, policy_version, tokenizer, reward_pool: as in ``rollout_round``.
+      sampling: the training sampling (one engine, one compiled distribution).
+      seed: the run seed (offset so eval never shares RNG streams with training).
+      policy_version: version of ``params``; tokenizer: ``decode``, ``eos_id``.
+      reward_pool: the training reward pool (the same reward scores both).
 
     Returns:
-      {"eval_accuracy": mean over prompts of the per-prompt mean correctness,
+      {"eval_accuracy": mean over prompts of the per-prompt mean correctness
+       (``scoring.correctness``, the training metric ``accuracy``'s definition),
        "eval_accuracy_stderr": standard error over prompts, "eval_prompts": count,
        "eval_failed": prompts that could not be evaluated (too long / reward error)}.
     """
@@ -66,7 +72,7 @@ def evaluate(
     futures = [
         reward_pool.submit(
             (
-                tokenizer.decode([int(t) for t in s.response_tokens if int(t) != tokenizer.eos_id]),
+                response_text(s, tokenizer),
                 answers[s.prompt_id],
                 f"eval prompt {s.prompt_id} sample {s.sample_index}",
             )
@@ -76,10 +82,9 @@ def evaluate(
     per_prompt: dict[int, list[float]] = {}
     errored: set[int] = set()
     for s, fut in zip(samples, futures, strict=True):
-        result = fut.result()
-        if result.error is not None:
+        if apply_score(s, fut.result(), _NO_TRUNCATION_PENALTY) is not None:
             errored.add(s.prompt_id)
-        per_prompt.setdefault(s.prompt_id, []).append(result.components.get("math", 0.0))
+        per_prompt.setdefault(s.prompt_id, []).append(correctness(s))
     means = np.array([np.mean(v) for k, v in per_prompt.items() if k not in errored])
     n = len(means)
     return {

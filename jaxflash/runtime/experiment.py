@@ -7,6 +7,7 @@ into these; every field is checked eagerly, with errors naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -31,9 +32,10 @@ class MeshSpec:
       num_cpu_devices: fake CPU devices (CPU only; set before jax is imported).
       learner: learner mesh axis sizes, e.g. {"fsdp": 4, "tensor": 2}.
       generation: axis sizes of each generation slice, e.g. {"tensor": 1}.
-      colocated: sync mode; generation runs on the learner's devices.
-      num_generation_slices: async mode (colocated False): disjoint generation
-        slices after the learner's devices, one GenerationServer each.
+      colocated: one generation server on the learner's own devices, idle while the
+        learner trains (α = 0 only: the synchronous baseline).
+      num_generation_slices: disjoint generation slices after the learner's devices
+        (colocated False), one generation server each; 1 when colocated.
     """
 
     num_cpu_devices: int = 1
@@ -123,12 +125,12 @@ class RolloutSpec:
     truncation: str = "penalty"
     truncation_penalty: float = 0.0
     filter_zero_variance: bool = False
-    # Async runtime (ROLL Flash, arXiv 2510.11345); ignored by the synchronous loop.
     filter_min_mean: float | None = None  # drop groups with mean reward below
     filter_max_mean: float | None = None  # drop groups with mean reward above
     filter_min_std: float | None = None  # drop groups with reward std below
-    partial_rollout: str = "continue"  # continue | recompute | restart (on weight update)
-    stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows
+    # In-flight samples at a weight update; only with async_ratio > 0 (disjoint slices).
+    partial_rollout: str = "continue"  # continue | recompute | restart
+    stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows (alpha > 0)
     sample_deadline_s: float = 600.0  # a sample not back by then is aborted and retried
     max_retries: int = 1  # retries of a timed-out sample before its prompt fails
 
@@ -158,6 +160,32 @@ class RolloutSpec:
             f"rollout.sample_deadline_s must be > 0, got {self.sample_deadline_s}",
         )
         _check(self.max_retries >= 0, f"rollout.max_retries must be >= 0, got {self.max_retries}")
+        # Settings that would be silently ignored are refused, naming the fields.
+        if self.async_ratio == 0:
+            for name, value, default in (
+                ("partial_rollout", self.partial_rollout, "continue"),
+                ("stale_policy", self.stale_policy, "drop"),
+            ):
+                _check(
+                    value == default,
+                    f"rollout.{name}={value!r} needs rollout.async_ratio > 0: with "
+                    "async_ratio=0 no sample is in flight at a weight update and none is stale",
+                )
+        _check(
+            self.truncation == "penalty" or self.truncation_penalty == 0.0,
+            f"rollout.truncation_penalty={self.truncation_penalty} is used only with "
+            f"rollout.truncation='penalty', got {self.truncation!r}",
+        )
+        _check(
+            self.filter_min_std is None or self.filter_min_std > 0,
+            f"rollout.filter_min_std={self.filter_min_std} filters nothing (a std is >= 0); "
+            "use a positive threshold or None",
+        )
+        lo, hi = self.filter_min_mean, self.filter_max_mean
+        _check(
+            lo is None or hi is None or lo <= hi,
+            f"rollout.filter_min_mean={lo} > rollout.filter_max_mean={hi} filters every group",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,6 +201,11 @@ class RewardSpec:
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, f"reward.num_workers must be >= 1, got {self.num_workers}")
         _check(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        _check(
+            self.fn == "math" or (self.answer_weight == 1.0 and self.format_weight == 0.0),
+            f"reward.answer_weight / reward.format_weight weigh the built-in math reward; "
+            f"reward.fn={self.fn!r} ignores them",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,6 +270,25 @@ class ExperimentConfig:
             self.data.task != "file" or os.path.isfile(self.data.path),
             f"data.path={self.data.path!r} is not a file",
         )
+        m, r = self.mesh, self.rollout
+        if m.colocated:
+            _check(
+                r.async_ratio == 0,
+                f"rollout.async_ratio={r.async_ratio} needs disjoint generation slices "
+                "(mesh.colocated=False): a colocated generation server is idle while the "
+                "learner trains, so nothing could run ahead of it",
+            )
+            _check(
+                m.num_generation_slices == 1,
+                f"mesh.num_generation_slices={m.num_generation_slices} with "
+                "mesh.colocated=True: a colocated placement runs one generation server",
+            )
+            n_gen, n_learner = math.prod(m.generation.values()), math.prod(m.learner.values())
+            _check(
+                n_gen <= n_learner,
+                f"mesh.generation {dict(m.generation)} needs {n_gen} devices but with "
+                f"mesh.colocated=True it runs on the learner's {n_learner} (mesh.learner)",
+            )
 
     @classmethod
     def from_config_dict(cls, config: Any) -> ExperimentConfig:

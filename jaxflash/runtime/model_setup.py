@@ -1,14 +1,12 @@
-"""Building the pieces a run needs from its ExperimentConfig: meshes, model, data, reward."""
+"""Building the pieces a run needs from its ExperimentConfig: model, data, reward, engine."""
 
 from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from jaxflash.data.prompts import PromptFailure, PromptSource
@@ -18,31 +16,8 @@ from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
 from jaxflash.rewards.base import REWARD_FNS, combined
-from jaxflash.runtime.experiment import DataSpec, ExperimentConfig, MeshSpec, ModelSpec, RolloutSpec
-from jaxflash.sharding.mesh import make_mesh
+from jaxflash.runtime.experiment import DataSpec, ExperimentConfig, ModelSpec, RolloutSpec
 from jaxflash.types import Prompt
-
-EVAL_SEED_OFFSET = 7919  # eval rows come from a different split stream as well
-
-
-def build_meshes(spec: MeshSpec) -> tuple[Mesh, Mesh]:
-    """(learner mesh, generation mesh). Colocated: generation uses the learner's first devices.
-
-    Raises:
-      ValueError: more devices requested than exist (both numbers named).
-    """
-    devices = jax.devices()
-    n_learner = math.prod(spec.learner.values())
-    n_gen = math.prod(spec.generation.values())
-    need = n_learner if spec.colocated else n_learner + n_gen
-    if need > len(devices):
-        raise ValueError(
-            f"mesh needs {need} devices (learner {dict(spec.learner)}, generation "
-            f"{dict(spec.generation)}, colocated={spec.colocated}) but jax sees {len(devices)}"
-        )
-    learner = make_mesh(devices[:n_learner], dict(spec.learner))
-    gen_devices = devices[:n_gen] if spec.colocated else devices[n_learner : n_learner + n_gen]
-    return learner, make_mesh(gen_devices, dict(spec.generation))
 
 
 def load_model(

@@ -1,7 +1,8 @@
-"""Start a learner fresh or resume it from a run directory (shared by both loops)."""
+"""Start a learner fresh or resume it from a run directory."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,8 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.sharding.rules import LEARNER_RULES
+
+log = logging.getLogger(__name__)
 
 
 def init_or_restore_learner(
@@ -47,10 +50,11 @@ def init_or_restore_learner(
     if restored is not None:
         state, meta = restored
         ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
-        print(
-            f"resumed from step {meta.step} (data cursor {meta.data_cursor}, "
-            f"{len(ledger.open_ids)} prompts in flight)",
-            flush=True,
+        log.warning(
+            "resumed from step %d (data cursor %d, %d prompts in flight)",
+            meta.step,
+            meta.data_cursor,
+            len(ledger.open_ids),
         )
         truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
         truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
