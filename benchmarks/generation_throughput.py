@@ -91,7 +91,7 @@ def main() -> None:
             params,
             requests,
             policy_version=0,
-            eos_id=tokenizer.eos_id,
+            stop_ids=tokenizer.stop_ids,
             stats=stats,
             share_prefix=share,
         )

@@ -153,10 +153,14 @@ def test_ledger_adds_up_and_round_trips():
 
 
 def test_metrics_writer(tmp_path):
-    with MetricsWriter(str(tmp_path), console=None) as w:
-        w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
+    with MetricsWriter(str(tmp_path)) as w:
         w.write_rollouts([{"prompt": "p", "response": "r", "reward": 1.0}])
+        # No step written yet: no (empty) TensorBoard event file either.
+        assert not (tmp_path / "tensorboard").exists()
+        row = w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    assert rows == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
+    assert rows == [row] == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
     assert json.loads(open(tmp_path / "rollouts.jsonl").read())["reward"] == 1.0
     assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
+    MetricsWriter(str(tmp_path)).close()  # a run that writes no step adds no event file
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1

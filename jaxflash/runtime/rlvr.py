@@ -47,6 +47,7 @@ from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime import records
 from jaxflash.runtime.clock import Clock, RealClock
+from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
 from jaxflash.runtime.evaluation import evaluate
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
@@ -55,32 +56,26 @@ from jaxflash.runtime.learner_batch import empty_reason, learner_batch
 from jaxflash.runtime.model_setup import (
     check_workdir_model,
     load_model,
-    make_datasets,
+    load_tokenizer,
     make_engine,
     make_reward,
-    prompt_by_id,
 )
 from jaxflash.runtime.placement import carve
-from jaxflash.runtime.resume import init_or_restore_learner
+from jaxflash.runtime.resume import finished_step, init_or_restore_learner, last_metrics
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
+from jaxflash.runtime.task_setup import (
+    build_task,
+    eval_prompts,
+    measure_prompts,
+    prompt_by_id,
+    prompt_lengths,
+)
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.publish import Publisher
 
 log = logging.getLogger(__name__)
-
-CONSOLE_KEYS = (
-    "reward_mean",
-    "accuracy",
-    "eval_accuracy",
-    "response_len_mean",
-    "grad_norm",
-    "logprob_gap_on_policy_max",
-    "staleness_max",
-    "gen_tokens_per_s",
-    "train_tokens_per_s",
-)
 
 
 def group_filter_of(exp: ExperimentConfig) -> GroupFilter | None:
@@ -98,39 +93,75 @@ def run(
     workdir: str,
     server_factory: Callable[..., Any] = GenerationServer,
     clock: Clock | None = None,
+    console: Console | None = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) an RLVR experiment in ``workdir``.
 
     Args:
       exp: the validated experiment.
-      workdir: run directory; a complete checkpoint there is resumed from.
+      workdir: run directory; a complete checkpoint there is resumed from, and a
+        run whose last checkpoint reached ``exp.total_steps`` is not run again.
       server_factory: builds each generation server like ``GenerationServer``
         (tests wrap it to inject faults).
       clock: time source of every timing (default: real time).
+      console: step lines and progress during long phases (default: silent).
 
     Returns:
-      The last step's metrics.
+      The last step's metrics (a finished run: the last row of its metrics.jsonl).
 
     Raises:
+      ConfigError: the task, its data or the reward cannot run (naming the fields),
+        found before the model loads.
       TimeoutError: no batch could be assembled in time (servers hung).
       RuntimeError: every generation server died.
       FloatingPointError: a non-finite loss, gradient norm or entropy.
     """
     clock = clock or RealClock()
+    console = console or Console(None)
+    t_run = clock.now()
+    done = finished_step(workdir, exp.total_steps)
+    if done is not None:  # nothing to do: say so instead of resuming silently
+        console.line(
+            f"{workdir} is finished: its last checkpoint is step {done} and total_steps="
+            f"{exp.total_steps}. To train further, run the same command with "
+            f"--config.total_steps=<more than {done}> (it resumes from step {done}); "
+            "to start over, pass a new --workdir."
+        )
+        return last_metrics(workdir)
     os.makedirs(workdir, exist_ok=True)
 
-    # ------------------------------------------------------------ devices
+    # ------------------------------------------------------------ task, reward, tokenizer
+    # Everything that can be wrong with the config fails here, before the slow model load.
     placement = carve(exp.mesh)
     log.info("placement: %s", placement.describe())
     reward = make_reward(exp.reward)  # resolve a custom reward before the slow model load
+    with console.phase(f"building task {exp.data.task}"):
+        task = build_task(exp)
+    tokenizer = load_tokenizer(exp.model)
+    measured = {"rows": 0, "of": 0}
+    with console.phase(
+        "measuring prompt lengths", lambda: f"{measured['rows']}/{measured['of']} rows"
+    ):
+        lengths, every_row = measure_prompts(
+            task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)
+        )
+    exp, lengths_info = prompt_lengths(exp, lengths, every_row)
+    stops = tokenizer.stop_set.describe(tokenizer.id_to_token)
+    console.line(f"task {exp.data.task}, reward {exp.reward.fn}; {lengths_info.describe()}")
+    console.line(f"stop set (ids that end a response): {stops}")
+    records.write_run_config(workdir, exp, tokenizer, lengths_info)
 
     # ------------------------------------------------------------ model + learner (born sharded)
-    model_config, imported_params, tokenizer = load_model(exp.model, exp.rollout)
+    with console.phase(f"loading the model ({exp.model.source})", announce=True):
+        model_config, imported_params = load_model(exp.model, exp.rollout, tokenizer)
     log.info("model: %s", model_config)
     check_workdir_model(workdir, model_config)
-    state, meta, ledger, checkpointer = init_or_restore_learner(
-        exp, model_config, imported_params, placement.learner, workdir
-    )
+    with console.phase("building the learner state"):
+        state, meta, ledger, checkpointer = init_or_restore_learner(
+            exp, model_config, imported_params, placement.learner, workdir
+        )
+    if meta.step:
+        console.line(f"resuming {workdir} from step {meta.step} of {exp.total_steps}")
     del imported_params
     train_step = make_train_step(model_config, exp.learner, placement.learner, LEARNER_RULES)
     step_sharding = state_shardings(
@@ -138,8 +169,9 @@ def run(
     ).step
 
     # ------------------------------------------------------------ engines + first weights
-    engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
     version = int(meta.step)  # policy version == learner steps taken
+    with console.phase(f"building {len(placement.generation)} generation engine(s)"):
+        engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
     publishers = [Publisher() for _ in engines]
 
     def publish_weights(params: Any, v: int) -> list[Any]:
@@ -149,12 +181,14 @@ def run(
         jax.block_until_ready(out)
         return out
 
-    gen_params = publish_weights(state.params, version)
+    with console.phase("publishing the weights to the generation engines"):
+        gen_params = publish_weights(state.params, version)
 
     # ------------------------------------------------------------ data, rewards, scheduler
     r = exp.rollout
     B, G = r.prompts_per_step, r.group_size
-    train_rows, eval_prompts = make_datasets(exp, tokenizer)
+    train_rows = task.train
+    held_out = eval_prompts(task, tokenizer, exp.data.max_prompt_tokens)
     source = PromptSource(
         train_rows,
         tokenizer,
@@ -175,7 +209,7 @@ def run(
             engine,
             params,
             policy_version=version,
-            eos_id=tokenizer.eos_id,
+            stop_ids=tokenizer.stop_ids,
             partial_rollout=r.partial_rollout,
             on_finished=inbox.generated,
             clock=clock,
@@ -208,37 +242,53 @@ def run(
     )
     advantage_fn = get_advantage_estimator(exp.advantage)
     batch_timeout_s = r.sample_deadline_s * (r.max_retries + 2) + 4 * exp.reward.timeout_s
+    compiled = {"engine": False, "learner": False}  # for the console's notes
 
     def run_eval(v: int) -> dict[str, float]:
-        if not eval_prompts:
+        if not held_out:
             return {}
-        t0 = clock.now()
-        out = evaluate(
-            engines[0][0],
-            gen_params[0],
-            eval_prompts,
-            samples_per_prompt=exp.eval.samples_per_prompt,
-            sampling=r.sampling,
-            seed=exp.seed,
-            policy_version=v,
-            tokenizer=tokenizer,
-            reward_pool=reward_pool,
-        )
+        t0, status = clock.now(), EvalStatus(clock.now)
+        note = "" if compiled["engine"] else "; the first one compiles the engine"
+        label = f"evaluating at step {v} ({len(held_out)} prompts x "
+        label += f"{exp.eval.samples_per_prompt} samples{note})"
+        with console.phase(label, status, announce=True):
+            out = evaluate(
+                engines[0][0],
+                gen_params[0],
+                held_out,
+                samples_per_prompt=exp.eval.samples_per_prompt,
+                sampling=r.sampling,
+                seed=exp.seed,
+                policy_version=v,
+                tokenizer=tokenizer,
+                reward_pool=reward_pool,
+                progress=status.update,
+            )
+        compiled["engine"] = True
         return {**out, "eval_time_s": clock.now() - t0}
 
+    def show(step: int, row: dict[str, Any]) -> None:
+        elapsed = duration(clock.now() - t_run)
+        console.line(records.step_line(step, exp.total_steps, elapsed, row))
+
     # ------------------------------------------------------------ the loop
-    writer = MetricsWriter(workdir, console_keys=CONSOLE_KEYS)
+    writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
     try:
         if version == 0 and exp.data.eval_size:
             metrics = run_eval(0)
-            writer.write_step(0, {**metrics, **ledger.metrics()})
+            show(0, writer.write_step(0, {**metrics, **ledger.metrics()}))
         scheduler.start()
         servers_before = scheduler.server_stats()
         while version < exp.total_steps:
             t_step = clock.now()
             # 1-4. Sample, generate, score, group: B groups with staleness <= alpha.
-            batch = scheduler.next_batch(version, timeout_s=batch_timeout_s)
+            note = "" if compiled["engine"] else " (the first generation compiles the engine)"
+            label = f"step {version + 1}/{exp.total_steps}: generating{note}"
+            progress = GenerationStatus(scheduler, clock.now, samples=B * G, groups=B)
+            with console.phase(label, progress):
+                batch = scheduler.next_batch(version, timeout_s=batch_timeout_s)
+            compiled["engine"] = True
             writer.write_rollouts(batch.rows)
 
             # 5. Advantages per group; samples masked by truncation carry no loss.
@@ -255,10 +305,15 @@ def run(
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
             if lb.batch is not None:
-                state, train_metrics = train_step(state, lb.batch)
-                step_metrics = records.learner_metrics(
-                    {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-                )
+                note = "" if compiled["learner"] else " (the first update compiles the step)"
+                label = f"step {version + 1}/{exp.total_steps}: training on "
+                label += f"{len(lb.samples)} samples{note}"
+                with console.phase(label):
+                    state, train_metrics = train_step(state, lb.batch)
+                    step_metrics = records.learner_metrics(
+                        {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+                    )
+                compiled["learner"] = True
             else:
                 skipped = empty_reason(batch.groups, batch.dropped)
                 scheduler.count("steps_skipped", f"steps_skipped_{skipped}")
@@ -305,7 +360,7 @@ def run(
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
             _check_finite(metrics, version)
-            writer.write_step(version, metrics)
+            show(version, writer.write_step(version, metrics))
 
             # 9. Checkpoint.
             if version % exp.checkpoint.every == 0 or version == exp.total_steps:
@@ -322,9 +377,14 @@ def run(
                 )
     finally:
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
-        checkpointer.close()
+        with console.phase("writing the last checkpoint"):
+            checkpointer.close()
         reward_pool.close()
         writer.close()
+    console.line(
+        f"finished {version}/{exp.total_steps} steps in {duration(clock.now() - t_run)}: "
+        f"{workdir}/metrics.jsonl, rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"
+    )
     return metrics
 
 
