@@ -30,6 +30,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from launch.overrides import parse_flags  # noqa: E402
+from launch.quiet import native_stderr_hidden  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics, checkpoints).")
@@ -64,9 +65,17 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     # Orbax and JetStream log every save/step through absl at INFO: keep the console
     # to our lines (pass --verbosity=0 to see them again).
-    if not flags.FLAGS["verbosity"].present:
+    verbose = flags.FLAGS["verbosity"].present
+    if not verbose:
         logging.set_verbosity(logging.WARNING)
-        pylogging.getLogger("jaxflash").setLevel(pylogging.INFO)  # ours: placement, model
+        # Our own warnings (a skipped step, prompts too long, a resume) as plain lines,
+        # without absl's "W1130 17:10:51.760078 139719803816832 rlvr.py:136]" prefix.
+        ours = pylogging.getLogger("jaxflash")
+        handler = pylogging.StreamHandler(sys.stderr)
+        handler.setFormatter(pylogging.Formatter("%(levelname)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(pylogging.WARNING)
+        ours.propagate = False
     # JetStream imports TensorFlow (through seqio) only for tokenizer utilities we do
     # not use; keep its C++ start-up chatter off the console.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -76,13 +85,17 @@ def main(argv: list[str]) -> None:
 
     console = Console(sys.stdout, every_s=_PROGRESS.value)
     try:
-        with console.phase("starting: importing JAX, JetStream and the verifiers", announce=True):
+        announce = "starting: importing JAX, JetStream and the verifiers ..."
+        with console.phase("starting", announce=announce):
             _maybe_init_distributed()
             # Library code never sees the ConfigDict: it becomes validated dataclasses here.
             from jaxflash.runtime.experiment import ExperimentConfig
 
             exp = ExperimentConfig.from_config_dict(config)
-            from jaxflash.runtime.rlvr import run
+            # TensorFlow writes its start-up lines (oneDNN, "no CUDA drivers") to fd 2
+            # before any log level applies: hidden, unless --verbosity was given.
+            with native_stderr_hidden(not verbose):
+                from jaxflash.runtime.rlvr import run
         run(exp, workdir=_WORKDIR.value, console=console)
     except ConfigError as err:  # a bad or silently-ignored setting: one line, naming fields
         print(f"config error: {err}", file=sys.stderr)

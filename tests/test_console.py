@@ -6,7 +6,6 @@ import io
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -37,11 +36,22 @@ def test_a_long_phase_prints_its_progress_after_each_silence():
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("  step 1/3: generating: 1/8 samples (")
     assert lines[0].endswith(" s)")  # elapsed, with its unit
-    time.sleep(0.2)  # outside a phase: silence
+    time.sleep(0.2)  # outside a phase, with nothing in the background: silence
     n = len(out.getvalue().splitlines())
     console.line("step 1/3 | elapsed 1 s")
     time.sleep(0.2)
     assert len(out.getvalue().splitlines()) == n + 1
+    # Between phases the background names the work; an inner phase takes over while it lasts.
+    console.background("step 2/3")
+    _wait_for(lambda: out.getvalue().splitlines()[-1].startswith("  step 2/3 ("))
+    with console.phase("step 2/3: training"):
+        _wait_for(lambda: out.getvalue().splitlines()[-1].startswith("  step 2/3: training ("))
+    _wait_for(lambda: out.getvalue().splitlines()[-1].startswith("  step 2/3 ("))
+    console.background(None)
+    time.sleep(0.2)
+    n = len(out.getvalue().splitlines())
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == n
     console.close()
 
 
@@ -52,9 +62,9 @@ def test_announced_phase_and_a_status_that_fails():
     def broken():
         raise RuntimeError("counter gone")
 
-    with console.phase("loading the model", broken, announce=True):
-        _wait_for(lambda: "loading the model: ?" in out.getvalue())  # never raises into the run
-    assert out.getvalue().splitlines()[0] == "loading the model ..."
+    with console.phase("loading", broken, announce="loading the model (SmolLM2) ..."):
+        _wait_for(lambda: "loading: ?" in out.getvalue())  # never raises into the run
+    assert out.getvalue().splitlines()[0] == "loading the model (SmolLM2) ..."
     console.close()
     console.close()  # idempotent
     silent = Console(None)
@@ -65,20 +75,19 @@ def test_announced_phase_and_a_status_that_fails():
 
 def test_status_lines_count_from_their_start():
     class Sched:
-        scored, produced, tokens = 5, 1, 100
-        lock = threading.Lock()
+        generated, scored, tokens = 6, 5, 100
 
         def stats(self):
-            return {"samples_scored": self.scored, "buffer_produced": self.produced}
+            return {"samples_generated": self.generated, "samples_scored": self.scored}
 
         def server_stats(self):
             return [{"generated_tokens": self.tokens}, {}]  # a dead server reports {}
 
     now = [10.0]
     sched = Sched()
-    status = GenerationStatus(sched, lambda: now[0], samples=32, groups=8)
-    sched.scored, sched.produced, sched.tokens, now[0] = 12, 3, 500, 20.0
-    assert status() == "7/32 samples scored, 2/8 groups ready, 400 tokens at 40.0 tokens/s"
+    status = GenerationStatus(sched, lambda: now[0], samples=32)
+    sched.generated, sched.scored, sched.tokens, now[0] = 16, 12, 500, 20.0
+    assert status() == "10/32 samples generated, 7 scored, 400 tokens at 40.0 tokens/s"
     ev = EvalStatus(lambda: now[0])
     ev.update(3, 200, 90)
     now[0] = 23.0
@@ -195,7 +204,9 @@ def test_every_name_valued_option_is_checked_before_the_model_loads(overrides, m
 def test_unknown_keys_of_a_config_file_name_the_nearest_one():
     c = smoke.get_config().to_dict()
     c["data"]["pth"] = "x.jsonl"
-    with pytest.raises(ConfigError, match=r"unknown config key 'data.pth' \(did you mean 'data.path'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'data.pth' \(did you mean 'data.path'"
+    ):
         ExperimentConfig.from_config_dict(c)
 
 

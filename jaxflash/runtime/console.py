@@ -5,7 +5,9 @@ loading weights, compiling the engine and the learner step, the first
 evaluation, generating a step's samples. ``Console.phase`` names the phase;
 while it lasts, a heartbeat thread prints ``label: status (elapsed)`` every
 ``every_s`` seconds of silence, where ``status`` is a function the phase
-supplies (e.g. "17/32 samples, 2,345 tokens at 45 tok/s"). Plain lines, not an
+supplies (e.g. "20/32 samples generated, 16 scored, 2345 tokens at 45.0
+tokens/s"). Between phases, ``background`` names what the run is in ("step
+3/20"), so no stretch of work is silent for longer than ``every_s``. Plain lines, not an
 in-place bar: they read the same in a terminal, through ``tee`` and in a log
 file, and they never garble with the warnings logging writes to stderr.
 
@@ -58,7 +60,8 @@ class Console:
         self.every_s = float(every_s)
         self._now = now
         self._lock = threading.Lock()
-        self._phase: tuple[str, Status | None, float] | None = None
+        self._phases: list[tuple[str, Status | None, float]] = []  # innermost last
+        self._background: tuple[str, Status | None, float] | None = None
         self._last_output = now()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -70,29 +73,41 @@ class Console:
 
     @contextlib.contextmanager
     def phase(
-        self, label: str, status: Status | None = None, *, announce: bool = False
+        self, label: str, status: Status | None = None, *, announce: str | None = None
     ) -> Iterator[None]:
         """A long phase: progress lines every ``every_s`` s of silence until it ends.
 
+        Phases nest: an inner phase reports while it lasts, then the outer one again
+        (a step's phase covers the work between its generation and training phases).
+
         Args:
-          label: what is happening ("generating step 3/20").
+          label: what is happening, short ("step 3/20: generating").
           status: returns the progress so far ("17/32 samples ..."); called on the
             heartbeat thread, so it must only read thread-safe counters.
-          announce: print ``label ...`` at once (for phases worth naming even when short).
+          announce: a line printed at once (for phases worth naming even when short).
         """
         if self._stream is None:
             yield
             return
+        entry = (label, status, self._now())
         with self._lock:
             if announce:
-                self._write(f"{label} ...")
-            self._phase = (label, status, self._now())
+                self._write(announce)
+            self._phases.append(entry)
             self._start()
         try:
             yield
         finally:
             with self._lock:
-                self._phase = None
+                self._phases.remove(entry)
+
+    def background(self, label: str | None) -> None:
+        """What the run is doing between phases ("step 3/20"); None: nothing (silence
+        is then expected, e.g. after the run)."""
+        with self._lock:
+            self._background = None if label is None else (label, None, self._now())
+            if label is not None and self._stream is not None:
+                self._start()
 
     def close(self) -> None:
         """Stop the heartbeat thread (idempotent)."""
@@ -115,9 +130,10 @@ class Console:
             self._thread.start()
 
     def _progress_line(self) -> str | None:  # under self._lock
-        if self._phase is None or self._now() - self._last_output < self.every_s:
+        current = self._phases[-1] if self._phases else self._background
+        if current is None or self._now() - self._last_output < self.every_s:
             return None
-        label, status, started = self._phase
+        label, status, started = current
         try:
             detail = status() if status is not None else ""
         except Exception:  # a progress line must never stop the run
@@ -139,33 +155,32 @@ class Console:
 class GenerationStatus:
     """Status of one step's generation, from the scheduler's counters.
 
-    ``status()``: "17/32 samples scored, 6/8 groups ready, 2345 tokens at 45.0
-    tokens/s" since this object was made (with α > 0, samples for later steps count too).
+    ``status()``: "20/32 samples generated, 16 scored, 2345 tokens at 45.0
+    tokens/s" since this object was made (with α > 0, samples for later steps
+    count too).
 
     Args:
-      scheduler: ``stats()`` (samples_scored, buffer_produced; locked) and
+      scheduler: ``stats()`` (samples_generated, samples_scored; locked) and
         ``server_stats()`` (each server's generated_tokens).
       now: the run's clock (seconds).
-      samples, groups: the step's target (B·G, B).
+      samples: the step's target (B·G).
     """
 
-    def __init__(self, scheduler: Any, now: Callable[[], float], *, samples: int, groups: int):
-        self._scheduler, self._now = scheduler, now
-        self._target = (samples, groups)
+    def __init__(self, scheduler: Any, now: Callable[[], float], *, samples: int):
+        self._scheduler, self._now, self._target = scheduler, now, samples
         self._t0 = now()
         self._before = self._counts()
 
     def _counts(self) -> tuple[int, int, int]:
         stats = self._scheduler.stats()
         tokens = sum(s.get("generated_tokens", 0) for s in self._scheduler.server_stats())
-        return stats.get("samples_scored", 0), stats.get("buffer_produced", 0), tokens
+        return stats.get("samples_generated", 0), stats.get("samples_scored", 0), tokens
 
     def __call__(self) -> str:
-        (s0, g0, t0), (s1, g1, t1) = self._before, self._counts()
+        (g0, s0, t0), (g1, s1, t1) = self._before, self._counts()
         rate = (t1 - t0) / max(self._now() - self._t0, 1e-9)
-        samples, groups = self._target
         return (
-            f"{s1 - s0}/{samples} samples scored, {g1 - g0}/{groups} groups ready, "
+            f"{g1 - g0}/{self._target} samples generated, {s1 - s0} scored, "
             f"{t1 - t0} tokens at {rate:.1f} tokens/s"
         )
 

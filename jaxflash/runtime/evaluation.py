@@ -83,6 +83,8 @@ def evaluate(
     )
     for request in requests:
         batcher.add(request)
+    if progress is not None:
+        progress(0, len(requests), 0)
     scored = []  # (sample, future), in finishing order
     while not batcher.idle:
         for s in batcher.step():

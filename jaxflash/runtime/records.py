@@ -263,3 +263,14 @@ def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any
     with open(path, "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1, default=str)
     return path
+
+
+def describe_model(config: Any) -> str:
+    """One console line: the shape of a ``ModelConfig``."""
+    valid = config.valid_vocab_size
+    vocab = f"vocab {config.vocab_size}" + (f" ({valid} used)" if valid else "")
+    return (
+        f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
+        f"({config.n_kv_heads} kv), {vocab}, context {config.max_seq_len}, "
+        f"{config.param_dtype} params, {config.compute_dtype} compute"
+    )

@@ -132,12 +132,13 @@ def run(
 
     # ------------------------------------------------------------ task, reward, tokenizer
     # Everything that can be wrong with the config fails here, before the slow model load.
+    console.background("setting up")
     placement = carve(exp.mesh)
-    log.info("placement: %s", placement.describe())
+    console.line(f"devices: {placement.describe()}")
     reward = make_reward(exp.reward)  # resolve a custom reward before the slow model load
     with console.phase(f"building task {exp.data.task}"):
         task = build_task(exp)
-    tokenizer = load_tokenizer(exp.model)
+        tokenizer = load_tokenizer(exp.model)
     measured = {"rows": 0, "of": 0}
     with console.phase(
         "measuring prompt lengths", lambda: f"{measured['rows']}/{measured['of']} rows"
@@ -152,9 +153,12 @@ def run(
     records.write_run_config(workdir, exp, tokenizer, lengths_info)
 
     # ------------------------------------------------------------ model + learner (born sharded)
-    with console.phase(f"loading the model ({exp.model.source})", announce=True):
+    what = exp.model.path or {"gguf": "SmolLM2-135M-Instruct GGUF"}.get(exp.model.source, "")
+    what = what or f"random-init preset {exp.model.preset}"
+    with console.phase("loading the model", announce=f"loading the model ({what}) ..."):
         model_config, imported_params = load_model(exp.model, exp.rollout, tokenizer)
-    log.info("model: %s", model_config)
+    log.debug("model: %s", model_config)
+    console.line(f"model: {records.describe_model(model_config)}")
     check_workdir_model(workdir, model_config)
     with console.phase("building the learner state"):
         state, meta, ledger, checkpointer = init_or_restore_learner(
@@ -170,8 +174,7 @@ def run(
 
     # ------------------------------------------------------------ engines + first weights
     version = int(meta.step)  # policy version == learner steps taken
-    with console.phase(f"building {len(placement.generation)} generation engine(s)"):
-        engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
+    engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
     publishers = [Publisher() for _ in engines]
 
     def publish_weights(params: Any, v: int) -> list[Any]:
@@ -248,10 +251,10 @@ def run(
         if not held_out:
             return {}
         t0, status = clock.now(), EvalStatus(clock.now)
-        note = "" if compiled["engine"] else "; the first one compiles the engine"
-        label = f"evaluating at step {v} ({len(held_out)} prompts x "
-        label += f"{exp.eval.samples_per_prompt} samples{note})"
-        with console.phase(label, status, announce=True):
+        note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
+        announce = f"evaluating at step {v}: {len(held_out)} prompts x "
+        announce += f"{exp.eval.samples_per_prompt} samples{note} ..."
+        with console.phase("evaluating", status, announce=announce):
             out = evaluate(
                 engines[0][0],
                 gen_params[0],
@@ -267,26 +270,30 @@ def run(
         compiled["engine"] = True
         return {**out, "eval_time_s": clock.now() - t0}
 
-    def show(step: int, row: dict[str, Any]) -> None:
+    def show(step: int, row: dict[str, Any], compiled_now: bool = False) -> None:
         elapsed = duration(clock.now() - t_run)
-        console.line(records.step_line(step, exp.total_steps, elapsed, row))
+        line = records.step_line(step, exp.total_steps, elapsed, row)
+        # The first update's time is mostly XLA compiling it: say so next to its rate.
+        console.line(line + (" (first update: includes compiling it)" if compiled_now else ""))
 
     # ------------------------------------------------------------ the loop
     writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
     try:
         if version == 0 and exp.data.eval_size:
+            console.background(f"step 0/{exp.total_steps}")
             metrics = run_eval(0)
             show(0, writer.write_step(0, {**metrics, **ledger.metrics()}))
         scheduler.start()
         servers_before = scheduler.server_stats()
         while version < exp.total_steps:
             t_step = clock.now()
+            step_label = f"step {version + 1}/{exp.total_steps}"
+            console.background(step_label)
             # 1-4. Sample, generate, score, group: B groups with staleness <= alpha.
             note = "" if compiled["engine"] else " (the first generation compiles the engine)"
-            label = f"step {version + 1}/{exp.total_steps}: generating{note}"
-            progress = GenerationStatus(scheduler, clock.now, samples=B * G, groups=B)
-            with console.phase(label, progress):
+            progress = GenerationStatus(scheduler, clock.now, samples=B * G)
+            with console.phase(f"{step_label}: generating{note}", progress):
                 batch = scheduler.next_batch(version, timeout_s=batch_timeout_s)
             compiled["engine"] = True
             writer.write_rollouts(batch.rows)
@@ -304,11 +311,10 @@ def run(
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
+            compiled_now = lb.batch is not None and not compiled["learner"]
             if lb.batch is not None:
                 note = "" if compiled["learner"] else " (the first update compiles the step)"
-                label = f"step {version + 1}/{exp.total_steps}: training on "
-                label += f"{len(lb.samples)} samples{note}"
-                with console.phase(label):
+                with console.phase(f"{step_label}: training on {len(lb.samples)} samples{note}"):
                     state, train_metrics = train_step(state, lb.batch)
                     step_metrics = records.learner_metrics(
                         {k: float(v) for k, v in jax.device_get(train_metrics).items()}
@@ -360,7 +366,7 @@ def run(
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
             _check_finite(metrics, version)
-            show(version, writer.write_step(version, metrics))
+            show(version, writer.write_step(version, metrics), compiled_now)
 
             # 9. Checkpoint.
             if version % exp.checkpoint.every == 0 or version == exp.total_steps:
@@ -376,11 +382,12 @@ def run(
                     ),
                 )
     finally:
+        console.background("shutting down: stopping the servers, writing the last checkpoint")
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
-        with console.phase("writing the last checkpoint"):
-            checkpointer.close()
+        checkpointer.close()
         reward_pool.close()
         writer.close()
+        console.background(None)
     console.line(
         f"finished {version}/{exp.total_steps} steps in {duration(clock.now() - t_run)}: "
         f"{workdir}/metrics.jsonl, rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"
