@@ -18,7 +18,7 @@ EVAL_SEED_OFFSET = 1_000_003  # eval samples never share RNG streams with traini
 _NO_TRUNCATION_PENALTY = TruncationPolicy(mode="none")  # accuracy counts the answer alone
 
 Progress = Callable[[int, int, int], None]
-"""``progress(samples_done, samples_total, tokens_generated)``."""
+"""``progress(samples_finished, samples_total, tokens_generated_so_far)``."""
 
 
 def evaluate(
@@ -49,7 +49,7 @@ def evaluate(
       tokenizer: ``stop_ids`` (every id that ends a response) and
         ``response_text(ids)`` (the text the reward sees).
       reward_pool: the training reward pool (the same reward scores both).
-      progress: called after each finished sample (for the console).
+      progress: called after every decode step (for the console).
 
     Returns:
       {"eval_accuracy": mean over prompts of the per-prompt mean correctness
@@ -94,8 +94,8 @@ def evaluate(
                 f"eval prompt {s.prompt_id} sample {s.sample_index}",
             )
             scored.append((s, reward_pool.submit(item)))
-            if progress is not None:
-                progress(len(scored), len(requests), batcher.stats.generated_tokens)
+        if progress is not None:  # every decode step: long responses finish late
+            progress(len(scored), len(requests), batcher.stats.generated_tokens)
     per_prompt: dict[int, list[float]] = {}
     errored: set[int] = set()
     for s, fut in scored:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -274,3 +275,15 @@ def describe_model(config: Any) -> str:
         f"({config.n_kv_heads} kv), {vocab}, context {config.max_seq_len}, "
         f"{config.param_dtype} params, {config.compute_dtype} compute"
     )
+
+
+def check_finite(metrics: dict[str, Any], step: int) -> None:
+    """Fail loudly on NaN/Inf training metrics (eval NaN with no prompts is allowed).
+
+    Raises:
+      FloatingPointError: ``loss``, ``grad_norm`` or ``entropy`` is not finite.
+    """
+    for key in ("loss", "grad_norm", "entropy"):
+        value = metrics.get(key)
+        if value is not None and not math.isfinite(value):
+            raise FloatingPointError(f"step {step}: metric {key} is {value}: {metrics}")

@@ -21,6 +21,12 @@ A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
 policy version still advances, with the weights unchanged, so the run goes on.
 
+Before the model loads, everything the config names is built or checked: the
+task (``runtime.task_setup``), its reward, the tokenizer and its stop set, and
+the prompt limits derived from the data (all in ``<workdir>/run_config.json``);
+a workdir that already reached ``total_steps`` is reported and left alone. The
+console (``runtime.console``) names every long phase while it runs.
+
 Resume: the ledger, the counters and the data cursor are in the checkpoint;
 prompts in flight at the checkpoint are regenerated from scratch at the restored
 version (``prompts_regenerated_on_resume``), never trained twice.
@@ -29,7 +35,6 @@ version (``prompts_regenerated_on_resume``), never trained twice.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -160,6 +165,7 @@ def run(
     log.debug("model: %s", model_config)
     console.line(f"model: {records.describe_model(model_config)}")
     check_workdir_model(workdir, model_config)
+    console.background("setting up the learner, the generation engines and the reward workers")
     with console.phase("building the learner state"):
         state, meta, ledger, checkpointer = init_or_restore_learner(
             exp, model_config, imported_params, placement.learner, workdir
@@ -365,7 +371,7 @@ def run(
             # 8. Evaluate.
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
-            _check_finite(metrics, version)
+            records.check_finite(metrics, version)
             show(version, writer.write_step(version, metrics), compiled_now)
 
             # 9. Checkpoint.
@@ -393,11 +399,3 @@ def run(
         f"{workdir}/metrics.jsonl, rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"
     )
     return metrics
-
-
-def _check_finite(metrics: dict[str, Any], step: int) -> None:
-    """Fail loudly on NaN/Inf training metrics (eval NaN with no prompts is allowed)."""
-    for key in ("loss", "grad_norm", "entropy"):
-        value = metrics.get(key)
-        if value is not None and not math.isfinite(value):
-            raise FloatingPointError(f"step {step}: metric {key} is {value}: {metrics}")
