@@ -56,7 +56,7 @@ def test_file_lengths_are_derived_from_every_row(tmp_path):
     seen = []
     lengths, every_row = measure_prompts(task, WordTokenizer(), on_row=lambda i, n: seen.append(n))
     assert every_row and sorted(lengths) == [93 + 9 * i for i in range(11)]  # bad row skipped
-    assert seen == [12] * 12  # progress over every row
+    assert seen == [12] * 13  # the total first, then after every row
     derived, info = prompt_lengths(exp, lengths, every_row)
     assert derived.data.max_prompt_tokens == derived.rollout.max_prefill_length == 256
     assert (info.longest, info.limit, info.derived, info.too_long) == (183, 256, True, 0)

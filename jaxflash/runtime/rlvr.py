@@ -146,7 +146,8 @@ def run(
         tokenizer = load_tokenizer(exp.model)
     measured = {"rows": 0, "of": 0}
     with console.phase(
-        "measuring prompt lengths", lambda: f"{measured['rows']}/{measured['of']} rows"
+        "measuring prompt lengths",
+        lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
     ):
         lengths, every_row = measure_prompts(
             task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)

@@ -19,9 +19,10 @@ are, it says how many will fail as ``prompt_too_long``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure, PromptSource
@@ -81,28 +82,36 @@ class PromptLengths:
         )
 
 
-def _rows_to_measure(task: TaskData) -> tuple[list[Any], bool]:
+def _rows_to_measure(task: TaskData) -> tuple[Iterator[Any], int, bool]:
+    """(rows, how many, whether that is every row); procedural rows are generated lazily."""
     train = task.train
     if isinstance(train, Sized):  # a file's rows (EpochShuffledRows or a list)
         get = train if callable(train) else train.__getitem__
-        return [*task.eval_rows, *(get(i) for i in range(len(train)))], True
-    return [*task.eval_rows, *(train(i) for i in range(SAMPLE_ROWS))], False
+        n = len(train)
+        every = True
+    else:
+        get, n, every = train, SAMPLE_ROWS, False
+    rows = itertools.chain(task.eval_rows, (get(i) for i in range(n)))
+    return rows, len(task.eval_rows) + n, every
 
 
 def measure_prompts(
     task: TaskData, tokenizer: Any, *, on_row: Callable[[int, int], None] | None = None
 ) -> tuple[list[int], bool]:
     """Rendered lengths of the task's prompts (malformed rows skipped), and whether
-    every row was measured. ``on_row(done, total)`` reports progress."""
-    rows, every_row = _rows_to_measure(task)
+    every row was measured. ``on_row(done, total)`` reports progress (rows of a
+    procedural task are generated as they are measured)."""
+    rows, total, every_row = _rows_to_measure(task)
     source = PromptSource([], tokenizer, max_prompt_tokens=_UNLIMITED)
     lengths = []
+    if on_row is not None:
+        on_row(0, total)
     for i, row in enumerate(rows):
         prompt = source.render(i, row)
         if not isinstance(prompt, PromptFailure):
             lengths.append(len(prompt.prompt_tokens))
         if on_row is not None:
-            on_row(i + 1, len(rows))
+            on_row(i + 1, total)
     return lengths, every_row
 
 
