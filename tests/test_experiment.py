@@ -96,6 +96,18 @@ def test_async_settings_accepted_on_disjoint_slices():
     assert exp.rollout.async_ratio == 2
 
 
+def test_group_filter_settings_become_the_filter_the_loop_builds():
+    exp = ExperimentConfig.from_config_dict(_smoke())
+    assert exp.rollout.group_filter_kwargs() is None  # keep every group
+    c = _smoke(**{"rollout.filter_zero_variance": True, "rollout.filter_min_std": 0.1})
+    assert ExperimentConfig.from_config_dict(c).rollout.group_filter_kwargs() == {
+        "zero_variance": True,
+        "min_mean": None,
+        "max_mean": None,
+        "min_std": 0.1,
+    }
+
+
 def test_launcher_refuses_async_ratio_on_the_colocated_config(tmp_path):
     """Done-when of issue 6: the launcher fails at start, naming mesh.colocated."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

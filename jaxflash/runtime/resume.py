@@ -51,7 +51,7 @@ def init_or_restore_learner(
     if restored is not None:
         state, meta = restored
         ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
-        log.warning(
+        log.info(  # the run's console says it too
             "resumed from step %d (data cursor %d, %d prompts in flight)",
             meta.step,
             meta.data_cursor,

@@ -83,15 +83,6 @@ from jaxflash.sync.publish import Publisher
 log = logging.getLogger(__name__)
 
 
-def group_filter_of(exp: ExperimentConfig) -> GroupFilter | None:
-    """The dynamic-sampling filter the rollout config asks for (None = keep every group)."""
-    r = exp.rollout
-    knobs = dict(min_mean=r.filter_min_mean, max_mean=r.filter_max_mean, min_std=r.filter_min_std)
-    if not r.filter_zero_variance and all(v is None for v in knobs.values()):
-        return None
-    return GroupFilter(zero_variance=r.filter_zero_variance, **knobs)
-
-
 def run(
     exp: ExperimentConfig,
     *,
@@ -172,7 +163,10 @@ def run(
             exp, model_config, imported_params, placement.learner, workdir
         )
     if meta.step:
-        console.line(f"resuming {workdir} from step {meta.step} of {exp.total_steps}")
+        console.line(
+            f"resumed from step {meta.step} of {exp.total_steps} in {workdir} (data cursor "
+            f"{meta.data_cursor}; {len(ledger.open_ids)} prompts in flight, generated again)"
+        )
     del imported_params
     train_step = make_train_step(model_config, exp.learner, placement.learner, LEARNER_RULES)
     step_sharding = state_shardings(
@@ -210,7 +204,8 @@ def run(
     reward_pool = RewardPool(
         reward, num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s, clock=clock
     )
-    group_filter = group_filter_of(exp)
+    filter_knobs = r.group_filter_kwargs()
+    group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
     truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
     inbox = Inbox()
     servers = [

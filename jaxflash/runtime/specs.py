@@ -305,6 +305,18 @@ class RolloutSpec:
             f"rollout.filter_min_mean={lo} > rollout.filter_max_mean={hi} filters every group",
         )
 
+    def group_filter_kwargs(self) -> dict[str, Any] | None:
+        """Keyword arguments of the dynamic-sampling ``GroupFilter`` asked for (None =
+        keep every group)."""
+        knobs = dict(
+            min_mean=self.filter_min_mean,
+            max_mean=self.filter_max_mean,
+            min_std=self.filter_min_std,
+        )
+        if not self.filter_zero_variance and all(v is None for v in knobs.values()):
+            return None
+        return dict(zero_variance=self.filter_zero_variance, **knobs)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardSpec:
