@@ -108,3 +108,15 @@ def test_task_errors_name_the_data_fields(tmp_path):
     empty.write_text("")
     with pytest.raises(ConfigError, match="no rows"):
         build_task(_exp(data__task="file", data__path=str(empty)))
+
+
+def test_a_run_whose_prompts_cannot_fit_stops_before_the_model_loads(tmp_path):
+    from jaxflash.runtime.rlvr import run
+
+    path = _file(tmp_path, [90, 100])
+    exp = _exp(
+        data__task="file", data__path=path, data__prompt_key="question", data__max_prompt_tokens=32
+    )
+    with pytest.raises(ConfigError, match="limit of 32 tokens"):
+        run(exp, workdir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start

@@ -124,7 +124,6 @@ def run(
             "to start over, pass a new --workdir."
         )
         return last_metrics(workdir)
-    os.makedirs(workdir, exist_ok=True)
 
     # ------------------------------------------------------------ task, reward, tokenizer
     # Everything that can be wrong with the config fails here, before the slow model load.
@@ -147,6 +146,7 @@ def run(
     stops = tokenizer.stop_set.describe(tokenizer.id_to_token)
     console.line(f"task {exp.data.task}, reward {exp.reward.fn}; {lengths_info.describe()}")
     console.line(f"stop set (ids that end a response): {stops}")
+    os.makedirs(workdir, exist_ok=True)  # only once the config is known to run
     records.write_run_config(workdir, exp, tokenizer, lengths_info)
 
     # ------------------------------------------------------------ model + learner (born sharded)

@@ -150,9 +150,10 @@ def prompt_lengths(
         raise ConfigError(
             f"every prompt of data.task={d.task!r} measured ({info.measured}, "
             f"{info.shortest}-{info.longest} tokens with the chat template) is longer than "
-            f"data.max_prompt_tokens={d.max_prompt_tokens} / rollout.max_prefill_length="
-            f"{r.max_prefill_length}: raise both to at least {info.longest}, or set both to "
-            "0 to derive them from the data"
+            f"the limit of {limit} tokens (data.max_prompt_tokens={d.max_prompt_tokens}, "
+            f"rollout.max_prefill_length={r.max_prefill_length}; 0 follows the other): "
+            f"raise both to at least {info.longest}, or set both to 0 to derive them from "
+            "the data"
         )
     if too_long:
         log.warning(
