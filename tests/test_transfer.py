@@ -123,7 +123,9 @@ def test_block_arithmetic_matches_jax(shape, names, spec):
     leaf = layout_of({"w": sds}).leaves[0]  # raises if it disagrees with devices_indices_map
     jax_map = sds.sharding.devices_indices_map((16, 8))
     for p, dev in enumerate(mesh.devices.flat):
-        assert leaf.shard_index(p) == tuple(s.indices(n)[:2] for s, n in zip(jax_map[dev], (16, 8)))
+        assert leaf.shard_index(p) == tuple(
+            s.indices(n)[:2] for s, n in zip(jax_map[dev], (16, 8), strict=True)
+        )
 
 
 def test_layout_json_round_trip_and_strictness(meshes):
@@ -229,6 +231,8 @@ def test_mismatched_receiver_is_refused_before_any_byte_moves(meshes):
             assert "['embed_vd']" in str(err.value)
         assert receiver.current is None
         assert sender.stats.shards_sent == 0 and sender.stats.pulls_registered == 0
+        # Refused by the receiver after "describe": no fetch ever reached the sender.
+        assert sender.stats.requests == 2 and not sender.stats.refused
 
 
 def test_sender_checks_every_fetch_itself(meshes):
@@ -280,7 +284,7 @@ def test_offer_moving_on_mid_transfer_leaves_the_old_weights(meshes):
                 sender.offer(staged, 3)
 
         with pytest.raises(TransferError) as err:
-            receiver.pull([sender.address], method="stream", chunk_bytes=64, progress=bump)
+            receiver.pull([sender.address], method="stream", chunk_bytes=600, progress=bump)
         assert err.value.kind is TransferErrorKind.VERSION and len(calls) == 1
         assert receiver.current.version == 1
         _bit_equal(receiver.current.params, old)  # no leaf of version 2 got in

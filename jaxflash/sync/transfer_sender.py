@@ -91,6 +91,11 @@ class WeightSender:
         False serves the stream fallback only.
       io_timeout_s: per-connection socket timeout, seconds; a receiver that
         stalls longer is dropped (counted as refused, kind "connection").
+      bulk_transports: parallel bulk-transport sockets of the jax transfer
+        server. Both ends must use the same count: on jax 0.10.2 a mismatch
+        aborts the receiving process (a failed CHECK in socket_bulk_transport,
+        not an exception), so the count is advertised in ``describe`` and the
+        receiver starts its own server with it, or refuses.
     """
 
     def __init__(
@@ -100,7 +105,11 @@ class WeightSender:
         port: int = 0,
         jax_transfer: bool = True,
         io_timeout_s: float = 60.0,
+        bulk_transports: int = 1,
     ):
+        if bulk_transports < 1:
+            raise ValueError(f"WeightSender: bulk_transports must be >= 1, got {bulk_transports}")
+        self._bulk_transports = int(bulk_transports)
         self._io_timeout_s = float(io_timeout_s)
         self._listener = socket.create_server((host, port), backlog=64)
         self._listener.setblocking(False)
@@ -111,9 +120,8 @@ class WeightSender:
         if jax_transfer:
             from jax.experimental import transfer  # noqa: PLC0415  (optional backend)
 
-            n = jax.local_device_count()
             self._transfer = transfer.start_transfer_server(
-                jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"] * n
+                jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"] * bulk_transports
             )
         self._uuids = itertools.count(1)
         self._offer: _Offer | None = None
@@ -219,6 +227,7 @@ class WeightSender:
             "layout": offer.layout.to_json(),
             "held": {p: [_index_json(i) for i in blocks] for p, blocks in offer.held.items()},
             "transfer_address": self.transfer_address,
+            "bulk_transports": self._bulk_transports,
         }
         send_message(conn, reply)
 
