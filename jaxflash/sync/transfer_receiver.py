@@ -119,6 +119,8 @@ class WeightReceiver:
         self._shardings = [x.sharding for x in flat]
         self._host = host
         self._transfer = None
+        self._bulk_transports = 0
+        self._connections: dict[str, Any] = {}
         self._current = current
         self.stats = ReceiverStats()
 
@@ -183,6 +185,7 @@ class WeightReceiver:
             self.stats.failed[TransferErrorKind.LAYOUT_MISMATCH.value] += 1
             raise TransferError(TransferErrorKind.LAYOUT_MISMATCH, str(err)) from err
         except jax.errors.JaxRuntimeError as err:  # a jax pull whose sender went away
+            self._connections.clear()  # a restarted sender gets a new connection
             self.stats.failed[TransferErrorKind.CONNECTION.value] += 1
             raise TransferError(
                 TransferErrorKind.CONNECTION, f"jax transfer failed: {err}"
@@ -203,8 +206,8 @@ class WeightReceiver:
 
     def _plan(
         self, senders: list[str], timeout_s: float
-    ) -> tuple[int, dict[str, list[_Item]], dict[str, str | None]]:
-        """(version, items per sender address, jax transfer address per sender)."""
+    ) -> tuple[int, dict[str, list[_Item]], dict[str, tuple[str | None, int]]]:
+        """(version, items per sender, (jax transfer address, bulk transports) per sender)."""
         offers = [self._describe(a, timeout_s) for a in senders]
         versions = {int(o["version"]) for o in offers}
         if len(versions) != 1:
@@ -244,7 +247,10 @@ class WeightReceiver:
                         f"leaf {leaf.path}: no sender process holds block {list(index)}",
                     )
                 plan[source].append(_Item(leaf.path, index, leaf, device))
-        remotes = {a: o["transfer_address"] for a, o in zip(senders, offers, strict=True)}
+        remotes = {
+            a: (o["transfer_address"], int(o.get("bulk_transports", 1)))
+            for a, o in zip(senders, offers, strict=True)
+        }
         return version, plan, remotes
 
     # ------------------------------------------------------------ fetching
@@ -265,29 +271,48 @@ class WeightReceiver:
         return staged
 
     def _fetch_transfer(self, remote, address, chunk, version, timeout_s) -> list[jax.Array]:
+        remote, bulk = remote
         if remote is None:
             raise TransferError(
                 TransferErrorKind.UNSUPPORTED, f"sender {address} runs no jax transfer server"
             )
+        server = self._transfer_server(bulk)
         request = {"type": "fetch", "method": "transfer", "version": version,
                    "items": [it.to_json() for it in chunk]}  # fmt: skip
         with connect(address, timeout_s) as sock:
             send_message(sock, request)
             ready = expect(recv_message(sock), "ready")
-        if self._transfer is None:
-            from jax.experimental import transfer  # noqa: PLC0415  (optional backend)
-
-            n = jax.local_device_count()
-            self._transfer = transfer.start_transfer_server(
-                jax.local_devices()[0].client, f"{self._host}:0", [f"{self._host}:0"] * n
-            )
         avals = [
             jax.ShapeDtypeStruct(
                 it.shape, jnp.dtype(it.leaf.dtype), sharding=SingleDeviceSharding(it.device)
             )
             for it in chunk
         ]
-        return list(self._transfer.connect(remote).pull(int(ready["uuid"]), avals))
+        connection = self._connections.get(remote)
+        if connection is None:
+            # One connection per sender, reused: each connect sets up bulk transports.
+            connection = self._connections[remote] = server.connect(remote)
+        return list(connection.pull(int(ready["uuid"]), avals))
+
+    def _transfer_server(self, bulk_transports: int) -> Any:
+        """This receiver's jax transfer server, started with the senders' transport count."""
+        if self._transfer is None:
+            from jax.experimental import transfer  # noqa: PLC0415  (optional backend)
+
+            self._transfer = transfer.start_transfer_server(
+                jax.local_devices()[0].client,
+                f"{self._host}:0",
+                [f"{self._host}:0"] * bulk_transports,
+            )
+            self._bulk_transports = bulk_transports
+        if bulk_transports != self._bulk_transports:
+            # Checked here because jax 0.10.2 can abort the process on a mismatch.
+            raise TransferError(
+                TransferErrorKind.UNSUPPORTED,
+                f"sender uses {bulk_transports} bulk transports, this receiver's transfer "
+                f"server {self._bulk_transports}; start all senders with the same count",
+            )
+        return self._transfer
 
     def _fetch_stream(self, address, chunk, version, timeout_s) -> list[jax.Array]:
         request = {"type": "fetch", "method": "stream", "version": version,
