@@ -314,3 +314,24 @@ def test_unreachable_and_empty_senders():
         assert receiver.pull([sender.address], method="stream").version == 0
     with pytest.raises(ValueError, match="method"):
         receiver.pull([dead], method="carrier_pigeon")
+
+
+def test_bulk_transport_counts_must_agree(meshes):
+    # jax 0.10.2 can abort the receiving process when the two transfer servers
+    # use different bulk-transport counts, so the receiver refuses first.
+    _, gen = meshes
+    raw = _raw()
+    receiver = WeightReceiver(_template(raw, gen, GEN_SPECS))
+    with WeightSender() as one, WeightSender(bulk_transports=2) as two:
+        with serving(one), serving(two):
+            one.offer(_place(raw, gen, GEN_SPECS), 1)
+            two.offer(_place(raw, gen, GEN_SPECS), 2)
+            assert receiver.pull([one.address]).version == 1
+            with pytest.raises(TransferError) as err:
+                receiver.pull([two.address])
+            assert err.value.kind is TransferErrorKind.UNSUPPORTED
+            assert "bulk transports" in str(err.value)
+            assert two.stats.pulls_registered == 0 and receiver.current.version == 1
+            assert receiver.pull([two.address], method="stream").version == 2
+    with pytest.raises(ValueError, match="bulk_transports"):
+        WeightSender(bulk_transports=0)
