@@ -8,6 +8,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,22 @@ def test_unreachable_and_empty_senders():
         assert receiver.pull([sender.address], method="stream").version == 0
     with pytest.raises(ValueError, match="method"):
         receiver.pull([dead], method="carrier_pigeon")
+
+
+def test_silent_sender_is_a_timeout_not_a_hang():
+    # "No silent hang": a peer that accepts the connection and never answers.
+    sds = jax.ShapeDtypeStruct(
+        (4,), jnp.float32, sharding=NamedSharding(_mesh(jax.devices()[:1], (1,), ("x",)), P())
+    )
+    receiver = WeightReceiver({"w": sds})
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # listens, never accepts or replies
+        address = f"127.0.0.1:{mute.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TransferError) as err:
+            receiver.pull([address], method="stream", timeout_s=0.5)
+        assert time.monotonic() - start < 10
+    assert err.value.kind is TransferErrorKind.CONNECTION
+    assert receiver.current is None and receiver.stats.failed["connection"] == 1
 
 
 def test_bulk_transport_counts_must_agree(meshes):
