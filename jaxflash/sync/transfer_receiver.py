@@ -170,7 +170,10 @@ class WeightReceiver:
             raise ValueError(f"pull: need sender addresses and chunk_bytes >= 1, got {senders}")
         start = time.perf_counter()
         try:
-            version, plan, remotes = self._plan(list(senders), timeout_s)
+            try:
+                version, plan, remotes = self._plan(list(senders), timeout_s)
+            except (KeyError, TypeError) as err:  # a describe reply missing its fields
+                raise TransferError(TransferErrorKind.PROTOCOL, f"bad offer: {err!r}") from err
             fetch = (
                 (lambda a, c: self._fetch_transfer(remotes[a], a, c, version, timeout_s))
                 if method == "transfer"
