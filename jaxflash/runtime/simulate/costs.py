@@ -19,8 +19,8 @@ is deliberately linear, so each coefficient is a thing one can measure:
   padded rows x the batch's length bucket (``padding="bucket"``, what
   ``learner.batching.pack_batch`` builds) or the real prompt+response tokens
   (``"packed"``).
-* weight sync after each step: ``weight_sync_s`` on the learner; generation
-  stalls for it too when ``stalls_generation``.
+* weight sync after each step: ``weight_sync_s + per_server_s·servers`` on the
+  learner; generation stalls for it too when ``stalls_generation``.
 * reward: ``latency_s`` per sample on ``workers`` parallel workers (FIFO).
 * contention: time factors (>= 1) when components share cores, e.g. on one CPU
   machine: a decode step with g servers busy and the learner busy or not, a
@@ -130,13 +130,24 @@ class LearnerCost:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncCost:
-    """Weight hand-over after each learner step."""
+    """Weight hand-over after each learner step: ``weight_sync_s + per_server_s`` x
+    servers seconds on the learner (``colocated_s`` instead, when set, for a server
+    on the learner's own devices); generation pauses for it if ``stalls_generation``."""
 
     weight_sync_s: float = 0.0
+    per_server_s: float = 0.0
+    colocated_s: float | None = None
     stalls_generation: bool = True
 
     def __post_init__(self) -> None:
-        _check_nonneg("SyncCost", weight_sync_s=self.weight_sync_s)
+        _check_nonneg("SyncCost", weight_sync_s=self.weight_sync_s, per_server_s=self.per_server_s)
+        if self.colocated_s is not None:
+            _check_nonneg("SyncCost", colocated_s=self.colocated_s)
+
+    def seconds(self, servers: int, *, colocated: bool = False) -> float:
+        if colocated and self.colocated_s is not None:
+            return self.colocated_s
+        return self.weight_sync_s + self.per_server_s * servers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -182,7 +182,13 @@ def simulate(config: SimConfig, costs: CostModel, workload: Workload, *, max_eve
         clock=clock,
     )
     learner = SimLearner(
-        costs, devices=config.learner_devices, rows=B * G, clock=clock, replay_ratio=config.replay_ratio
+        costs,
+        devices=config.learner_devices,
+        rows=B * G,
+        clock=clock,
+        servers=config.servers,
+        colocated=config.placement == "colocated",
+        replay_ratio=config.replay_ratio,
     )
     colocated = config.placement == "colocated"
     records: list[StepRecord] = []

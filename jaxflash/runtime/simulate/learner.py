@@ -40,6 +40,8 @@ class SimLearner:
       devices: devices the learner trains on.
       rows: padded batch rows per step (B x G, the ``num_sequences``).
       clock: the driver's clock.
+      servers: generation servers the weights go to after each step.
+      colocated: they sit on the learner's devices (``SyncCost.colocated_s``).
       replay_ratio: replayed samples per fresh sample trained (>= 0).
 
     Raises:
@@ -47,11 +49,20 @@ class SimLearner:
     """
 
     def __init__(
-        self, costs: CostModel, *, devices: int, rows: int, clock: VirtualClock, replay_ratio: float = 0.0
+        self,
+        costs: CostModel,
+        *,
+        devices: int,
+        rows: int,
+        clock: VirtualClock,
+        servers: int = 1,
+        colocated: bool = False,
+        replay_ratio: float = 0.0,
     ) -> None:
         if devices < 1 or replay_ratio < 0:
             raise ValueError(f"SimLearner: devices >= 1 and replay_ratio >= 0, got {devices}, {replay_ratio}")
         self.costs, self.devices, self.rows, self.clock = costs, devices, rows, clock
+        self.sync_s = costs.sync.seconds(servers, colocated=colocated)
         self.replay_ratio = replay_ratio
         self._recent: collections.deque[int] = collections.deque(maxlen=4096)  # replay pool lengths
         self.step: StepRecord | None = None
@@ -101,7 +112,7 @@ class SimLearner:
         if self.phase == "train":
             self.step.train_end = now
             self.phase = "sync"
-            self._t_ref, self._w_ref, self._w_end = now, 0.0, self.costs.sync.weight_sync_s
+            self._t_ref, self._w_ref, self._w_end = now, 0.0, self.sync_s
             return "train"
         self.step.sync_end = now
         self.busy_intervals.append((self._began, now))
