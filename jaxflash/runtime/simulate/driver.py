@@ -213,19 +213,19 @@ def simulate(config: SimConfig, costs: CostModel, workload: Workload, *, max_eve
         if not inbox.empty():
             continue  # reports made while polling (e.g. instant rewards): poll again first
         _set_contention(costs, servers, learner)
-        due = [learner.due()] + [s.next_due() for s in servers] + [scorer.next_due()]
-        due = [t for t in due if t is not None]
+        server_due = [s.next_due() for s in servers]
+        due = [t for t in (learner.due(), scorer.next_due(), *server_due) if t is not None]
         if not due:
             raise RuntimeError(f"simulation stuck at version {version}, t={clock.now():.3f}: {sched.stats()}")
-        clock.advance_to(max(clock.now(), min(due)))
+        now = clock.advance_to(max(clock.now(), min(due)))
         events += 1
         if events > max_events:
             raise RuntimeError(f"simulation exceeded {max_events} events at version {version}")
         phase = learner.advance()
         if phase == "train":
             sched.mark_trained(training)
-            snapshots[version + 1] = (clock.now(), [s.stats() for s in servers])
-            sync_s = learner.due() - clock.now()
+            snapshots[version + 1] = (now, [s.stats() for s in servers])
+            sync_s = learner.due() - now
             if sync_s > 0 and (colocated or costs.sync.stalls_generation):
                 for s in servers:
                     s.suspend(sync_s)
@@ -233,8 +233,9 @@ def simulate(config: SimConfig, costs: CostModel, workload: Workload, *, max_eve
             version += 1
             sched.publish([None] * len(servers), version)
             changed = True
-        for s in servers:
-            s.deliver_due()
+        for s, t in zip(servers, server_due, strict=True):
+            if t is not None and t <= now:  # others: next round, after the scheduler saw this
+                s.deliver_due()
         scorer.deliver_due()
     return summarize(config, records, snapshots, learner, servers, sched, ledger)
 

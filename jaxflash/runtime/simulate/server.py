@@ -125,6 +125,7 @@ class SimServer:
         self._outstanding: set[RequestKey] = set()
         self._aborts: set[RequestKey] = set()
         self._prefilled: set[int] = set()  # prompts whose prefill is shared here
+        self._fresh_queued: collections.Counter = collections.Counter()  # prompt -> fresh queued
         self._updates: list[tuple[int, int]] = [(-1, self._version)]  # (step, version)
         self._steps = 0
         self._seg: tuple[float, int, float, float] | None = None  # w0, S0, pre_s, step_s
@@ -164,6 +165,7 @@ class SimServer:
             item.round_id = self.barrier.join(key)
         self._outstanding.add(key)
         self._queue[key] = item
+        self._fresh_queued[key[0]] += 1
         self.counts["submitted"] += 1
         self._poke()
 
@@ -171,7 +173,13 @@ class SimServer:
         keys = [k for k in self._outstanding if k[0] == int(prompt_id)]
         for key in keys:
             self._outstanding.discard(key)
-            item = self._queue.pop(key, None) or self._running.get(key)
+            item = self._queue.pop(key, None)
+            if item is not None and not (item.turn or item.done):
+                self._fresh_queued[key[0]] -= 1
+                if not self._fresh_queued[key[0]]:
+                    del self._fresh_queued[key[0]]
+                    self._prefilled.discard(key[0])
+            item = item or self._running.get(key)
             if key in self._running:
                 self._aborts.add(key)  # its slot frees at the next step boundary
             waiting = [e for e in self._env if e[2].key == key]
@@ -396,6 +404,7 @@ class SimServer:
             if self.partial_rollout == "restart":
                 self.counts["restarted"] += 1
                 item = _Item(item.request, item.turns, round_id=item.round_id)
+                self._fresh_queued[key[0]] += 1
             else:
                 self.counts["recomputed"] += 1
                 done = self._produced(item)
@@ -406,26 +415,35 @@ class SimServer:
             self._queue.move_to_end(key, last=False)
 
     def _fill(self, now: float) -> float:
-        """Fill free slots from the queue; returns the fill's seconds (work time)."""
+        """Fill free slots from the queue; returns the fill's seconds (work time).
+
+        Fresh samples of a prompt share one prefill while any of them waits here
+        (``SlotBatcher``'s prefix sharing); a recompute or a later turn prefills its
+        whole context alone.
+        """
         prompts: list[int] = []
-        samples = 0
-        for key in list(self._queue):
-            if len(self._running) >= self.K:
+        taken: list[RequestKey] = []
+        free = self.K - len(self._running)
+        for key, item in self._queue.items():
+            if len(taken) >= free:
                 break
-            item = self._queue[key]
-            if self.barrier is not None and not self.barrier.may_fill(item.round_id):
-                continue
-            del self._queue[key]
+            if self.barrier is None or self.barrier.may_fill(item.round_id):
+                taken.append(key)
+        for key in taken:
+            item = self._queue.pop(key)
             pid = key[0]
             context = self.workload.prompt_len(pid)
-            fresh = item.turn == 0 and item.done == 0
-            if not fresh:  # a recompute or a later turn prefills its whole context
+            if item.turn or item.done:  # a recompute or a later turn
                 context += sum(t.response_tokens + t.observation_tokens for t in item.turns[: item.turn])
-                context += item.done * self.block
-                prompts.append(context)
-            elif pid not in self._prefilled:
-                self._prefilled.add(pid)
-                prompts.append(context)
+                prompts.append(context + item.done * self.block)
+            else:
+                self._fresh_queued[pid] -= 1
+                if pid not in self._prefilled:
+                    self._prefilled.add(pid)
+                    prompts.append(context)
+                if not self._fresh_queued[pid]:  # no sibling waits for this prefill
+                    del self._fresh_queued[pid]
+                    self._prefilled.discard(pid)
             if item.start_version is None:
                 item.start_version = self._version
             left = -(-item.turns[item.turn].response_tokens // self.block) - item.done
@@ -436,10 +454,8 @@ class SimServer:
             finish = self._steps + max(1, left - item.first_at_fill)
             heapq.heappush(self._heap, (finish, self._seq, key))
             self._running[key] = item
-            samples += 1
-        if samples and self.barrier is not None:
+        if taken and self.barrier is not None:
             self.barrier.started()
         self.counts["prefills"] += len(prompts)
-        self.counts["fills"] += samples
-        return self.costs.prefill.fill_s(prompts, samples)
-
+        self.counts["fills"] += len(taken)
+        return self.costs.prefill.fill_s(prompts, len(taken))

@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import numpy as np
 
 
 class LengthModel(Protocol):
-    def draw(self, rng: np.random.Generator, scale: float) -> float:
+    def draw(self, rng: random.Random, scale: float) -> float:
         """One response length in tokens (before clipping) for a prompt of ``scale``."""
         ...
 
@@ -51,8 +51,11 @@ class Geometric:
         if not 0.0 < self.p <= 1.0:
             raise ValueError(f"Geometric.p must be in (0, 1], got {self.p}")
 
-    def draw(self, rng: np.random.Generator, scale: float) -> float:
-        return float(rng.geometric(min(1.0, self.p / scale)))
+    def draw(self, rng: random.Random, scale: float) -> float:
+        p = min(1.0, self.p / scale)
+        if p >= 1.0:
+            return 1.0
+        return float(math.floor(math.log1p(-rng.random()) / math.log1p(-p)) + 1)  # inverse CDF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +69,8 @@ class LogNormal:
         if not (self.median > 0 and self.sigma >= 0):
             raise ValueError(f"LogNormal needs median > 0 and sigma >= 0, got {self}")
 
-    def draw(self, rng: np.random.Generator, scale: float) -> float:
-        return float(math.exp(math.log(self.median * scale) + self.sigma * rng.standard_normal()))
+    def draw(self, rng: random.Random, scale: float) -> float:
+        return float(math.exp(math.log(self.median * scale) + self.sigma * rng.gauss(0.0, 1.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +83,9 @@ class Mixture:
         if not self.parts or any(w <= 0 for w, _ in self.parts):
             raise ValueError("Mixture needs at least one part, every weight > 0")
 
-    def draw(self, rng: np.random.Generator, scale: float) -> float:
-        w = np.array([w for w, _ in self.parts], float)
-        i = int(rng.choice(len(self.parts), p=w / w.sum()))
-        return self.parts[i][1].draw(rng, scale)
+    def draw(self, rng: random.Random, scale: float) -> float:
+        (part,) = rng.choices([m for _, m in self.parts], weights=[w for w, _ in self.parts])
+        return part.draw(rng, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +124,7 @@ class Replay:
         row = self.by_prompt[prompt_id % len(self.by_prompt)]
         return row[sample_index % len(row)]
 
-    def draw(self, rng: np.random.Generator, scale: float) -> float:
+    def draw(self, rng: random.Random, scale: float) -> float:
         raise TypeError("Replay lengths are looked up by (prompt, sample): see Workload")
 
 
@@ -136,7 +138,7 @@ class Turn:
     observation_tokens: int = 0
 
 
-EpisodeFn = Callable[["Workload", int, int, np.random.Generator], list[Turn]]
+EpisodeFn = Callable[["Workload", int, int, random.Random], list[Turn]]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,9 +183,10 @@ class Workload:
                 f"{self.prompt_sigma}, {self.pass_alpha}, {self.pass_beta}"
             )
 
-    def _rng(self, stream: int, *key: int) -> np.random.Generator:
-        # One independent stream per purpose: 1 a prompt's draws, 2 a sample's draws.
-        return np.random.default_rng([self.seed, stream, *key])
+    def _rng(self, stream: int, *key: int) -> random.Random:
+        # One stream per purpose (1 a prompt's draws, 2 a sample's), seeded through a
+        # string (hashed with SHA-512 by random.Random): the same on every run.
+        return random.Random(":".join(map(str, (self.seed, stream, *key))))
 
     def prompt_len(self, prompt_id: int) -> int:
         return self.prompt_tokens[prompt_id % len(self.prompt_tokens)]
@@ -193,7 +196,7 @@ class Workload:
         got = self._prompts.get(prompt_id)
         if got is None:
             rng = self._rng(1, prompt_id)
-            z, rate = rng.standard_normal(), rng.beta(self.pass_alpha, self.pass_beta)
+            z, rate = rng.gauss(0.0, 1.0), rng.betavariate(self.pass_alpha, self.pass_beta)
             got = self._prompts[prompt_id] = (math.exp(self.prompt_sigma * z), float(rate))
         return got
 
@@ -250,12 +253,12 @@ def multi_turn(
     if turns < 1 or env_latency_s < 0 or env_sigma < 0:
         raise ValueError(f"multi_turn needs turns >= 1 and latencies >= 0, got {turns}")
 
-    def episode(w: Workload, pid: int, idx: int, rng: np.random.Generator) -> list[Turn]:
+    def episode(w: Workload, pid: int, idx: int, rng: random.Random) -> list[Turn]:
         budget = max(1, w.max_tokens // turns)
         out = []
         for _ in range(turns):
             n = int(min(budget, max(1, math.ceil(w.lengths.draw(rng, w.prompt_scale(pid))))))
-            lat = env_latency_s * math.exp(env_sigma * rng.standard_normal()) if env_sigma else env_latency_s
+            lat = env_latency_s * math.exp(env_sigma * rng.gauss(0.0, 1.0)) if env_sigma else env_latency_s
             out.append(Turn(n, lat, observation_tokens))
         return out
 
