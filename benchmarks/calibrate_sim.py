@@ -15,8 +15,9 @@ generation engine is installed -- re-run it after the engine changes:
       t = base + a·n + c·K + p·prompts_prefilled + s·samples_inserted.
 * learner: ``learner_batch`` + the jitted ``train_step`` + fetching its metrics,
   as ``rlvr.run`` does, at the padded lengths the run meets (B·G rows x T),
-  interleaved; a line through the median of each length gives
-  t = step_s + per_token_s·rows·T (padding "bucket", on the learner's devices).
+  interleaved; the median at each length is a measured point the simulator
+  interpolates between (padding "bucket", on the learner's devices; the time is
+  not linear in T here), with a fitted line stored beside it.
 * weight sync: ``sync.Publisher.publish`` to the one colocated generation mesh
   (``colocated_s``) and to the two async ones (``per_server_s`` = half of it).
 * reward: the reward pool's seconds per item with the run's one worker.
@@ -45,7 +46,9 @@ import async_vs_sync as avs  # noqa: E402  (sets XLA_FLAGS for 8 fake devices)
 REPO_ROOT = avs.REPO_ROOT
 
 
-def _lstsq(rows: list[list[float]], y: list[float], *, robust: bool = False) -> tuple[list[float], float]:
+def _lstsq(
+    rows: list[list[float]], y: list[float], *, robust: bool = False
+) -> tuple[list[float], float]:
     """Least squares; ``robust`` drops points whose residual exceeds 3 MADs and refits
     (twice): on a shared machine a few steps are slowed by other jobs.
 
@@ -81,19 +84,32 @@ class Setup:
 
         self.sync_exp = ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, None))
         self.async_exp = ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, 1))
-        self.model_config, self.params, self.tokenizer = load_model(self.sync_exp.model, self.sync_exp.rollout)
+        self.model_config, self.params, self.tokenizer = load_model(
+            self.sync_exp.model, self.sync_exp.rollout
+        )
         rows, _ = make_datasets(self.sync_exp, self.tokenizer)
-        source = PromptSource(rows, self.tokenizer, max_prompt_tokens=self.sync_exp.data.max_prompt_tokens)
+        source = PromptSource(
+            rows, self.tokenizer, max_prompt_tokens=self.sync_exp.data.max_prompt_tokens
+        )
         self.prompts = [p for p in source.take(400) if isinstance(p, Prompt)]
         self.sync_place, self.async_place = carve(self.sync_exp.mesh), carve(self.async_exp.mesh)
-        self.sync_engine = make_engine(self.sync_exp, self.model_config, self.sync_place.generation[0], self.tokenizer)
+        self.sync_engine = make_engine(
+            self.sync_exp, self.model_config, self.sync_place.generation[0], self.tokenizer
+        )
         self.async_engines = [
-            make_engine(self.async_exp, self.model_config, m, self.tokenizer) for m in self.async_place.generation
+            make_engine(self.async_exp, self.model_config, m, self.tokenizer)
+            for m in self.async_place.generation
         ]
         mesh = self.sync_place.learner
-        self.state = create_train_state(self.model_config, self.sync_exp.learner, mesh, LEARNER_RULES, seed=args.seed)
-        self.train_step = make_train_step(self.model_config, self.sync_exp.learner, mesh, LEARNER_RULES)
-        self.step_sharding = state_shardings(self.model_config, self.sync_exp.learner, mesh, LEARNER_RULES).step
+        self.state = create_train_state(
+            self.model_config, self.sync_exp.learner, mesh, LEARNER_RULES, seed=args.seed
+        )
+        self.train_step = make_train_step(
+            self.model_config, self.sync_exp.learner, mesh, LEARNER_RULES
+        )
+        self.step_sharding = state_shardings(
+            self.model_config, self.sync_exp.learner, mesh, LEARNER_RULES
+        ).step
         self.jax = jax
         self.G, self.B = args.group, args.prompts
 
@@ -114,12 +130,18 @@ class Setup:
             for i in range(self.G):
                 out.append(
                     GenerationRequest(
-                        prompt_id=first + k, sample_index=i, prompt_tokens=p.prompt_tokens, sampling=sampling, seed=7
+                        prompt_id=first + k,
+                        sample_index=i,
+                        prompt_tokens=p.prompt_tokens,
+                        sampling=sampling,
+                        seed=7,
                     )
                 )
         return out
 
-    def decode_points(self, engine, slots: int, rounds: int, first: int) -> list[tuple[int, int, int, int, float]]:
+    def decode_points(
+        self, engine, slots: int, rounds: int, first: int
+    ) -> list[tuple[int, int, int, int, float]]:
         """(live slots, prompts prefilled, samples inserted, K, seconds) per timed step."""
         points = []
         for r in range(rounds):
@@ -129,12 +151,18 @@ class Setup:
             for req in self.requests(first + r * 100, n_prompts):
                 b.add(req)
             while not b.idle:
-                prefills, fills, live = b.stats.prefills, len(b.stats.slot_fills), b.stats.live_slot_steps
+                prefills, fills, live = (
+                    b.stats.prefills,
+                    len(b.stats.slot_fills),
+                    b.stats.live_slot_steps,
+                )
                 t0 = time.perf_counter()
                 b.step()
                 dt = time.perf_counter() - t0
                 live = b.stats.live_slot_steps - live  # slots live in this step's decode
-                points.append((live, b.stats.prefills - prefills, len(b.stats.slot_fills) - fills, slots, dt))
+                points.append(
+                    (live, b.stats.prefills - prefills, len(b.stats.slot_fills) - fills, slots, dt)
+                )
         return points
 
     # -- learner --------------------------------------------------------------------
@@ -221,7 +249,10 @@ def contention(setup: Setup, steps: int, seconds: float) -> dict:
     def run(n_gen: int, learner_steps: int) -> tuple[list[float], list[float], list[float]]:
         stop, busy = threading.Event(), threading.Event()
         logs: list[list] = [[] for _ in range(n_gen)]
-        threads = [threading.Thread(target=_stepper, args=(setup, engines[i], stop, logs[i], busy)) for i in range(n_gen)]
+        threads = [
+            threading.Thread(target=_stepper, args=(setup, engines[i], stop, logs[i], busy))
+            for i in range(n_gen)
+        ]
         for t in threads:
             t.start()
         time.sleep(1.0)  # the steppers settle
@@ -248,72 +279,124 @@ def contention(setup: Setup, steps: int, seconds: float) -> dict:
     learn0 = [setup.learner_step(length)[0] for _ in range(steps)]
     base = med(one)
     table = {
-        "gen": [[2, 0, max(1.0, med(two) / base)], [1, 1, max(1.0, med(one_l) / base)], [2, 1, max(1.0, med(two_l) / base)]],
-        "train": [[1, max(1.0, med(learn1) / med(learn0))], [2, max(1.0, med(learn2) / med(learn0))]],
+        "gen": [
+            [2, 0, max(1.0, med(two) / base)],
+            [1, 1, max(1.0, med(one_l) / base)],
+            [2, 1, max(1.0, med(two_l) / base)],
+        ],
+        "train": [
+            [1, max(1.0, med(learn1) / med(learn0))],
+            [2, max(1.0, med(learn2) / med(learn0))],
+        ],
     }
-    raw = {"decode_alone_s": base, "decode_two_s": med(two), "decode_one_with_learner_s": med(one_l),
-           "decode_two_with_learner_s": med(two_l), "learner_alone_s": med(learn0),
-           "learner_with_one_s": med(learn1), "learner_with_two_s": med(learn2)}
+    raw = {
+        "decode_alone_s": base,
+        "decode_two_s": med(two),
+        "decode_one_with_learner_s": med(one_l),
+        "decode_two_with_learner_s": med(two_l),
+        "learner_alone_s": med(learn0),
+        "learner_with_one_s": med(learn1),
+        "learner_with_two_s": med(learn2),
+    }
     return {"table": table, "raw": raw}
 
 
-def calibrate(args: argparse.Namespace, model_dir: str, setup: Setup | None = None) -> tuple[dict, Setup]:
-    """Measures everything; returns (cost model dict, the setup for reuse)."""
+def calibrate(
+    args: argparse.Namespace,
+    model_dir: str,
+    setup: Setup | None = None,
+    *,
+    contention_table: dict | None = None,
+    quick: bool = False,
+) -> tuple[dict, Setup]:
+    """Measures everything; returns (cost model dict, the setup for reuse).
+
+    Args:
+      contention_table: reuse these contention factors instead of measuring them.
+      quick: fewer decode rounds, the two padded lengths the run meets (96, 128).
+    """
     import numpy as np
 
     from jaxflash.runtime.model_setup import make_reward
     from jaxflash.runtime.reward_pool import RewardPool
 
     load0 = os.getloadavg()
+    fresh = setup is None
     setup = setup or Setup(args, model_dir)
     t_start = time.monotonic()
-    # Warm-up: compile every decode / prefill / train shape first.
-    setup.decode_points(setup.sync_engine[0], 16, 1, first=0)
-    setup.decode_points(setup.async_engines[0][0], 8, 1, first=0)
-    lengths = [64, 96, 128]
-    for T in lengths:
-        setup.learner_step(T)
-    setup.sync_seconds([setup.sync_engine])
-    setup.sync_seconds(setup.async_engines)
+    lengths = [96, 128] if quick else [64, 96, 128]
+    if fresh:  # compile every decode / prefill / train shape first
+        setup.decode_points(setup.sync_engine[0], 16, 1, first=0)
+        setup.decode_points(setup.async_engines[0][0], 8, 1, first=0)
+        for T in (64, 96, 128):
+            setup.learner_step(T)
+        setup.sync_seconds([setup.sync_engine])
+        setup.sync_seconds(setup.async_engines)
 
-    points = setup.decode_points(setup.sync_engine[0], 16, args.rounds, first=1000)
-    points += setup.decode_points(setup.async_engines[0][0], 8, args.rounds, first=2000)
+    rounds = max(2, args.rounds // 2) if quick else args.rounds
+    points = setup.decode_points(setup.sync_engine[0], 16, rounds, first=1000)
+    points += setup.decode_points(setup.async_engines[0][0], 8, rounds, first=2000)
     X = [[1.0, n, k, p, s] for n, p, s, k, _ in points]
-    (base, per_live, per_slot, per_prompt, per_sample), rms = _lstsq(X, [t for *_, t in points], robust=True)
+    (base, per_live, per_slot, per_prompt, per_sample), rms = _lstsq(
+        X, [t for *_, t in points], robust=True
+    )
 
-    # Learner: lengths interleaved, the median of each, a line through the medians.
+    # Learner: lengths interleaved; the median of each is a measured point.
     learner = [(T, *setup.learner_step(T)) for _ in range(args.learner_reps) for T in lengths]
     med = {T: float(np.median([dt for t, dt, _ in learner if t == T])) for T in lengths}
     toks = {T: tok for T, _, tok in learner}
     (step_s, per_token), _ = _lstsq([[1.0, toks[T]] for T in lengths], [med[T] for T in lengths])
-    sync1 = float(np.median([setup.sync_seconds([setup.sync_engine]) for _ in range(5)]))
-    sync2 = float(np.median([setup.sync_seconds(setup.async_engines) for _ in range(5)]))
+    reps = 3 if quick else 5
+    sync1 = float(np.median([setup.sync_seconds([setup.sync_engine]) for _ in range(reps)]))
+    sync2 = float(np.median([setup.sync_seconds(setup.async_engines) for _ in range(reps)]))
 
     with RewardPool(make_reward(setup.sync_exp.reward), num_workers=1, timeout_s=30.0) as pool:
         pool.submit(("x", "1", "warm")).result()
         t0 = time.perf_counter()
-        futures = [pool.submit((f"answer {i}", "1", f"prompt 0 sample {i}")) for i in range(args.reward_items)]
+        futures = [
+            pool.submit((f"answer {i}", "1", f"prompt 0 sample {i}"))
+            for i in range(args.reward_items)
+        ]
         for f in futures:
             f.result()
         reward_s = (time.perf_counter() - t0) / args.reward_items
 
-    cont = contention(setup, args.contention_steps, seconds=4.0)
+    cont = (
+        {"table": contention_table, "raw": "reused"}
+        if contention_table
+        else contention(setup, args.contention_steps, seconds=4.0)
+    )
     load1 = os.getloadavg()
-    commit = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    per_server = max(0.0, sync2 / 2)
+    commit = subprocess.run(
+        ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     costs = {
         "name": "tiny SmolLM2-architecture model (benchmarks/async_vs_sync.py), this CPU",
         "server_devices": 1,
-        "decode": {"base_s": max(base + 0.0, 1e-6), "per_active_slot_s": max(per_live, 0.0), "per_slot_s": max(per_slot, 0.0)},
-        "prefill": {"per_prompt_s": max(per_prompt, 0.0), "per_prompt_token_s": 0.0, "per_sample_s": max(per_sample, 0.0)},
+        "decode": {
+            "base_s": max(base, 1e-6),
+            "per_active_slot_s": max(per_live, 0.0),
+            "per_slot_s": max(per_slot, 0.0),
+        },
+        "prefill": {
+            "per_prompt_s": max(per_prompt, 0.0),
+            "per_prompt_token_s": 0.0,
+            "per_sample_s": max(per_sample, 0.0),
+        },
         "learner": {
             "step_s": max(step_s, 0.0),
             "per_token_s": max(per_token, 0.0),
             "padding": "bucket",
             "bucket": 32,
             "reference_devices": 6,
+            "points": [[toks[T], med[T]] for T in lengths],
         },
-        "sync": {"weight_sync_s": 0.0, "per_server_s": per_server, "colocated_s": sync1, "stalls_generation": False},
+        "sync": {
+            "weight_sync_s": 0.0,
+            "per_server_s": sync2 / 2,
+            "colocated_s": sync1,
+            "stalls_generation": False,
+        },
         "reward": {"latency_s": reward_s, "workers": 1},
         "contention": cont["table"],
         "meta": {
@@ -324,7 +407,6 @@ def calibrate(args: argparse.Namespace, model_dir: str, setup: Setup | None = No
             "seconds": time.monotonic() - t_start,
             "decode_points": len(points),
             "decode_fit_rms_s": rms,
-            "decode_step_s_mean": {str(k): float(np.mean([t for n, p, s, kk, t in points if kk == k and p == 0])) for k in (8, 16)},
             "learner_points": [[T, dt, tok] for T, dt, tok in learner],
             "learner_median_s": {str(T): med[T] for T in lengths},
             "sync_colocated_s": sync1,
@@ -358,7 +440,9 @@ def main() -> None:
 
     workdir = tempfile.mkdtemp(prefix="calibrate_sim_")
     model_dir = os.path.join(workdir, "model")
-    avs.build_length_model(model_dir, eos_prob=args.eos_prob, max_len=64 + args.max_new_tokens, seed=args.seed)
+    avs.build_length_model(
+        model_dir, eos_prob=args.eos_prob, max_len=64 + args.max_new_tokens, seed=args.seed
+    )
     print(f"load average before: {os.getloadavg()}", flush=True)
     costs, _ = calibrate(args, model_dir)
     CostModel.from_dict(costs).save(args.out)
@@ -367,12 +451,18 @@ def main() -> None:
 
 
 def json_summary(costs: dict) -> str:
-    d, p, lr, s, r = costs["decode"], costs["prefill"], costs["learner"], costs["sync"], costs["reward"]
+    d, p, lr, s, r = (
+        costs["decode"],
+        costs["prefill"],
+        costs["learner"],
+        costs["sync"],
+        costs["reward"],
+    )
     return (
         f"decode step = {d['base_s'] * 1e3:.2f} ms + {d['per_active_slot_s'] * 1e3:.3f} ms/live slot + "
         f"{d['per_slot_s'] * 1e3:.3f} ms/slot (rms {costs['meta']['decode_fit_rms_s'] * 1e3:.2f} ms); "
         f"fill = {p['per_prompt_s'] * 1e3:.2f} ms/prompt + {p['per_sample_s'] * 1e3:.2f} ms/sample\n"
-        f"learner step = {lr['step_s']:.3f} s + {lr['per_token_s'] * 1e6:.2f} us/token (rows x bucket, 6 devices); "
+        f"learner step (rows x bucket tokens: s) = {lr['points']}; "
         f"weight sync {s['per_server_s'] * 1e3:.1f} ms/server (colocated {s['colocated_s'] * 1e3:.1f} ms); "
         f"reward {r['latency_s'] * 1e3:.1f} ms/sample\n"
         f"contention: gen {costs['contention']['gen']} train {costs['contention']['train']}"

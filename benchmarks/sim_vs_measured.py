@@ -2,15 +2,17 @@
 
     python benchmarks/sim_vs_measured.py                  # sync, α = 1, 2; ~15 min on 2 cores
 
-Order: calibrate (``calibrate_sim.calibrate``: our engine and learner, this
-machine, now) -> the measured runs of ``benchmarks/async_vs_sync.py`` (sync, then
-each α, through ``rlvr.run``) -> calibrate again. Each mode is then simulated
-with both calibrations (``jaxflash.runtime.simulate``: the real scheduler, the
+Order, alternating: calibrate (``calibrate_sim.calibrate``: our engine and
+learner, this machine, now; contention factors measured once here) -> measured
+sync run (``benchmarks/async_vs_sync.py``'s workload through ``rlvr.run``) ->
+calibrate -> measured α = 1 -> calibrate -> ... Each mode is then simulated with
+the calibrations just before and just after it (``jaxflash.runtime.simulate``: the real scheduler, the
 same B, G, K, servers, learner devices, steps and warm-up, geometric lengths with
 the same p and cap, the dataset's prompt lengths by prompt id) and the trained
 samples/s printed next to the measured ones, with the relative difference and
 the load average around each piece (the machine is shared: loads move the
-absolute numbers; the two calibrations bracket the measured runs).
+absolute numbers within minutes, so each run is bracketed by its own two
+calibrations).
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ def sim_config(args: argparse.Namespace, alpha: int | None):
     )
     if alpha is None:
         return SimConfig(placement="colocated", servers=1, slots_per_server=args.slots, **common)
-    return SimConfig(placement="disjoint", async_ratio=alpha, servers=2, slots_per_server=args.slots // 2, **common)
+    return SimConfig(
+        placement="disjoint",
+        async_ratio=alpha,
+        servers=2,
+        slots_per_server=args.slots // 2,
+        **common,
+    )
 
 
 def workload(args: argparse.Namespace, costs: dict):
@@ -87,21 +95,24 @@ def main() -> None:
     from jaxflash.runtime.simulate import CostModel, simulate
 
     model_dir = os.path.join(workdir, "model")
-    avs.build_length_model(model_dir, eos_prob=args.eos_prob, max_len=64 + args.max_new_tokens, seed=args.seed)
-    avs.precompile_train_buckets(ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, None)))
+    avs.build_length_model(
+        model_dir, eos_prob=args.eos_prob, max_len=64 + args.max_new_tokens, seed=args.seed
+    )
+    avs.precompile_train_buckets(
+        ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, None))
+    )
     log = []
 
     def note(what: str) -> None:
         log.append((what, os.getloadavg()[0]))
         print(f"[{time.strftime('%H:%M:%S')}] {what}; load {os.getloadavg()[0]:.1f}", flush=True)
 
-    note("calibration A")
-    cal_a, setup = calibrate_sim.calibrate(args, model_dir)
-    print(calibrate_sim.json_summary(cal_a), flush=True)
+    note("calibration 0 (full, with contention)")
+    cal, setup = calibrate_sim.calibrate(args, model_dir)
+    print(calibrate_sim.json_summary(cal), flush=True)
     if args.costs_out:
-        CostModel.from_dict(cal_a).save(args.costs_out)
-    del setup  # free its engines and learner state before the measured runs
-    measured = {}
+        CostModel.from_dict(cal).save(args.costs_out)
+    cals, measured = [cal], {}
     for name, alpha in [("sync", None)] + [(f"a={a}", a) for a in alphas]:
         note(f"measured {name}")
         exp = ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, alpha))
@@ -111,21 +122,30 @@ def main() -> None:
         res = avs.summarize(run_dir, warmup=args.warmup)
         res.update(alpha=alpha, load=(load0, os.getloadavg()[0]))
         measured[name] = res
-    note("calibration B")
-    cal_b, _ = calibrate_sim.calibrate(args, model_dir)
-    print(calibrate_sim.json_summary(cal_b), flush=True)
+        note(f"calibration after {name} (quick; contention reused)")
+        cal, _ = calibrate_sim.calibrate(
+            args, model_dir, setup, contention_table=cals[0]["contention"], quick=True
+        )
+        print(calibrate_sim.json_summary(cal), flush=True)
+        cals.append(cal)
     note("done")
 
     rows = []
-    for name, res in measured.items():
+    for i, (name, res) in enumerate(measured.items()):
         sims = []
-        for cal in (cal_a, cal_b):
-            costs = CostModel.from_dict(cal)
-            sims.append(simulate(sim_config(args, res["alpha"]), costs, workload(args, cal)))
+        for cal in (cals[i], cals[i + 1]):  # the calibrations just before and after it
+            sims.append(
+                simulate(
+                    sim_config(args, res["alpha"]), CostModel.from_dict(cal), workload(args, cal)
+                )
+            )
         mean = sum(s.samples_per_s for s in sims) / 2
         rows.append((name, res, sims, mean))
-    print(f"\nload average now: {os.getloadavg()}; pieces: " + ", ".join(f"{w} @ {ld:.1f}" for w, ld in log))
-    head = f"{'mode':<8}{'measured/s':>11}{'sim A/s':>9}{'sim B/s':>9}{'sim mean':>9}{'diff':>8}  {'meas x sync':>11}{'sim x sync':>11}  {'meas stale':>10}{'sim stale':>10}{'load':>11}"
+    print(
+        f"\nload average now: {os.getloadavg()}; pieces: "
+        + ", ".join(f"{w} @ {ld:.1f}" for w, ld in log)
+    )
+    head = f"{'mode':<8}{'measured/s':>11}{'sim bef':>9}{'sim aft':>9}{'sim mean':>9}{'diff':>8}  {'meas x sync':>11}{'sim x sync':>11}  {'meas stale':>10}{'sim stale':>10}{'load':>11}"
     print(head + "\n" + "-" * len(head))
     base_m, base_s = rows[0][1]["samples_per_s"], rows[0][3]
     out = {}
@@ -137,14 +157,23 @@ def main() -> None:
             f"{res['staleness_mean']:>10.2f}{(sims[0].staleness_mean + sims[1].staleness_mean) / 2:>10.2f}"
             f"{res['load'][0]:>6.1f}->{res['load'][1]:<4.1f}"
         )
-        out[name] = {"measured": res["samples_per_s"], "sim_a": sims[0].samples_per_s, "sim_b": sims[1].samples_per_s, "diff": diff}
+        out[name] = {
+            "measured": res["samples_per_s"],
+            "sim_a": sims[0].samples_per_s,
+            "sim_b": sims[1].samples_per_s,
+            "diff": diff,
+        }
     print(
-        "measured = trained samples/s of the real run (async_vs_sync.summarize); sim A / B = the "
-        "simulator with the calibration before / after the measured runs; diff = (sim mean - "
-        "measured) / measured."
+        "measured = trained samples/s of the real run (async_vs_sync.summarize); sim bef / aft = "
+        "the simulator with the calibration taken just before / just after that run; diff = "
+        "(sim mean - measured) / measured."
     )
     with open(os.path.join(workdir, "sim_vs_measured.json"), "w", encoding="utf-8") as f:
-        json.dump({"args": vars(args), "results": out, "cal_a": cal_a, "cal_b": cal_b, "measured": measured}, f, indent=1)
+        json.dump(
+            {"args": vars(args), "results": out, "calibrations": cals, "measured": measured},
+            f,
+            indent=1,
+        )
     print(f"summary: {os.path.join(workdir, 'sim_vs_measured.json')}")
 
 

@@ -104,7 +104,13 @@ def _steady(alpha: int, kw: dict) -> dict:
     return dict(kw, warmup_steps=alpha + 1, steps=alpha + 1 + measured)
 
 
-SCALES = [Scale(2, 4, 1, 8), Scale(2, 16, 2, 16), Scale(4, 32, 8, 16), Scale(16, 32, 32, 16), Scale(32, 32, 64, 16)]
+SCALES = [
+    Scale(2, 4, 1, 8),
+    Scale(2, 16, 2, 16),
+    Scale(4, 32, 8, 16),
+    Scale(16, 32, 32, 16),
+    Scale(32, 32, 64, 16),
+]
 
 
 def reasoning_workload(seed: int = 0) -> Workload:
@@ -199,7 +205,8 @@ def part2(costs: CostModel, common: dict) -> None:
         print(row(f"a={a}", cfg, res, sync))
     top = max(ratios.values())
     print(
-        f"(a) async / sync: " + ", ".join(f"α={a} {r:.2f}x" for a, r in ratios.items())
+        f"(a) async / sync: "
+        + ", ".join(f"α={a} {r:.2f}x" for a, r in ratios.items())
         + f"; best {top:.2f}x vs reported {REPORTED_ASYNC:.2f}x ({(top / REPORTED_ASYNC - 1):+.0%})"
     )
     on = sync

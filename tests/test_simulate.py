@@ -37,7 +37,9 @@ from jaxflash.runtime.simulate import (
 from jaxflash.types import GenerationRequest, SamplingParams
 
 
-def _costs(*, step=1.0, per_prompt=0.0, per_sample=0.0, learner_step=0.0, per_token=0.0, sync=0.0, **kw):
+def _costs(
+    *, step=1.0, per_prompt=0.0, per_sample=0.0, learner_step=0.0, per_token=0.0, sync=0.0, **kw
+):
     return CostModel(
         name="test",
         decode=DecodeCost(base_s=step),
@@ -85,7 +87,15 @@ def _server(workload, clock, got, *, slots=2, costs=None, **kw):
     def on_finished(sample):
         got.append((clock.now(), sample))
 
-    return SimServer("s", slots=slots, costs=costs or _costs(), workload=workload, on_finished=on_finished, clock=clock, **kw)
+    return SimServer(
+        "s",
+        slots=slots,
+        costs=costs or _costs(),
+        workload=workload,
+        on_finished=on_finished,
+        clock=clock,
+        **kw,
+    )
 
 
 # -- one server, by hand ----------------------------------------------------------------
@@ -139,7 +149,7 @@ def test_weight_update_mid_step_applies_at_the_next_boundary(policy):
     clock.advance_to(1.5)
     server.update_weights(None, 1)
     run.until(20)
-    (t, sample), = got
+    ((t, sample),) = got
     expected = {
         "continue": (4.0, [0, 0, 0, 1, 1], 0),
         "restart": (6.0, [1, 1, 1, 1, 1], 1),
@@ -170,12 +180,14 @@ def test_env_latency_frees_the_slot_between_turns():
         lengths=Geometric(1.0),  # every turn stops at once; budget split 4 // 2
         max_tokens=4,
         prompt_tokens=(5,),
-        episode=lambda w, pid, idx, rng: [
-            __import__("jaxflash.runtime.simulate", fromlist=["Turn"]).Turn(2, 5.0, 3),
-            __import__("jaxflash.runtime.simulate", fromlist=["Turn"]).Turn(2),
-        ]
-        if pid == 0
-        else [__import__("jaxflash.runtime.simulate", fromlist=["Turn"]).Turn(3)],
+        episode=lambda w, pid, idx, rng: (
+            [
+                __import__("jaxflash.runtime.simulate", fromlist=["Turn"]).Turn(2, 5.0, 3),
+                __import__("jaxflash.runtime.simulate", fromlist=["Turn"]).Turn(2),
+            ]
+            if pid == 0
+            else [__import__("jaxflash.runtime.simulate", fromlist=["Turn"]).Turn(3)]
+        ),
     )
     server = _server(work, clock, got, slots=1, costs=_costs(per_prompt=0.5))
     server.submit(_request(0, 0))
@@ -188,7 +200,9 @@ def test_env_latency_frees_the_slot_between_turns():
 
 
 def test_multi_turn_builds_turns_from_the_length_model():
-    w = Workload(lengths=LogNormal(100, 0.5), max_tokens=400, episode=multi_turn(turns=3, env_latency_s=2.0))
+    w = Workload(
+        lengths=LogNormal(100, 0.5), max_tokens=400, episode=multi_turn(turns=3, env_latency_s=2.0)
+    )
     turns = w.turns(3, 1)
     assert len(turns) == 3 and all(1 <= t.response_tokens <= 133 for t in turns)
     assert all(t.env_latency_s == 2.0 for t in turns) and w.turns(3, 1) == turns
@@ -223,7 +237,12 @@ def test_barrier_holds_a_round_until_its_last_sample():
 
 def _long_tail(seed=0, **kw):
     return Workload(
-        lengths=LogNormal(median=40, sigma=0.9), max_tokens=256, prompt_tokens=(30, 50), prompt_sigma=0.4, seed=seed, **kw
+        lengths=LogNormal(median=40, sigma=0.9),
+        max_tokens=256,
+        prompt_tokens=(30, 50),
+        prompt_sigma=0.4,
+        seed=seed,
+        **kw,
     )
 
 
@@ -270,7 +289,15 @@ def test_sync_step_is_generation_plus_learner_plus_sync():
         learner=LearnerCost(step_s=0.2, per_token_s=0.001, padding="packed"),
         sync=SyncCost(weight_sync_s=0.3),
     )
-    cfg = SimConfig(placement="colocated", servers=1, slots_per_server=4, batch_prompts=2, group_size=2, steps=4, warmup_steps=1)
+    cfg = SimConfig(
+        placement="colocated",
+        servers=1,
+        slots_per_server=4,
+        batch_prompts=2,
+        group_size=2,
+        steps=4,
+        warmup_steps=1,
+    )
     res = simulate(cfg, costs, _replay([[10, 10]] * 100))
     step = 0.14 + 0.9 + 0.26 + 0.3
     starts = [t for t, _, _, _ in res.trace]
@@ -284,8 +311,12 @@ CONFIGS = [
     dict(placement="colocated", servers=1, slots_per_server=8),
     dict(placement="colocated", servers=2, slots_per_server=4, queue_scheduling=False),
     dict(placement="disjoint", async_ratio=1, servers=2, slots_per_server=4),
-    dict(placement="disjoint", async_ratio=4, servers=3, slots_per_server=2, prompt_replication=False),
-    dict(placement="disjoint", async_ratio=2, servers=2, slots_per_server=8, queue_scheduling=False),
+    dict(
+        placement="disjoint", async_ratio=4, servers=3, slots_per_server=2, prompt_replication=False
+    ),
+    dict(
+        placement="disjoint", async_ratio=2, servers=2, slots_per_server=8, queue_scheduling=False
+    ),
 ]
 
 
@@ -307,7 +338,9 @@ def test_simulated_time_is_never_below_the_lower_bound(kw):
     d = costs.decode
     K = cfg.slots_per_server
     per_token = (d.base_s + (d.per_active_slot_s + d.per_slot_s) * K) / K
-    tokens = sum(work.response_len(p, i) - 1 for _, _, _, pids in res.trace for p in pids for i in range(4))
+    tokens = sum(
+        work.response_len(p, i) - 1 for _, _, _, pids in res.trace for p in pids for i in range(4)
+    )
     gen = tokens * per_token / cfg.servers
     bound = gen + train + sync if cfg.placement == "colocated" else max(gen, train + sync)
     assert end >= bound * (1 - 1e-9)
@@ -320,7 +353,15 @@ def test_roll_flash_bound_holds_for_one_server_in_sync():
     part of a step (wall per sample minus learner and sync per sample) is at most
     μ_gen/K + L_gen/N per sample. Checked per step, where it is exact."""
     costs = _costs(step=0.05, learner_step=0.1, per_token=1e-4, sync=0.05)
-    cfg = SimConfig(placement="colocated", servers=1, slots_per_server=4, batch_prompts=3, group_size=4, steps=6, warmup_steps=0)
+    cfg = SimConfig(
+        placement="colocated",
+        servers=1,
+        slots_per_server=4,
+        batch_prompts=3,
+        group_size=4,
+        steps=6,
+        warmup_steps=0,
+    )
     work = _long_tail()
     res = simulate(cfg, costs, work)
     for (t0, _, _, pids), (_, _, prev_sync, _) in zip(res.trace[1:], res.trace[:-1], strict=True):
@@ -328,13 +369,24 @@ def test_roll_flash_bound_holds_for_one_server_in_sync():
         makespan = t0 - prev_sync
         assert makespan <= sum(p) / 4 + max(p) + 1e-9
         assert makespan >= max(p) - 1e-9
-    assert roll_flash_bound(2.0, 8.0, slots=4, samples=12, async_ratio=1) == pytest.approx(0.5 + 8 / 24)
+    assert roll_flash_bound(2.0, 8.0, slots=4, samples=12, async_ratio=1) == pytest.approx(
+        0.5 + 8 / 24
+    )
 
 
 def test_prompt_replication_off_keeps_a_group_on_one_server():
     costs = _cpu_like_costs()
     for replicate in (True, False):
-        cfg = SimConfig(placement="disjoint", async_ratio=1, servers=4, slots_per_server=4, batch_prompts=4, group_size=4, steps=3, prompt_replication=replicate)
+        cfg = SimConfig(
+            placement="disjoint",
+            async_ratio=1,
+            servers=4,
+            slots_per_server=4,
+            batch_prompts=4,
+            group_size=4,
+            steps=3,
+            prompt_replication=replicate,
+        )
         res = simulate(cfg, costs, _long_tail())
         assert res.trained_samples == 2 * 16
     # Directly: the servers' submissions per prompt.
@@ -349,7 +401,15 @@ def test_prompt_replication_off_keeps_a_group_on_one_server():
 
     SimServer.submit = spy
     try:
-        cfg = SimConfig(placement="colocated", servers=4, slots_per_server=4, batch_prompts=4, group_size=4, steps=2, prompt_replication=False)
+        cfg = SimConfig(
+            placement="colocated",
+            servers=4,
+            slots_per_server=4,
+            batch_prompts=4,
+            group_size=4,
+            steps=2,
+            prompt_replication=False,
+        )
         driver.simulate(cfg, costs, _long_tail())
         assert seen and all(len(s) == 1 for s in seen.values())
         seen.clear()
@@ -361,7 +421,14 @@ def test_prompt_replication_off_keeps_a_group_on_one_server():
 
 def test_replay_ratio_adds_learner_time_not_generation():
     costs = _cpu_like_costs()
-    base = SimConfig(placement="colocated", servers=1, slots_per_server=16, batch_prompts=4, group_size=4, steps=4)
+    base = SimConfig(
+        placement="colocated",
+        servers=1,
+        slots_per_server=16,
+        batch_prompts=4,
+        group_size=4,
+        steps=4,
+    )
     plain = simulate(base, costs, _long_tail())
     replay = simulate(dataclasses.replace(base, replay_ratio=1.0), costs, _long_tail())
     assert replay.replayed_samples == plain.trained_samples
@@ -373,11 +440,15 @@ def test_replay_ratio_adds_learner_time_not_generation():
 
 
 def test_cost_model_json_round_trip_and_errors(tmp_path):
-    costs = _cpu_like_costs(contention=Contention(gen=((2, 1, 1.8),), train=((1, 1.4),)), meta={"load": 4.2})
+    costs = _cpu_like_costs(
+        contention=Contention(gen=((2, 1, 1.8),), train=((1, 1.4),)), meta={"load": 4.2}
+    )
     path = tmp_path / "c.json"
     costs.save(str(path))
     assert CostModel.load(str(path)) == costs
-    assert costs.contention.gen_factor(3, True) == 1.8 and costs.contention.gen_factor(1, True) == 1.0
+    assert (
+        costs.contention.gen_factor(3, True) == 1.8 and costs.contention.gen_factor(1, True) == 1.0
+    )
     d = json.loads(path.read_text())
     d["decode"]["per_token_s"] = 1.0
     with pytest.raises(ValueError, match=r"unknown keys \['per_token_s'\] in decode"):
@@ -386,7 +457,10 @@ def test_cost_model_json_round_trip_and_errors(tmp_path):
         CostModel.from_dict({"name": "x"})
     with pytest.raises(ValueError, match="padding"):
         LearnerCost(step_s=0, per_token_s=0, padding="ragged")
-    assert LearnerCost(step_s=1.0, per_token_s=0.5, padding="bucket").tokens([30, 40], rows=4) == 4 * 64
+    assert (
+        LearnerCost(step_s=1.0, per_token_s=0.5, padding="bucket").tokens([30, 40], rows=4)
+        == 4 * 64
+    )
 
 
 def test_replay_lengths_from_rollouts(tmp_path):
@@ -417,7 +491,9 @@ def test_config_refuses_async_colocated_and_bad_counts():
 
 def test_outstanding_table_time_index_survives_pop_and_re_add():
     t = OutstandingTable()
-    req = GenerationRequest(prompt_id=1, sample_index=0, prompt_tokens=np.zeros(2, np.int32), sampling=SamplingParams())
+    req = GenerationRequest(
+        prompt_id=1, sample_index=0, prompt_tokens=np.zeros(2, np.int32), sampling=SamplingParams()
+    )
     t.add(Outstanding(request=req, server=0, dispatched_at=0.0, version=0))
     t.pop((1, 0))
     t.add(Outstanding(request=req, server=1, dispatched_at=5.0, version=0))
@@ -426,3 +502,21 @@ def test_outstanding_table_time_index_survives_pop_and_re_add():
     t.pop((1, 0))
     assert t.late(now=99.0, deadline_s=1.0) == [] and t.next_deadline(1.0) is None and not t.load()
     assert math.isinf(t.start_estimate(1, lambda i: False))
+
+
+def test_learner_cost_points_interpolate_and_scale_with_devices():
+    cost = LearnerCost(
+        step_s=0,
+        per_token_s=0,
+        padding="bucket",
+        points=((1024, 4.0), (1536, 7.0), (2048, 7.5)),
+        reference_devices=6,
+    )
+    assert cost.step_time_s([60] * 16, rows=16, devices=6) == pytest.approx(4.0)  # 16 x 64
+    assert cost.step_time_s([90] * 16, rows=16, devices=6) == pytest.approx(7.0)  # 16 x 96
+    assert cost.step_time_s([112] * 16, rows=16, devices=6) == pytest.approx(7.5)
+    assert cost.step_time_s([140] * 16, rows=16, devices=3) == pytest.approx(
+        2 * 8.0
+    )  # extrapolated
+    with pytest.raises(ValueError, match="increasing"):
+        LearnerCost(step_s=0, per_token_s=0, points=((2, 1.0), (1, 2.0)))

@@ -52,7 +52,9 @@ class RoundBarrier:
         if self._members.get(self.round):
             self._started = True
 
-    def finished(self, key: RequestKey, round_id: int, deliver: Callable[[Any], None], sample: Any) -> None:
+    def finished(
+        self, key: RequestKey, round_id: int, deliver: Callable[[Any], None], sample: Any
+    ) -> None:
         """A member finished: hold its sample; end the round if it was the last."""
         self._held.append((deliver, sample))
         self._leave(key, round_id)

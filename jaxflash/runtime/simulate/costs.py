@@ -14,8 +14,9 @@ is deliberately linear, so each coefficient is a thing one can measure:
 * filling slots before a step: ``per_prompt_s + per_prompt_token_s·P`` per prompt
   prefilled on that server (one prefill shared by all its samples queued there,
   prefix sharing) plus ``per_sample_s`` per sample inserted.
-* learner step: ``step_s + per_token_s·tokens·reference_devices/devices`` (linear
-  data-parallel scaling is an assumption, stated in ``describe``); tokens are
+* learner step: ``step_s + per_token_s·tokens·reference_devices/devices``, or
+  interpolated between measured (tokens, seconds) ``points`` (linear data-parallel
+  scaling over devices is an assumption); tokens are
   padded rows x the batch's length bucket (``padding="bucket"``, what
   ``learner.batching.pack_batch`` builds) or the real prompt+response tokens
   (``"packed"``).
@@ -92,6 +93,9 @@ class LearnerCost:
       padding: "bucket" (rows x bucketed max length) or "packed" (real tokens).
       bucket: length multiple of the "bucket" padding (``pack_batch``'s 32).
       reference_devices: devices ``per_token_s`` was measured or assumed on.
+      points: measured ((tokens, seconds), ...) on ``reference_devices``; when given,
+        a step's time is interpolated between them (linearly; beyond them along the
+        nearest two) instead of ``step_s + per_token_s·tokens``.
     """
 
     step_s: float
@@ -99,11 +103,20 @@ class LearnerCost:
     padding: str = "packed"
     bucket: int = 32
     reference_devices: int = 1
+    points: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_nonneg("LearnerCost", step_s=self.step_s, per_token_s=self.per_token_s)
         if self.padding not in PADDING_MODES:
-            raise ValueError(f"LearnerCost.padding must be one of {PADDING_MODES}, got {self.padding!r}")
+            raise ValueError(
+                f"LearnerCost.padding must be one of {PADDING_MODES}, got {self.padding!r}"
+            )
+        if self.points and (
+            len(self.points) < 2 or any(b[0] <= a[0] for a, b in zip(self.points, self.points[1:]))
+        ):
+            raise ValueError(
+                f"LearnerCost.points need >= 2 (tokens, s) with tokens increasing, got {self.points}"
+            )
         if self.bucket < 1 or self.reference_devices < 1:
             raise ValueError(
                 f"LearnerCost: bucket and reference_devices must be >= 1, got "
@@ -125,7 +138,13 @@ class LearnerCost:
         if devices < 1:
             raise ValueError(f"LearnerCost.step_time_s: devices must be >= 1, got {devices}")
         scale = self.reference_devices / devices
-        return self.step_s + self.per_token_s * self.tokens(lengths, rows) * scale
+        tokens = self.tokens(lengths, rows)
+        if not self.points:
+            return self.step_s + self.per_token_s * tokens * scale
+        pts = self.points
+        i = next((k for k in range(1, len(pts) - 1) if tokens <= pts[k][0]), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return (y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)) * scale
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -273,4 +292,6 @@ def _part(kind: type, key: str, values: dict[str, Any]) -> Any:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"cost model: unknown keys {unknown} in {key} (known: {sorted(names)})")
+    if "points" in values:  # JSON lists -> tuples (the dataclass is frozen and hashable)
+        values = dict(values, points=tuple((int(t), float(s)) for t, s in values["points"]))
     return kind(**values)

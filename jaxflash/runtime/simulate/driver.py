@@ -87,7 +87,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"SimConfig.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+            raise ValueError(
+                f"SimConfig.placement must be one of {PLACEMENTS}, got {self.placement!r}"
+            )
         if self.placement == "colocated" and self.async_ratio != 0:
             raise ValueError(
                 f"SimConfig: async_ratio={self.async_ratio} needs placement='disjoint' "
@@ -95,7 +97,15 @@ class SimConfig:
             )
         small = {
             k: getattr(self, k)
-            for k in ("servers", "slots_per_server", "learner_devices", "batch_prompts", "group_size", "steps", "token_block")
+            for k in (
+                "servers",
+                "slots_per_server",
+                "learner_devices",
+                "batch_prompts",
+                "group_size",
+                "steps",
+                "token_block",
+            )
             if getattr(self, k) < 1
         }
         if small or self.async_ratio < 0 or not 0 <= self.warmup_steps < self.steps:
@@ -135,7 +145,9 @@ class SimTokenizer:
         return ""
 
 
-def simulate(config: SimConfig, costs: CostModel, workload: Workload, *, max_events: int = 50_000_000) -> SimResult:
+def simulate(
+    config: SimConfig, costs: CostModel, workload: Workload, *, max_events: int = 50_000_000
+) -> SimResult:
     """Runs ``config`` under ``costs`` and ``workload``; returns its measurements.
 
     Raises:
@@ -216,7 +228,9 @@ def simulate(config: SimConfig, costs: CostModel, workload: Workload, *, max_eve
         server_due = [s.next_due() for s in servers]
         due = [t for t in (learner.due(), scorer.next_due(), *server_due) if t is not None]
         if not due:
-            raise RuntimeError(f"simulation stuck at version {version}, t={clock.now():.3f}: {sched.stats()}")
+            raise RuntimeError(
+                f"simulation stuck at version {version}, t={clock.now():.3f}: {sched.stats()}"
+            )
         now = clock.advance_to(max(clock.now(), min(due)))
         events += 1
         if events > max_events:

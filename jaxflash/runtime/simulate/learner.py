@@ -60,7 +60,9 @@ class SimLearner:
         replay_ratio: float = 0.0,
     ) -> None:
         if devices < 1 or replay_ratio < 0:
-            raise ValueError(f"SimLearner: devices >= 1 and replay_ratio >= 0, got {devices}, {replay_ratio}")
+            raise ValueError(
+                f"SimLearner: devices >= 1 and replay_ratio >= 0, got {devices}, {replay_ratio}"
+            )
         self.costs, self.devices, self.rows, self.clock = costs, devices, rows, clock
         self.sync_s = costs.sync.seconds(servers, colocated=colocated)
         self.replay_ratio = replay_ratio

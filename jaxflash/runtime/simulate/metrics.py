@@ -65,14 +65,18 @@ class SimResult:
         return self.window_s / max(self.trained_samples, 1)
 
 
-def roll_flash_bound(mu_gen_s: float, l_gen_s: float, *, slots: int, samples: int, async_ratio: int) -> float:
+def roll_flash_bound(
+    mu_gen_s: float, l_gen_s: float, *, slots: int, samples: int, async_ratio: int
+) -> float:
     """μ_gen/K + L_gen/Q with Q = (α+1)·N: seconds per sample (arXiv 2510.11345).
 
     Raises:
       ValueError: slots or samples < 1, or α < 0.
     """
     if slots < 1 or samples < 1 or async_ratio < 0:
-        raise ValueError(f"roll_flash_bound: slots, samples >= 1 and α >= 0, got {slots}, {samples}, {async_ratio}")
+        raise ValueError(
+            f"roll_flash_bound: slots, samples >= 1 and α >= 0, got {slots}, {samples}, {async_ratio}"
+        )
     return mu_gen_s / slots + l_gen_s / ((async_ratio + 1) * samples)
 
 
@@ -80,7 +84,15 @@ def _overlap(intervals: list[tuple[float, float]], lo: float, hi: float) -> floa
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
 
 
-def summarize(config: Any, records: list, snapshots: dict, learner: Any, servers: list, sched: Any, ledger: Any) -> SimResult:
+def summarize(
+    config: Any,
+    records: list,
+    snapshots: dict,
+    learner: Any,
+    servers: list,
+    sched: Any,
+    ledger: Any,
+) -> SimResult:
     """Builds the SimResult of a finished ``driver.simulate`` run."""
     w = config.warmup_steps
     measured = records[w:]
@@ -114,7 +126,9 @@ def summarize(config: Any, records: list, snapshots: dict, learner: Any, servers
         len_max=int(lens.max()) if lens.size else 0,
         mu_gen_s=mu,
         l_gen_s=longest,
-        bound_s_per_sample=roll_flash_bound(mu, longest, slots=config.slots, samples=N, async_ratio=config.async_ratio),
+        bound_s_per_sample=roll_flash_bound(
+            mu, longest, slots=config.slots, samples=N, async_ratio=config.async_ratio
+        ),
         replayed_samples=sum(r.replayed for r in measured),
         outcomes={k: dict(v) for k, v in ledger.outcomes.items()},
         counters={k: int(v) for k, v in sorted(sched.counters.items())},

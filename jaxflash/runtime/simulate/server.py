@@ -434,7 +434,9 @@ class SimServer:
             pid = key[0]
             context = self.workload.prompt_len(pid)
             if item.turn or item.done:  # a recompute or a later turn
-                context += sum(t.response_tokens + t.observation_tokens for t in item.turns[: item.turn])
+                context += sum(
+                    t.response_tokens + t.observation_tokens for t in item.turns[: item.turn]
+                )
                 prompts.append(context + item.done * self.block)
             else:
                 self._fresh_queued[pid] -= 1

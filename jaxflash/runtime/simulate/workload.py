@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 
-
 class LengthModel(Protocol):
     def draw(self, rng: random.Random, scale: float) -> float:
         """One response length in tokens (before clipping) for a prompt of ``scale``."""
@@ -258,7 +257,11 @@ def multi_turn(
         out = []
         for _ in range(turns):
             n = int(min(budget, max(1, math.ceil(w.lengths.draw(rng, w.prompt_scale(pid))))))
-            lat = env_latency_s * math.exp(env_sigma * rng.gauss(0.0, 1.0)) if env_sigma else env_latency_s
+            lat = (
+                env_latency_s * math.exp(env_sigma * rng.gauss(0.0, 1.0))
+                if env_sigma
+                else env_latency_s
+            )
             out.append(Turn(n, lat, observation_tokens))
         return out
 
