@@ -458,13 +458,15 @@ def json_summary(costs: dict) -> str:
         costs["sync"],
         costs["reward"],
     )
+    ms = 1e3
+    rms = costs["meta"]["decode_fit_rms_s"] * ms
     return (
-        f"decode step = {d['base_s'] * 1e3:.2f} ms + {d['per_active_slot_s'] * 1e3:.3f} ms/live slot + "
-        f"{d['per_slot_s'] * 1e3:.3f} ms/slot (rms {costs['meta']['decode_fit_rms_s'] * 1e3:.2f} ms); "
-        f"fill = {p['per_prompt_s'] * 1e3:.2f} ms/prompt + {p['per_sample_s'] * 1e3:.2f} ms/sample\n"
-        f"learner step (rows x bucket tokens: s) = {lr['points']}; "
-        f"weight sync {s['per_server_s'] * 1e3:.1f} ms/server (colocated {s['colocated_s'] * 1e3:.1f} ms); "
-        f"reward {r['latency_s'] * 1e3:.1f} ms/sample\n"
+        f"decode step = {d['base_s'] * ms:.2f} ms + {d['per_active_slot_s'] * ms:.3f} ms/live "
+        f"slot + {d['per_slot_s'] * ms:.3f} ms/slot (rms {rms:.2f} ms); fill = "
+        f"{p['per_prompt_s'] * ms:.2f} ms/prompt + {p['per_sample_s'] * ms:.2f} ms/sample\n"
+        f"learner step (rows x bucket tokens: s) = {lr['points']}; weight sync "
+        f"{s['per_server_s'] * ms:.1f} ms/server (colocated {s['colocated_s'] * ms:.1f} ms); "
+        f"reward {r['latency_s'] * ms:.1f} ms/sample\n"
         f"contention: gen {costs['contention']['gen']} train {costs['contention']['train']}"
     )
 

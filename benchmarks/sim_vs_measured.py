@@ -6,9 +6,10 @@ Order, alternating: calibrate (``calibrate_sim.calibrate``: our engine and
 learner, this machine, now; contention factors measured once here) -> measured
 sync run (``benchmarks/async_vs_sync.py``'s workload through ``rlvr.run``) ->
 calibrate -> measured α = 1 -> calibrate -> ... Each mode is then simulated with
-the calibrations just before and just after it (``jaxflash.runtime.simulate``: the real scheduler, the
-same B, G, K, servers, learner devices, steps and warm-up, geometric lengths with
-the same p and cap, the dataset's prompt lengths by prompt id) and the trained
+the calibrations just before and just after it (``jaxflash.runtime.simulate``:
+the real scheduler, the same B, G, K, servers, learner devices, steps and
+warm-up, geometric lengths with the same p and cap, the dataset's prompt lengths
+by prompt id) and the trained
 samples/s printed next to the measured ones, with the relative difference and
 the load average around each piece (the machine is shared: loads move the
 absolute numbers within minutes, so each run is bracketed by its own two
@@ -145,16 +146,21 @@ def main() -> None:
         f"\nload average now: {os.getloadavg()}; pieces: "
         + ", ".join(f"{w} @ {ld:.1f}" for w, ld in log)
     )
-    head = f"{'mode':<8}{'measured/s':>11}{'sim bef':>9}{'sim aft':>9}{'sim mean':>9}{'diff':>8}  {'meas x sync':>11}{'sim x sync':>11}  {'meas stale':>10}{'sim stale':>10}{'load':>11}"
+    head = (
+        f"{'mode':<8}{'measured/s':>11}{'sim bef':>9}{'sim aft':>9}{'sim mean':>9}{'diff':>8}  "
+        f"{'meas x sync':>11}{'sim x sync':>11}  {'meas stale':>10}{'sim stale':>10}{'load':>11}"
+    )
     print(head + "\n" + "-" * len(head))
     base_m, base_s = rows[0][1]["samples_per_s"], rows[0][3]
     out = {}
     for name, res, sims, mean in rows:
         diff = (mean - res["samples_per_s"]) / res["samples_per_s"]
+        stale = (sims[0].staleness_mean + sims[1].staleness_mean) / 2
         print(
-            f"{name:<8}{res['samples_per_s']:>11.3f}{sims[0].samples_per_s:>9.3f}{sims[1].samples_per_s:>9.3f}"
-            f"{mean:>9.3f}{diff:>+8.1%}  {res['samples_per_s'] / base_m:>11.2f}{mean / base_s:>11.2f}  "
-            f"{res['staleness_mean']:>10.2f}{(sims[0].staleness_mean + sims[1].staleness_mean) / 2:>10.2f}"
+            f"{name:<8}{res['samples_per_s']:>11.3f}{sims[0].samples_per_s:>9.3f}"
+            f"{sims[1].samples_per_s:>9.3f}{mean:>9.3f}{diff:>+8.1%}  "
+            f"{res['samples_per_s'] / base_m:>11.2f}{mean / base_s:>11.2f}  "
+            f"{res['staleness_mean']:>10.2f}{stale:>10.2f}"
             f"{res['load'][0]:>6.1f}->{res['load'][1]:<4.1f}"
         )
         out[name] = {

@@ -520,3 +520,62 @@ def test_learner_cost_points_interpolate_and_scale_with_devices():
     )  # extrapolated
     with pytest.raises(ValueError, match="increasing"):
         LearnerCost(step_s=0, per_token_s=0, points=((2, 1.0), (1, 2.0)))
+
+
+def test_benchmark_quick_prints_every_mode_and_the_bound():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "benchmarks/simulate.py", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith(("sync ", "a="))]
+    assert len(rows) == 2 * 4 * 5  # 2 scales x (queue on/off x replication on/off) x 5 modes
+    assert {r[0] for r in rows} == {"sync", "a=1", "a=2", "a=4", "a=8"}
+    assert all(float(r[3]) > 0 and float(r[-1]) > 0 for r in rows)  # samples/s and the bound
+    assert "load average" in out
+
+
+def test_work_clock_slowdown_and_pause_rescale_only_what_is_left():
+    from jaxflash.runtime.simulate.timebase import WorkClock
+
+    w = WorkClock(10.0)
+    assert w.time(4.0) == 14.0
+    assert w.set_factor(12.0, 2.0) and not w.set_factor(12.0, 2.0)  # 2 s of work done
+    assert w.time(4.0) == pytest.approx(16.0)  # the other 2 s take 4
+    w.suspend(13.0, 5.0)  # 2.5 s of work done, then nothing until 18
+    assert w.work(17.0) == pytest.approx(2.5) and w.time(4.0) == pytest.approx(21.0)
+    w.suspend(14.0, 1.0)  # pauses add up
+    assert w.time(4.0) == pytest.approx(22.0)
+    with pytest.raises(ValueError, match=">= 1"):
+        w.set_factor(20.0, 0.5)
+
+
+def test_version_history_stamps_fill_and_decode_tokens():
+    from jaxflash.runtime.simulate.timebase import VersionHistory
+
+    h = VersionHistory(0)
+    h.apply(3, 1)  # applied at the boundary after step 3
+    h.apply(5, 2)
+    # filled at boundary 2: its fill token and the tokens of steps 3..7
+    assert h.stamps(2, 6, 1).tolist() == [0, 0, 1, 1, 2, 2]
+    assert h.stamps(3, 2, 1).tolist() == [1, 1]  # a fill at the update's boundary
+    assert h.stamps(3, 2, 0).tolist() == [1, 1] and h.stamps(0, 0, 1).tolist() == []
+
+
+def test_shared_prefill_lasts_while_a_sibling_waits():
+    from jaxflash.runtime.simulate.requests import SharedPrefill
+
+    p = SharedPrefill()
+    for _ in range(3):
+        p.queued(7)
+    assert p.left_queue(7, filled=True) is True  # the first fill pays the prefill
+    assert p.left_queue(7, filled=True) is False  # its sibling shares it
+    p.invalidate()  # new weights
+    assert p.left_queue(7, filled=True) is True
+    p.queued(7)
+    assert p.left_queue(7, filled=True) is True  # the last one had left: prefilled again

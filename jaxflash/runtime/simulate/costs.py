@@ -111,11 +111,10 @@ class LearnerCost:
             raise ValueError(
                 f"LearnerCost.padding must be one of {PADDING_MODES}, got {self.padding!r}"
             )
-        if self.points and (
-            len(self.points) < 2 or any(b[0] <= a[0] for a, b in zip(self.points, self.points[1:]))
-        ):
+        xs = [t for t, _ in self.points]
+        if self.points and (len(xs) < 2 or xs != sorted(set(xs))):
             raise ValueError(
-                f"LearnerCost.points need >= 2 (tokens, s) with tokens increasing, got {self.points}"
+                f"LearnerCost.points: need >= 2 (tokens, s), tokens increasing; got {self.points}"
             )
         if self.bucket < 1 or self.reference_devices < 1:
             raise ValueError(

@@ -13,6 +13,7 @@ import dataclasses
 
 from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.simulate.costs import CostModel
+from jaxflash.runtime.simulate.timebase import WorkClock
 
 
 @dataclasses.dataclass
@@ -69,26 +70,22 @@ class SimLearner:
         self._recent: collections.deque[int] = collections.deque(maxlen=4096)  # replay pool lengths
         self.step: StepRecord | None = None
         self.phase = "idle"  # idle | train | sync
-        self._t_ref, self._w_ref, self._factor, self._w_end = 0.0, 0.0, 1.0, 0.0
+        self._work, self._w_end = WorkClock(clock.now()), 0.0
         self.busy_intervals: list[tuple[float, float]] = []
 
     @property
     def idle(self) -> bool:
         return self.phase == "idle"
 
-    def _w(self, t: float) -> float:
-        return self._w_ref + (t - self._t_ref) / self._factor
-
     def set_factor(self, factor: float) -> None:
-        now = self.clock.now()
-        if factor != self._factor:
-            self._w_ref, self._t_ref, self._factor = self._w(now), now, factor
+        """From now on the current phase runs ``factor`` times slower (>= 1)."""
+        self._work.set_factor(self.clock.now(), factor)
 
     def due(self) -> float | None:
         """Clock time the current phase ends (None when idle)."""
         if self.idle:
             return None
-        return self._t_ref + (self._w_end - self._w_ref) * self._factor
+        return self._work.time(self._w_end)
 
     def start(self, record: StepRecord, prompt_lengths: list[int]) -> None:
         """Train on ``record``'s samples (``prompt_lengths`` matching ``record.lengths``)."""
@@ -102,7 +99,8 @@ class SimLearner:
         work = self.costs.learner.step_time_s(seqs_all, rows, self.devices) if seqs else 0.0
         self.step, self.phase = record, "train"
         now = self.clock.now()
-        self._t_ref, self._w_ref, self._w_end = now, 0.0, work
+        self._work.restart(now)
+        self._w_end = work
         self._began = now
 
     def advance(self) -> str | None:
@@ -114,7 +112,8 @@ class SimLearner:
         if self.phase == "train":
             self.step.train_end = now
             self.phase = "sync"
-            self._t_ref, self._w_ref, self._w_end = now, 0.0, self.sync_s
+            self._work.restart(now)
+            self._w_end = self.sync_s
             return "train"
         self.step.sync_end = now
         self.busy_intervals.append((self._began, now))

@@ -75,7 +75,8 @@ def roll_flash_bound(
     """
     if slots < 1 or samples < 1 or async_ratio < 0:
         raise ValueError(
-            f"roll_flash_bound: slots, samples >= 1 and α >= 0, got {slots}, {samples}, {async_ratio}"
+            f"roll_flash_bound: need slots, samples >= 1 and α >= 0; got {slots}, {samples}, "
+            f"{async_ratio}"
         )
     return mu_gen_s / slots + l_gen_s / ((async_ratio + 1) * samples)
 

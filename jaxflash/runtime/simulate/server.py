@@ -28,45 +28,19 @@ true lengths stay with the workload (``true_len``).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from jaxflash.generation.slot_types import IN_FLIGHT_POLICIES
 from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.simulate.barrier import RoundBarrier
 from jaxflash.runtime.simulate.costs import CostModel
-from jaxflash.runtime.simulate.workload import Turn, Workload
-from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
-
-RequestKey = tuple[int, int]
-
-
-@dataclasses.dataclass
-class _Item:
-    """A request queued, running or waiting for its environment."""
-
-    request: GenerationRequest
-    turns: list[Turn]
-    round_id: int = 0
-    turn: int = 0
-    done: int = 0  # tokens (blocks) of the current turn generated so far
-    start_version: int | None = None
-    versions: list[np.ndarray] = dataclasses.field(default_factory=list)
-    fill_step: int = 0  # step count at its last fill
-    left: int = 0  # tokens (blocks) of the current turn still to make at its last fill
-    heap_seq: int = -1  # identifies its live heap entry
-    first_at_fill: int = 0  # tokens produced by the fill itself
-    filled_at: float = 0.0  # clock time of its last fill
-    in_slot_s: float = 0.0  # clock seconds spent in a slot so far
-
-    @property
-    def key(self) -> RequestKey:
-        return (int(self.request.prompt_id), int(self.request.sample_index))
+from jaxflash.runtime.simulate.requests import RequestKey, SharedPrefill, SimRequest, to_sample
+from jaxflash.runtime.simulate.timebase import VersionHistory, WorkClock
+from jaxflash.runtime.simulate.workload import Workload
+from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 
 
 class SimServer:
@@ -117,23 +91,21 @@ class SimServer:
         self._on_finished, self.clock = on_finished, clock
         self._version = self._requested = int(policy_version)
         self._pending_version: int | None = None
-        self._queue: collections.OrderedDict[RequestKey, _Item] = collections.OrderedDict()
-        self._running: dict[RequestKey, _Item] = {}
+        self._queue: collections.OrderedDict[RequestKey, SimRequest] = collections.OrderedDict()
+        self._running: dict[RequestKey, SimRequest] = {}
         self._heap: list[tuple[int, int, RequestKey]] = []  # (finish step, seq, key)
-        self._env: list[tuple[float, int, _Item]] = []  # (ready clock time, seq, item)
+        self._env: list[tuple[float, int, SimRequest]] = []  # (ready clock time, seq, item)
         self._seq = 0
         self._outstanding: set[RequestKey] = set()
         self._aborts: set[RequestKey] = set()
-        self._prefilled: set[int] = set()  # prompts whose prefill is shared here
-        self._fresh_queued: collections.Counter = collections.Counter()  # prompt -> fresh queued
-        self._updates: list[tuple[int, int]] = [(-1, self._version)]  # (step, version)
+        self._prefill = SharedPrefill()
+        self._history = VersionHistory(self._version)
         self._steps = 0
         self._seg: tuple[float, int, float, float] | None = None  # w0, S0, pre_s, step_s
         self._wake_step: int | None = None  # a command waits for this step boundary
         self._due: float | None = None  # next_due, cached until something changes
         self._dirty = True
-        # work time w <-> clock time t: t = t_ref + (w - w_ref) * factor, w >= w_ref
-        self._t_ref, self._w_ref, self._factor = clock.now(), 0.0, 1.0
+        self._work = WorkClock(clock.now())  # work seconds <-> clock seconds
         self._acc_t, self.live_slot_s, self.busy_s = clock.now(), 0.0, 0.0
         self.counts = collections.Counter()
         # in-slot seconds of each delivered sample (the driver pops what it trains)
@@ -160,12 +132,12 @@ class SimServer:
         key = (int(request.prompt_id), int(request.sample_index))
         if key in self._outstanding:
             raise ValueError(f"SimServer {self.name!r}: request {key} already submitted")
-        item = _Item(request, self.workload.turns(*key))
+        item = SimRequest(request, self.workload.turns(*key))
         if self.barrier is not None:
             item.round_id = self.barrier.join(key)
         self._outstanding.add(key)
         self._queue[key] = item
-        self._fresh_queued[key[0]] += 1
+        self._prefill.queued(key[0])
         self.counts["submitted"] += 1
         self._poke()
 
@@ -174,11 +146,8 @@ class SimServer:
         for key in keys:
             self._outstanding.discard(key)
             item = self._queue.pop(key, None)
-            if item is not None and not (item.turn or item.done):
-                self._fresh_queued[key[0]] -= 1
-                if not self._fresh_queued[key[0]]:
-                    del self._fresh_queued[key[0]]
-                    self._prefilled.discard(key[0])
+            if item is not None and item.fresh:
+                self._prefill.left_queue(key[0], filled=False)
             item = item or self._running.get(key)
             if key in self._running:
                 self._aborts.add(key)  # its slot frees at the next step boundary
@@ -214,26 +183,14 @@ class SimServer:
 
     # ------------------------------------------------------------------ time
 
-    def _w(self, t: float) -> float:
-        return self._w_ref + max(0.0, t - self._t_ref) / self._factor
-
-    def _t(self, w: float) -> float:
-        return self._t_ref + (w - self._w_ref) * self._factor
-
     def set_factor(self, factor: float) -> None:
         """From now on work runs ``factor`` times slower (contention; >= 1)."""
-        now = self.clock.now()
-        if factor != self._factor:
-            self._w_ref, self._t_ref = self._w(now), max(now, self._t_ref)
-            self._factor, self._dirty = factor, True
+        if self._work.set_factor(self.clock.now(), factor):
+            self._dirty = True
 
     def suspend(self, seconds: float) -> None:
         """Make no progress for the next ``seconds`` (devices lent to the learner)."""
-        now = self.clock.now()
-        if self._t_ref > now:
-            self._t_ref += seconds
-        else:
-            self._w_ref, self._t_ref = self._w(now), now + seconds
+        self._work.suspend(self.clock.now(), seconds)
         self._dirty = True
 
     @property
@@ -255,7 +212,7 @@ class SimServer:
             self._wake_step = self._steps
             return
         w0, s0, pre, step = self._seg
-        done = math.floor((self._w(self.clock.now()) - w0 - pre) / step + 1e-9)
+        done = math.floor((self._work.work(self.clock.now()) - w0 - pre) / step + 1e-9)
         target = s0 + max(1, done + 1)
         self._wake_step = target if self._wake_step is None else min(self._wake_step, target)
 
@@ -266,12 +223,12 @@ class SimServer:
         if self._seg is None:
             if self._wake_step is None:
                 return None
-            return self._steps, max(self.clock.now(), self._t_ref)
+            return self._steps, max(self.clock.now(), self._work.t_ref)
         w0, s0, pre, step = self._seg
         target = self._next_finish_step()
         if self._wake_step is not None:
             target = min(target, self._wake_step)
-        return target, self._t(w0 + pre + (target - s0) * step)
+        return target, self._work.time(w0 + pre + (target - s0) * step)
 
     def next_due(self) -> float | None:
         """Clock time of this server's next step boundary or environment return."""
@@ -313,7 +270,7 @@ class SimServer:
             self._steps = boundary[0]
             w_now = w0 + pre + (self._steps - s0) * step
         else:
-            w_now = self._w(now)
+            w_now = self._work.work(now)
         self._wake_step = None
         self._apply_aborts()
         self._finish_due(now)
@@ -324,7 +281,7 @@ class SimServer:
     def _step_s(self) -> float:
         return self.costs.decode.step_s(len(self._running), self.K) * self.block
 
-    def _produced(self, item: _Item) -> int:
+    def _produced(self, item: SimRequest) -> int:
         """Tokens (blocks) of its current turn made since its last fill, up to now."""
         return min(item.left, self._steps - item.fill_step + item.first_at_fill)
 
@@ -335,7 +292,7 @@ class SimServer:
                 continue
             item = self._running.pop(entry[2])
             tokens = self._produced(item)
-            item.versions.append(self._stamps(item.fill_step, tokens, item.first_at_fill))
+            item.versions.append(self._history.stamps(item.fill_step, tokens, item.first_at_fill))
             item.in_slot_s += now - item.filled_at
             turn = item.turns[item.turn]
             if item.turn + 1 < len(item.turns):  # the environment takes over
@@ -345,33 +302,9 @@ class SimServer:
                 continue
             self._deliver(item, now)
 
-    def _stamps(self, fill_step: int, tokens: int, at_fill: int) -> np.ndarray:
-        """Versions of ``tokens`` tokens made since a fill at boundary ``fill_step``:
-        ``at_fill`` of them by the fill, the rest by steps fill_step+1, ... A token made
-        at boundary e (a fill) or by step e+1 carries the version applied at the last
-        update boundary <= e."""
-        decode = np.arange(tokens - at_fill) + fill_step
-        e = np.concatenate([np.full(min(at_fill, tokens), fill_step), decode])
-        marks = np.array([u for u, _ in self._updates])
-        idx = np.searchsorted(marks, e, side="right") - 1
-        return np.array([v for _, v in self._updates], np.int32)[idx]
-
-    def _deliver(self, item: _Item, now: float) -> None:
+    def _deliver(self, item: SimRequest, now: float) -> None:
         key = item.key
-        versions = np.concatenate(item.versions) if item.versions else np.zeros(0, np.int32)
-        total = sum(t.response_tokens for t in item.turns)
-        sample = Sample(
-            prompt_id=key[0],
-            sample_index=key[1],
-            prompt_tokens=np.zeros(self.workload.prompt_len(key[0]), np.int32),
-            response_tokens=np.zeros(len(versions), np.int32),
-            behaviour_logprobs=np.zeros(len(versions), np.float32),
-            token_versions=versions,
-            start_version=int(item.start_version),
-            finish_reason=FinishReason.LENGTH
-            if total >= item.request.sampling.max_new_tokens
-            else FinishReason.EOS,
-        )
+        sample = to_sample(item, self.workload.prompt_len(key[0]))
         self.gen_time_s[key] = item.in_slot_s
         if self.barrier is not None:
             self.barrier.finished(key, item.round_id, self._report, sample)
@@ -394,8 +327,8 @@ class SimServer:
         if self._pending_version is None:
             return
         self._version, self._pending_version = self._pending_version, None
-        self._updates.append((self._steps, self._version))
-        self._prefilled.clear()  # a shared prefill is valid only under its weights
+        self._history.apply(self._steps, self._version)
+        self._prefill.invalidate()
         self.counts["weight_updates"] += 1
         if self.partial_rollout == "continue":
             return
@@ -403,12 +336,12 @@ class SimServer:
             item = self._running.pop(key)
             if self.partial_rollout == "restart":
                 self.counts["restarted"] += 1
-                item = _Item(item.request, item.turns, round_id=item.round_id)
-                self._fresh_queued[key[0]] += 1
+                item = SimRequest(item.request, item.turns, round_id=item.round_id)
+                self._prefill.queued(key[0])
             else:
                 self.counts["recomputed"] += 1
                 done = self._produced(item)
-                item.versions.append(self._stamps(item.fill_step, done, item.first_at_fill))
+                item.versions.append(self._history.stamps(item.fill_step, done, item.first_at_fill))
                 item.done += done
                 item.in_slot_s += self.clock.now() - item.filled_at
             self._queue[key] = item
@@ -433,19 +366,13 @@ class SimServer:
             item = self._queue.pop(key)
             pid = key[0]
             context = self.workload.prompt_len(pid)
-            if item.turn or item.done:  # a recompute or a later turn
+            if not item.fresh:  # a recompute or a later turn prefills its whole context
                 context += sum(
                     t.response_tokens + t.observation_tokens for t in item.turns[: item.turn]
                 )
                 prompts.append(context + item.done * self.block)
-            else:
-                self._fresh_queued[pid] -= 1
-                if pid not in self._prefilled:
-                    self._prefilled.add(pid)
-                    prompts.append(context)
-                if not self._fresh_queued[pid]:  # no sibling waits for this prefill
-                    del self._fresh_queued[pid]
-                    self._prefilled.discard(pid)
+            elif self._prefill.left_queue(pid, filled=True):
+                prompts.append(context)
             if item.start_version is None:
                 item.start_version = self._version
             left = -(-item.turns[item.turn].response_tokens // self.block) - item.done
