@@ -164,6 +164,22 @@ _PRESETS = {
         tie_embeddings=True,
         max_seq_len=2048,
     ),
+    # Qwen2.5-1.5B(-Instruct) shapes (its config.json): a 1.5B-parameter decoder of
+    # the Llama family with q/k/v biases, for sizing runs (jaxflash.sizing.dry_run).
+    "qwen2p5_1p5b": dict(
+        vocab_size=151936,
+        d_model=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        head_dim=128,
+        d_ff=8960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        qkv_bias=True,
+        max_seq_len=4096,
+    ),
     # Same architecture at toy size, for tests.
     "tiny": dict(
         vocab_size=512,
@@ -186,7 +202,7 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """A named configuration, optionally with fields overridden.
 
     Args:
-      name: "smollm2_135m" or "tiny".
+      name: "smollm2_135m", "qwen2p5_1p5b" or "tiny".
       **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
 
     Raises:

@@ -158,6 +158,10 @@ class GroupBuffer:
         self.group_filter = group_filter
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        # Prompts whose group was complete or failed when last touched: what `take`
+        # looks at (entries no longer pending are pruned there), so a take costs the
+        # ready groups, not every pending one.
+        self._ready: dict[int, None] = {}
         self._closed_failed: set[int] = set()  # failed or discarded: late samples dropped
         self._last_learner_version: int | None = None
         self._produced = 0
@@ -215,6 +219,8 @@ class GroupBuffer:
             pend.samples[idx] = sample
             if failure is not None and pend.failure is None:
                 pend.failure = (failure, f"prompt {pid} sample {idx}: {error}")
+            if pend.failure is not None or len(pend.samples) == self.group_size:
+                self._ready[pid] = None
 
     def fail(self, prompt_id: int, failure: FailureReason, detail: str) -> None:
         """Mark a prompt's group failed (e.g. generation error or timeout, no Sample).
@@ -240,6 +246,7 @@ class GroupBuffer:
                 prefix = f"prompt {pid}"
                 text = detail if detail.startswith(prefix) else f"{prefix}: {detail}"
                 pend.failure = (failure, text)
+            self._ready[pid] = None
 
     def _get_or_create(self, pid: int) -> _Pending:
         pend = self._pending.get(pid)
@@ -295,7 +302,8 @@ class GroupBuffer:
                     f"after version {self._last_learner_version}"
                 )
             dropped: list[DroppedGroup] = []
-            for pid in sorted(p for p, g in self._pending.items() if g.failure is not None):
+            self._ready = {p: None for p in self._ready if p in self._pending}
+            for pid in sorted(p for p in self._ready if self._pending[p].failure is not None):
                 pend = self._pending.pop(pid)
                 self._closed_failed.add(pid)
                 failure, detail = pend.failure
@@ -305,8 +313,8 @@ class GroupBuffer:
 
             complete = [
                 (min(start_version_of(s) for s in g.samples.values()), pid)
-                for pid, g in self._pending.items()
-                if len(g.samples) == self.group_size
+                for pid, g in ((p, self._pending.get(p)) for p in self._ready)
+                if g is not None and len(g.samples) == self.group_size
             ]
             groups: list[Group] = []
             for start, pid in sorted(complete):
@@ -442,7 +450,8 @@ class GroupBuffer:
     def num_complete(self) -> int:
         """Complete groups waiting (fresh or not yet judged)."""
         with self._lock:
-            return sum(len(g.samples) == self.group_size for g in self._pending.values())
+            groups = (self._pending.get(p) for p in self._ready)
+            return sum(g is not None and len(g.samples) == self.group_size for g in groups)
 
     def counts(self) -> dict[str, int]:
         """Counters; produced == returned + dropped + pending always holds.

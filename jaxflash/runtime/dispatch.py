@@ -62,6 +62,10 @@ class Dispatcher:
       truncation: what a truncated response gets.
       counters: the run's counters (restored from a checkpoint; they keep adding up).
       clock: time of dispatch and deadlines.
+      prompt_replication: each of a prompt's G samples goes to the best server on
+        its own (ROLL Flash §5.1.2); False keeps them together on the server
+        chosen for the first (the baseline that generates a prompt's group as one
+        request).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Dispatcher:
         truncation: TruncationPolicy,
         counters: collections.Counter,
         clock: Clock,
+        prompt_replication: bool = True,
     ) -> None:
         self.pool, self.inbox, self.admission = pool, inbox, admission
         self.ledger, self.buffer, self.scorer = ledger, buffer, scorer
@@ -91,6 +96,7 @@ class Dispatcher:
         self.policy = PolicyClock(policy_version)
         self.deadline_s, self.max_retries = sample_deadline_s, max_retries
         self.truncation, self.counters, self.clock = truncation, counters, clock
+        self.prompt_replication = prompt_replication
         self.table = OutstandingTable()
         self.scoring: dict[tuple[int, int], Any] = {}  # key -> sample awaiting its reward
         self.first_request_at: float | None = None
@@ -136,19 +142,32 @@ class Dispatcher:
 
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Send all G samples of ``prompt`` (stops at the first that fails)."""
+        server = -1
         for i in range(self.G):
-            if not self.dispatch(self._request(prompt, i)):
+            server = self.dispatch(self._request(prompt, i), prefer=server)
+            if server < 0:
                 break
+            if self.prompt_replication:
+                server = -1
 
     # ------------------------------------------------------------------ dispatch
 
-    def dispatch(self, request: GenerationRequest, attempts: int = 0, avoid: int = -1) -> bool:
-        """Send one sample to the best server; False if its prompt failed instead."""
+    def dispatch(
+        self, request: GenerationRequest, attempts: int = 0, avoid: int = -1, prefer: int = -1
+    ) -> int:
+        """Send one sample to ``prefer`` if alive, else the best server.
+
+        Returns:
+          The server it went to, or -1 if its prompt failed instead.
+        """
         while True:
-            i = self.pool.choose(self.table.load(), self.policy.version, avoid)
+            if prefer >= 0 and prefer != avoid and prefer not in self.pool.dead:
+                i, prefer = prefer, -1
+            else:
+                i = self.pool.choose(self.table.load(), self.policy.version, avoid)
             if i < 0:
                 self._no_server_left(request.prompt_id)
-                return False
+                return -1
             held = self.pool.version(i)
             result = self.pool.submit(i, request)
             if result.status is Submitted.OK:
@@ -164,14 +183,14 @@ class Dispatcher:
                         attempts=attempts,
                     )
                 )
-                return True
+                return i
             if result.status is Submitted.REJECTED:
                 self.counters["samples_failed"] += 1
                 pid = request.prompt_id
                 detail = f"prompt {pid} sample {request.sample_index}: {result.error}"
                 self.buffer.fail(pid, FailureReason.REQUEST_REJECTED, detail)
                 self.abort_prompt(pid)
-                return False
+                return -1
             self.server_died(i)  # it died taking the request: try another
 
     def abort_prompt(self, prompt_id: int) -> None:

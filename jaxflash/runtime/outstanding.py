@@ -9,6 +9,7 @@ will start at. Thread-free: the scheduler serialises access.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from collections.abc import Callable
@@ -42,10 +43,22 @@ class Outstanding:
 
 
 class OutstandingTable:
-    """Outstanding samples by key, plus the start versions of a prompt's finished samples."""
+    """Outstanding samples by key, plus the start versions of a prompt's finished samples.
+
+    Indexed by prompt, by server and by dispatch time, and the per-server load is
+    kept as rows come and go, so every query costs what it returns, not the
+    table's size (a pod-scale run holds (α+1)·B·G rows).
+    """
 
     def __init__(self) -> None:
         self._rows: dict[RequestKey, Outstanding] = {}
+        self._by_prompt: dict[int, dict[RequestKey, None]] = {}
+        self._by_server: dict[int, dict[RequestKey, None]] = {}
+        self._load: collections.Counter = collections.Counter()
+        # (dispatched_at, key, add number) ascending; rows popped are skipped and pruned
+        self._by_time: list[tuple[float, RequestKey, int]] = []
+        self._added: dict[RequestKey, int] = {}  # key -> the add number of its live row
+        self._adds = 0
         self._finished_start: dict[int, PolicyVersion] = {}  # prompt -> oldest finished start
 
     def add(self, entry: Outstanding) -> None:
@@ -54,13 +67,36 @@ class OutstandingTable:
         Raises:
           ValueError: its key is already outstanding.
         """
-        if entry.key in self._rows:
-            raise ValueError(f"sample {entry.key} is already outstanding on server {entry.server}")
-        self._rows[entry.key] = entry
+        key = entry.key
+        if key in self._rows:
+            raise ValueError(f"sample {key} is already outstanding on server {entry.server}")
+        self._rows[key] = entry
+        self._by_prompt.setdefault(key[0], {})[key] = None
+        self._by_server.setdefault(entry.server, {})[key] = None
+        self._load[entry.server] += 1
+        self._adds += 1
+        self._added[key] = self._adds
+        bisect.insort(self._by_time, (entry.dispatched_at, key, self._adds))  # appends in order
 
     def pop(self, key: RequestKey) -> Outstanding | None:
         """Remove and return a sample's row (None if it is not outstanding)."""
-        return self._rows.pop(key, None)
+        entry = self._rows.pop(key, None)
+        if entry is None:
+            return None
+        del self._added[key]
+        for index, group in ((self._by_prompt, key[0]), (self._by_server, entry.server)):
+            del index[group][key]
+            if not index[group]:
+                del index[group]
+        self._load[entry.server] -= 1
+        if not self._load[entry.server]:
+            del self._load[entry.server]
+        if len(self._by_time) > 2 * len(self._rows) + 64:  # prune popped rows
+            self._by_time = [t for t in self._by_time if self._live(t)]
+        return entry
+
+    def _live(self, item: tuple[float, RequestKey, int]) -> bool:
+        return self._added.get(item[1]) == item[2]
 
     def get(self, key: RequestKey) -> Outstanding | None:
         return self._rows.get(key)
@@ -73,32 +109,45 @@ class OutstandingTable:
 
     def by_prompt(self, prompt_id: int) -> list[Outstanding]:
         """Rows of one prompt, by sample index."""
-        return sorted(
-            (e for k, e in self._rows.items() if k[0] == prompt_id), key=lambda e: e.key[1]
-        )
+        keys = sorted(self._by_prompt.get(prompt_id, ()), key=lambda k: k[1])
+        return [self._rows[k] for k in keys]
 
     def by_server(self, server: int) -> list[Outstanding]:
         """Rows held by one server, by key."""
-        return sorted((e for e in self._rows.values() if e.server == server), key=lambda e: e.key)
+        return [self._rows[k] for k in sorted(self._by_server.get(server, ()))]
 
     def prompts(self) -> list[int]:
         """Prompt ids with at least one outstanding sample, sorted."""
-        return sorted({k[0] for k in self._rows})
+        return sorted(self._by_prompt)
+
+    def _oldest(self) -> list[tuple[float, RequestKey, int]]:
+        """The time index with popped rows dropped from its front."""
+        t = self._by_time
+        i = 0
+        while i < len(t) and not self._live(t[i]):
+            i += 1
+        if i:
+            del t[:i]
+        return t
 
     def late(self, now: float, deadline_s: float) -> list[RequestKey]:
         """Keys dispatched more than ``deadline_s`` seconds before ``now``, oldest first."""
-        late = [e for e in self._rows.values() if now - e.dispatched_at > deadline_s]
-        return [e.key for e in sorted(late, key=lambda e: (e.dispatched_at, e.key))]
+        out = []
+        for item in self._oldest():
+            if not now - item[0] > deadline_s:
+                break
+            if self._live(item):
+                out.append(item[1])
+        return out
 
     def next_deadline(self, deadline_s: float) -> float | None:
         """Clock time at which the oldest row becomes late (None when the table is empty)."""
-        if not self._rows:
-            return None
-        return min(e.dispatched_at for e in self._rows.values()) + deadline_s
+        oldest = self._oldest()
+        return oldest[0][0] + deadline_s if oldest else None
 
     def load(self) -> collections.Counter:
         """server index -> outstanding samples it holds (by this table's count)."""
-        return collections.Counter(e.server for e in self._rows.values())
+        return collections.Counter(self._load)
 
     # -- start versions (ROLL Flash per-sample staleness, arXiv 2510.11345) ----------
 

@@ -85,6 +85,8 @@ class RolloutScheduler:
       refill_dropped: dynamic sampling: a dropped prompt's capacity returns at
         once (up to B per step) instead of at the next ``publish``.
       clock: time source (default: real time).
+      prompt_replication: False keeps a prompt's G samples on one server (see
+        ``Dispatcher``); the default sends each to the best server.
 
     Raises:
       ValueError: B < 1, G < 1, α < 0, or an unknown stale_policy.
@@ -114,6 +116,7 @@ class RolloutScheduler:
         counters: dict[str, int] | None = None,
         refill_dropped: bool = False,
         clock: Clock | None = None,
+        prompt_replication: bool = True,
     ) -> None:
         if batch_prompts < 1 or group_size < 1 or async_ratio < 0:
             raise ValueError(
@@ -152,6 +155,7 @@ class RolloutScheduler:
             truncation=self.truncation,
             counters=self.counters,
             clock=self.clock,
+            prompt_replication=prompt_replication,
         )
         self.assembler = BatchAssembler(
             self.dispatcher,
