@@ -174,18 +174,20 @@ def precompile_train_buckets(exp) -> list[int]:
     from jaxflash.learner.batching import bucket_length, pack_batch
     from jaxflash.learner.state import create_train_state
     from jaxflash.learner.step import make_train_step
-    from jaxflash.runtime.model_setup import load_model, make_datasets
+    from jaxflash.runtime.model_setup import load_model, load_tokenizer
     from jaxflash.runtime.placement import carve
+    from jaxflash.runtime.task_setup import build_task
     from jaxflash.sharding.rules import LEARNER_RULES
     from jaxflash.types import FinishReason, Prompt, Sample
 
-    model_config, _, tokenizer = load_model(exp.model, exp.rollout)
+    tokenizer = load_tokenizer(exp.model)
+    model_config, _ = load_model(exp.model, exp.rollout, tokenizer)
     mesh = carve(exp.mesh).learner
     state = create_train_state(model_config, exp.learner, mesh, LEARNER_RULES, seed=exp.seed)
     train_step = make_train_step(model_config, exp.learner, mesh, LEARNER_RULES)
     n = exp.rollout.prompts_per_step * exp.rollout.group_size
     # The shortest possible batch: the shortest of the first 200 prompts + 1 token.
-    train_rows, _ = make_datasets(exp, tokenizer)
+    train_rows = build_task(exp).train
     source = PromptSource(train_rows, tokenizer, max_prompt_tokens=exp.data.max_prompt_tokens)
     shortest = min(len(p.prompt_tokens) for p in source.take(200) if isinstance(p, Prompt))
     buckets = list(range(bucket_length(shortest + 1), model_config.max_seq_len + 1, 32))
@@ -229,7 +231,7 @@ def make_config(args: argparse.Namespace, model_dir: str, alpha: int | None):
     c.rollout.prompts_per_step = args.prompts
     c.rollout.group_size = args.group
     c.rollout.max_new_tokens = args.max_new_tokens
-    c.rollout.max_prefill_length = 64
+    c.data.max_prompt_tokens = c.rollout.max_prefill_length = 64  # arithmetic prompts: ~40
     c.rollout.temperature = 1.0  # the calibrated p holds at temperature 1 only
     c.learner.lr = 0.0  # the policy (hence the length distribution) never changes
     c.learner.micro_batch_size = args.prompts * args.group // 2

@@ -77,17 +77,19 @@ class Setup:
         from jaxflash.learner.state import create_train_state, state_shardings
         from jaxflash.learner.step import make_train_step
         from jaxflash.runtime.experiment import ExperimentConfig
-        from jaxflash.runtime.model_setup import load_model, make_datasets, make_engine
+        from jaxflash.runtime.model_setup import load_model, load_tokenizer, make_engine
         from jaxflash.runtime.placement import carve
+        from jaxflash.runtime.task_setup import build_task
         from jaxflash.sharding.rules import LEARNER_RULES
         from jaxflash.types import Prompt
 
         self.sync_exp = ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, None))
         self.async_exp = ExperimentConfig.from_config_dict(avs.make_config(args, model_dir, 1))
-        self.model_config, self.params, self.tokenizer = load_model(
-            self.sync_exp.model, self.sync_exp.rollout
+        self.tokenizer = load_tokenizer(self.sync_exp.model)
+        self.model_config, self.params = load_model(
+            self.sync_exp.model, self.sync_exp.rollout, self.tokenizer
         )
-        rows, _ = make_datasets(self.sync_exp, self.tokenizer)
+        rows = build_task(self.sync_exp).train
         source = PromptSource(
             rows, self.tokenizer, max_prompt_tokens=self.sync_exp.data.max_prompt_tokens
         )
@@ -118,7 +120,7 @@ class Setup:
     def batcher(self, engine):
         from jaxflash.generation.slot_loop import SlotBatcher
 
-        return SlotBatcher(engine, self.params, policy_version=0, eos_id=self.tokenizer.eos_id)
+        return SlotBatcher(engine, self.params, policy_version=0, stop_ids=self.tokenizer.stop_ids)
 
     def requests(self, first: int, n_prompts: int):
         from jaxflash.types import GenerationRequest

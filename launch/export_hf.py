@@ -43,14 +43,15 @@ def main(argv: list[str]) -> None:
         from jaxflash.learner.state import abstract_train_state
         from jaxflash.models.weights_hf import save_hf
         from jaxflash.runtime.experiment import ExperimentConfig
-        from jaxflash.runtime.model_setup import load_model
+        from jaxflash.runtime.model_setup import load_model, load_tokenizer
         from jaxflash.sharding.mesh import make_mesh
         from jaxflash.sharding.rules import LEARNER_RULES
 
         jax.devices()  # backend probing logs here
 
     exp = ExperimentConfig.from_config_dict(_CONFIG.value)
-    model_config, _, tokenizer = load_model(exp.model, exp.rollout)
+    tokenizer = load_tokenizer(exp.model)
+    model_config, _ = load_model(exp.model, exp.rollout, tokenizer)
     mesh = make_mesh(jax.devices()[:1], {})
     abstract = abstract_train_state(model_config, exp.learner, mesh, LEARNER_RULES)
     ckpt_dir = os.path.join(_WORKDIR.value, "checkpoints")

@@ -96,6 +96,18 @@ def test_async_settings_accepted_on_disjoint_slices():
     assert exp.rollout.async_ratio == 2
 
 
+def test_group_filter_settings_become_the_filter_the_loop_builds():
+    exp = ExperimentConfig.from_config_dict(_smoke())
+    assert exp.rollout.group_filter_kwargs() is None  # keep every group
+    c = _smoke(**{"rollout.filter_zero_variance": True, "rollout.filter_min_std": 0.1})
+    assert ExperimentConfig.from_config_dict(c).rollout.group_filter_kwargs() == {
+        "zero_variance": True,
+        "min_mean": None,
+        "max_mean": None,
+        "min_std": 0.1,
+    }
+
+
 def test_launcher_refuses_async_ratio_on_the_colocated_config(tmp_path):
     """Done-when of issue 6: the launcher fails at start, naming mesh.colocated."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,10 +165,14 @@ def test_ledger_adds_up_and_round_trips():
 
 
 def test_metrics_writer(tmp_path):
-    with MetricsWriter(str(tmp_path), console=None) as w:
-        w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
+    with MetricsWriter(str(tmp_path)) as w:
         w.write_rollouts([{"prompt": "p", "response": "r", "reward": 1.0}])
+        # No step written yet: no (empty) TensorBoard event file either.
+        assert not (tmp_path / "tensorboard").exists()
+        row = w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    assert rows == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
+    assert rows == [row] == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
     assert json.loads(open(tmp_path / "rollouts.jsonl").read())["reward"] == 1.0
     assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
+    MetricsWriter(str(tmp_path)).close()  # a run that writes no step adds no event file
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1

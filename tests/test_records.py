@@ -68,10 +68,20 @@ def test_rollout_row_has_every_field_in_order():
     assert dropped["prompt"] == "" and dropped["answer"] == ""
 
 
-def test_correctness_is_the_math_component_else_a_full_reward():
-    assert correctness(_s(0, 0, 0.3, components={"math": 1.0})) == 1.0
-    assert correctness(_s(0, 0, 1.0, components={"math": 0.0})) == 0.0
-    assert correctness(_s(0, 0, 1.0)) == 1.0 and correctness(_s(0, 0, 0.99)) == 0.0
+def test_correctness_is_the_rewards_correct_component_else_its_score():
+    # Math-Verify and reasoning-gym report "correct" (a partial-credit score is not).
+    assert correctness(_s(0, 0, 0.05, components={"correct": 0.0, "answer_found": 1})) == 0.0
+    assert correctness(_s(0, 0, 0.0, components={"correct": 1.0})) == 1.0
+    # The built-in math reward with a format bonus: its Math-Verify part decides.
+    both = {"math": 1.0, "math/correct": 1.0, "format_any": 1.0, "format_any/boxed": 1.0}
+    assert correctness(_s(0, 0, 1.1, components=both)) == 1.0
+    assert correctness(_s(0, 0, 0.1, components={**both, "math/correct": 0.0})) == 0.0
+    # A custom reward without one: its own score (eval scores with that reward).
+    assert correctness(_s(0, 0, 0.375, components={"uppercase_fraction": 0.375})) == 0.375
+    assert correctness(_s(0, 0, 0.99)) == 0.99
+    # Two parts that both claim correctness: ambiguous, so the score.
+    two = {"a/correct": 1.0, "b/correct": 0.0}
+    assert correctness(_s(0, 0, 0.5, components=two)) == 0.5
 
 
 def test_batch_metrics_count_loss_samples_and_describe_all():
@@ -80,7 +90,8 @@ def test_batch_metrics_count_loss_samples_and_describe_all():
     m = records.batch_metrics(groups, trained)
     assert (m["num_groups"], m["num_samples"], m["samples_masked"]) == (2, 3, 1)
     assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.25
-    assert m["accuracy"] == 0.25 and m["response_len_max"] == 3.0
+    # No "correct" component: accuracy is the mean reward, (1 + 0 + 0.5 + 0.5) / 4.
+    assert m["accuracy"] == 0.5 and m["response_len_max"] == 3.0
     assert records.batch_metrics([], []) == {"num_groups": 0, "num_samples": 0, "samples_masked": 0}
 
 

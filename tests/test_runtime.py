@@ -134,9 +134,11 @@ class _DiesOnPrompt(GenerationServer):
 def test_server_death_fails_the_prompts_in_flight_and_the_run_goes_on(tmp_path, colocated):
     """Step 2 admits prompts 8-15 in one pass; prompt 15 kills every server it reaches,
     so the ones in flight (8, 12, 13, 14, 15; 9-11 fail on their own first) fail
-    SERVER_DIED, the step trains nothing and the run still ends normally."""
+    SERVER_DIED, the step trains nothing and the run still ends normally. The file is
+    read in file order (prompt id i = row i % 8) so that the prompt ids above are the
+    rows the docstring names."""
     workdir = tmp_path / "run"
-    exp = _config(tmp_path, **{"mesh.colocated": colocated})
+    exp = _config(tmp_path, **{"mesh.colocated": colocated, "data.shuffle": False})
     last = run(exp, workdir=str(workdir), server_factory=_DiesOnPrompt)
     assert last["policy_version"] == 2 and last["skipped"] == "all_failed"
     assert last["prompt_outcomes"]["failed"] == {

@@ -132,9 +132,15 @@ class FakeRewards:
 
 class Tok:
     eos_id = 0
+    stop_ids = frozenset({0})
 
     def decode(self, ids):
         return " ".join(map(str, ids))
+
+    def response_text(self, ids):  # up to the first stop id, like models.Tokenizer
+        ids = [int(i) for i in ids]
+        cut = next((k for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.decode(ids[:cut])
 
 
 def _servers(*specs):

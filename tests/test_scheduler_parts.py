@@ -340,9 +340,15 @@ class InstantRewards:
 
 class Tok:
     eos_id = 0
+    stop_ids = frozenset({0})
 
     def decode(self, ids):
         return " ".join(map(str, ids))
+
+    def response_text(self, ids):  # up to the first stop id, like models.Tokenizer
+        ids = [int(i) for i in ids]
+        cut = next((k for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.decode(ids[:cut])
 
 
 def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
@@ -464,13 +470,11 @@ def test_virtual_clock_runs_are_deterministic():
 
 
 class _CharTokenizer:
-    """Renders "<u>{content}<a>" and encodes it as code points (PromptSource needs both)."""
+    """Renders "<u>{content}<a>" as code points (PromptSource asks for the ids directly)."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return "".join(f"<u>{m['content']}" for m in messages) + "<a>"
-
-    def encode(self, text):
-        return [ord(c) % 512 for c in text]
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"<u>{m['content']}" for m in messages) + "<a>"
+        return [ord(c) % 512 for c in text] if tokenize else text
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])

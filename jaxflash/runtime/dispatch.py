@@ -54,7 +54,7 @@ class Dispatcher:
       ledger: every prompt taken enters it here.
       buffer: scored samples (or failures) go here.
       scorer: ``submit((text, answer, item_id)) -> Future[Scored]``.
-      tokenizer: ``decode(ids)``, ``eos_id``.
+      tokenizer: ``response_text(ids)`` (the text up to the first stop id).
       group_size: G requests per prompt.
       sampling, seed: of every request (the sampling RNG is keyed per sample).
       policy_version: the version the servers hold at the start.

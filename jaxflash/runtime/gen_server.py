@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from jaxflash.generation.engine import LlamaEngine
@@ -52,7 +52,10 @@ class GenerationServer:
       engine: the engine of this generation slice (its mesh is the slice).
       params: initial weights (placed on the engine's mesh).
       policy_version: their version.
-      eos_id: end-of-sequence token id.
+      stop_ids: every id that ends a sample (``Tokenizer.stop_ids``: eos,
+        end-of-turn, generation_config's list); a stop id ends it with finish
+        reason EOS and is kept as its last token.
+      eos_id: a single stop id instead (``stop_ids={eos_id}``); give exactly one.
       partial_rollout: in-flight policy at a weight update, one of
         ``IN_FLIGHT_POLICIES`` ("continue" | "restart" | "recompute"), see
         ``SlotBatcher.set_params``.
@@ -63,7 +66,7 @@ class GenerationServer:
       clock: time source of the busy/idle accounting (default: real time).
 
     Raises:
-      ValueError: unknown partial_rollout.
+      ValueError: unknown partial_rollout; both or neither of stop_ids / eos_id.
     """
 
     def __init__(
@@ -73,7 +76,8 @@ class GenerationServer:
         params: Any,
         *,
         policy_version: PolicyVersion,
-        eos_id: int,
+        stop_ids: Collection[int] | None = None,
+        eos_id: int | None = None,
         partial_rollout: str,
         on_finished: Callable[[Sample], None],
         clock: Clock | None = None,
@@ -88,7 +92,9 @@ class GenerationServer:
         self.partial_rollout = partial_rollout
         self._on_finished = on_finished
         self._clock = clock or RealClock()
-        self._batcher = SlotBatcher(engine, params, policy_version=policy_version, eos_id=eos_id)
+        self._batcher = SlotBatcher(
+            engine, params, policy_version=policy_version, stop_ids=stop_ids, eos_id=eos_id
+        )
         self._cond = threading.Condition()
         # Guarded by _cond:
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()

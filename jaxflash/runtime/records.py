@@ -6,6 +6,10 @@ tables document every name here. Host-side numpy only.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,3 +196,94 @@ def server_metrics(
 
 
 _CUMULATIVE = ("live_slot_steps", "slot_steps", "busy_s", "idle_s", "generated_tokens")
+
+
+# (metric, label, format) of the console's step line, in order; absent ones are left out.
+_STEP_LINE = (
+    ("reward_mean", "reward_mean", "{:.3f}"),
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("response_len_mean", "response_len_mean", "{:.1f} tokens"),
+    ("truncated_frac", "truncated_frac", "{:.2f}"),
+    ("grad_norm", "grad_norm", "{:.3g}"),
+    ("logprob_gap_on_policy_max", "logprob_gap_on_policy_max", "{:.2g}"),
+    ("staleness_max", "staleness_max", "{:d}"),
+    ("gen_tokens_per_s", "generation", "{:.1f} tokens/s"),
+    ("train_tokens_per_s", "training", "{:.1f} tokens/s"),
+)
+
+
+def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]) -> str:
+    """The console's one line per step: every column labelled, rates with their unit.
+
+    Args:
+      step: the policy version after the step (0: the evaluation before training).
+      total_steps: the run's ``total_steps``.
+      elapsed: time since the run started, as text.
+      metrics: the step's metrics.jsonl row.
+    """
+    parts = [f"step {step}/{total_steps}", f"elapsed {elapsed}"]
+    if "step_time_s" in metrics:
+        parts.append(f"step_time {metrics['step_time_s']:.1f} s")
+    if "skipped" in metrics:
+        parts.append(f"skipped: {metrics['skipped']} (nothing to train)")
+    for key, label, fmt in _STEP_LINE:
+        value = metrics.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            parts.append(f"{label} {fmt.format(int(value) if fmt == '{:d}' else value)}")
+    if "eval_accuracy" in metrics:
+        acc, err = metrics["eval_accuracy"], metrics.get("eval_accuracy_stderr", float("nan"))
+        text = f"eval_accuracy {acc:.3f}" + (f" ± {err:.3f}" if np.isfinite(err) else "")
+        parts.append(f"{text} ({metrics.get('eval_prompts', 0)} prompts)")
+    return " | ".join(parts)
+
+
+def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any) -> str:
+    """Writes ``<workdir>/run_config.json``: the experiment as run and the stop set.
+
+    The experiment after everything derived at start (the task's reward, the prompt
+    limits measured from the data), the prompt lengths measured, and the
+    tokenizer's stop set: every id that ends a response, its token and the
+    sources that named it (eos, generation_config.json, GGUF eot, the template).
+    Rewritten at every start, so it describes the latest launch.
+
+    Returns:
+      The file's path.
+    """
+    stops = tokenizer.stop_set
+    info = {
+        "experiment": dataclasses.asdict(exp),
+        "prompt_lengths": dataclasses.asdict(prompt_lengths),
+        "stop_set": {
+            "ids": sorted(stops.ids),
+            "tokens": {str(i): tokenizer.id_to_token(i) for i in sorted(stops.ids)},
+            "sources": {str(i): list(stops.sources[i]) for i in sorted(stops.ids)},
+            "describe": stops.describe(tokenizer.id_to_token),
+        },
+    }
+    path = os.path.join(workdir, "run_config.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1, default=str)
+    return path
+
+
+def describe_model(config: Any) -> str:
+    """One console line: the shape of a ``ModelConfig``."""
+    valid = config.valid_vocab_size
+    vocab = f"vocab {config.vocab_size}" + (f" ({valid} used)" if valid else "")
+    return (
+        f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
+        f"({config.n_kv_heads} kv), {vocab}, context {config.max_seq_len}, "
+        f"{config.param_dtype} params, {config.compute_dtype} compute"
+    )
+
+
+def check_finite(metrics: dict[str, Any], step: int) -> None:
+    """Fail loudly on NaN/Inf training metrics (eval NaN with no prompts is allowed).
+
+    Raises:
+      FloatingPointError: ``loss``, ``grad_norm`` or ``entropy`` is not finite.
+    """
+    for key in ("loss", "grad_norm", "entropy"):
+        value = metrics.get(key)
+        if value is not None and not math.isfinite(value):
+            raise FloatingPointError(f"step {step}: metric {key} is {value}: {metrics}")

@@ -21,6 +21,12 @@ A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
 policy version still advances, with the weights unchanged, so the run goes on.
 
+Before the model loads, everything the config names is built or checked: the
+task (``runtime.task_setup``), its reward, the tokenizer and its stop set, and
+the prompt limits derived from the data (all in ``<workdir>/run_config.json``);
+a workdir that already reached ``total_steps`` is reported and left alone. The
+console (``runtime.console``) names every long phase while it runs.
+
 Resume: the ledger, the counters and the data cursor are in the checkpoint;
 prompts in flight at the checkpoint are regenerated from scratch at the restored
 version (``prompts_regenerated_on_resume``), never trained twice.
@@ -29,7 +35,6 @@ version (``prompts_regenerated_on_resume``), never trained twice.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +52,7 @@ from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime import records
 from jaxflash.runtime.clock import Clock, RealClock
+from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
 from jaxflash.runtime.evaluation import evaluate
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
@@ -55,41 +61,26 @@ from jaxflash.runtime.learner_batch import empty_reason, learner_batch
 from jaxflash.runtime.model_setup import (
     check_workdir_model,
     load_model,
-    make_datasets,
+    load_tokenizer,
     make_engine,
     make_reward,
-    prompt_by_id,
 )
 from jaxflash.runtime.placement import carve
-from jaxflash.runtime.resume import init_or_restore_learner
+from jaxflash.runtime.resume import finished_step, init_or_restore_learner, last_metrics
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
+from jaxflash.runtime.task_setup import (
+    build_task,
+    eval_prompts,
+    measure_prompts,
+    prompt_by_id,
+    prompt_lengths,
+)
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.publish import Publisher
 
 log = logging.getLogger(__name__)
-
-CONSOLE_KEYS = (
-    "reward_mean",
-    "accuracy",
-    "eval_accuracy",
-    "response_len_mean",
-    "grad_norm",
-    "logprob_gap_on_policy_max",
-    "staleness_max",
-    "gen_tokens_per_s",
-    "train_tokens_per_s",
-)
-
-
-def group_filter_of(exp: ExperimentConfig) -> GroupFilter | None:
-    """The dynamic-sampling filter the rollout config asks for (None = keep every group)."""
-    r = exp.rollout
-    knobs = dict(min_mean=r.filter_min_mean, max_mean=r.filter_max_mean, min_std=r.filter_min_std)
-    if not r.filter_zero_variance and all(v is None for v in knobs.values()):
-        return None
-    return GroupFilter(zero_variance=r.filter_zero_variance, **knobs)
 
 
 def run(
@@ -98,39 +89,84 @@ def run(
     workdir: str,
     server_factory: Callable[..., Any] = GenerationServer,
     clock: Clock | None = None,
+    console: Console | None = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) an RLVR experiment in ``workdir``.
 
     Args:
       exp: the validated experiment.
-      workdir: run directory; a complete checkpoint there is resumed from.
+      workdir: run directory; a complete checkpoint there is resumed from, and a
+        run whose last checkpoint reached ``exp.total_steps`` is not run again.
       server_factory: builds each generation server like ``GenerationServer``
         (tests wrap it to inject faults).
       clock: time source of every timing (default: real time).
+      console: step lines and progress during long phases (default: silent).
 
     Returns:
-      The last step's metrics.
+      The last step's metrics (a finished run: the last row of its metrics.jsonl).
 
     Raises:
+      ConfigError: the task, its data or the reward cannot run (naming the fields),
+        found before the model loads.
       TimeoutError: no batch could be assembled in time (servers hung).
       RuntimeError: every generation server died.
       FloatingPointError: a non-finite loss, gradient norm or entropy.
     """
     clock = clock or RealClock()
-    os.makedirs(workdir, exist_ok=True)
+    console = console or Console(None)
+    t_run = clock.now()
+    done = finished_step(workdir, exp.total_steps)
+    if done is not None:  # nothing to do: say so instead of resuming silently
+        console.line(
+            f"{workdir} is finished: its last checkpoint is step {done} and total_steps="
+            f"{exp.total_steps}. To train further, run the same command with "
+            f"--config.total_steps=<more than {done}> (it resumes from step {done}); "
+            "to start over, pass a new --workdir."
+        )
+        return last_metrics(workdir)
 
-    # ------------------------------------------------------------ devices
+    # ------------------------------------------------------------ task, reward, tokenizer
+    # Everything that can be wrong with the config fails here, before the slow model load.
+    console.background("setting up")
     placement = carve(exp.mesh)
-    log.info("placement: %s", placement.describe())
+    console.line(f"devices: {placement.describe()}")
     reward = make_reward(exp.reward)  # resolve a custom reward before the slow model load
+    with console.phase(f"building task {exp.data.task}"):
+        task = build_task(exp)
+        tokenizer = load_tokenizer(exp.model)
+    measured = {"rows": 0, "of": 0}
+    with console.phase(
+        "measuring prompt lengths",
+        lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
+    ):
+        lengths, every_row = measure_prompts(
+            task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)
+        )
+    exp, lengths_info = prompt_lengths(exp, lengths, every_row)
+    stops = tokenizer.stop_set.describe(tokenizer.id_to_token)
+    console.line(f"task {exp.data.task}, reward {exp.reward.fn}; {lengths_info.describe()}")
+    console.line(f"stop set (ids that end a response): {stops}")
+    os.makedirs(workdir, exist_ok=True)  # only once the config is known to run
+    records.write_run_config(workdir, exp, tokenizer, lengths_info)
 
     # ------------------------------------------------------------ model + learner (born sharded)
-    model_config, imported_params, tokenizer = load_model(exp.model, exp.rollout)
-    log.info("model: %s", model_config)
+    what = exp.model.path or {"gguf": "SmolLM2-135M-Instruct GGUF"}.get(exp.model.source, "")
+    what = what or f"random-init preset {exp.model.preset}"
+    with console.phase("loading the model", announce=f"loading the model ({what}) ..."):
+        model_config, imported_params = load_model(exp.model, exp.rollout, tokenizer)
+    log.debug("model: %s", model_config)
+    console.line(f"model: {records.describe_model(model_config)}")
     check_workdir_model(workdir, model_config)
-    state, meta, ledger, checkpointer = init_or_restore_learner(
-        exp, model_config, imported_params, placement.learner, workdir
-    )
+    console.background("setting up the learner, the generation engines and the reward workers")
+    with console.phase("building the learner state"):
+        state, meta, ledger, checkpointer = init_or_restore_learner(
+            exp, model_config, imported_params, placement.learner, workdir
+        )
+    if meta.step:
+        console.line(
+            f"resumed from step {meta.step} of {exp.total_steps} in {workdir} (data cursor "
+            f"{meta.data_cursor}; {len(ledger.open_ids)} prompts in flight, generated again)"
+        )
     del imported_params
     train_step = make_train_step(model_config, exp.learner, placement.learner, LEARNER_RULES)
     step_sharding = state_shardings(
@@ -138,8 +174,8 @@ def run(
     ).step
 
     # ------------------------------------------------------------ engines + first weights
-    engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
     version = int(meta.step)  # policy version == learner steps taken
+    engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
     publishers = [Publisher() for _ in engines]
 
     def publish_weights(params: Any, v: int) -> list[Any]:
@@ -149,12 +185,14 @@ def run(
         jax.block_until_ready(out)
         return out
 
-    gen_params = publish_weights(state.params, version)
+    with console.phase("publishing the weights to the generation engines"):
+        gen_params = publish_weights(state.params, version)
 
     # ------------------------------------------------------------ data, rewards, scheduler
     r = exp.rollout
     B, G = r.prompts_per_step, r.group_size
-    train_rows, eval_prompts = make_datasets(exp, tokenizer)
+    train_rows = task.train
+    held_out = eval_prompts(task, tokenizer, exp.data.max_prompt_tokens)
     source = PromptSource(
         train_rows,
         tokenizer,
@@ -166,7 +204,8 @@ def run(
     reward_pool = RewardPool(
         reward, num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s, clock=clock
     )
-    group_filter = group_filter_of(exp)
+    filter_knobs = r.group_filter_kwargs()
+    group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
     truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
     inbox = Inbox()
     servers = [
@@ -175,7 +214,7 @@ def run(
             engine,
             params,
             policy_version=version,
-            eos_id=tokenizer.eos_id,
+            stop_ids=tokenizer.stop_ids,
             partial_rollout=r.partial_rollout,
             on_finished=inbox.generated,
             clock=clock,
@@ -208,37 +247,57 @@ def run(
     )
     advantage_fn = get_advantage_estimator(exp.advantage)
     batch_timeout_s = r.sample_deadline_s * (r.max_retries + 2) + 4 * exp.reward.timeout_s
+    compiled = {"engine": False, "learner": False}  # for the console's notes
 
     def run_eval(v: int) -> dict[str, float]:
-        if not eval_prompts:
+        if not held_out:
             return {}
-        t0 = clock.now()
-        out = evaluate(
-            engines[0][0],
-            gen_params[0],
-            eval_prompts,
-            samples_per_prompt=exp.eval.samples_per_prompt,
-            sampling=r.sampling,
-            seed=exp.seed,
-            policy_version=v,
-            tokenizer=tokenizer,
-            reward_pool=reward_pool,
-        )
+        t0, status = clock.now(), EvalStatus(clock.now)
+        note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
+        announce = f"evaluating at step {v}: {len(held_out)} prompts x "
+        announce += f"{exp.eval.samples_per_prompt} samples{note} ..."
+        with console.phase("evaluating", status, announce=announce):
+            out = evaluate(
+                engines[0][0],
+                gen_params[0],
+                held_out,
+                samples_per_prompt=exp.eval.samples_per_prompt,
+                sampling=r.sampling,
+                seed=exp.seed,
+                policy_version=v,
+                tokenizer=tokenizer,
+                reward_pool=reward_pool,
+                progress=status.update,
+            )
+        compiled["engine"] = True
         return {**out, "eval_time_s": clock.now() - t0}
 
+    def show(step: int, row: dict[str, Any], compiled_now: bool = False) -> None:
+        elapsed = duration(clock.now() - t_run)
+        line = records.step_line(step, exp.total_steps, elapsed, row)
+        # The first update's time is mostly XLA compiling it: say so next to its rate.
+        console.line(line + (" (first update: includes compiling it)" if compiled_now else ""))
+
     # ------------------------------------------------------------ the loop
-    writer = MetricsWriter(workdir, console_keys=CONSOLE_KEYS)
+    writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
     try:
         if version == 0 and exp.data.eval_size:
+            console.background(f"step 0/{exp.total_steps}")
             metrics = run_eval(0)
-            writer.write_step(0, {**metrics, **ledger.metrics()})
+            show(0, writer.write_step(0, {**metrics, **ledger.metrics()}))
         scheduler.start()
         servers_before = scheduler.server_stats()
         while version < exp.total_steps:
             t_step = clock.now()
+            step_label = f"step {version + 1}/{exp.total_steps}"
+            console.background(step_label)
             # 1-4. Sample, generate, score, group: B groups with staleness <= alpha.
-            batch = scheduler.next_batch(version, timeout_s=batch_timeout_s)
+            note = "" if compiled["engine"] else " (the first generation compiles the engine)"
+            progress = GenerationStatus(scheduler, clock.now, samples=B * G)
+            with console.phase(f"{step_label}: generating{note}", progress):
+                batch = scheduler.next_batch(version, timeout_s=batch_timeout_s)
+            compiled["engine"] = True
             writer.write_rollouts(batch.rows)
 
             # 5. Advantages per group; samples masked by truncation carry no loss.
@@ -254,11 +313,15 @@ def run(
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
+            compiled_now = lb.batch is not None and not compiled["learner"]
             if lb.batch is not None:
-                state, train_metrics = train_step(state, lb.batch)
-                step_metrics = records.learner_metrics(
-                    {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-                )
+                note = "" if compiled["learner"] else " (the first update compiles the step)"
+                with console.phase(f"{step_label}: training on {len(lb.samples)} samples{note}"):
+                    state, train_metrics = train_step(state, lb.batch)
+                    step_metrics = records.learner_metrics(
+                        {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+                    )
+                compiled["learner"] = True
             else:
                 skipped = empty_reason(batch.groups, batch.dropped)
                 scheduler.count("steps_skipped", f"steps_skipped_{skipped}")
@@ -304,8 +367,8 @@ def run(
             # 8. Evaluate.
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
-            _check_finite(metrics, version)
-            writer.write_step(version, metrics)
+            records.check_finite(metrics, version)
+            show(version, writer.write_step(version, metrics), compiled_now)
 
             # 9. Checkpoint.
             if version % exp.checkpoint.every == 0 or version == exp.total_steps:
@@ -321,16 +384,14 @@ def run(
                     ),
                 )
     finally:
+        console.background("shutting down: stopping the servers, writing the last checkpoint")
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
         checkpointer.close()
         reward_pool.close()
         writer.close()
+        console.background(None)
+    console.line(
+        f"finished {version}/{exp.total_steps} steps in {duration(clock.now() - t_run)}: "
+        f"{workdir}/metrics.jsonl, rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"
+    )
     return metrics
-
-
-def _check_finite(metrics: dict[str, Any], step: int) -> None:
-    """Fail loudly on NaN/Inf training metrics (eval NaN with no prompts is allowed)."""
-    for key in ("loss", "grad_norm", "entropy"):
-        value = metrics.get(key)
-        if value is not None and not math.isfinite(value):
-            raise FloatingPointError(f"step {step}: metric {key} is {value}: {metrics}")

@@ -69,7 +69,7 @@ class RolloutScheduler:
       ledger: the run's PromptLedger.
       buffer: GroupBuffer of group size G.
       scorer: reward pool (``submit(item) -> Future[Scored]``).
-      tokenizer: ``decode(ids)`` and ``eos_id``.
+      tokenizer: ``response_text(ids)`` (the text up to the first stop id).
       batch_prompts: B groups per learner step.
       group_size: G samples per prompt.
       async_ratio: α >= 0.

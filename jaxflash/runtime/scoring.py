@@ -1,6 +1,6 @@
 """Scoring a finished sample: the reward request, its result, truncation and correctness.
 
-Every finished sample is decoded (end-of-sequence token dropped), scored on its
+Every finished sample is decoded (up to its stop token, exclusive), scored on its
 own by the reward pool (no batch barrier), and given its reward here; one
 definition of what a truncated response gets (``TruncationPolicy``) and of
 whether an answer was correct (``correctness``) serves training metrics,
@@ -59,9 +59,9 @@ class Scorer(Protocol):
 
 
 def response_text(sample: Sample, tokenizer: Any) -> str:
-    """The response as the reward sees it: decoded, without the EOS token."""
-    eos = tokenizer.eos_id
-    return tokenizer.decode([int(t) for t in sample.response_tokens if int(t) != eos])
+    """The response as the reward sees it: decoded up to its first stop id, exclusive
+    (``tokenizer.response_text``: any id of the stop set ends it, not only EOS)."""
+    return tokenizer.response_text(sample.response_tokens)
 
 
 def reward_item(sample: Sample, answer: str) -> tuple[str, str, str]:
@@ -93,9 +93,18 @@ def unavailable(err: BaseException) -> Scored:
 
 
 def correctness(sample: Sample) -> float:
-    """1.0 if the answer was right: the Math-Verify component ("math") when the reward
-    has one, else reward >= 1 (custom rewards); 0.0 before scoring."""
+    """Whether the answer was right, as the reward says it (``accuracy``, ``eval_accuracy``).
+
+    The reward's ``correct`` component when it has one (Math-Verify, reasoning-gym);
+    else the one ``<part>/correct`` component of a combined reward (the built-in
+    math reward with a format bonus: ``math/correct``); else the reward itself (a
+    custom reward: its score, so a reward in [0, 1] that gives 1 for a right
+    answer reads as accuracy). 0.0 before scoring.
+    """
     components = (sample.reward_info or {}).get("components", {})
-    if "math" in components:
-        return float(components["math"])
-    return float(sample.reward is not None and sample.reward >= 1.0)
+    if "correct" in components:
+        return float(components["correct"])
+    parts = [k for k in components if k.endswith("/correct")]
+    if len(parts) == 1:
+        return float(components[parts[0]])
+    return float(sample.reward) if sample.reward is not None else 0.0

@@ -140,8 +140,12 @@ class SimTokenizer:
     """Decodes nothing (simulated tokens carry no text); no token is EOS."""
 
     eos_id = -1
+    stop_ids = frozenset()
 
     def decode(self, ids: Any) -> str:
+        return ""
+
+    def response_text(self, ids: Any) -> str:  # what the scheduler hands the reward
         return ""
 
 
