@@ -59,6 +59,7 @@ def calibrate_success(
     max_context_tokens: int,
     episodes_per_batch: int = 32,
     sampling_seed: int = 0,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> CalibrationResult:
     """Play every seed ``n`` times with ``generate`` and report mean@n success.
 
@@ -72,6 +73,8 @@ def calibrate_success(
       max_context_tokens: prompt + response limit per episode.
       episodes_per_batch: episodes played in lockstep at once.
       sampling_seed: seed of every request.
+      progress: called after each batch with (episodes played, episodes in all,
+        tokens sampled so far).
 
     Raises:
       ValueError: no seeds, n < 1, or episodes_per_batch < 1.
@@ -83,7 +86,7 @@ def calibrate_success(
         )
     jobs = [(s, i) for s in seeds for i in range(n)]
     results: dict[int, list[bool]] = {s: [] for s in seeds}
-    failures = turns = invalid = counted = 0
+    failures = turns = invalid = counted = sampled = 0
     for start in range(0, len(jobs), episodes_per_batch):
         chunk = jobs[start : start + episodes_per_batch]
         envs = [make_env() for _ in chunk]
@@ -106,11 +109,14 @@ def calibrate_success(
                 failures += 1
                 continue
             results[s].append(traj.success)
+            sampled += int(traj.loss_mask.sum())
             counted += 1
             turns += len(traj.turns)
             invalid += traj.invalid_actions
         for env in envs:
             env.close()
+        if progress is not None:
+            progress(start + len(chunk), len(jobs), sampled)
     kept = [s for s in seeds if results[s]]
     per_seed = np.array([np.mean(results[s]) for s in kept], np.float64)
     S = len(kept)

@@ -50,6 +50,7 @@ def trajectory_to_sample(traj: Trajectory) -> Sample:
     versions = np.where(sampled, traj.token_versions, start).astype(np.int32)
     logp = np.where(sampled, traj.behaviour_logprobs, 0.0).astype(np.float32)
     transcript = "\n".join(f"[{m['role']}] {m['content']}" for m in traj.messages[1:])
+    success = traj.success
     return Sample(
         prompt_id=traj.prompt_id,
         sample_index=traj.episode_index,
@@ -61,9 +62,12 @@ def trajectory_to_sample(traj: Trajectory) -> Sample:
         finish_reason=traj.turns[-1].finish_reason,
         reward=traj.episode_return,
         reward_info={
+            # accuracy / correctness of a run read components["correct"]: the success
+            "components": {"correct": float(success), "return": traj.episode_return},
             "episode_end": traj.end.value,
+            "env_seed": traj.env_seed,
             "turns": len(traj.turns),
-            "success": traj.success,
+            "success": success,
             "invalid_actions": traj.invalid_actions,
             "turn_rewards": traj.turn_rewards.tolist(),
             "env_time_s": traj.env_time_s,
@@ -171,5 +175,94 @@ def group_token_advantages(
                 continue
             per_turn = adv[b, i] if level == "step" else np.full(rewards.shape[2], adv[b, i])
             row.append(token_advantages(traj, per_turn))
+        out.append(row)
+    return out
+
+
+def token_turns(sample: Sample) -> np.ndarray:
+    """int32 [R]: the turn each response token belongs to, from ``response_mask``.
+
+    Turn t's sampled tokens are the t-th run of mask 1 (every turn samples at least
+    one token and a non-empty delta of mask 0 follows each turn but the last), so a
+    token's turn is the number of mask runs that started at or before it, minus 1;
+    delta tokens belong to the turn they follow (as ``Trajectory.token_turn``).
+
+    Raises:
+      ValueError: the sample has no response_mask, or its response does not start
+        with a sampled token.
+    """
+    if sample.response_mask is None:
+        raise ValueError(
+            f"token_turns: sample {sample.prompt_id}/{sample.sample_index} is single-turn"
+        )
+    mask = np.asarray(sample.response_mask) > 0
+    if mask.size == 0 or not mask[0]:
+        raise ValueError(
+            f"token_turns: sample {sample.prompt_id}/{sample.sample_index} does not start "
+            "with a sampled token"
+        )
+    starts = mask & ~np.concatenate([[False], mask[:-1]])
+    return (np.cumsum(starts) - 1).astype(np.int32)
+
+
+def sample_token_advantages(
+    groups: Sequence[Sequence[Sample]],
+    *,
+    level: str = "trajectory",
+    gamma: float = 1.0,
+    estimator: str = "grpo",
+    **estimator_kwargs,
+) -> list[list[np.ndarray]]:
+    """``group_token_advantages`` for episodes already turned into Samples.
+
+    Reads each sample's per-turn rewards (``reward_info["turn_rewards"]``) and its
+    turns (``token_turns``).
+
+    Args:
+      groups: B groups of episode Samples sharing an environment seed.
+      level, gamma, estimator, **estimator_kwargs: as ``group_token_advantages``.
+
+    Returns:
+      per sample, float32 [R]: its turn's advantage on sampled tokens, 0 elsewhere.
+
+    Raises:
+      ValueError: unknown level, a sample without turn rewards or response mask.
+    """
+    if level not in EPISODE_ADVANTAGE_LEVELS:
+        raise ValueError(f"unknown level {level!r}; choose from {sorted(EPISODE_ADVANTAGE_LEVELS)}")
+    if not groups:
+        raise ValueError("sample_token_advantages: no groups")
+    turn_rewards = []
+    for group in groups:
+        row = []
+        for s in group:
+            r = (s.reward_info or {}).get("turn_rewards")
+            if not r:
+                raise ValueError(
+                    f"sample_token_advantages: sample {s.prompt_id}/{s.sample_index} has no "
+                    "turn rewards (not an episode)"
+                )
+            row.append(np.asarray(r, np.float32))
+        turn_rewards.append(row)
+    B, G = len(groups), max(len(g) for g in groups)
+    K = max(r.size for row in turn_rewards for r in row)
+    rewards = np.zeros((B, G, K), np.float32)
+    mask = np.zeros((B, G, K), np.float32)
+    for b, row in enumerate(turn_rewards):
+        for i, r in enumerate(row):
+            rewards[b, i, : r.size], mask[b, i, : r.size] = r, 1.0
+    adv = np.asarray(
+        EPISODE_ADVANTAGE_LEVELS[level](
+            rewards, mask, gamma=gamma, estimator=estimator, **estimator_kwargs
+        )
+    )
+    out = []
+    for b, group in enumerate(groups):
+        row = []
+        for i, s in enumerate(group):
+            per_turn = adv[b, i] if level == "step" else np.full(K, adv[b, i], np.float32)
+            turns = token_turns(s)
+            keep = np.asarray(s.response_mask) > 0
+            row.append(np.where(keep, per_turn[turns], 0.0).astype(np.float32))
         out.append(row)
     return out

@@ -77,13 +77,21 @@ def pack_batch(
       B = num_sequences or len(samples).
 
     Raises:
-      ValueError: empty input, mismatched lengths, a sample with an empty
+      ValueError: empty input, a sample with a ``response_mask`` (use
+        ``episode_batching.pack_episode_batch``), mismatched lengths, a sample with an empty
         response, per-token arrays whose length differs from the response,
         non-finite advantages, or a sequence longer than ``max_len`` (names the
         sample).
     """
     if len(samples) == 0:
         raise ValueError("pack_batch: samples is empty")
+    for s in samples:  # a multi-turn sample would train on its observation tokens
+        if s.response_mask is not None:
+            raise ValueError(
+                f"pack_batch: sample (prompt_id={s.prompt_id}, sample_index={s.sample_index}) "
+                "has a response_mask (a multi-turn episode); pack it with "
+                "learner.episode_batching.pack_episode_batch, which trains only sampled tokens"
+            )
     adv_b = np.asarray(advantages, dtype=np.float32)
     if adv_b.shape != (len(samples),):
         raise ValueError(

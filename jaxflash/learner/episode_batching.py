@@ -17,6 +17,7 @@ version metrics, while still being attended to as context.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,7 +51,10 @@ def pack_episode_batch(
         raise ValueError(
             f"pack_episode_batch: {len(advantages)} advantages for {len(samples)} samples"
         )
-    batch = pack_batch(samples, np.zeros(len(samples), np.float32), **pack_kwargs)
+    # pack_batch lays the rows out (it refuses masked samples: it would train on every
+    # response token); the masks are applied below.
+    unmasked = [dataclasses.replace(s, response_mask=None) for s in samples]
+    batch = pack_batch(unmasked, np.zeros(len(samples), np.float32), **pack_kwargs)
     for b, (s, adv) in enumerate(zip(samples, advantages, strict=True)):
         tag = f"sample (prompt_id={s.prompt_id}, sample_index={s.sample_index})"
         P, R = len(s.prompt_tokens), len(s.response_tokens)

@@ -1,18 +1,17 @@
-"""Dispatching samples to generation servers and getting them back, without threads.
+"""Dispatching prompts' samples to generation servers and scoring them, without threads.
 
 The per-sample work of queue scheduling (ROLL Flash, arXiv 2510.11345 §5.1): each
-admitted prompt becomes G single-sample requests (prompt replication), each sent
-to the best server (``ServerPool.choose``); each finished sample is scored at once
-(no batch barrier) and filed in the ``GroupBuffer``. No silent hang
-(rl_pitfalls "No silent hang"): a sample not back within ``sample_deadline_s`` is
-aborted on its server and retried elsewhere, after ``max_retries`` its prompt
-fails (GENERATION_TIMEOUT); a server that raises is marked dead and its samples
-rerouted; with no server left every unfinished prompt fails (SERVER_DIED) and
-admission halts.
+admitted prompt becomes G single-sample requests (prompt replication), each routed
+on its own (``runtime.routing.RequestRouter``: best server, deadlines and retries,
+dead servers); each finished sample is scored at once (no batch barrier) and filed
+in the ``GroupBuffer``. A prompt the router cannot generate fails with the
+router's ``FailureReason``; with no server left admission halts.
 
 Servers and the reward pool report back through an ``Inbox`` (thread-safe); all
 other state is touched only by whoever calls ``poll`` (the scheduler's pump
 thread, or a simulator driving a ``VirtualClock``), under the scheduler's lock.
+The environment manager (``runtime.episode_dispatch``) offers the same methods
+for episodes, so the scheduler and ``BatchAssembler`` drive either.
 """
 
 from __future__ import annotations
@@ -23,13 +22,11 @@ from typing import Any
 
 from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import GroupBuffer
-from jaxflash.replay.staleness import start_version_of
-from jaxflash.replay.versions import PolicyClock
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
-from jaxflash.runtime.outstanding import Outstanding, OutstandingTable
+from jaxflash.runtime.routing import RequestRouter
 from jaxflash.runtime.scoring import (
     Scorer,
     TruncationPolicy,
@@ -38,8 +35,8 @@ from jaxflash.runtime.scoring import (
     reward_item,
     unavailable,
 )
-from jaxflash.runtime.server_pool import ServerPool, Submitted
-from jaxflash.types import FailureReason, FinishReason, GenerationRequest, Prompt, SamplingParams
+from jaxflash.runtime.server_pool import ServerPool
+from jaxflash.types import GenerationRequest, Prompt, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +90,19 @@ class Dispatcher:
         self.ledger, self.buffer, self.scorer = ledger, buffer, scorer
         self.tokenizer, self.G = tokenizer, group_size
         self.sampling, self.seed = sampling, seed
-        self.policy = PolicyClock(policy_version)
-        self.deadline_s, self.max_retries = sample_deadline_s, max_retries
         self.truncation, self.counters, self.clock = truncation, counters, clock
         self.prompt_replication = prompt_replication
-        self.table = OutstandingTable()
+        self.router = RequestRouter(
+            pool,
+            policy_version=policy_version,
+            sample_deadline_s=sample_deadline_s,
+            max_retries=max_retries,
+            counters=counters,
+            clock=clock,
+            on_failed=self.buffer.fail,
+            on_halt=self._halt,
+        )
         self.scoring: dict[tuple[int, int], Any] = {}  # key -> sample awaiting its reward
-        self.first_request_at: float | None = None
 
     # ------------------------------------------------------------------ one step
 
@@ -111,16 +114,14 @@ class Dispatcher:
                 self._on_generated(sample)
             else:
                 self._on_scored(sample, rest[0])
-        for i in self.pool.check():
-            self.server_died(i)
-        self._check_deadlines()
+        self.router.check()
         self.admit()
         return len(events)
 
     def idle(self) -> bool:
         """Nothing in flight or being scored, nothing to report, nothing admissible."""
         return (
-            not self.table
+            not self.router.table
             and not self.scoring
             and self.inbox.empty()
             and not self.admission.can_admit()
@@ -144,79 +145,35 @@ class Dispatcher:
         """Send all G samples of ``prompt`` (stops at the first that fails)."""
         server = -1
         for i in range(self.G):
-            server = self.dispatch(self._request(prompt, i), prefer=server)
+            server = self.router.dispatch(self._request(prompt, i), prefer=server)
             if server < 0:
                 break
             if self.prompt_replication:
                 server = -1
 
-    # ------------------------------------------------------------------ dispatch
-
-    def dispatch(
-        self, request: GenerationRequest, attempts: int = 0, avoid: int = -1, prefer: int = -1
-    ) -> int:
-        """Send one sample to ``prefer`` if alive, else the best server.
-
-        Returns:
-          The server it went to, or -1 if its prompt failed instead.
-        """
-        while True:
-            if prefer >= 0 and prefer != avoid and prefer not in self.pool.dead:
-                i, prefer = prefer, -1
-            else:
-                i = self.pool.choose(self.table.load(), self.policy.version, avoid)
-            if i < 0:
-                self._no_server_left(request.prompt_id)
-                return -1
-            held = self.pool.version(i)
-            result = self.pool.submit(i, request)
-            if result.status is Submitted.OK:
-                now = self.clock.now()
-                if self.first_request_at is None:
-                    self.first_request_at = now
-                self.table.add(
-                    Outstanding(
-                        request=request,
-                        server=i,
-                        dispatched_at=now,
-                        version=held,
-                        attempts=attempts,
-                    )
-                )
-                return i
-            if result.status is Submitted.REJECTED:
-                self.counters["samples_failed"] += 1
-                pid = request.prompt_id
-                detail = f"prompt {pid} sample {request.sample_index}: {result.error}"
-                self.buffer.fail(pid, FailureReason.REQUEST_REJECTED, detail)
-                self.abort_prompt(pid)
-                return -1
-            self.server_died(i)  # it died taking the request: try another
-
     def abort_prompt(self, prompt_id: int) -> None:
         """Abort a prompt's outstanding samples on every server holding one (counted)."""
-        entries = self.table.by_prompt(prompt_id)
-        for e in entries:
-            self.table.pop(e.key)
-            self.counters["samples_aborted"] += 1
-        for i in sorted({e.server for e in entries}):
-            if self.pool.abort(i, prompt_id) is Submitted.DIED:
-                self.server_died(i)
+        self.router.abort_prompt(prompt_id)
 
     # ------------------------------------------------------------------ for the batch side
 
     @property
     def version(self) -> int:
         """The published policy version the servers were handed last."""
-        return self.policy.version
+        return self.router.version
 
     def publish(self, version: int) -> None:
         """The learner published ``version`` (ValueError unless it increases)."""
-        self.policy.publish(int(version))
+        self.router.publish(version)
+
+    @property
+    def first_request_at(self) -> float | None:
+        """Clock time of the first sample sent to a server (None before)."""
+        return self.router.first_request_at
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.table)
+        return len(self.router.table)
 
     @property
     def num_scoring(self) -> int:
@@ -224,27 +181,35 @@ class Dispatcher:
 
     def next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline."""
-        return self.table.next_deadline(self.deadline_s)
+        return self.router.next_deadline()
 
     def in_flight(self) -> list[int]:
         """Prompts with at least one sample on a server, sorted."""
-        return self.table.prompts()
+        return self.router.in_flight()
 
     def outstanding(self, prompt_id: int) -> int:
         """Samples of ``prompt_id`` on a server."""
-        return len(self.table.by_prompt(prompt_id))
+        return self.router.outstanding(prompt_id)
 
     def start_estimate(self, prompt_id: int) -> float:
         """The start version the prompt's group will have (``OutstandingTable``)."""
-        return self.table.start_estimate(prompt_id, self.pool.restarts)
+        return self.router.start_estimate(prompt_id)
 
     def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
         """Drop a prompt's start record (trained, dropped or regenerated); with
         ``scoring``, also its samples awaiting a reward (their scores come back late)."""
-        self.table.forget(prompt_id)
+        self.router.table.forget(prompt_id)
         if scoring:
             for key in [k for k in self.scoring if k[0] == prompt_id]:
                 del self.scoring[key]
+
+    def server_died(self, i: int) -> None:
+        """Server i was found dead (the pool reports each death once): reroute its samples."""
+        self.router.server_died(i)
+
+    def stats(self) -> dict[str, Any]:
+        """Instantaneous queue state for metrics.jsonl."""
+        return {"samples_outstanding": self.num_outstanding, "samples_scoring": self.num_scoring}
 
     def _request(self, prompt: Prompt, index: int) -> GenerationRequest:
         return GenerationRequest(
@@ -255,18 +220,16 @@ class Dispatcher:
             seed=self.seed,
         )
 
+    def _halt(self) -> None:
+        self.admission.halted = True
+        log.error("every generation server died: failing the prompts in flight")
+
     # ------------------------------------------------------------------ coming back
 
     def _on_generated(self, sample: Any) -> None:
-        key = (int(sample.prompt_id), int(sample.sample_index))
-        entry = self.table.get(key)
-        if entry is None or sample.finish_reason == FinishReason.ABORTED:
-            self.counters["samples_late"] += 1  # aborted or retried meanwhile
+        if self.router.received(sample) is None:
             return
-        self.table.pop(key)
-        self.pool.suspect.discard(entry.server)
-        self.counters["samples_generated"] += 1
-        self.table.note_finished(key[0], start_version_of(sample))
+        key = (int(sample.prompt_id), int(sample.sample_index))
         sample.response_text = response_text(sample, self.tokenizer)
         prompt = self.admission.prompt(key[0])
         if prompt is None:  # released meanwhile: nothing will take this sample
@@ -293,60 +256,9 @@ class Dispatcher:
             self.counters["samples_late"] += 1  # its prompt was aborted meanwhile
             return
         del self.scoring[key]
-        if not self.admission.is_active(key[0]) or key in self.table:
+        if not self.admission.is_active(key[0]) or key in self.router.table:
             self.counters["samples_late"] += 1  # prompt closed or resubmitted meanwhile
             return
         failure = apply_score(sample, scored, self.truncation)
         self.counters["samples_scored"] += 1
         self.buffer.add(sample, failure=failure)
-
-    # ------------------------------------------------------------------ faults
-
-    def _check_deadlines(self) -> None:
-        for key in self.table.late(self.clock.now(), self.deadline_s):
-            entry = self.table.get(key)
-            if entry is None:
-                continue  # resubmitted as a sibling of an earlier late one
-            pid, server = key[0], entry.server
-            self.counters["samples_timed_out"] += 1
-            self.pool.suspect.add(server)
-            on_server = [e for e in self.table.by_prompt(pid) if e.server == server]
-            if self.pool.abort(server, pid) is Submitted.DIED:
-                self.server_died(server)  # everything it held went elsewhere
-                continue
-            for e in on_server:
-                self.table.pop(e.key)
-            if entry.attempts >= self.max_retries:
-                self.counters["samples_failed"] += 1
-                detail = (
-                    f"sample {key[1]} not back within {self.deadline_s:g}s after "
-                    f"{entry.attempts + 1} tries"
-                )
-                self.buffer.fail(pid, FailureReason.GENERATION_TIMEOUT, detail)
-                self.abort_prompt(pid)
-                continue
-            self.counters["samples_retried"] += 1
-            for e in on_server:  # the server dropped all of them: send them elsewhere
-                tries = e.attempts + 1 if e.key == key else e.attempts
-                self.dispatch(e.request, attempts=tries, avoid=server)
-
-    def server_died(self, i: int) -> None:
-        """Server i was found dead (the pool reports each death once): reroute its samples."""
-        self.counters["server_failures"] += 1
-        for e in self.table.by_server(i):
-            self.table.pop(e.key)
-            self.counters["samples_rerouted"] += 1
-            self.dispatch(e.request, e.attempts, avoid=i)
-
-    def _no_server_left(self, prompt_id: int) -> None:
-        """Every server died: fail the prompts with samples in flight, admit no more.
-
-        Prompts whose every sample is back (scored or being scored) still complete.
-        """
-        if not self.admission.halted:
-            self.admission.halted = True
-            log.error("every generation server died: failing the prompts in flight")
-        for pid in sorted({prompt_id, *self.table.prompts()}):
-            for e in self.table.by_prompt(pid):
-                self.table.pop(e.key)
-            self.buffer.fail(pid, FailureReason.SERVER_DIED, "no generation server left")

@@ -21,6 +21,7 @@ from jaxflash.runtime.specs import (
     CheckpointSpec,
     ConfigError,
     DataSpec,
+    EnvSpec,
     EvalSpec,
     MeshSpec,
     ModelSpec,
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointSpec",
     "ConfigError",
     "DataSpec",
+    "EnvSpec",
     "EvalSpec",
     "ExperimentConfig",
     "MeshSpec",
@@ -62,18 +64,19 @@ def _fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _task_options(value: Any) -> dict[str, Any]:
-    """``data.task_options``: a mapping, or its JSON text (as written on a command line)."""
+def _task_options(value: Any, field: str = "data.task_options") -> dict[str, Any]:
+    """A mapping field (``data.task_options``, ``env.options``): a mapping, or its JSON
+    text (as written on a command line)."""
     if isinstance(value, str):
         if not value.strip():
             return {}
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"data.task_options is not valid JSON ({e}): {value!r}") from None
+            raise ConfigError(f"{field} is not valid JSON ({e}): {value!r}") from None
     _check(
         isinstance(value, Mapping),
-        f"data.task_options must be a JSON object, got {type(value).__name__}",
+        f"{field} must be a JSON object, got {type(value).__name__}",
     )
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in value.items()}
 
@@ -93,6 +96,7 @@ class ExperimentConfig:
     advantage: str = "grpo"
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
+    env: EnvSpec = dataclasses.field(default_factory=EnvSpec)
 
     def __post_init__(self) -> None:
         # Cross-field checks, so a bad combination fails before any model is loaded.
@@ -102,10 +106,63 @@ class ExperimentConfig:
             f"learner.advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, "
             f"got {self.advantage!r}",
         )
+        if self.env.name:
+            self._check_agentic()
+        _check(
+            self.rollout.group_redundancy == 0 or bool(self.env.name),
+            f"rollout.group_redundancy={self.rollout.group_redundancy} needs env.name (it "
+            "launches extra episodes per group; RLVR prompts ignore it)",
+        )
+        self._check_rollout()
+
+    def _check_agentic(self) -> None:
+        """An environment replaces the data and the reward; the engine's lengths follow
+        the episode's context (``env.max_context_tokens``) and turn budget."""
+        ignored = [f"data.{k}" for k, v in _changed(self.data, DataSpec()).items()]
+        ignored += [f"reward.{k}" for k, v in _changed(self.reward, RewardSpec()).items()]
+        _check(
+            not ignored,
+            f"{', '.join(ignored)} set with env.name={self.env.name!r}: episodes take their "
+            "observations and rewards from the environment, which ignores them",
+        )
+        r = self.rollout
+        _check(
+            r.truncation == "none",
+            f"rollout.truncation={r.truncation!r} with env.name: an episode ends by its "
+            "environment or its turn limit; set rollout.truncation='none'",
+        )
+        from jaxflash.envs.registry import env_config  # noqa: PLC0415
+
+        context = self.env.max_context_tokens
+        _check(  # context - 1: already derived (a copy of a checked config)
+            r.max_prefill_length in (0, context - 1),
+            f"rollout.max_prefill_length={r.max_prefill_length} with env.name: it is "
+            "derived from env.max_context_tokens (leave it 0)",
+        )
+        per_turn = env_config(self.env.name, **self.env.options).max_tokens_per_turn
+        default = SamplingParams().max_new_tokens
+        _check(
+            r.sampling.max_new_tokens in (default, per_turn),
+            f"rollout.max_new_tokens={r.sampling.max_new_tokens} with env.name: a turn's "
+            f"budget is env.options.max_tokens_per_turn={per_turn}; leave it unset",
+        )
+        _check(
+            per_turn < context,
+            f"env.options.max_tokens_per_turn={per_turn} must be < env.max_context_tokens="
+            f"{context}",
+        )
+        rollout = dataclasses.replace(
+            r,
+            sampling=dataclasses.replace(r.sampling, max_new_tokens=per_turn),
+            max_prefill_length=context - 1,
+        )
+        object.__setattr__(self, "rollout", rollout)
+
+    def _check_rollout(self) -> None:
         # The reward defaults to the task's own verifier; a built-in verifier of another
         # task's answers would score every sample 0 (or fail it), so it is refused.
         own = task_reward(self.data.task)
-        if not self.reward.fn:
+        if not self.reward.fn and not self.env.name:
             object.__setattr__(self, "reward", dataclasses.replace(self.reward, fn=own))
         _check(
             self.reward.fn not in TASK_VERIFIERS or self.reward.fn == own,
@@ -195,6 +252,7 @@ class ExperimentConfig:
             + ["advantage"],
             "eval": _fields(EvalSpec),
             "checkpoint": _fields(CheckpointSpec),
+            "env": _fields(EnvSpec),
         }
         _refuse_unknown("", c, ["seed", "total_steps", *sections])
         for name, known in sections.items():
@@ -218,6 +276,8 @@ class ExperimentConfig:
         mesh = dict(c.get("mesh", {}))
         data = dict(c.get("data", {}))
         data["task_options"] = _task_options(data.get("task_options", {}))
+        env = dict(c.get("env", {}))
+        env["options"] = _task_options(env.get("options", {}), "env.options")
         return cls(
             seed=int(c.get("seed", 0)),
             total_steps=int(c.get("total_steps", 10)),
@@ -236,4 +296,14 @@ class ExperimentConfig:
             advantage=advantage,
             eval=EvalSpec(**c.get("eval", {})),
             checkpoint=CheckpointSpec(**c.get("checkpoint", {})),
+            env=EnvSpec(**env),
         )
+
+
+def _changed(spec: Any, default: Any) -> dict[str, Any]:
+    """Fields of a spec that differ from its default instance."""
+    return {
+        f.name: getattr(spec, f.name)
+        for f in dataclasses.fields(spec)
+        if getattr(spec, f.name) != getattr(default, f.name)
+    }

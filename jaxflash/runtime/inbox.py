@@ -1,10 +1,12 @@
-"""Where generation servers and reward futures report back: the only cross-thread queue.
+"""Where generation servers, reward futures and environment workers report back: the
+only cross-thread queue.
 
 Servers call ``generated`` from their own threads (``on_finished``); reward futures
-call ``scored`` from the reward pool's dispatcher thread. Everything else the
-rollout scheduler does happens on whoever calls ``Dispatcher.poll``, which drains
-this queue; no lock of the scheduler is taken here, so a server calling back can
-never deadlock with the scheduler calling it.
+call ``scored`` from the reward pool's dispatcher thread; environment calls
+(``runtime.env_calls``) ``post`` their outcome from their worker threads.
+Everything else the rollout scheduler does happens on whoever calls the
+dispatcher's ``poll``, which drains this queue; no lock of the scheduler is taken
+here, so a server calling back can never deadlock with the scheduler calling it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ class Inbox:
         """The reward of ``sample`` resolved (a future's done-callback)."""
         with self._cond:
             self._events.append(("scored", sample, future))
+            self._cond.notify_all()
+
+    def post(self, kind: str, *payload: Any) -> None:
+        """Any other report: the event ``(kind, *payload)`` (e.g. an environment call's
+        outcome, ``("env", call_id, outcome)``)."""
+        with self._cond:
+            self._events.append((kind, *payload))
             self._cond.notify_all()
 
     def drain(self) -> list[tuple]:

@@ -142,12 +142,15 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
     from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
 
     sampling = exp.rollout.sampling
+    target = exp.rollout.max_prefill_length + sampling.max_new_tokens
+    if exp.env.name:  # a turn's prompt + its budget never exceed the episode's context
+        target = exp.env.max_context_tokens
     engine = LlamaEngine(
         model_config,
         EngineConfig(
             max_concurrent_decodes=exp.rollout.num_slots,
             max_prefill_length=exp.rollout.max_prefill_length,
-            max_target_length=exp.rollout.max_prefill_length + sampling.max_new_tokens,
+            max_target_length=target,
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,

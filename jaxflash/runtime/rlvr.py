@@ -30,6 +30,12 @@ console (``runtime.console``) names every long phase while it runs.
 Resume: the ledger, the counters and the data cursor are in the checkpoint;
 prompts in flight at the checkpoint are regenerated from scratch at the restored
 version (``prompts_regenerated_on_resume``), never trained twice.
+
+Agentic RL (``env.name`` set) runs through this same loop: a "prompt" is a group
+of episodes sharing an environment seed, played by the environment manager
+(``runtime.episode_dispatch``, each episode its own loop); ``runtime.agentic``
+supplies the groups, the masked learner batch, the held-out success rate and the
+episode metrics.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime import records
+from jaxflash.runtime.agentic import EpisodeRollout, episode_metrics
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
 from jaxflash.runtime.evaluation import evaluate
@@ -130,21 +137,29 @@ def run(
     console.background("setting up")
     placement = carve(exp.mesh)
     console.line(f"devices: {placement.describe()}")
-    reward = make_reward(exp.reward)  # resolve a custom reward before the slow model load
-    with console.phase(f"building task {exp.data.task}"):
-        task = build_task(exp)
-        tokenizer = load_tokenizer(exp.model)
-    measured = {"rows": 0, "of": 0}
-    with console.phase(
-        "measuring prompt lengths",
-        lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
-    ):
-        lengths, every_row = measure_prompts(
-            task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)
-        )
-    exp, lengths_info = prompt_lengths(exp, lengths, every_row)
+    agentic: EpisodeRollout | None = None
+    if exp.env.name:  # agentic: an environment gives observations and rewards
+        with console.phase(f"building environment {exp.env.name}"):
+            tokenizer = load_tokenizer(exp.model)
+            agentic = EpisodeRollout(exp, tokenizer)
+        lengths_info = agentic.prompt_lengths()
+        console.line(agentic.describe())
+    else:
+        reward = make_reward(exp.reward)  # resolve a custom reward before the model load
+        with console.phase(f"building task {exp.data.task}"):
+            task = build_task(exp)
+            tokenizer = load_tokenizer(exp.model)
+        measured = {"rows": 0, "of": 0}
+        with console.phase(
+            "measuring prompt lengths",
+            lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
+        ):
+            lengths, every_row = measure_prompts(
+                task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)
+            )
+        exp, lengths_info = prompt_lengths(exp, lengths, every_row)
+        console.line(f"task {exp.data.task}, reward {exp.reward.fn}; {lengths_info.describe()}")
     stops = tokenizer.stop_set.describe(tokenizer.id_to_token)
-    console.line(f"task {exp.data.task}, reward {exp.reward.fn}; {lengths_info.describe()}")
     console.line(f"stop set (ids that end a response): {stops}")
     os.makedirs(workdir, exist_ok=True)  # only once the config is known to run
     records.write_run_config(workdir, exp, tokenizer, lengths_info)
@@ -191,19 +206,26 @@ def run(
     # ------------------------------------------------------------ data, rewards, scheduler
     r = exp.rollout
     B, G = r.prompts_per_step, r.group_size
-    train_rows = task.train
-    held_out = eval_prompts(task, tokenizer, exp.data.max_prompt_tokens)
-    source = PromptSource(
-        train_rows,
-        tokenizer,
-        max_prompt_tokens=exp.data.max_prompt_tokens,
-        start=meta.data_cursor,
-        cycle=not callable(train_rows),  # a file is read in epochs; ids keep growing
-    )
-    resume = tuple(prompt_by_id(train_rows, source, pid) for pid in sorted(ledger.open_ids))
-    reward_pool = RewardPool(
-        reward, num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s, clock=clock
-    )
+    if agentic is None:
+        train_rows = task.train
+        held_out = eval_prompts(task, tokenizer, exp.data.max_prompt_tokens)
+        source = PromptSource(
+            train_rows,
+            tokenizer,
+            max_prompt_tokens=exp.data.max_prompt_tokens,
+            start=meta.data_cursor,
+            cycle=not callable(train_rows),  # a file is read in epochs; ids keep growing
+        )
+        resume = tuple(prompt_by_id(train_rows, source, pid) for pid in sorted(ledger.open_ids))
+        reward_pool = RewardPool(
+            reward, num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s, clock=clock
+        )
+        batch_timeout_s = r.sample_deadline_s * (r.max_retries + 2) + 4 * exp.reward.timeout_s
+    else:  # groups of episodes; the environments score them
+        source = agentic.source(meta.data_cursor)
+        resume = agentic.resume(source, ledger.open_ids)
+        held_out, reward_pool = range(exp.env.eval_seeds), None
+        batch_timeout_s = agentic.batch_timeout_s()
     filter_knobs = r.group_filter_kwargs()
     group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
     truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
@@ -244,9 +266,9 @@ def run(
         # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step).
         refill_dropped=group_filter is not None,
         clock=clock,
+        episodes=None if agentic is None else agentic.settings(),
     )
     advantage_fn = get_advantage_estimator(exp.advantage)
-    batch_timeout_s = r.sample_deadline_s * (r.max_retries + 2) + 4 * exp.reward.timeout_s
     compiled = {"engine": False, "learner": False}  # for the console's notes
 
     def run_eval(v: int) -> dict[str, float]:
@@ -254,21 +276,27 @@ def run(
             return {}
         t0, status = clock.now(), EvalStatus(clock.now)
         note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
-        announce = f"evaluating at step {v}: {len(held_out)} prompts x "
-        announce += f"{exp.eval.samples_per_prompt} samples{note} ..."
-        with console.phase("evaluating", status, announce=announce):
-            out = evaluate(
-                engines[0][0],
-                gen_params[0],
-                held_out,
-                samples_per_prompt=exp.eval.samples_per_prompt,
-                sampling=r.sampling,
-                seed=exp.seed,
-                policy_version=v,
-                tokenizer=tokenizer,
-                reward_pool=reward_pool,
-                progress=status.update,
-            )
+        what = "seeds" if agentic else "prompts"
+        announce = f"evaluating at step {v}: {len(held_out)} {what} x "
+        announce += f"{exp.eval.samples_per_prompt} {'episodes' if agentic else 'samples'}"
+        with console.phase("evaluating", status, announce=announce + f"{note} ..."):
+            if agentic is None:
+                out = evaluate(
+                    engines[0][0],
+                    gen_params[0],
+                    held_out,
+                    samples_per_prompt=exp.eval.samples_per_prompt,
+                    sampling=r.sampling,
+                    seed=exp.seed,
+                    policy_version=v,
+                    tokenizer=tokenizer,
+                    reward_pool=reward_pool,
+                    progress=status.update,
+                )
+            else:  # held-out success rate, mean@n over eval-split seeds
+                out = agentic.evaluate(
+                    engines[0][0], gen_params[0], version=v, progress=status.update
+                )
         compiled["engine"] = True
         return {**out, "eval_time_s": clock.now() - t0}
 
@@ -282,7 +310,7 @@ def run(
     writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
     try:
-        if version == 0 and exp.data.eval_size:
+        if version == 0 and held_out:
             console.background(f"step 0/{exp.total_steps}")
             metrics = run_eval(0)
             show(0, writer.write_step(0, {**metrics, **ledger.metrics()}))
@@ -301,14 +329,13 @@ def run(
             writer.write_rollouts(batch.rows)
 
             # 5. Advantages per group; samples masked by truncation carry no loss.
-            lb = learner_batch(
-                batch.groups,
-                advantage_fn,
-                truncation,
-                pad_id=tokenizer.pad_id,
-                max_len=model_config.max_seq_len,
-                num_sequences=B * G,
-            )
+            pack = dict(pad_id=tokenizer.pad_id, max_len=model_config.max_seq_len)
+            if agentic is None:
+                lb = learner_batch(
+                    batch.groups, advantage_fn, truncation, num_sequences=B * G, **pack
+                )
+            else:  # per-token advantages; only the tokens the policy sampled carry loss
+                lb = agentic.learner_batch(batch.groups, num_sequences=B * G, **pack)
             stale = np.array([version - start_version_of(s) for s in lb.samples], np.int64)
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
@@ -349,6 +376,7 @@ def run(
             step_s = clock.now() - t_step
             metrics = {
                 **records.batch_metrics(batch.groups, lb.samples),
+                **episode_metrics(batch.groups, batch.dropped),
                 **step_metrics,
                 **records.staleness_metrics(stale),
                 **gen,
@@ -387,7 +415,8 @@ def run(
         console.background("shutting down: stopping the servers, writing the last checkpoint")
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
         checkpointer.close()
-        reward_pool.close()
+        if reward_pool is not None:
+            reward_pool.close()
         writer.close()
         console.background(None)
     console.line(

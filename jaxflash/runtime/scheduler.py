@@ -31,6 +31,12 @@ tests/test_scheduler_parts.py for a complete driver)::
 
 With α = 0 (capacity B, release at publish) the next prompts start at the new
 version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
+
+Agentic RL: given ``episodes`` (``EpisodeSettings``), a "prompt" is a group of
+episodes sharing an environment seed and the environment manager
+(``runtime.episode_dispatch.EpisodeDispatcher``) takes the ``Dispatcher``'s place:
+every episode runs as its own loop, each turn one request to the servers; the
+admission, staleness gate, batches, ledger and threads here are the same.
 Threads: servers and reward futures only append to the ``Inbox``; everything
 else runs under this scheduler's lock, and no lock of ours is held while a
 server calls back, so the two can never deadlock.
@@ -49,6 +55,7 @@ from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.dispatch import Dispatcher
+from jaxflash.runtime.episode_dispatch import EpisodeDispatcher, EpisodeSettings
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.scoring import Scorer, TruncationPolicy
@@ -68,7 +75,8 @@ class RolloutScheduler:
       source: prompt source (``take(n)``; ``cursor`` for checkpoints).
       ledger: the run's PromptLedger.
       buffer: GroupBuffer of group size G.
-      scorer: reward pool (``submit(item) -> Future[Scored]``).
+      scorer: reward pool (``submit(item) -> Future[Scored]``); None with ``episodes``
+        (the environment gives the rewards).
       tokenizer: ``response_text(ids)`` (the text up to the first stop id).
       batch_prompts: B groups per learner step.
       group_size: G samples per prompt.
@@ -87,9 +95,13 @@ class RolloutScheduler:
       clock: time source (default: real time).
       prompt_replication: False keeps a prompt's G samples on one server (see
         ``Dispatcher``); the default sends each to the best server.
+      episodes: agentic RL: the source yields groups (``Prompt.meta["env_seed"]``) and
+        each is played as G episodes (+ redundancy) by ``EpisodeDispatcher``.
 
     Raises:
-      ValueError: B < 1, G < 1, α < 0, or an unknown stale_policy.
+      ValueError: B < 1, G < 1, α < 0, an unknown stale_policy, no scorer without
+        ``episodes``, or prompt_replication=False with ``episodes`` (every turn is
+        routed on its own).
     """
 
     def __init__(
@@ -99,7 +111,7 @@ class RolloutScheduler:
         source: Any,
         ledger: PromptLedger,
         buffer: GroupBuffer,
-        scorer: Scorer,
+        scorer: Scorer | None,
         *,
         tokenizer: Any,
         batch_prompts: int,
@@ -117,6 +129,7 @@ class RolloutScheduler:
         refill_dropped: bool = False,
         clock: Clock | None = None,
         prompt_replication: bool = True,
+        episodes: EpisodeSettings | None = None,
     ) -> None:
         if batch_prompts < 1 or group_size < 1 or async_ratio < 0:
             raise ValueError(
@@ -125,6 +138,10 @@ class RolloutScheduler:
             )
         if stale_policy not in ("drop", "regenerate"):
             raise ValueError(f"stale_policy must be drop | regenerate, got {stale_policy!r}")
+        if episodes is None and scorer is None:
+            raise ValueError("RolloutScheduler needs a scorer (or episodes, scored by their env)")
+        if episodes is not None and not prompt_replication:
+            raise ValueError("prompt_replication=False has no meaning for episodes")
         self.B = batch_prompts
         self.ledger, self.buffer, self.source = ledger, buffer, source
         self.truncation = truncation or TruncationPolicy()
@@ -138,25 +155,29 @@ class RolloutScheduler:
             refill_budget=batch_prompts if refill_dropped else 0,
             resume=resume_prompts,
         )
-        self.dispatcher = Dispatcher(
-            self.pool,
-            inbox,
-            self.admission,
-            ledger,
-            buffer,
-            scorer,
-            tokenizer=tokenizer,
+        common = dict(
             group_size=group_size,
             sampling=sampling,
             seed=seed,
             policy_version=policy_version,
             sample_deadline_s=sample_deadline_s,
             max_retries=max_retries,
-            truncation=self.truncation,
             counters=self.counters,
             clock=self.clock,
-            prompt_replication=prompt_replication,
         )
+        parts = (self.pool, inbox, self.admission, ledger, buffer)
+        self.dispatcher: Dispatcher | EpisodeDispatcher
+        if episodes is None:
+            self.dispatcher = Dispatcher(
+                *parts,
+                scorer,
+                tokenizer=tokenizer,
+                truncation=self.truncation,
+                prompt_replication=prompt_replication,
+                **common,
+            )
+        else:
+            self.dispatcher = EpisodeDispatcher(*parts, settings=episodes, **common)
         self.assembler = BatchAssembler(
             self.dispatcher,
             self.admission,
@@ -306,8 +327,7 @@ class RolloutScheduler:
             out = {k: int(v) for k, v in sorted(self.counters.items())}
             out.update(
                 prompts_active=len(self.admission),
-                samples_outstanding=self.dispatcher.num_outstanding,
-                samples_scoring=self.dispatcher.num_scoring,
+                **self.dispatcher.stats(),
                 **{f"buffer_{k}": v for k, v in self.buffer.counts().items()},
                 **self.ledger.metrics(),
             )

@@ -246,6 +246,9 @@ class RolloutSpec:
     stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows (alpha > 0)
     sample_deadline_s: float = 600.0  # a sample not back by then is aborted and retried
     max_retries: int = 1  # retries of a timed-out sample before its prompt fails
+    # Agentic (env.name set): extra episodes per group; the first group_size to finish
+    # are kept, the rest aborted (ROLL's group_size_redundancy).
+    group_redundancy: int = 0
 
     def __post_init__(self) -> None:
         check(
@@ -278,6 +281,10 @@ class RolloutSpec:
             f"rollout.sample_deadline_s must be > 0, got {self.sample_deadline_s}",
         )
         check(self.max_retries >= 0, f"rollout.max_retries must be >= 0, got {self.max_retries}")
+        check(
+            self.group_redundancy >= 0,
+            f"rollout.group_redundancy must be >= 0, got {self.group_redundancy}",
+        )
         # Settings that would be silently ignored are refused, naming the fields.
         if self.async_ratio == 0:
             for name, value, default in (
@@ -371,3 +378,113 @@ class CheckpointSpec:
 
     def __post_init__(self) -> None:
         check(self.every >= 1, f"checkpoint.every must be >= 1, got {self.every}")
+
+
+ADVANTAGE_LEVELS = ("trajectory", "step")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSpec:
+    """Agentic RL: episodes in a text environment instead of prompts from ``data``.
+
+    Attributes:
+      name: an environment of ``envs.registry.ENVIRONMENTS`` ("" = RLVR on ``data``).
+      options: fields of the environment's config (``max_turns``,
+        ``max_tokens_per_turn``, ``step_timeout_s``, map size, ...; not ``split``:
+        training plays the train split, evaluation the eval split).
+      max_context_tokens: prompt + response limit of one episode, in tokens (each
+        turn's request is the whole context so far).
+      system_prompt: a system message before the first observation ("" = the
+        template's default).
+      advantage_level: "trajectory" (the episode return, normalised in its group)
+        or "step" (each turn's return-to-go).
+      gamma: discount per turn of the returns.
+      max_env_restarts: episodes restarted per group after environment failures
+        before the group fails (``env_failure``).
+      eval_seeds: held-out seeds (eval split, seeds 0..n-1) played at each
+        evaluation, ``eval.samples_per_prompt`` episodes each.
+      latency_mean_s, latency_std_s: extra environment latency per step, N(μ, σ)
+        truncated at 0 (``envs.latency``; benchmarks); 0 = none.
+      straggler_prob, straggler_factor: an episode is a straggler with this
+        probability; its latencies are multiplied by the factor.
+    """
+
+    name: str = ""
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    max_context_tokens: int = 1024
+    system_prompt: str = ""
+    advantage_level: str = "trajectory"
+    gamma: float = 1.0
+    max_env_restarts: int = 2
+    eval_seeds: int = 32
+    latency_mean_s: float = 0.0
+    latency_std_s: float = 0.0
+    straggler_prob: float = 0.0
+    straggler_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        from jaxflash.envs.registry import ENVIRONMENTS, env_config  # noqa: PLC0415
+
+        if not self.name:
+            changed = [
+                f"env.{f.name}"
+                for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) != _ENV_DEFAULTS[f.name]
+            ]
+            check(not changed, f"{', '.join(changed)} set without env.name: RLVR ignores it")
+            return
+        check(
+            self.name in ENVIRONMENTS,
+            f"env.name must be one of {sorted(ENVIRONMENTS)} (or '' for RLVR), got {self.name!r}",
+        )
+        check(isinstance(self.options, Mapping), "env.options must be a mapping")
+        check(
+            "split" not in self.options,
+            "env.options.split: training plays the train split, "
+            "evaluation the eval split; remove it",
+        )
+        try:
+            env_config(self.name, **self.options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"env.options: {e}") from None
+        check(
+            self.max_context_tokens >= 2,
+            f"env.max_context_tokens must be >= 2, got {self.max_context_tokens}",
+        )
+        check(
+            self.advantage_level in ADVANTAGE_LEVELS,
+            f"env.advantage_level must be one of {ADVANTAGE_LEVELS}, got {self.advantage_level!r}",
+        )
+        check(0.0 <= self.gamma <= 1.0, f"env.gamma must be in [0, 1], got {self.gamma}")
+        check(
+            self.max_env_restarts >= 0,
+            f"env.max_env_restarts must be >= 0, got {self.max_env_restarts}",
+        )
+        check(self.eval_seeds >= 0, f"env.eval_seeds must be >= 0, got {self.eval_seeds}")
+        try:
+            self.latency()
+        except ValueError as e:
+            raise ConfigError(f"env.latency_* / env.straggler_*: {e}") from None
+
+    def env_options(self, split: str = "train") -> dict[str, Any]:
+        """The environment's config fields for ``split``."""
+        return {**self.options, "split": split}
+
+    def latency(self) -> Any:
+        """The ``envs.latency.LatencyConfig`` asked for, or None (no extra latency)."""
+        from jaxflash.envs.latency import LatencyConfig  # noqa: PLC0415
+
+        if not (self.latency_mean_s or self.latency_std_s or self.straggler_prob):
+            return None
+        return LatencyConfig(
+            mean_s=self.latency_mean_s,
+            std_s=self.latency_std_s,
+            straggler_prob=self.straggler_prob,
+            straggler_factor=self.straggler_factor,
+        )
+
+
+_ENV_DEFAULTS = {
+    f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    for f in dataclasses.fields(EnvSpec)
+}
