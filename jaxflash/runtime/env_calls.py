@@ -16,9 +16,14 @@ ignored) and the environment instance is never used again (counted
 a stale group) is *orphaned*: its outcome is ignored and its environment closed
 when the call returns, never while it runs.
 
-Time is the run's ``Clock`` (deadlines are clock times), so a virtual clock and a
-synchronous ``spawn`` drive it deterministically in tests. Thread-free apart from
-the workers themselves: the owner serialises every method call.
+How a call runs is a ``Runner``: ``thread_runner`` (the default: a daemon thread
+each), ``inline_runner`` (at once, on the caller), or a virtual-time runner
+(``runtime.simulate.env_time.VirtualEnvTime``: the call runs at once and its
+outcome is delivered after the latency the environment asked to sleep). Time is
+the run's ``Clock`` (deadlines are clock times), so a virtual clock and a
+virtual-time runner drive it deterministically in tests and benchmarks.
+Thread-free apart from the workers themselves: the owner serialises every method
+call.
 """
 
 from __future__ import annotations
@@ -42,13 +47,19 @@ from jaxflash.runtime.inbox import Inbox
 
 log = logging.getLogger(__name__)
 
-Spawn = Callable[[Callable[[], None]], None]
-"""Runs a zero-argument function somewhere (default: a new daemon thread)."""
+Runner = Callable[[Callable[[], Any], Callable[[Any], None]], None]
+"""``runner(call, deliver)``: run ``call()`` somewhere and hand its result to
+``deliver`` (which posts it to the inbox; safe from any thread)."""
 
 
-def thread_spawn(work: Callable[[], None]) -> None:
-    """Run ``work`` on a new daemon thread (an abandoned one never blocks exit)."""
-    threading.Thread(target=work, name="env-call", daemon=True).start()
+def thread_runner(call: Callable[[], Any], deliver: Callable[[Any], None]) -> None:
+    """Run ``call`` on a new daemon thread (an abandoned one never blocks exit)."""
+    threading.Thread(target=lambda: deliver(call()), name="env-call", daemon=True).start()
+
+
+def inline_runner(call: Callable[[], Any], deliver: Callable[[Any], None]) -> None:
+    """Run ``call`` at once on the caller (tests; a hang would block the caller)."""
+    deliver(call())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +79,7 @@ class EnvCalls:
       clock: the run's clock (deadlines).
       counters: the run's counters (``env_calls``, ``env_calls_abandoned``,
         ``env_close_errors``).
-      spawn: how a call is run (default ``thread_spawn``; tests pass one that runs
-        it at once).
+      runner: how a call is run (default ``thread_runner``).
     """
 
     def __init__(
@@ -78,9 +88,9 @@ class EnvCalls:
         clock: Clock,
         counters: collections.Counter,
         *,
-        spawn: Spawn = thread_spawn,
+        runner: Runner = thread_runner,
     ) -> None:
-        self.inbox, self.clock, self.counters, self._spawn = inbox, clock, counters, spawn
+        self.inbox, self.clock, self.counters, self._runner = inbox, clock, counters, runner
         self._pending: dict[int, _Call] = {}
         self._orphans: dict[int, TextEnv] = {}  # cancelled calls still running
         self._next_id = 0
@@ -114,10 +124,7 @@ class EnvCalls:
         self._pending[call_id] = _Call(key, env, phase, self.clock.now() + deadline_s, deadline_s)
         self.counters["env_calls"] += 1
 
-        def work() -> None:
-            self.inbox.post("env", call_id, call())
-
-        self._spawn(work)
+        self._runner(call, lambda outcome: self.inbox.post("env", call_id, outcome))
         return call_id
 
     # ------------------------------------------------------------------ coming back

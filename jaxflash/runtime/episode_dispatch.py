@@ -58,7 +58,7 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.clock import Clock
-from jaxflash.runtime.env_calls import EnvCalls, Spawn, close_env, thread_spawn
+from jaxflash.runtime.env_calls import EnvCalls, Runner, close_env, thread_runner
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.routing import RequestRouter
@@ -90,7 +90,8 @@ class EpisodeSettings:
       redundancy: r >= 0 extra episodes per group (ROLL's group_size_redundancy).
       max_env_restarts: episodes restarted per group after environment failures
         before the group fails.
-      spawn: how environment calls run (a daemon thread each; tests run them inline).
+      runner: how environment calls run (``runtime.env_calls``: a daemon thread
+        each; simulations and tests run them in virtual time).
     """
 
     make_env: Callable[[], TextEnv]
@@ -99,7 +100,7 @@ class EpisodeSettings:
     max_context_tokens: int
     redundancy: int = 0
     max_env_restarts: int = 2
-    spawn: Spawn = thread_spawn
+    runner: Runner = thread_runner
 
     def __post_init__(self) -> None:
         if self.redundancy < 0 or self.max_env_restarts < 0 or self.max_context_tokens < 2:
@@ -177,7 +178,7 @@ class EpisodeDispatcher:
             on_failed=self._fail_group,
             on_halt=self._halt,
         )
-        self.calls = EnvCalls(inbox, clock, counters, spawn=settings.spawn)
+        self.calls = EnvCalls(inbox, clock, counters, runner=settings.runner)
         self.groups: dict[int, _Group] = {}
         # Episodes running at the checkpoint this run resumes from were lost with it.
         lost = counters["episodes_started"] - sum(counters[k] for k in _ENDED)
