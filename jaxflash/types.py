@@ -56,6 +56,7 @@ class FailureReason(enum.StrEnum):
     NON_FINITE_REWARD = "non_finite_reward"  # a reward of NaN or +-inf
     GENERATION_TIMEOUT = "generation_timeout"  # a sample missed its deadline on every try
     SERVER_DIED = "server_died"  # every generation server died with the sample in flight
+    ENV_FAILURE = "env_failure"  # an episode's environment failed after every restart
     SHUTDOWN = "shutdown"  # still pending when the buffer was drained at shutdown
 
 

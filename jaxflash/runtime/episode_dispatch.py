@@ -67,7 +67,7 @@ from jaxflash.types import FailureReason, Prompt, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_ENDED = (
+EPISODE_ENDS = (
     "episodes_finished",
     "episodes_env_failed",
     "episodes_aborted_redundant",
@@ -181,7 +181,7 @@ class EpisodeDispatcher:
         self.calls = EnvCalls(inbox, clock, counters, runner=settings.runner)
         self.groups: dict[int, _Group] = {}
         # Episodes running at the checkpoint this run resumes from were lost with it.
-        lost = counters["episodes_started"] - sum(counters[k] for k in _ENDED)
+        lost = counters["episodes_started"] - sum(counters[k] for k in EPISODE_ENDS)
         counters["episodes_aborted_on_resume"] += lost
 
     # ------------------------------------------------------------------ one step

@@ -263,8 +263,9 @@ def run(
         truncation=truncation,
         resume_prompts=resume,
         counters=dict(meta.extra.get("counters", {})),
-        # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step).
-        refill_dropped=group_filter is not None,
+        # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step);
+        # so is a group of episodes whose environment kept failing.
+        refill_dropped=group_filter is not None or agentic is not None,
         clock=clock,
         episodes=None if agentic is None else agentic.settings(),
     )

@@ -220,8 +220,10 @@ class VirtualTurnServer:
 
 @dataclasses.dataclass(frozen=True)
 class StepRun:
-    """One learner step of ``run_steps``: the batch and when it was complete (clock s)."""
+    """One learner step of ``run_steps``: the learner version it trained at, the batch,
+    and when the batch was complete (clock seconds)."""
 
+    version: int
     batch: Any
     ready_at: float
 
@@ -254,7 +256,7 @@ def run_steps(
         if training is None:
             batch = sched.try_batch(version)
             if batch is not None:
-                out.append(StepRun(batch, clock.now()))
+                out.append(StepRun(version, batch, clock.now()))
                 training, train_done = batch, clock.now() + train_s
                 continue
         elif clock.now() >= train_done:
@@ -322,6 +324,7 @@ def episode_scheduler(
         sample_deadline_s=sample_deadline_s,
         resume_prompts=tuple(source.group(g) for g in resume_groups),
         counters=dict(counters or {}),
+        refill_dropped=True,  # a failed group is replaced at once, as rlvr.run does
         clock=clock,
         episodes=settings,
     )
