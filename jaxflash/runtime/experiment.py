@@ -16,12 +16,12 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.runtime.env_spec import EnvSpec, agentic_rollout
 from jaxflash.runtime.specs import (
     FILE_TASKS,
     CheckpointSpec,
     ConfigError,
     DataSpec,
-    EnvSpec,
     EvalSpec,
     MeshSpec,
     ModelSpec,
@@ -106,59 +106,14 @@ class ExperimentConfig:
             f"learner.advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, "
             f"got {self.advantage!r}",
         )
-        if self.env.name:
-            self._check_agentic()
+        if self.env.name:  # the data/reward fields it replaces are refused, lengths derived
+            rollout = agentic_rollout(self.env, self.rollout, self.data, self.reward)
+            object.__setattr__(self, "rollout", rollout)
         _check(
             self.rollout.group_redundancy == 0 or bool(self.env.name),
             f"rollout.group_redundancy={self.rollout.group_redundancy} needs env.name (it "
             "launches extra episodes per group; RLVR prompts ignore it)",
         )
-        self._check_rollout()
-
-    def _check_agentic(self) -> None:
-        """An environment replaces the data and the reward; the engine's lengths follow
-        the episode's context (``env.max_context_tokens``) and turn budget."""
-        ignored = [f"data.{k}" for k, v in _changed(self.data, DataSpec()).items()]
-        ignored += [f"reward.{k}" for k, v in _changed(self.reward, RewardSpec()).items()]
-        _check(
-            not ignored,
-            f"{', '.join(ignored)} set with env.name={self.env.name!r}: episodes take their "
-            "observations and rewards from the environment, which ignores them",
-        )
-        r = self.rollout
-        _check(
-            r.truncation == "none",
-            f"rollout.truncation={r.truncation!r} with env.name: an episode ends by its "
-            "environment or its turn limit; set rollout.truncation='none'",
-        )
-        from jaxflash.envs.registry import env_config  # noqa: PLC0415
-
-        context = self.env.max_context_tokens
-        _check(  # context - 1: already derived (a copy of a checked config)
-            r.max_prefill_length in (0, context - 1),
-            f"rollout.max_prefill_length={r.max_prefill_length} with env.name: it is "
-            "derived from env.max_context_tokens (leave it 0)",
-        )
-        per_turn = env_config(self.env.name, **self.env.options).max_tokens_per_turn
-        default = SamplingParams().max_new_tokens
-        _check(
-            r.sampling.max_new_tokens in (default, per_turn),
-            f"rollout.max_new_tokens={r.sampling.max_new_tokens} with env.name: a turn's "
-            f"budget is env.options.max_tokens_per_turn={per_turn}; leave it unset",
-        )
-        _check(
-            per_turn < context,
-            f"env.options.max_tokens_per_turn={per_turn} must be < env.max_context_tokens="
-            f"{context}",
-        )
-        rollout = dataclasses.replace(
-            r,
-            sampling=dataclasses.replace(r.sampling, max_new_tokens=per_turn),
-            max_prefill_length=context - 1,
-        )
-        object.__setattr__(self, "rollout", rollout)
-
-    def _check_rollout(self) -> None:
         # The reward defaults to the task's own verifier; a built-in verifier of another
         # task's answers would score every sample 0 (or fail it), so it is refused.
         own = task_reward(self.data.task)
@@ -298,12 +253,3 @@ class ExperimentConfig:
             checkpoint=CheckpointSpec(**c.get("checkpoint", {})),
             env=EnvSpec(**env),
         )
-
-
-def _changed(spec: Any, default: Any) -> dict[str, Any]:
-    """Fields of a spec that differ from its default instance."""
-    return {
-        f.name: getattr(spec, f.name)
-        for f in dataclasses.fields(spec)
-        if getattr(spec, f.name) != getattr(default, f.name)
-    }
