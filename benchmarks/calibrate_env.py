@@ -67,8 +67,9 @@ def main() -> None:
     )
 
     def generate(requests):
-        return run_requests(engine, params, list(requests), policy_version=0,
-                            stop_ids=tokenizer.stop_ids)
+        return run_requests(
+            engine, params, list(requests), policy_version=0, stop_ids=tokenizer.stop_ids
+        )
 
     t0 = time.monotonic()
     res = calibrate_success(
@@ -83,8 +84,10 @@ def main() -> None:
         sampling_seed=args.seed,
     )
     elapsed = time.monotonic() - t0
-    print(f"env {args.env} {options} ({limits}); {args.seeds} held-out seeds x n={args.n}, "
-          f"T={args.temperature}")
+    print(
+        f"env {args.env} {options} ({limits}); {args.seeds} held-out seeds x n={args.n}, "
+        f"T={args.temperature}"
+    )
     print(
         f"success mean@{args.n} = {res.success_mean:.3f} +- {res.success_stderr:.3f} "
         f"(stderr over {len(res.seeds)} seeds); invalid-action rate "
