@@ -2,6 +2,7 @@
 
     python benchmarks/agentic_async.py            # ~1 min on 2 CPU cores
     python benchmarks/agentic_async.py --quick    # seconds
+    python benchmarks/agentic_async.py --real     # wall time, threads, ~2 min
 
 The real ``RolloutScheduler`` and environment manager (``runtime.episode_dispatch``)
 play real FrozenLake maps (4x4, up to ``--turns`` turns), each step wrapped in
@@ -29,6 +30,10 @@ Latencies are keyed by (group, episode index), so (a), (b) and the first
 ``group_size`` episodes of (c) see identical latencies. Rows: σ/μ ∈ {0.1, 0.5, 1},
 then the straggler case (one environment in eight is 10x slower, σ/μ = 0.1).
 
+``--real`` runs (a)-(c) in wall time instead: a thread per environment call
+sleeping its latency for real (μ = 0.1 s), the scheduler's pump thread, and the
+simulated server on its own thread (10 ms a token), 4 groups x 4 episodes (+1).
+
 Printed: trained episodes per (virtual) second for each mode, the ratios to (a),
 episodes aborted by redundancy, and the load average (only this script's own run
 time depends on the machine). ROLL Flash reports 2.46x from environment-level
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +57,8 @@ from jaxflash.envs.latency import LatencyConfig, LatencyEnv  # noqa: E402
 from jaxflash.envs.registry import env_config, make_env  # noqa: E402
 from jaxflash.models.tokenizer import Tokenizer  # noqa: E402
 from jaxflash.models.weights_gguf import smollm2_gguf_path  # noqa: E402
-from jaxflash.runtime.clock import VirtualClock  # noqa: E402
+from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
+from jaxflash.runtime.env_calls import thread_runner  # noqa: E402
 from jaxflash.runtime.episode_dispatch import EpisodeSettings  # noqa: E402
 from jaxflash.runtime.inbox import Inbox  # noqa: E402
 from jaxflash.runtime.simulate.episodes import (  # noqa: E402
@@ -63,11 +70,66 @@ from jaxflash.runtime.simulate.episodes import (  # noqa: E402
 from jaxflash.types import SamplingParams  # noqa: E402
 
 
-def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, alpha=0):
-    """One mode: (trained episodes, virtual seconds, counters) over the steady-state
-    window (steps ``warmup + 1 .. steps``: α = 1 starts with 2B groups in flight)."""
-    clock, inbox = VirtualClock(), Inbox()
-    env_time = VirtualEnvTime(clock, barrier=barrier)
+class ThreadedTurnServer(VirtualTurnServer):
+    """``VirtualTurnServer`` in real time: a thread delivers what is due every ms."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> list[tuple[int, int]]:
+        self._stop.set()
+        with self._lock:
+            return super().stop(timeout_s)
+
+    def submit(self, request) -> None:
+        with self._lock:
+            super().submit(request)
+
+    def abort_prompt(self, prompt_id: int) -> int:
+        with self._lock:
+            return super().abort_prompt(prompt_id)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.001):
+            with self._lock:
+                self.deliver_due()
+
+
+class ThreadBarrier:
+    """A runner: each environment call on its own thread; the outcomes are held until
+    no call is running, then delivered together (lockstep environment steps)."""
+
+    def __init__(self) -> None:
+        self._lock, self._running, self._held = threading.Lock(), 0, []
+
+    def __call__(self, call, deliver) -> None:
+        with self._lock:
+            self._running += 1
+
+        def work() -> None:
+            outcome = call()
+            with self._lock:
+                self._running -= 1
+                self._held.append((deliver, outcome))
+                out, self._held = (self._held, []) if self._running == 0 else ([], self._held)
+            for d, o in out:
+                d(o)
+
+        threading.Thread(target=work, daemon=True).start()
+
+
+def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, alpha=0, real=False):
+    """One mode: (trained episodes, seconds, counters) over the steady-state window
+    (steps ``warmup + 1 .. steps``: α = 1 starts with 2B groups in flight); virtual
+    seconds, or wall seconds with ``real`` (threads, real sleeps)."""
+    clock = RealClock() if real else VirtualClock()
+    inbox = Inbox()
+    env_time = None if real else VirtualEnvTime(clock, barrier=barrier)
     opts = dict(size=4, max_turns=args.turns, max_tokens_per_turn=24, step_timeout_s=1e9)
     per_group = args.group_size + redundancy
     made = [0]
@@ -82,13 +144,14 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
             straggler_factor=10.0,
             seed=group * 1000 + episode,
         )
-        return LatencyEnv(make_env("frozenlake", **opts), latency, sleep=env_time.sleep)
+        sleep = time.sleep if real else env_time.sleep
+        return LatencyEnv(make_env("frozenlake", **opts), latency, sleep=sleep)
 
     def reply(request):  # a fixed, valid but aimless policy: the same in every mode
         n = request.prompt_id * 31 + request.sample_index * 7 + len(request.prompt_tokens)
         return tok.encode(f"<answer>{ACTION_NAMES[n % 4]}</answer>")
 
-    server = VirtualTurnServer(
+    server = (ThreadedTurnServer if real else VirtualTurnServer)(
         inbox.generated,
         clock,
         reply=reply,
@@ -103,7 +166,7 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
         limits=env_config("frozenlake", **opts),
         max_context_tokens=4096,
         redundancy=redundancy,
-        runner=env_time,
+        runner=(ThreadBarrier() if barrier else thread_runner) if real else env_time,
     )
     sched = episode_scheduler(
         [server],
@@ -116,11 +179,25 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
         sampling=SamplingParams(max_new_tokens=24),
         async_ratio=alpha,
     )
-    runs = run_steps(sched, clock, [server], env_time, steps=args.steps)
+    if real:  # the scheduler's pump thread, the server's thread, a thread per env call
+        ready, window = [], []
+        sched.start()
+        try:
+            for v in range(args.steps):
+                batch = sched.next_batch(v, timeout_s=600)
+                ready.append(clock.now())
+                window.append(batch)
+                sched.mark_trained(batch.groups)
+                sched.publish([None], v + 1)
+        finally:
+            sched.close()
+        window = window[args.warmup :]
+    else:
+        runs = run_steps(sched, clock, [server], env_time, steps=args.steps)
+        ready, window = [r.ready_at for r in runs], [r.batch for r in runs[args.warmup :]]
     # Steady state: the steps after the warm-up ones, from the batch before them.
-    window = runs[args.warmup :]
-    episodes = sum(len(g.samples) for r in window for g in r.batch.groups)
-    return episodes, runs[-1].ready_at - runs[args.warmup - 1].ready_at, dict(sched.counters)
+    episodes = sum(len(g.samples) for b in window for g in b.groups)
+    return episodes, ready[-1] - ready[args.warmup - 1], dict(sched.counters)
 
 
 def main() -> None:
@@ -135,7 +212,16 @@ def main() -> None:
     p.add_argument("--mu", type=float, default=1.0, help="mean environment latency, s")
     p.add_argument("--slots", type=int, default=256, help="decode slots of the server")
     p.add_argument("--decode-ms", type=float, default=100.0, help="decode time per token")
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="wall time with threads and real sleeps (defaults then: 4 groups x 4, 4 steps, "
+        "μ = 0.1 s, 10 ms a token)",
+    )
     args = p.parse_args()
+    if args.real:
+        args.groups, args.group_size, args.redundancy, args.steps, args.warmup = 4, 4, 1, 4, 1
+        args.mu, args.decode_ms = 0.1, 10.0
     if args.quick:
         args.groups, args.steps, args.warmup = 4, 3, 1
     t0 = time.monotonic()
@@ -145,7 +231,11 @@ def main() -> None:
         f"<= {args.turns} turns, {args.steps} steps (rates over the last "
         f"{args.steps - args.warmup}); latency N(μ={args.mu:g} s, σ) "
         f"truncated at 0; simulated generation: {args.slots} slots, {args.decode_ms:g} ms "
-        "a token; virtual time (devices: none, the numbers do not depend on the machine)"
+        + (
+            "a token; wall time (threads and real sleeps on this machine's CPUs)"
+            if args.real
+            else "a token; virtual time (devices: none, the numbers do not depend on the machine)"
+        )
     )
     cases = [(f"σ/μ={s:g}", s, 0.0) for s in (0.1, 0.5, 1.0)]
     cases.append(("stragglers 1/8 x10, σ/μ=0.1", 0.1, 1 / 8))
@@ -160,6 +250,8 @@ def main() -> None:
         rates, aborted, turns = [], 0, 0.0
         modes = [(True, 0, 0), (False, 0, 0), (False, args.redundancy, 0)]
         modes += [(False, 0, 1), (False, args.redundancy, 1)]
+        if args.real:  # α = 1 needs the steps' overlap; the real run keeps to α = 0
+            modes = modes[:3]
         for barrier, r, alpha in modes:
             n, secs, c = run_mode(
                 args,
@@ -169,6 +261,7 @@ def main() -> None:
                 redundancy=r,
                 straggler_prob=straggle,
                 alpha=alpha,
+                real=args.real,
             )
             rates.append(n / secs)
             if r and not alpha:
@@ -178,7 +271,11 @@ def main() -> None:
         print(
             f"{name:<28} {rates[0]:>9.2f} {rates[1]:>10.2f} {rates[2]:>12.2f} "
             f"{rates[1] / rates[0]:>9.2f}x {rates[2] / rates[0]:>8.2f}x {aborted:>7} {turns:>8.1f} "
-            f"{rates[3] / rates[0]:>13.2f}x {rates[4] / rates[0]:>12.2f}x"
+            + (
+                f"{rates[3] / rates[0]:>13.2f}x {rates[4] / rates[0]:>12.2f}x"
+                if len(rates) == 5
+                else ""
+            )
         )
     print(f"ran in {time.monotonic() - t0:.1f} s; load average (1, 5, 15 min): {os.getloadavg()}")
 
