@@ -101,3 +101,35 @@ def test_agentic_smoke_runs_end_to_end_from_the_launcher(tmp_path):
     assert 0 < last["sampled_tokens_mean"] < last["response_len_mean"]  # observations: mask 0
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in last
     assert not _undocumented(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_agentic_resume_on_disjoint_slices_trains_no_group_twice(tmp_path):
+    """α = 1 on disjoint slices: 2 steps, then the same workdir resumed to 3. Groups in
+    flight at the checkpoint are played again (episodes running then are counted
+    ``episodes_aborted_on_resume``), no episode is trained twice, the books add up."""
+    from jaxflash.runtime import rlvr  # noqa: PLC0415
+
+    c = agentic_smoke.get_config()
+    c.mesh.colocated = False
+    c.rollout.async_ratio = 1
+    c.env.eval_seeds = 0
+    c.total_steps = 2
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    first = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    c.total_steps = 3
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    last = rows[-1]
+    ended = sum(last.get(k, 0) for k in EPISODE_ENDS) + last["episodes_running"]
+    assert last["episodes_started"] == ended
+    # α = 1: the groups of step 3 were admitted before step 2's checkpoint; they are
+    # played again from scratch (their episodes then running: episodes_aborted_on_resume).
+    assert last["prompts_regenerated_on_resume"] >= 1
+    assert first[-1]["prompts_regenerated_on_resume"] == 0
+    rollouts = [json.loads(x) for x in open(tmp_path / "rollouts.jsonl")]
+    trained = [(r["prompt_id"], r["sample_index"]) for r in rollouts if r["outcome"] == "trained"]
+    assert len(trained) == len(set(trained)) == 3 * 2 * 2
+    assert all(0 <= r["staleness"] <= 1 for r in rollouts if r["outcome"] == "trained")
