@@ -66,6 +66,25 @@ def test_rlvr_config_refuses_env_fields_and_redundancy():
         ExperimentConfig.from_config_dict(c)
 
 
+def test_train_envs_of_one_group_draw_their_own_latencies():
+    """Redundancy needs the episodes of one map to straggle independently: each train
+    environment's latency stream is seeded by its instance number, not by the map."""
+    from jaxflash.envs.latency import LatencyEnv  # noqa: PLC0415
+    from jaxflash.runtime.agentic import EpisodeRollout  # noqa: PLC0415
+    from jaxflash.runtime.model_setup import load_tokenizer  # noqa: PLC0415
+
+    exp = _exp(agentic_smoke, **{"env.latency_mean_s": 1.0, "env.latency_std_s": 1.0})
+    rollout = EpisodeRollout(exp, load_tokenizer(exp.model))
+    envs = [rollout.make_train_env() for _ in range(3)]
+    waits = []
+    for env in envs:
+        assert isinstance(env, LatencyEnv)
+        env._sleep = waits.append  # record instead of sleeping
+        env.reset(7)  # the same map for all three
+        env.step("<answer>Down</answer>")
+    assert len(set(waits)) == 3, waits
+
+
 @pytest.mark.timeout(600)
 def test_agentic_smoke_runs_end_to_end_from_the_launcher(tmp_path):
     """``python launch/tpu_pod.py --config configs/agentic_smoke.py``: two steps of

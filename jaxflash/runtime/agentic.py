@@ -22,7 +22,9 @@ With ``env.name`` set, ``rlvr.run`` takes its groups, batches and evaluations fr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,13 +94,20 @@ class EpisodeRollout:
         self.exp, self.spec, self.tokenizer = exp, spec, tokenizer
         self.limits = env_config(spec.name, **spec.env_options("train"))
         self.renderer = TurnRenderer(tokenizer, system_prompt=spec.system_prompt or None)
-        self.make_train_env: Callable[[], Any] = functools.partial(
-            make_env, spec.name, latency=spec.latency(), **spec.env_options("train")
-        )
+        self._latency = spec.latency()
+        self._instances = itertools.count()
         self.make_eval_env: Callable[[], Any] = functools.partial(
             make_env, spec.name, **spec.env_options("eval")
         )
         self.first_prompt_lengths = self._measure_first_prompts()
+
+    def make_train_env(self) -> Any:
+        """A fresh train-split environment; with ``env.latency_*`` each instance draws its
+        own latencies (seeded by the instance number), so the episodes of a group (one
+        map) straggle independently -- what redundancy is for."""
+        k = next(self._instances)
+        latency = self._latency and dataclasses.replace(self._latency, seed=k)
+        return make_env(self.spec.name, latency=latency, **self.spec.env_options("train"))
 
     def _measure_first_prompts(self) -> list[int]:
         lengths = []
