@@ -230,7 +230,9 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
 def test_restored_cycle_draws_the_same_replay_batches():
     cycle = _cycle()
     for step in range(2):
-        cycle.step_batch(_fresh(step), {"version": step}, learner_version=step, pad_id=0, max_len=64)
+        cycle.step_batch(
+            _fresh(step), {"version": step}, learner_version=step, pad_id=0, max_len=64
+        )
     restored = _cycle(state=json.loads(json.dumps(cycle.state_dict())))
     for step in range(2, 5):
         a, ma = cycle.step_batch(

@@ -46,9 +46,7 @@ def test_replay_smoke_adaptive_end_to_end(tmp_path):
         assert m["tokens"] == m["fresh_ratio_tokens"] + m["replay_ratio_tokens"], step
         # Caps: ages <= max_age (2), replays per sample <= max_reuse (2).
         assert len(m["replay_age_hist"]) == 3 and len(m["replay_reuse_hist"]) == 3
-        assert sum(m["replay_age_hist"]) == m["cycle_replay_samples"] == sum(
-            m["replay_reuse_hist"]
-        )
+        assert sum(m["replay_age_hist"]) == m["cycle_replay_samples"] == sum(m["replay_reuse_hist"])
         assert m["replay_age_hist"][0] == 0 and m["replay_reuse_hist"][0] == 0
         assert m["replay_ingested"] == m["replay_size"] + sum(
             m[f"replay_evicted_{r}"] for r in ("capacity", "age", "reuse")

@@ -15,6 +15,7 @@ are documented in ``replay.controller``.
 from __future__ import annotations
 
 import dataclasses
+
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES
 from jaxflash.replay.controller import ControllerConfig
