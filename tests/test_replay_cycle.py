@@ -61,6 +61,16 @@ def _exp(**overrides):
             ["replay.ratio", "controller.max_replay_ratio"],
         ),
         ({"controller__kind": "pid"}, ["controller.kind"]),
+        (  # alpha = 2 samples arrive 2 versions old: max_age 2 could replay none of them
+            {
+                "replay__ratio": 0.5,
+                "replay__max_age": 2,
+                "rollout__async_ratio": 2,
+                "mesh__colocated": False,
+                "mesh__num_generation_slices": 2,
+            },
+            ["replay.max_age", "rollout.async_ratio"],
+        ),
         ({"replay__rato": 0.5}, ["replay.ratio"]),  # unknown key: the nearest one named
     ],
 )

@@ -134,7 +134,12 @@ class ExperimentConfig:
             f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "
             "group-relative advantage of one sample is always 0 (use group_size >= 2)",
         )
-        check_replay_combination(self.replay, self.controller, learner_loss=self.learner.loss)
+        check_replay_combination(
+            self.replay,
+            self.controller,
+            learner_loss=self.learner.loss,
+            async_ratio=self.rollout.async_ratio,
+        )
         m = self.mesh
         if m.colocated:
             _check(

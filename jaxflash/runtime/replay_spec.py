@@ -223,7 +223,7 @@ def replay_active(replay: ReplaySpec, controller: ControllerSpec) -> bool:
 
 
 def check_replay_combination(
-    replay: ReplaySpec, controller: ControllerSpec, *, learner_loss: str
+    replay: ReplaySpec, controller: ControllerSpec, *, learner_loss: str, async_ratio: int
 ) -> None:
     """Refuse settings that the other sections would make ignored (naming the fields).
 
@@ -232,7 +232,9 @@ def check_replay_combination(
         a fixed schedule whose first ratio is not replay.ratio; an adaptive
         controller whose max_replay_ratio is below replay.ratio; a replay
         correction other than the learner's loss (per-cycle losses are not wired
-        into the learner step).
+        into the learner step); replay.max_age <= rollout.async_ratio (fresh samples
+        arrive up to alpha versions old and are replayed at least one version later,
+        so in steady state every one would be rejected for age and nothing replayed).
     """
     if not replay_active(replay, controller):
         ignored = [
@@ -245,6 +247,13 @@ def check_replay_combination(
             f"{ignored} would be ignored: replay.ratio=0 and controller.kind='none' run no "
             "replay cycle (set replay.ratio > 0, or controller.kind='fixed'/'adaptive')",
         )
+    check(
+        not replay_active(replay, controller) or replay.max_age > async_ratio,
+        f"replay.max_age={replay.max_age} <= rollout.async_ratio={async_ratio}: fresh "
+        "samples arrive up to alpha versions old and a replay happens at least one version "
+        "later, so the buffer would reject them for age and replay nothing; set "
+        f"replay.max_age >= {async_ratio + 1}",
+    )
     if controller.kind == "fixed":
         first = controller.schedule()[0][1]
         check(
