@@ -61,6 +61,10 @@ def _exp(**overrides):
             ["replay.ratio", "controller.max_replay_ratio"],
         ),
         ({"controller__kind": "pid"}, ["controller.kind"]),
+        (
+            {"controller__kind": "fixed", "controller__replay_schedule": "0:0,5:0"},
+            ["controller.replay_schedule"],
+        ),
         (  # alpha = 2 samples arrive 2 versions old: max_age 2 could replay none of them
             {
                 "replay__ratio": 0.5,

@@ -255,6 +255,11 @@ def check_replay_combination(
         f"replay.max_age >= {async_ratio + 1}",
     )
     if controller.kind == "fixed":
+        check(
+            controller.max_ratio(replay) > 0,
+            f"controller.replay_schedule={controller.replay_schedule!r} never replays (every "
+            "rho is 0): the replay.* settings would be ignored; use controller.kind='none'",
+        )
         first = controller.schedule()[0][1]
         check(
             first == replay.ratio,
