@@ -114,3 +114,27 @@ def test_resumed_run_replays_like_an_uninterrupted_one(tmp_path):
         for key in ("loss", "pg_loss", "replay_ratio_mean", "replay_ess_seq"):
             assert r[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (w["step"], key)
         assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_async_alpha2_replays_within_the_caps(tmp_path):
+    c = replay_smoke.get_config()
+    c.total_steps = 6
+    c.mesh.colocated = False
+    c.mesh.num_generation_slices = 2
+    c.rollout.async_ratio = 2
+    c.replay.max_age = 4  # > alpha: alpha-stale fresh samples can still be replayed
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    metrics = _rows(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for m in metrics:
+        assert m["staleness_max"] <= 2  # the fresh cycle keeps its alpha bound
+        assert m["sequences"] == m["cycle_fresh_samples"] + m["cycle_replay_samples"]
+        assert len(m["replay_age_hist"]) == 5 and m["replay_age_hist"][0] == 0
+        assert m["replay_ingested"] == m["replay_size"] + sum(
+            m[f"replay_evicted_{r}"] for r in ("capacity", "age", "reuse")
+        )
+    # Replay continues once samples arrive alpha versions old (none is rejected for age).
+    assert all(m["cycle_replay_samples"] == 4 for m in metrics[1:])
+    assert metrics[-1]["replay_rejected_age"] == 0
