@@ -206,9 +206,7 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
     assert all(json.dumps(m) for m in logged)  # metrics.jsonl-able
     # The same inputs fed to the phase-1 controller give the same decisions.
     ref = AdaptiveController(
-        dataclasses.replace(
-            spec.controller_config(batch_samples=8, max_async_ratio=0), min_generation_devices=1
-        ),
+        spec.controller_config(batch_samples=8, max_async_ratio=0),
         Decision(
             replay_ratio=0.25,
             async_ratio=0,
@@ -232,6 +230,10 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
     assert gen[1] == 3 and gen[-1] == 2
     assert logged[0]["ctl_in_gen_rate"] == pytest.approx(2.0)  # 102 - 100 in 1 s
     assert cycle.replay_ratio == rho[-1]  # the next step's rho
+    # A skipped step (nothing trained) measures no training rate: no update, no row.
+    skipped = dict(rows[-1], sequences=0)
+    assert cycle.control_from(skipped, next_version=7) == {}
+    assert cycle.replay_ratio == rho[-1]
 
     # A cycle rebuilt from the checkpointed state continues with the same decisions.
     saved = json.loads(json.dumps(cycle.state_dict()))

@@ -109,7 +109,6 @@ class ReplayCycle:
         state: dict[str, Any] | None = None,
         samples_generated: int = 0,
     ):
-        self.spec = replay
         self.group_size = group_size
         # Fresh groups per step: the learner batch of B groups minus the replayed share.
         self.fresh_prompts = fresh_groups_needed(batch_prompts, replay.ratio)
@@ -140,19 +139,20 @@ class ReplayCycle:
             config = controller.controller_config(
                 batch_samples=batch_samples, max_async_ratio=async_ratio
             )
-            self._controller = AdaptiveController(
-                dataclasses.replace(
-                    config,
-                    min_generation_devices=min(config.min_generation_devices, generation_devices),
-                ),
-                self._decision,
-            )
+            self._controller = AdaptiveController(config, self._decision)
             if state and state.get("controller"):
                 self._controller.load_state_dict(state["controller"])
         elif controller.kind == "fixed":
             self._controller = FixedSchedule(
                 [
-                    (s, dataclasses.replace(self._decision, replay_ratio=r))
+                    (
+                        s,
+                        dataclasses.replace(
+                            self._decision,
+                            replay_ratio=r,
+                            requests_in_flight=in_flight_for(async_ratio, r, batch_samples),
+                        ),
+                    )
                     for s, r in controller.schedule()
                 ]
             )
@@ -276,16 +276,17 @@ class ReplayCycle:
 
         Returns:
           ``ctl_in_*`` (inputs), the controller's flags and ``ctl_*`` (decision);
-          {} without a controller.
+          {} without a controller, and on a step that trained nothing (no training
+          rate to measure: the decision stands).
         """
         before, self._generated_before = self._generated_before, samples_generated
-        if self._controller is None:
+        if self._controller is None or trained_samples < 1:
             return {}
         generated = samples_generated - before
         inputs = ControllerInputs(
             step=next_version,
             gen_rate=max(generated, 0) / max(step_s, 1e-9),
-            train_rate=max(trained_samples, 1) / max(train_s, 1e-9),
+            train_rate=trained_samples / max(train_s, 1e-9),
             queue_depth=max(int(queue_samples), 0),
             staleness_mean=float(staleness_mean),
             ess=None if replay_ess is None else min(max(replay_ess, 1e-12), 1.0),
