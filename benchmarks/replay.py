@@ -27,7 +27,10 @@ the same in every configuration but are not training). The target is the sync
 run's final held-out accuracy (mean over seeds) times ``--target-frac``; time to
 target is the first evaluated step whose accuracy reaches it (inf if never).
 Printed: per configuration, time to target (mean +- std over seeds), its ratio to
-sync and to async, accuracy at the end of the budget, and the load average.
+sync and to async ("n/a" when never reached), accuracy at the end of the budget,
+and the load average. The budget counts fresh samples trained; async servers
+generate up to alpha steps ahead, and ``samples_generated`` (printed per run)
+includes that extra work.
 
 Part 2, the simulator (``jaxflash.runtime.simulate``: the real scheduler under a
 virtual clock) at 64-1,024 generation slots, the same four configurations at the
@@ -156,9 +159,11 @@ def part1(args: argparse.Namespace) -> None:
     print(f"{'mode':<10}{'time to target':>26}{'x sync':>8}{'x async':>9}{'final acc':>11}")
     for m in MODES:
         final = sum(c[-1][2] for c in curves[m]) / len(curves[m])
-        vs_sync = mean["sync"] / mean[m] if math.isfinite(mean[m]) else 0.0
-        vs_async = mean["async"] / mean[m] if math.isfinite(mean[m]) else 0.0
-        print(f"{m:<10}{_mean_std(ttt[m]):>26}{vs_sync:>8.2f}{vs_async:>9.2f}{final:>11.3f}")
+        vs_sync, vs_async = (
+            f"{mean[base] / mean[m]:.2f}" if math.isfinite(mean[m]) else "n/a"
+            for base in ("sync", "async")
+        )
+        print(f"{m:<10}{_mean_std(ttt[m]):>26}{vs_sync:>8}{vs_async:>9}{final:>11.3f}")
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
 
 
