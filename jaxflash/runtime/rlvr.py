@@ -336,7 +336,8 @@ def run(
             compiled_now = train_batch is not None and not compiled["learner"]
             if train_batch is not None:
                 note = "" if compiled["learner"] else " (the first update compiles the step)"
-                with console.phase(f"{step_label}: training on {len(lb.samples)} samples{note}"):
+                n = len(lb.samples) + replay_metrics.get("cycle_replay_samples", 0)
+                with console.phase(f"{step_label}: training on {n} samples{note}"):
                     state, train_metrics = train_step(state, train_batch)
                     step_metrics = records.learner_metrics(
                         {k: float(v) for k, v in jax.device_get(train_metrics).items()}
