@@ -1,5 +1,6 @@
 """One definition of each rollout row field and step metric, and the learner batch."""
 
+import dataclasses
 import os
 import re
 
@@ -182,6 +183,25 @@ def test_learner_batch_masks_truncated_samples_out_of_loss_and_baseline():
         num_sequences=2,
     )
     assert empty.batch is None and empty.samples == ()
+
+
+def test_learner_batch_is_the_same_whatever_order_the_groups_completed_in():
+    # Completion order depends on thread timing; float sums depend on row order, so
+    # the batch is packed by prompt_id (a resumed run then matches bit for bit).
+    grpo = get_advantage_estimator("grpo")
+    groups = [_group(3, [1.0, 0.0]), _group(1, [0.0, 1.0]), _group(2, [1.0, 1.0])]
+    kw = dict(pad_id=0, max_len=64, num_sequences=6)
+    a = learner_batch(groups, grpo, TruncationPolicy(mode="none"), **kw)
+    b = learner_batch(groups[::-1], grpo, TruncationPolicy(mode="none"), **kw)
+    assert [s.prompt_id for s in a.samples] == [1, 1, 2, 2, 3, 3]
+    assert [(s.prompt_id, s.sample_index) for s in a.samples] == [
+        (s.prompt_id, s.sample_index) for s in b.samples
+    ]
+    np.testing.assert_array_equal(a.advantages, b.advantages)
+    fields = [f.name for f in dataclasses.fields(a.batch)]
+    assert "input_ids_bt" in fields
+    for name in fields:
+        np.testing.assert_array_equal(getattr(a.batch, name), getattr(b.batch, name), name)
 
 
 def _dropped(pid, outcome):

@@ -17,6 +17,12 @@ from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.runtime.env_spec import EnvSpec, agentic_rollout
+from jaxflash.runtime.replay_spec import (
+    ControllerSpec,
+    ReplaySpec,
+    check_replay_combination,
+    replay_active,
+)
 from jaxflash.runtime.specs import (
     FILE_TASKS,
     CheckpointSpec,
@@ -96,6 +102,8 @@ class ExperimentConfig:
     advantage: str = "grpo"
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
+    replay: ReplaySpec = dataclasses.field(default_factory=ReplaySpec)
+    controller: ControllerSpec = dataclasses.field(default_factory=ControllerSpec)
     env: EnvSpec = dataclasses.field(default_factory=EnvSpec)
 
     def __post_init__(self) -> None:
@@ -109,6 +117,11 @@ class ExperimentConfig:
         if self.env.name:  # the data/reward fields it replaces are refused, lengths derived
             rollout = agentic_rollout(self.env, self.rollout, self.data, self.reward)
             object.__setattr__(self, "rollout", rollout)
+        _check(  # the replay cycle re-scores RLVR samples; episodes are not wired into it
+            not (self.env.name and replay_active(self.replay, self.controller)),
+            f"replay.ratio / controller.kind with env.name={self.env.name!r}: the replay "
+            "cycle does not take episodes yet; leave replay and controller unset",
+        )
         _check(
             self.rollout.group_redundancy == 0 or bool(self.env.name),
             f"rollout.group_redundancy={self.rollout.group_redundancy} needs env.name (it "
@@ -142,6 +155,12 @@ class ExperimentConfig:
             r.group_size >= 2 or self.advantage not in GROUP_RELATIVE,
             f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "
             "group-relative advantage of one sample is always 0 (use group_size >= 2)",
+        )
+        check_replay_combination(
+            self.replay,
+            self.controller,
+            learner_loss=self.learner.loss,
+            async_ratio=self.rollout.async_ratio,
         )
         m = self.mesh
         if m.colocated:
@@ -207,6 +226,8 @@ class ExperimentConfig:
             + ["advantage"],
             "eval": _fields(EvalSpec),
             "checkpoint": _fields(CheckpointSpec),
+            "replay": _fields(ReplaySpec),
+            "controller": _fields(ControllerSpec),
             "env": _fields(EnvSpec),
         }
         _refuse_unknown("", c, ["seed", "total_steps", *sections])
@@ -251,5 +272,7 @@ class ExperimentConfig:
             advantage=advantage,
             eval=EvalSpec(**c.get("eval", {})),
             checkpoint=CheckpointSpec(**c.get("checkpoint", {})),
+            replay=ReplaySpec(**c.get("replay", {})),
+            controller=ControllerSpec(**c.get("controller", {})),
             env=EnvSpec(**env),
         )

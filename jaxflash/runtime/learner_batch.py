@@ -52,7 +52,9 @@ def learner_batch(
     """Advantages per group, then the packed batch of the samples that carry loss.
 
     Args:
-      groups: the step's groups (G samples each).
+      groups: the step's groups (G samples each), in any order: they are packed by
+        prompt_id, so the same groups give the same batch bit for bit however their
+        completion order fell (float sums depend on row order).
       advantage_fn: ``(rewards_bg, *, mask_bg) -> adv_bg`` (``get_advantage_estimator``).
       truncation: masked samples carry no loss and no weight in their baseline.
       pad_id, max_len: padding token and longest allowed row (the model's max_seq_len).
@@ -61,6 +63,7 @@ def learner_batch(
     """
     if not groups:
         return LearnerBatch(None, (), np.zeros((0,), np.float32))
+    groups = sorted(groups, key=lambda g: g.prompt_id)
     rewards_bg = np.stack([g.rewards_g for g in groups]).astype(np.float32)
     keep_bg = np.array([[not truncation.masks(s) for s in g.samples] for g in groups])
     adv_bg = np.asarray(advantage_fn(jnp.asarray(rewards_bg), mask_bg=jnp.asarray(keep_bg)))
