@@ -46,6 +46,7 @@ def test_agentic_configs_derive_the_engine_lengths_from_the_environment():
         ({"env.max_context_tokens": 40}, "env.max_context_tokens=40"),
         ({"env.advantage_level": "token"}, "env.advantage_level"),
         ({"rollout.group_redundancy": -1}, "rollout.group_redundancy"),
+        ({"replay.ratio": 0.5}, "replay.ratio / controller.kind with env.name"),
     ],
 )
 def test_agentic_config_refuses_fields_it_would_ignore_or_contradict(overrides, named):
