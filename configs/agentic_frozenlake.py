@@ -20,7 +20,14 @@ Cost on 2 CPU cores: several minutes per step (4 maps x 4 episodes, <= 6 turns o
 <= 48 tokens each). The map size and slipperiness are meant to be calibrated
 first (``benchmarks/calibrate_env.py``: base success rate at the training
 temperature, mean@n with its standard error on held-out maps, aimed at 10-60 %);
-that calibration with SmolLM2 has not been run yet.
+a first calibration of this setting gave 0 % success with every action invalid:
+
+    python benchmarks/calibrate_env.py --env frozenlake --seeds 16 --n 2 --max_context 768 \
+        --options '{"size": 4, "p_frozen": 0.8, "max_turns": 6, "max_tokens_per_turn": 48}'
+    -> success mean@2 = 0.000 +- 0.000, invalid-action rate 1.000, 6 turns/episode (21 min)
+
+so SmolLM2-135M does not produce ``<answer>Move</answer>`` from this prompt: the
+prompt (or a format reward) must change before this config is a useful run.
 """
 
 import ml_collections
