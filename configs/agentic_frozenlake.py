@@ -26,8 +26,9 @@ a first calibration of this setting gave 0 % success with every action invalid:
         --options '{"size": 4, "p_frozen": 0.8, "max_turns": 6, "max_tokens_per_turn": 48}'
     -> success mean@2 = 0.000 +- 0.000, invalid-action rate 1.000, 6 turns/episode (21 min)
 
-so SmolLM2-135M does not produce ``<answer>Move</answer>`` from this prompt: the
-prompt (or a format reward) must change before this config is a useful run.
+so SmolLM2-135M produced no parsable ``<answer>Move</answer>`` within 48 tokens a turn
+(past the budget, or off the format: not examined yet); the prompt, the turn budget or
+a format reward must change before this config is a useful run.
 """
 
 import ml_collections
