@@ -19,6 +19,7 @@ each server (params on its mesh, or a ``WeightOffer``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from jaxflash.runtime.placement import Placement
 from jaxflash.runtime.remote_server import OfferBoard, RemoteGenerationServer
 from jaxflash.runtime.rpc_wire import WeightOffer
 from jaxflash.sync.publish import Publisher
+from jaxflash.sync.transfer_digest import tree_digest
 from jaxflash.sync.transfer_layout import TreeLayout
 
 TRANSFER_CHUNK_BYTES = 64 << 20
@@ -158,6 +160,12 @@ class ProcessFleet:
     def publish(self, learner: LearnerProgram, version: int) -> list[WeightOffer]:
         """Offer the learner's params as ``version``; the same offer for every program."""
         offer = WeightOffer(version=int(version), senders=learner.offer(self.layout))
+        if self._exp.mesh.generation_digests and jax.process_count() == 1:
+            # The learner's side of the bit-for-bit check: each program logs the digest
+            # of what it installed; both must equal this (tests compare them).
+            line = {"version": int(version), "digest": tree_digest(learner.params)}
+            with open(os.path.join(self._dir, "learner.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
         if self._board is None:
             self._board = OfferBoard(offer)
         self._board.post(offer)

@@ -43,6 +43,11 @@ from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 log = logging.getLogger(__name__)
 RequestKey = tuple[int, int]
 
+# Counters ``GenerationServer.stats`` accumulates over its life (``records.server_metrics``
+# differences them per step). A restarted program counts from 0 again, so the totals of
+# earlier incarnations are carried over: the per-step differences never go negative.
+_CUMULATIVE = ("live_slot_steps", "slot_steps", "busy_s", "idle_s", "generated_tokens")
+
 
 class RemoteServerDownError(RuntimeError):
     """The generation program is down (died, hung, failed, or restarting)."""
@@ -114,6 +119,8 @@ class RemoteGenerationServer:
         self._last_event = time.monotonic()
         self._stream: Any = None
         self._stopping = False
+        self._carried = dict.fromkeys(_CUMULATIVE, 0.0)  # totals of earlier incarnations
+        self._last_stats: dict[str, float] = {}  # this incarnation's latest totals
         self._thread = threading.Thread(
             target=self._supervise, name=f"remote-{self.name}", daemon=True
         )
@@ -229,6 +236,10 @@ class RemoteGenerationServer:
         _, fields = self._call("Stats", rpc_wire.encode({}), incarnation)
         with self._cond:
             out = dict(fields["stats"])
+            if incarnation == self._incarnation:
+                self._last_stats = {k: float(out.get(k, 0)) for k in _CUMULATIVE}
+            for k in _CUMULATIVE:
+                out[k] = float(out.get(k, 0)) + self._carried[k]
             out.update(
                 queued_or_running=len(self._outstanding),
                 version=self._version,
@@ -282,6 +293,9 @@ class RemoteGenerationServer:
         self._up, self._error, self._acknowledged = False, err, False
         self._incarnation += 1
         self._outstanding.clear()
+        for k, v in self._last_stats.items():
+            self._carried[k] += v
+        self._last_stats = {}
         self._counts["deaths"] += 1
         stream, self._stream = self._stream, None
         if stream is not None:
