@@ -23,6 +23,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -33,7 +34,11 @@ from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.learner_program import LearnerProgram
 from jaxflash.runtime.model_setup import engine_config, make_engine
 from jaxflash.runtime.placement import Placement
-from jaxflash.runtime.remote_server import OfferBoard, RemoteGenerationServer
+from jaxflash.runtime.remote_server import (
+    OfferBoard,
+    RemoteGenerationServer,
+    RemoteServerDownError,
+)
 from jaxflash.runtime.rpc_wire import WeightOffer
 from jaxflash.sync.publish import Publisher
 from jaxflash.sync.transfer_digest import tree_digest
@@ -169,7 +174,18 @@ class ProcessFleet:
         if self._board is None:
             self._board = OfferBoard(offer)
         self._board.post(offer)
+        if self._servers:  # every program installs it before the scheduler hands it over
+            with futures.ThreadPoolExecutor(len(self._servers)) as pool:
+                for _ in pool.map(lambda s: self._pull(s, offer), self._servers):
+                    pass
         return [offer] * len(self.clients)
+
+    @staticmethod
+    def _pull(server: RemoteGenerationServer, offer: WeightOffer) -> None:
+        try:
+            server.pull(offer, TRANSFER_TIMEOUT_S)
+        except RemoteServerDownError:
+            pass  # its check() raises now: the scheduler re-routes, the supervisor restarts
 
     def servers(
         self,

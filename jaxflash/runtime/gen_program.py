@@ -134,6 +134,13 @@ class GenerationProgram:
         self._layout_json = self._receiver.layout.to_json()
 
     def update(self, header: dict[str, Any]) -> bytes:
+        """Pull ``header["offer"]``; with ``wait``, reply only once it is installed.
+
+        Waiting is what keeps α exact: a request submitted after the reply is started
+        at the new version (the server applies the install before its next prefill),
+        as with a thread server given new params. DOWN when not installed within
+        ``timeout_s`` (failed pulls are retried until then).
+        """
         offer = WeightOffer.from_json(header["offer"])
         with self._cond:
             if self._config is None:
@@ -141,6 +148,18 @@ class GenerationProgram:
             if self._target is None or offer.version > self._target.version:
                 self._target = offer
                 self._cond.notify_all()
+            if not header.get("wait"):
+                return reply(Status.OK)
+            end = time.monotonic() + float(header.get("timeout_s", 120.0))
+            while self._installed is None or self._installed < offer.version:
+                if self._fatal is not None or self.stopped.is_set():
+                    return reply(Status.DOWN, error=self._fatal or "shutting down")
+                left = end - time.monotonic()
+                if left <= 0:
+                    return reply(
+                        Status.DOWN, error=f"version {offer.version} not installed in time"
+                    )
+                self._cond.wait(min(left, 0.5))
         return reply(Status.OK)
 
     def submit(self, message: bytes) -> bytes:
@@ -314,6 +333,7 @@ class GenerationProgram:
             event["digest"] = tree_digest(current.params)
         with self._cond:
             self._installed = current.version
+            self._cond.notify_all()  # an Update waiting for this version replies now
             self._counts["pulls"] += 1
         self._events.put((event, {}))
 

@@ -63,7 +63,6 @@ class LeaderLinks:
     """Process 0's end: a connection to every other learner process.
 
     Args:
-      sender_address: this process's ``WeightSender`` address ("" if none).
       host: interface to listen on (reachable from the other learner hosts).
       timeout_s: how long to wait for every follower's hello.
 
@@ -71,16 +70,14 @@ class LeaderLinks:
       ConnectionError: not every follower connected within ``timeout_s``.
     """
 
-    def __init__(
-        self, *, sender_address: str = "", host: str = "127.0.0.1", timeout_s: float = 300
-    ):
+    def __init__(self, *, host: str = "127.0.0.1", timeout_s: float = 300):
         import jax  # noqa: PLC0415
 
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(timeout_s)
         _broadcast_address(f"{host}:{self._listener.getsockname()[1]}")
         self._socks: dict[int, socket.socket] = {}
-        senders = {0: sender_address}
+        senders: dict[int, str] = {}
         try:
             while len(self._socks) < jax.process_count() - 1:
                 sock, _ = self._listener.accept()
@@ -93,7 +90,8 @@ class LeaderLinks:
                 f"only {len(self._socks)} of {jax.process_count() - 1} learner processes "
                 f"connected to process 0 within {timeout_s:g}s: {err!r}"
             ) from err
-        self.senders = tuple(senders[i] for i in sorted(senders))
+        # The other processes' WeightSender addresses, in process order ("" if none).
+        self.follower_senders = tuple(senders[i] for i in sorted(senders))
         self._closed = False
 
     def post(self, op: str, arrays: dict[str, np.ndarray] | None = None, **fields: Any) -> None:

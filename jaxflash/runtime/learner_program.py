@@ -125,7 +125,8 @@ class LearnerProgram:
         """Every learner process's ``WeightSender`` address, in process order."""
         if self._pump is None:
             return ()
-        return self._links.senders if self._links is not None else (self._pump.sender.address,)
+        others = () if self._links is None else self._links.follower_senders
+        return (self._pump.sender.address, *others)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One jitted learner step on a host batch; its metrics as floats."""

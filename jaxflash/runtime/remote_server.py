@@ -114,6 +114,7 @@ class RemoteGenerationServer:
         self._incarnation = 0
         self._version = int(board.latest.version)
         self._requested = int(board.latest.version)
+        self._pulled = -1  # the last version ``pull`` saw installed
         self._outstanding: set[RequestKey] = set()
         self._counts: collections.Counter = collections.Counter()
         self._last_event = time.monotonic()
@@ -198,6 +199,8 @@ class RemoteGenerationServer:
             raise ValueError(f"{self.name}: update_weights needs a WeightOffer of v{version}")
         self._board.post(params)
         with self._cond:
+            if version == self._requested and self._pulled == version:
+                return  # ``pull`` installed it already (ProcessFleet.publish)
             if version <= self._requested:
                 raise ValueError(
                     f"{self.name}: version {version} after version {self._requested} "
@@ -206,6 +209,28 @@ class RemoteGenerationServer:
             self._requested = int(version)
             incarnation = self._raise_if_down()
         self._call("Update", rpc_wire.encode({"offer": params.to_json()}), incarnation)
+
+    def pull(self, offer: WeightOffer, timeout_s: float) -> None:
+        """Have the program install ``offer`` now; returns once it is installed.
+
+        After this, requests submitted here start at ``offer.version`` (what
+        ``update_weights`` promises a thread server's callers); ``update_weights``
+        of the same version is then a no-op. ``ProcessFleet.publish`` calls it on
+        every server at once, so programs pull in parallel.
+
+        Raises:
+          RemoteServerDownError: the program is down, or did not install it in
+            ``timeout_s`` (it is then taken down and restarted).
+        """
+        self._board.post(offer)
+        with self._cond:
+            incarnation = self._raise_if_down()
+        message = rpc_wire.encode({"offer": offer.to_json(), "wait": True, "timeout_s": timeout_s})
+        self._call("Update", message, incarnation, timeout_s=timeout_s + 10.0)
+        with self._cond:
+            if incarnation == self._incarnation:
+                self._requested = max(self._requested, int(offer.version))
+                self._pulled = int(offer.version)
 
     def check(self) -> None:
         """Raise while the program is down; a restarted program passes again once this
@@ -267,10 +292,12 @@ class RemoteGenerationServer:
             raise RemoteServerDownError(f"{self.name} is down: {self._error}") from self._error
         return self._incarnation
 
-    def _call(self, method: str, message: bytes, incarnation: int) -> tuple[Status, dict]:
+    def _call(
+        self, method: str, message: bytes, incarnation: int, timeout_s: float | None = None
+    ) -> tuple[Status, dict]:
         """A unary call; a transport fault or DOWN takes this incarnation down and raises."""
         try:
-            status, fields = self._client.call(method, message)
+            status, fields = self._client.call(method, message, timeout_s=timeout_s)
         except Exception as err:  # grpc.RpcError, ProgramUnavailableError: the program is gone
             with self._cond:
                 if incarnation == self._incarnation:
