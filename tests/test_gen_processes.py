@@ -20,10 +20,11 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 
 from configs import smoke_async
-from jaxflash.runtime import rlvr
+from jaxflash.runtime import rlvr, rpc_wire
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.experiment import ExperimentConfig
 
@@ -33,8 +34,11 @@ def _rows(path):
         return [json.loads(line) for line in f]
 
 
-def _config(*, processes: bool, steps: int, alpha: int, digests: bool = False):
+def _config(
+    *, processes: bool, steps: int, alpha: int, digests: bool = False, max_new_tokens: int = 8
+):
     c = smoke_async.get_config()  # learner fsdp 3 x tensor 2, two 1-device slices
+    c.rollout.max_new_tokens = max_new_tokens
     c.total_steps = steps
     c.data.eval_size = 0  # evaluation needs an engine in the controller's process
     c.rollout.async_ratio = alpha
@@ -95,36 +99,62 @@ def test_sigkill_of_a_generation_process_reroutes_restarts_and_completes(tmp_pat
     log0 = os.path.join(workdir, "generation", "gen0.jsonl")
     killed: dict = {}
 
-    def kill_gen0_when_it_pulls_version_1():
-        # While the learner publishes v1, gen0 holds samples admitted up to α ahead.
+    def kill_gen0_while_it_holds_samples():
+        # Ask gen0 itself (its Stats call) until it has samples queued or running,
+        # then SIGKILL it: those samples are in flight and must be re-routed.
         end = time.monotonic() + 600
+        channel = None
         while time.monotonic() < end and not killed:
             events = _rows(log0) if os.path.exists(log0) else []
             ups = [e for e in events if e["event"] == "up"]
-            if ups and any(e["event"] == "pulling" and e["version"] >= 1 for e in events):
+            if not ups:
+                time.sleep(0.05)
+                continue
+            if channel is None:
+                with open(os.path.join(workdir, "generation", "gen0.log")) as f:
+                    line = next(x for x in f if '"listening"' in x)
+                channel = grpc.insecure_channel(json.loads(line)["address"])
+                stats = channel.unary_unary(f"/{rpc_wire.SERVICE}/Stats")
+            status, fields = rpc_wire.reply_status(stats(rpc_wire.encode({}), timeout=10))
+            if status is rpc_wire.Status.OK and fields["stats"]["queued_or_running"] > 0:
                 os.kill(int(ups[0]["pid"]), signal.SIGKILL)
                 killed.update(pid=int(ups[0]["pid"]), t=time.time())
-            time.sleep(0.02)
+            time.sleep(0.005)
+        if channel is not None:
+            channel.close()
+
+    def restarted_gen0_delivered() -> bool:
+        """gen0's restarted program (its own Stats call) has delivered a sample."""
+        with open(os.path.join(workdir, "generation", "gen0.log")) as f:
+            lines = [x for x in f if '"listening"' in x]
+        if len(lines) < 2:
+            return False
+        with grpc.insecure_channel(json.loads(lines[-1])["address"]) as channel:
+            stats = channel.unary_unary(f"/{rpc_wire.SERVICE}/Stats")
+            try:
+                status, fields = rpc_wire.reply_status(stats(rpc_wire.encode({}), timeout=10))
+            except grpc.RpcError:
+                return False
+        return status is rpc_wire.Status.OK and fields["stats"]["delivered"] > 0
 
     class SlowLearner(Console):
-        """Step 3 starts only once gen0 is back (a restart takes longer than a tiny
-        step here), so the restarted process must serve steps 3 and 4."""
+        """Step 3 starts only once the restarted gen0 has served a sample (a restart
+        plus its first compile take longer than a tiny step here)."""
 
         def background(self, label):
             if label == "step 3/4":
                 end = time.monotonic() + 600
-                while time.monotonic() < end:
-                    if sum(e["event"] == "up" for e in _rows(log0)) >= 2:
-                        break
-                    time.sleep(0.1)
+                while time.monotonic() < end and not restarted_gen0_delivered():
+                    time.sleep(0.2)
             super().background(label)
 
-    killer = threading.Thread(target=kill_gen0_when_it_pulls_version_1, daemon=True)
+    killer = threading.Thread(target=kill_gen0_while_it_holds_samples, daemon=True)
     killer.start()
-    exp = _config(processes=True, steps=4, alpha=2, digests=True)
+    # Longer samples: each holds a slot for 32 decode steps, a window the killer sees.
+    exp = _config(processes=True, steps=4, alpha=2, digests=True, max_new_tokens=32)
     last = rlvr.run(exp, workdir=workdir, console=SlowLearner(None))
     killer.join(1)
-    assert killed, "gen0 never pulled version 1"
+    assert killed, "gen0 never held a sample"
 
     assert last["policy_version"] == 4 and _accounted(last)
     assert last["prompts_trained"] == 4 * exp.rollout.prompts_per_step
@@ -149,7 +179,10 @@ def test_sigkill_of_a_generation_process_reroutes_restarts_and_completes(tmp_pat
     assert after and after[-1]["version"] == 4
     assert after[0]["version"] >= max(before)  # resynced, never back to an older version
     assert all(e["digest"] == learner[e["version"]] for e in installed)
-    # The restarted gen0 generated in steps 3-4; no per-step difference went negative.
+    assert killed["t"] < ups[1]["t"]
+    # The restarted gen0 delivered samples to the scheduler; no per-step difference of
+    # its cumulative stats went negative across the restart.
+    stopped = [e for e in events if e["event"] == "stopped"]
+    assert stopped[-1]["delivered"] > died[0]["delivered"]
     rows = _rows(os.path.join(workdir, "metrics.jsonl"))
     assert all(r["gen_tokens"] >= 0 and r.get("gen0_occupancy", 0) >= 0 for r in rows)
-    assert sum(r.get("gen0_occupancy", 0) for r in rows[2:]) > 0

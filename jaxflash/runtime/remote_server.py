@@ -159,7 +159,9 @@ class RemoteGenerationServer:
             stream.cancel()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        self._write_log("stopped")
+        with self._cond:
+            delivered = self._counts["delivered"]
+        self._write_log("stopped", delivered=delivered)
         with self._cond:
             return sorted(self._outstanding)
 
@@ -329,7 +331,7 @@ class RemoteGenerationServer:
             stream.cancel()
         self._cond.notify_all()
         log.warning("generation program %s is down (%d samples lost): %r", self.name, lost, err)
-        self._write_log("died", error=repr(err), lost=lost)
+        self._write_log("died", error=repr(err), lost=lost, delivered=self._counts["delivered"])
 
     def _supervise(self) -> None:
         restarting = False
@@ -383,6 +385,7 @@ class RemoteGenerationServer:
                         deliver = rpc_wire.sample_from_message(header, arrays)
                 elif kind == "version":
                     self._version = int(header["version"])
+                    self._write_log("version", version=self._version)
                     if not self._up and self._version >= offer.version:
                         self._up = True
                         self._requested = max(self._requested, self._version)
