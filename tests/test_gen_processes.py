@@ -27,6 +27,7 @@ from configs import smoke_async
 from jaxflash.runtime import rlvr, rpc_wire
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.experiment import ExperimentConfig
+from tests.test_rlvr import _undocumented
 
 
 def _rows(path):
@@ -186,3 +187,4 @@ def test_sigkill_of_a_generation_process_reroutes_restarts_and_completes(tmp_pat
     assert stopped[-1]["delivered"] > died[0]["delivered"]
     rows = _rows(os.path.join(workdir, "metrics.jsonl"))
     assert all(r["gen_tokens"] >= 0 and r.get("gen0_occupancy", 0) >= 0 for r in rows)
+    assert not _undocumented(rows)  # server_recoveries & co. are in the README's table
