@@ -118,7 +118,11 @@ def test_sigterm_on_the_second_learner_host_saves_on_every_host_and_resumes(tmp_
         assert all(p.poll() is None for p in procs), [p.stdout.read() for p in procs]
         time.sleep(0.05)
     steps_done = max(r["step"] for r in _rows(metrics))
-    procs[1].send_signal(signal.SIGTERM)  # ``timeout`` passes it on to the learner process
+    # To the learner process itself: ``timeout`` would pass SIGTERM on but SIGKILL it 5 s
+    # later (its -k), before a preemption save could finish.
+    with open(f"/proc/{procs[1].pid}/task/{procs[1].pid}/children") as f:
+        (learner_pid,) = (int(p) for p in f.read().split())
+    os.kill(learner_pid, signal.SIGTERM)
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     saved = sorted(int(n) for n in os.listdir(os.path.join(run, "checkpoints")) if n.isdigit())

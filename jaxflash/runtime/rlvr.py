@@ -16,6 +16,10 @@ Placements (``runtime.placement``):
   baseline every speed-up is measured against.
 * disjoint slices (α >= 0): one server per generation slice; with α > 0 the
   servers run up to α versions ahead of the learner.
+* generation programs (``mesh.generation_processes``): each slice its own JAX
+  program behind the same server protocol (``runtime.fleet``); the learner
+  offers each version and the programs pull it. SIGTERM: the step in progress
+  is saved and the run stops (``LearnerProgram.preempted``).
 
 A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
