@@ -122,6 +122,9 @@ def _learner(exp, console) -> None:
         run(exp, workdir=_WORKDIR.value, console=console)
     elif jax.process_index() == 0:
         with LeaderLinks(host=advertised_host()) as links:
+            # run() first opens the checkpoint directory (a collective in Orbax): the
+            # other processes must open it too, at the same point.
+            links.post("finished_step")
             run(exp, workdir=_WORKDIR.value, console=console, learner_links=links)
     else:
         sys.exit(follow(exp, _WORKDIR.value, host=advertised_host()))

@@ -38,7 +38,7 @@ from jaxflash.learner.step import make_train_step
 from jaxflash.models.config import ModelConfig
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.learner_links import FollowerLink, LeaderLinks
-from jaxflash.runtime.resume import init_or_restore_learner
+from jaxflash.runtime.resume import finished_step, init_or_restore_learner
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.transfer_layout import TreeLayout, stage_for_layout
 from jaxflash.sync.transfer_sender import WeightSender
@@ -237,6 +237,9 @@ def follow(exp: ExperimentConfig, workdir: str, *, host: str = "127.0.0.1") -> i
     link = FollowerLink(sender_address="" if sender is None else sender.address)
     try:
         header, _ = link.next()
+        if header["op"] == "finished_step":  # process 0 checks whether the run is done
+            finished_step(workdir, exp.total_steps)  # (opening the checkpoints is collective)
+            header, _ = link.next()
         if header["op"] == "exit":
             return 0
         if header["op"] != "setup":
