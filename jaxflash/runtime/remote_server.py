@@ -87,6 +87,8 @@ class RemoteGenerationServer:
       log_path: JSON-lines event log ("" = none).
     """
 
+    recovers = True  # ServerPool.recovered takes it back after a restart
+
     def __init__(
         self,
         client: ProgramClient,

@@ -53,8 +53,8 @@ class GenerationServerProtocol(Protocol):
     def check(self) -> None:
         """Raise if the server's loop died.
 
-        A server that can come back (a restarted generation process) raises at least
-        once after each death and passes again once it serves at the published
+        A server that can come back (a restarted generation process, which sets the
+        class attribute ``recovers = True``) raises at least once after each death and passes again once it serves at the published
         version; ``ServerPool.recovered`` then takes it back. A thread server never
         comes back.
         """
@@ -186,6 +186,11 @@ class ServerPool:
         """
         back = []
         for i in sorted(self.dead):
+            # Only servers that declare they come back (``recovers = True``: a restarted
+            # process) are asked: a thread server or a fake whose call raised stays dead
+            # even if its ``check`` passes.
+            if not getattr(self.servers[i], "recovers", False):
+                continue
             try:
                 self.servers[i].check()
             except Exception:
