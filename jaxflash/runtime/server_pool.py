@@ -55,8 +55,8 @@ class GenerationServerProtocol(Protocol):
 
         A server that can come back (a restarted generation process, which sets the
         class attribute ``recovers = True``) raises at least once after each death
-        and passes again once it serves at the published version; ``ServerPool.recovered`` then takes it back. A thread server never
-        comes back.
+        and passes again once it serves at the published version;
+        ``ServerPool.recovered`` then takes it back. A thread server never comes back.
         """
         ...
 
