@@ -113,6 +113,9 @@ class Dispatcher:
                 self._on_scored(sample, rest[0])
         for i in self.pool.check():
             self.server_died(i)
+        for _ in self.pool.recovered():  # a restarted generation process
+            self.counters["server_recoveries"] += 1
+            self.admission.halted = False
         self._check_deadlines()
         self.admit()
         return len(events)
