@@ -36,6 +36,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # colocated=False: learner devices first, then this many disjoint generation
     # slices of mesh.generation each (one device each on CPU); 1 when colocated.
     c.mesh.num_generation_slices = 2 - colocated.to_int()
+    # Each generation slice its own JAX program (a process reached over gRPC;
+    # docs/MULTIHOST.md) instead of a thread here; needs colocated=False and
+    # data.eval_size=0. The learner then has this process's devices only.
+    c.mesh.generation_processes = False
+    # With generation_processes: "host:port,..." of generation programs already
+    # running (a pod's generation hosts); "" = start them here as local processes.
+    c.mesh.generation_addresses = ""
+    c.mesh.weight_transfer = "transfer"  # generation programs pull by: transfer | stream
+    c.mesh.generation_digests = False  # log a SHA-256 of each weight install (tests)
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "gguf"  # gguf | hf | random

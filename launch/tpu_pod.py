@@ -2,6 +2,18 @@
 
     python launch/tpu_pod.py --config configs/rlvr_smollm2_arith.py --workdir runs/arith \
         [--config.learner.lr=1e-6 ...]
+    python launch/tpu_pod.py --config ... --dry_run      # per-device memory plan, then exit
+    JAXFLASH_ROLE=generation python launch/tpu_pod.py --config ... --port 8500
+
+The same command runs on every host of a program (``docs/MULTIHOST.md``).
+``jaxflash.sharding.distributed.initialize_from_env()`` joins this host's JAX
+program first (TPU slice metadata, or ``JAX_COORDINATOR_ADDRESS`` /
+``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``). ``JAXFLASH_ROLE`` says what it runs:
+``learner`` (default): the RL loop, in process 0 of the learner program (the
+controller), while its other processes follow process 0's learner commands;
+``generation``: a generation program serving rollouts over gRPC
+(``runtime.gen_program``) on ``--port``, reached by a controller whose
+``mesh.generation_addresses`` lists it.
 
 On CPU the fake device count comes from `config.mesh.num_cpu_devices`, set here
 before jax is imported. On a multi-host TPU/GPU slice (JAX_COORDINATOR_ADDRESS or
@@ -17,6 +29,7 @@ disjoint slices (`--config.mesh.colocated=False`, e.g. `configs/smoke_async.py`)
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -37,7 +50,16 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics, checkpo
 _PROGRESS = flags.DEFINE_float(
     "progress_every_s", 5.0, "Seconds of console silence after which a long phase prints progress."
 )
-flags.mark_flags_as_required(["config", "workdir"])
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Compile the learner step and the engine ahead of time for the config's meshes, print "
+    "the memory plan per device, and exit (no weights, no workdir).",
+)
+_PORT = flags.DEFINE_integer(
+    "port", 0, "JAXFLASH_ROLE=generation: the gRPC port to serve on (0 picks one)."
+)
+flags.mark_flags_as_required(["config"])
 
 
 def _set_cpu_device_count(n: int) -> None:
@@ -50,14 +72,62 @@ def _set_cpu_device_count(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{existing} {flag}".strip()
 
 
-def _maybe_init_distributed() -> None:
+def _role() -> str:
+    role = os.environ.get("JAXFLASH_ROLE", "learner") or "learner"
+    if role not in ("learner", "generation"):
+        print(f"config error: JAXFLASH_ROLE={role!r} must be learner or generation",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    return role
+
+
+def _devices(config, role: str) -> int:
+    """Fake CPU devices of this process (ignored by TPU/GPU platforms)."""
+    if role == "generation":  # one generation slice's mesh
+        return math.prod(int(v) for v in config.mesh.generation.values())
+    n = int(config.mesh.num_cpu_devices)
+    if _DRY_RUN.value:
+        n = max(n, *(math.prod(int(v) for v in m.values())
+                     for m in (config.mesh.learner, config.mesh.generation)))  # fmt: skip
+    return n
+
+
+def _serve_generation() -> None:
+    """This host is a generation program: serve the controller over gRPC until told to stop."""
     import jax
 
-    multi_host = "JAX_COORDINATOR_ADDRESS" in os.environ or os.environ.get(
-        "TPU_WORKER_HOSTNAMES", ""
-    ).count(",")
-    if multi_host:
-        jax.distributed.initialize()
+    from jaxflash.runtime.gen_program import serve
+    from jaxflash.sharding.distributed import advertised_host
+
+    if jax.process_count() > 1:
+        print(
+            "config error: a generation program spans one host for now (this one has "
+            f"{jax.process_count()} processes); give each generation slice one host",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    sys.exit(serve(host=advertised_host(), port=_PORT.value))
+
+
+def _learner(exp, console) -> None:
+    """Process 0 runs the RL loop (the controller); the others follow its learner calls."""
+    import jax
+
+    from jaxflash.runtime.learner_links import LeaderLinks
+    from jaxflash.runtime.learner_program import follow
+    from jaxflash.runtime.rlvr import run
+    from jaxflash.sharding.distributed import advertised_host
+
+    if jax.process_count() == 1:
+        run(exp, workdir=_WORKDIR.value, console=console)
+    elif jax.process_index() == 0:
+        with LeaderLinks(host=advertised_host()) as links:
+            # run() first opens the checkpoint directory (a collective in Orbax): the
+            # other processes must open it too, at the same point.
+            links.post("finished_step")
+            run(exp, workdir=_WORKDIR.value, console=console, learner_links=links)
+    else:
+        sys.exit(follow(exp, _WORKDIR.value, host=advertised_host()))
 
 
 def main(argv: list[str]) -> None:
@@ -79,15 +149,26 @@ def main(argv: list[str]) -> None:
     # JetStream imports TensorFlow (through seqio) only for tokenizer utilities we do
     # not use; keep its C++ start-up chatter off the console.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    _set_cpu_device_count(int(config.mesh.num_cpu_devices))
+    role = _role()
+    if role == "learner" and not _DRY_RUN.value and not _WORKDIR.value:
+        print("config error: --workdir is required (where the run is written)", file=sys.stderr)
+        sys.exit(2)
+    _set_cpu_device_count(_devices(config, role))
     from jaxflash.runtime.console import Console
     from jaxflash.runtime.specs import ConfigError
+    from jaxflash.sharding.distributed import initialize_from_env
 
     console = Console(sys.stdout, every_s=_PROGRESS.value)
     try:
         announce = "starting: importing JAX, JetStream and the verifiers ..."
         with console.phase("starting", announce=announce):
-            _maybe_init_distributed()
+            try:  # join this host's JAX program (a TPU slice, or JAX_COORDINATOR_ADDRESS)
+                initialize_from_env()
+            except ValueError as err:  # a malformed variable: named in the message
+                raise ConfigError(str(err)) from err
+            if role == "generation":
+                console.close()
+                _serve_generation()
             # Library code never sees the ConfigDict: it becomes validated dataclasses here.
             from jaxflash.runtime.experiment import ExperimentConfig
 
@@ -95,8 +176,15 @@ def main(argv: list[str]) -> None:
             # TensorFlow writes its start-up lines (oneDNN, "no CUDA drivers") to fd 2
             # before any log level applies: hidden, unless --verbosity was given.
             with native_stderr_hidden(not verbose):
-                from jaxflash.runtime.rlvr import run
-        run(exp, workdir=_WORKDIR.value, console=console)
+                from jaxflash.runtime import rlvr  # noqa: F401  (the slow imports)
+        if _DRY_RUN.value:
+            from jaxflash.runtime.dry_run_plan import dry_run_report
+
+            with console.phase("compiling the learner step and the engine ahead of time"):
+                report = dry_run_report(exp)
+            console.line(report)
+            return
+        _learner(exp, console)
     except ConfigError as err:  # a bad or silently-ignored setting: one line, naming fields
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -114,7 +114,8 @@ class Dispatcher:
                 self._on_generated(sample)
             else:
                 self._on_scored(sample, rest[0])
-        self.router.check()
+        if self.router.check():  # a restarted generation process: admit again
+            self.admission.halted = False
         self.admit()
         return len(events)
 

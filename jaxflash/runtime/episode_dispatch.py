@@ -198,7 +198,8 @@ class EpisodeDispatcher:
                     self._env_returned(key, payload[1])
             else:
                 raise ValueError(f"EpisodeDispatcher: unexpected inbox event {kind!r}")
-        self.router.check()
+        if self.router.check():  # a restarted generation process: admit again
+            self.admission.halted = False
         for key, outcome in self.calls.expired(self.clock.now()):
             run = self._run(key)
             if run is not None:

@@ -87,6 +87,13 @@ def _task_options(value: Any, field: str = "data.task_options") -> dict[str, Any
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in value.items()}
 
 
+def _addresses(value: Any) -> tuple[str, ...]:
+    """``mesh.generation_addresses``: a sequence, or comma-separated text (command line)."""
+    if isinstance(value, str):
+        return tuple(a.strip() for a in value.split(",") if a.strip())
+    return tuple(str(a) for a in value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     """A whole run. Built by ``from_config_dict``; library code reads only this."""
@@ -181,6 +188,22 @@ class ExperimentConfig:
                 f"mesh.generation {dict(m.generation)} needs {n_gen} devices but with "
                 f"mesh.colocated=True it runs on the learner's {n_learner} (mesh.learner)",
             )
+        # Agentic runs evaluate env.eval_seeds (data.* is refused with env.name).
+        field, evals = (
+            ("env.eval_seeds", self.env.eval_seeds)
+            if self.env.name
+            else (
+                "data.eval_size",
+                self.data.eval_size,
+            )
+        )
+        _check(
+            not (m.generation_processes and evals),
+            f"{field}={evals} with mesh.generation_processes=True: "
+            "evaluation runs on an engine in the controller's process, which has none when "
+            f"generation runs in separate programs; set {field}=0 (evaluating through "
+            "the generation programs is not built yet)",
+        )
 
     def with_prompt_lengths(self, max_prompt_tokens: int) -> ExperimentConfig:
         """A copy with ``data.max_prompt_tokens`` (and a 0 ``rollout.max_prefill_length``)
@@ -263,6 +286,10 @@ class ExperimentConfig:
                 generation=dict(mesh.get("generation", {"tensor": 1})),
                 colocated=bool(mesh.get("colocated", True)),
                 num_generation_slices=int(mesh.get("num_generation_slices", 1)),
+                generation_processes=bool(mesh.get("generation_processes", False)),
+                generation_addresses=_addresses(mesh.get("generation_addresses", ())),
+                weight_transfer=str(mesh.get("weight_transfer", "transfer")),
+                generation_digests=bool(mesh.get("generation_digests", False)),
             ),
             model=ModelSpec(**c.get("model", {})),
             data=DataSpec(**data),

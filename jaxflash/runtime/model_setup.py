@@ -137,24 +137,44 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
     Returns:
       (LlamaEngine, generator param shardings on ``mesh`` for ``sync.publish``).
     """
-    from jaxflash.generation.engine import EngineConfig, LlamaEngine
-    from jaxflash.models.llama import abstract_params, logical_axes
-    from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
+    return build_engine(model_config, engine_config(exp), mesh, tokenizer)
+
+
+def engine_config(exp: ExperimentConfig):
+    """The ``EngineConfig`` of every rollout engine of ``exp`` (a generation program in
+    another process builds its engine from this, sent as JSON)."""
+    from jaxflash.generation.engine import EngineConfig
 
     sampling = exp.rollout.sampling
     target = exp.rollout.max_prefill_length + sampling.max_new_tokens
     if exp.env.name:  # a turn's prompt + its budget never exceed the episode's context
         target = exp.env.max_context_tokens
+    return EngineConfig(
+        max_concurrent_decodes=exp.rollout.num_slots,
+        max_prefill_length=exp.rollout.max_prefill_length,
+        max_target_length=target,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+    )
+
+
+def build_engine(model_config: ModelConfig, config: Any, mesh: Mesh, tokenizer: Any = None):
+    """A ``LlamaEngine`` on ``mesh`` with GENERATOR_RULES.
+
+    Args:
+      tokenizer: only JetStream's serving path uses it (None in a generation program).
+
+    Returns:
+      (engine, generator param shardings on ``mesh``).
+    """
+    from jaxflash.generation.engine import LlamaEngine
+    from jaxflash.models.llama import abstract_params, logical_axes
+    from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
+
     engine = LlamaEngine(
         model_config,
-        EngineConfig(
-            max_concurrent_decodes=exp.rollout.num_slots,
-            max_prefill_length=exp.rollout.max_prefill_length,
-            max_target_length=target,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-        ),
+        config,
         mesh=mesh,
         rules=GENERATOR_RULES,  # shards the KV cache like the params (tensor parallel)
         tokenizer=tokenizer,

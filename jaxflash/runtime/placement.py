@@ -7,6 +7,9 @@
 * Disjoint (ROLL Flash rollout-train decoupling, arXiv 2510.11345): the learner
   takes devices [0, L) and each of ``mesh.num_generation_slices`` slices the next
   ``prod(mesh.generation)`` devices, one generation server each.
+* Generation programs (``mesh.generation_processes=True``): the learner takes
+  devices [0, L) of this program; generation slices are other JAX programs
+  with devices of their own (``runtime.fleet``), so none are carved here.
 
 On CPU every generation slice should hold ONE device: XLA's CPU client never
 overlaps two multi-device programs, so multi-device slices would serialise with
@@ -49,6 +52,8 @@ class Placement:
                 return f"{d[0]}-{d[-1]}"
             return ",".join(map(str, d))
 
+        if not self.generation:
+            return f"learner devices {ids(self.learner)}, generation in separate programs"
         gens = ", ".join(f"[{ids(m)}]" for m in self.generation)
         kind = "colocated" if self.colocated else "disjoint"
         return f"learner devices {ids(self.learner)}, generation {gens} ({kind})"
@@ -64,7 +69,9 @@ def carve(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> Placem
     devices = list(jax.devices() if devices is None else devices)
     n_learner = math.prod(int(v) for v in spec.learner.values())
     n_gen = math.prod(int(v) for v in spec.generation.values())
-    if spec.colocated:
+    if spec.generation_processes:  # generation programs have their own devices
+        need, starts = n_learner, []
+    elif spec.colocated:
         if n_gen > n_learner:
             raise ValueError(
                 f"mesh.generation {dict(spec.generation)} needs {n_gen} devices but a "

@@ -31,6 +31,8 @@ def init_or_restore_learner(
     imported_params: Any,
     learner_mesh: Mesh,
     workdir: str,
+    *,
+    records: bool = True,
 ) -> tuple[TrainState, CheckpointMeta, PromptLedger, Checkpointer]:
     """The learner state, its metadata and the prompt ledger, restored when possible.
 
@@ -38,7 +40,9 @@ def init_or_restore_learner(
     ``learner_mesh`` (Orbax ignores half-written ones); rows of metrics.jsonl and
     rollouts.jsonl written after it belong to lost work and are dropped. Otherwise
     the state is created born sharded: from ``imported_params`` (GGUF / HF), or
-    randomly initialised when that is None.
+    randomly initialised when that is None. ``records=False`` leaves metrics.jsonl
+    and rollouts.jsonl alone (the other processes of a multi-process learner:
+    process 0 owns them).
 
     Returns:
       (state, meta, ledger, checkpointer); the caller owns the checkpointer.
@@ -57,8 +61,9 @@ def init_or_restore_learner(
             meta.data_cursor,
             len(ledger.open_ids),
         )
-        truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
-        truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
+        if records:
+            truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
+            truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
         return state, meta, ledger, checkpointer
     if imported_params is None:
         state = create_train_state(

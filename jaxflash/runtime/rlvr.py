@@ -16,6 +16,10 @@ Placements (``runtime.placement``):
   baseline every speed-up is measured against.
 * disjoint slices (α >= 0): one server per generation slice; with α > 0 the
   servers run up to α versions ahead of the learner.
+* generation programs (``mesh.generation_processes``): each slice its own JAX
+  program behind the same server protocol (``runtime.fleet``); the learner
+  offers each version and the programs pull it. SIGTERM: the step in progress
+  is saved and the run stops (``LearnerProgram.preempted``).
 
 A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
@@ -45,14 +49,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxflash.algorithms.advantages import get_advantage_estimator
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.data.prompts import PromptSource
-from jaxflash.learner.state import state_shardings
-from jaxflash.learner.step import make_logprob_fn, make_train_step
+from jaxflash.learner.step import make_logprob_fn
 from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
@@ -62,22 +64,26 @@ from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
 from jaxflash.runtime.evaluation import evaluate
 from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.fleet import make_fleet
 from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.learner_batch import empty_reason, learner_batch
+from jaxflash.runtime.learner_links import LeaderLinks
+from jaxflash.runtime.learner_program import LearnerProgram
 from jaxflash.runtime.model_setup import (
     check_workdir_model,
     load_model,
     load_tokenizer,
-    make_engine,
     make_reward,
 )
 from jaxflash.runtime.placement import carve
 from jaxflash.runtime.replay_cycle import make_replay_cycle
-from jaxflash.runtime.resume import finished_step, init_or_restore_learner, last_metrics
+from jaxflash.runtime.replay_spec import replay_active
+from jaxflash.runtime.resume import finished_step, last_metrics
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
+from jaxflash.runtime.specs import ConfigError
 from jaxflash.runtime.task_setup import (
     build_task,
     eval_prompts,
@@ -85,8 +91,9 @@ from jaxflash.runtime.task_setup import (
     prompt_by_id,
     prompt_lengths,
 )
+from jaxflash.sharding.distributed import advertised_host
 from jaxflash.sharding.rules import LEARNER_RULES
-from jaxflash.sync.publish import Publisher
+from jaxflash.sync.transfer_sender import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,7 @@ def run(
     server_factory: Callable[..., Any] = GenerationServer,
     clock: Clock | None = None,
     console: Console | None = None,
+    learner_links: LeaderLinks | None = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) an RLVR experiment in ``workdir``.
 
@@ -109,6 +117,8 @@ def run(
         (tests wrap it to inject faults).
       clock: time source of every timing (default: real time).
       console: step lines and progress during long phases (default: silent).
+      learner_links: on process 0 of a multi-process learner, the links to the
+        other learner processes (they run ``learner_program.follow``).
 
     Returns:
       The last step's metrics (a finished run: the last row of its metrics.jsonl).
@@ -122,6 +132,12 @@ def run(
     """
     clock = clock or RealClock()
     console = console or Console(None)
+    if learner_links is not None and replay_active(exp.replay, exp.controller):
+        # The replay cycle's ratio statistics run a jitted forward on process 0 only.
+        raise ConfigError(
+            "replay.ratio / controller.kind: replay is not wired for a multi-process "
+            "learner yet (run it with one learner process)"
+        )
     t_run = clock.now()
     done = finished_step(workdir, exp.total_steps)
     if done is not None:  # nothing to do: say so instead of resuming silently
@@ -175,34 +191,27 @@ def run(
     check_workdir_model(workdir, model_config)
     console.background("setting up the learner, the generation engines and the reward workers")
     with console.phase("building the learner state"):
-        state, meta, ledger, checkpointer = init_or_restore_learner(
-            exp, model_config, imported_params, placement.learner, workdir
-        )
+        # Generation programs pull weights from every learner process's sender.
+        sender = WeightSender(host=advertised_host()) if exp.mesh.generation_processes else None
+        learner = LearnerProgram(
+            exp, model_config, imported_params, placement.learner, workdir,
+            sender=sender, links=learner_links,
+        )  # fmt: skip
+    meta, ledger = learner.meta, learner.ledger
     if meta.step:
         console.line(
             f"resumed from step {meta.step} of {exp.total_steps} in {workdir} (data cursor "
             f"{meta.data_cursor}; {len(ledger.open_ids)} prompts in flight, generated again)"
         )
     del imported_params
-    train_step = make_train_step(model_config, exp.learner, placement.learner, LEARNER_RULES)
-    step_sharding = state_shardings(
-        model_config, exp.learner, placement.learner, LEARNER_RULES
-    ).step
 
     # ------------------------------------------------------------ engines + first weights
     version = int(meta.step)  # policy version == learner steps taken
-    engines = [make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation]
-    publishers = [Publisher() for _ in engines]
-
-    def publish_weights(params: Any, v: int) -> list[Any]:
-        """Learner params -> every generation mesh, device to device (version v)."""
-        pairs = zip(publishers, engines, strict=True)
-        out = [pub.publish(params, shardings, v).params for pub, (_, shardings) in pairs]
-        jax.block_until_ready(out)
-        return out
-
+    # Threads on this program's generation meshes, or generation programs (runtime.fleet).
+    with console.phase("starting the generation servers"):
+        fleet = make_fleet(exp, model_config, placement, tokenizer, workdir)
     with console.phase("publishing the weights to the generation engines"):
-        gen_params = publish_weights(state.params, version)
+        gen_params = fleet.publish(learner, version)
 
     # ------------------------------------------------------------ data, rewards, scheduler
     r = exp.rollout
@@ -241,19 +250,15 @@ def run(
     group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
     truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
     inbox = Inbox()
-    servers = [
-        server_factory(
-            f"gen{i}",
-            engine,
-            params,
-            policy_version=version,
-            stop_ids=tokenizer.stop_ids,
-            partial_rollout=r.partial_rollout,
-            on_finished=inbox.generated,
-            clock=clock,
-        )
-        for i, ((engine, _), params) in enumerate(zip(engines, gen_params, strict=True))
-    ]
+    servers = fleet.servers(
+        gen_params,
+        version=version,
+        stop_ids=tokenizer.stop_ids,
+        partial_rollout=r.partial_rollout,
+        on_finished=inbox.generated,
+        clock=clock,
+        server_factory=server_factory,
+    )
     scheduler = RolloutScheduler(
         servers,
         inbox,
@@ -291,11 +296,12 @@ def run(
         what = "seeds" if agentic else "prompts"
         announce = f"evaluating at step {v}: {len(held_out)} {what} x "
         announce += f"{exp.eval.samples_per_prompt} {'episodes' if agentic else 'samples'}"
+        engine, params = fleet.eval_target(gen_params)
         with console.phase("evaluating", status, announce=announce + f"{note} ..."):
             if agentic is None:
                 out = evaluate(
-                    engines[0][0],
-                    gen_params[0],
+                    engine,
+                    params,
                     held_out,
                     samples_per_prompt=exp.eval.samples_per_prompt,
                     sampling=r.sampling,
@@ -306,9 +312,7 @@ def run(
                     progress=status.update,
                 )
             else:  # held-out success rate, mean@n over eval-split seeds
-                out = agentic.evaluate(
-                    engines[0][0], gen_params[0], version=v, progress=status.update
-                )
+                out = agentic.evaluate(engine, params, version=v, progress=status.update)
         compiled["engine"] = True
         return {**out, "eval_time_s": clock.now() - t0}
 
@@ -321,6 +325,7 @@ def run(
     # ------------------------------------------------------------ the loop
     writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
+    preempted = False
     try:
         if version == 0 and held_out:
             console.background(f"step 0/{exp.total_steps}")
@@ -353,7 +358,7 @@ def run(
             if cycle is not None:  # + the replay cycle at rho; ratio statistics per cycle
                 train_batch, replay_metrics = cycle.step_batch(
                     lb,
-                    state.params,
+                    learner.params,
                     learner_version=version,
                     pad_id=tokenizer.pad_id,
                     max_len=model_config.max_seq_len,
@@ -366,16 +371,13 @@ def run(
                 note = "" if compiled["learner"] else " (the first update compiles the step)"
                 n = len(lb.samples) + replay_metrics.get("cycle_replay_samples", 0)
                 with console.phase(f"{step_label}: training on {n} samples{note}"):
-                    state, train_metrics = train_step(state, train_batch)
-                    step_metrics = records.learner_metrics(
-                        {k: float(v) for k, v in jax.device_get(train_metrics).items()}
-                    )
+                    step_metrics = records.learner_metrics(learner.train(train_batch))
                 compiled["learner"] = True
             else:
                 skipped = empty_reason(batch.groups, batch.dropped)
                 scheduler.count("steps_skipped", f"steps_skipped_{skipped}")
                 log.warning("step %d has nothing to train (%s): skipped", version + 1, skipped)
-                state = state.replace(step=jax.device_put(state.step + 1, step_sharding))
+                learner.skip()
                 step_metrics = {"skipped": skipped}
             train_s = clock.now() - t_train
             trained_at_s = clock.now() - (scheduler.first_request_at or t_step)
@@ -387,10 +389,11 @@ def run(
             gen = records.server_metrics(servers_before, servers_now, version)
             servers_before = servers_now
 
-            # 7. Publish: D2D to every generation mesh; the servers keep decoding.
+            # 7. Publish: D2D to every generation mesh (or offered to the generation
+            # programs, which pull it); the servers keep decoding.
             t_sync = clock.now()
-            version = int(jax.device_get(state.step))
-            gen_params = publish_weights(state.params, version)
+            version = learner.step
+            gen_params = fleet.publish(learner, version)
             copy_s = clock.now() - t_sync
             handover_s = scheduler.publish(gen_params, version)
 
@@ -423,11 +426,11 @@ def run(
             records.check_finite(metrics, version)
             show(version, writer.write_step(version, metrics), compiled_now)
 
-            # 9. Checkpoint.
-            if version % exp.checkpoint.every == 0 or version == exp.total_steps:
+            # 9. Checkpoint (and stop here if preempted: every learner process agrees).
+            preempted = learner.preempted(version)
+            if version % exp.checkpoint.every == 0 or version == exp.total_steps or preempted:
                 ledger_state, counts, cursor = snapshot
-                checkpointer.save(
-                    state,
+                learner.save(
                     CheckpointMeta(
                         step=version,
                         data_cursor=cursor,
@@ -440,14 +443,23 @@ def run(
                         },
                     ),
                 )
+            if preempted:
+                console.line(
+                    f"preempted (SIGTERM): saved step {version}; run the same command to "
+                    f"resume {workdir} from it"
+                )
+                break
     finally:
         console.background("shutting down: stopping the servers, writing the last checkpoint")
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
-        checkpointer.close()
+        fleet.close()
+        learner.close()
         if reward_pool is not None:
             reward_pool.close()
         writer.close()
         console.background(None)
+    if preempted:
+        return metrics
     console.line(
         f"finished {version}/{exp.total_steps} steps in {duration(clock.now() - t_run)}: "
         f"{workdir}/metrics.jsonl, rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"

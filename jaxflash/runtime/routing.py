@@ -154,11 +154,18 @@ class RequestRouter:
         self.table.note_finished(key[0], start_version_of(sample))
         return entry
 
-    def check(self) -> None:
-        """Find dead servers (reroute their requests) and late requests (retry or fail)."""
+    def check(self) -> int:
+        """Find dead servers (reroute their requests), recovered ones (a restarted
+        generation process; counted ``server_recoveries``) and late requests (retry or
+        fail). Returns how many servers came back (the owner admits again)."""
         for i in self.pool.check():
             self.server_died(i)
+        back = len(self.pool.recovered())
+        if back:
+            self.counters["server_recoveries"] += back
+            self.halted = False
         self._check_deadlines()
+        return back
 
     # ------------------------------------------------------------------ books
 

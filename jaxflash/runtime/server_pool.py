@@ -51,7 +51,13 @@ class GenerationServerProtocol(Protocol):
     def update_weights(self, params: Any, version: PolicyVersion) -> None: ...
 
     def check(self) -> None:
-        """Raise if the server's loop died."""
+        """Raise if the server's loop died.
+
+        A server that can come back (a restarted generation process, which sets the
+        class attribute ``recovers = True``) raises at least once after each death
+        and passes again once it serves at the published version;
+        ``ServerPool.recovered`` then takes it back. A thread server never comes back.
+        """
         ...
 
     def stats(self) -> dict[str, Any]: ...
@@ -171,6 +177,28 @@ class ServerPool:
                 if self.mark_dead(i, err):
                     died.append(i)
         return died
+
+    def recovered(self) -> list[int]:
+        """Dead servers whose ``check`` passes again (a restarted process): alive once more.
+
+        Their samples were re-routed when they died; they are not suspect and get
+        new samples like any other server.
+        """
+        back = []
+        for i in sorted(self.dead):
+            # Only servers that declare they come back (``recovers = True``: a restarted
+            # process) are asked: a thread server or a fake whose call raised stays dead
+            # even if its ``check`` passes.
+            if not getattr(self.servers[i], "recovers", False):
+                continue
+            try:
+                self.servers[i].check()
+            except Exception:
+                continue
+            self.dead.discard(i)
+            back.append(i)
+            log.warning("generation server %d is back", i)
+        return back
 
     def stats(self) -> list[dict[str, Any]]:
         """Each server's ``stats()`` ({} for a dead one; ``check`` reports deaths)."""

@@ -58,6 +58,19 @@ class MeshSpec:
         learner trains (α = 0 only: the synchronous baseline).
       num_generation_slices: disjoint generation slices after the learner's devices
         (colocated False), one generation server each; 1 when colocated.
+      generation_processes: each generation slice is its own JAX program (a
+        process; ``runtime.gen_program``) reached over gRPC, instead of a thread
+        on this process's devices. The learner's devices are then all of this
+        program's (``mesh.learner``); weights travel by ``weight_transfer``.
+      generation_addresses: with generation_processes: "host:port" of generation
+        programs already running (one per slice, e.g. started on a pod's
+        generation hosts by ``launch/tpu_pod.py``). Empty: this controller
+        starts ``num_generation_slices`` local processes (CPU; tests, a laptop)
+        and restarts any that dies.
+      weight_transfer: how generation programs pull weights: "transfer"
+        (``jax.experimental.transfer``) or "stream" (host-staged, per shard).
+      generation_digests: generation programs log a SHA-256 of every installed
+        weight tree (costs a host copy of the weights per update; for tests).
     """
 
     num_cpu_devices: int = 1
@@ -65,8 +78,50 @@ class MeshSpec:
     generation: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"tensor": 1})
     colocated: bool = True
     num_generation_slices: int = 1
+    generation_processes: bool = False
+    generation_addresses: tuple[str, ...] = ()
+    weight_transfer: str = "transfer"
+    generation_digests: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "generation_addresses", tuple(self.generation_addresses))
+        check(
+            self.weight_transfer in ("transfer", "stream"),
+            f"mesh.weight_transfer must be transfer | stream, got {self.weight_transfer!r}",
+        )
+        if not self.generation_processes:
+            ignored = [
+                f"mesh.{name}={getattr(self, name)!r}"
+                for name, default in (
+                    ("generation_addresses", ()),
+                    ("weight_transfer", "transfer"),
+                    ("generation_digests", False),
+                )
+                if getattr(self, name) != default
+            ]
+            check(
+                not ignored,
+                f"{', '.join(ignored)}: only used with mesh.generation_processes=True "
+                "(generation in separate processes)",
+            )
+        else:
+            check(
+                not self.colocated,
+                "mesh.generation_processes=True needs mesh.colocated=False: a generation "
+                "program has its own devices, it cannot share the learner's",
+            )
+            n = len(self.generation_addresses)
+            check(
+                n in (0, self.num_generation_slices),
+                f"mesh.generation_addresses lists {n} programs but "
+                f"mesh.num_generation_slices={self.num_generation_slices}",
+            )
+            for address in self.generation_addresses:
+                host, sep, port = str(address).rpartition(":")
+                check(
+                    bool(host) and bool(sep) and port.isdigit(),
+                    f"mesh.generation_addresses: {address!r} is not host:port",
+                )
         check(
             self.num_generation_slices >= 1,
             f"mesh.num_generation_slices must be >= 1, got {self.num_generation_slices}",

@@ -160,3 +160,22 @@ def initialize_from_env(
     except (RuntimeError, ValueError) as err:
         raise RuntimeError(f"jax.distributed.initialize failed for {plan}: {err}") from err
     return plan
+
+
+def advertised_host(env: Mapping[str, str] | None = None) -> str:
+    """The address other programs reach this host at (``JAXFLASH_HOST``; loopback default).
+
+    Weight senders, generation programs and the learner's command channel bind
+    and advertise this address. On one machine (tests, a laptop) the default
+    127.0.0.1 keeps everything on loopback; on a pod set ``JAXFLASH_HOST`` to the
+    host's address on the network the other programs use (``launch/gcloud.py``
+    and ``Topology.process_env`` set it for hosts programs).
+
+    Raises:
+      ValueError: an empty or whitespace-containing value.
+    """
+    env = os.environ if env is None else env
+    host = env.get("JAXFLASH_HOST", "127.0.0.1")
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"JAXFLASH_HOST={host!r} must be a host name or address")
+    return host

@@ -1,4 +1,4 @@
-"""Command line for the dry run (until ``launch/tpu_pod.py --dry_run`` calls it).
+"""Command line for the dry run of a preset (`launch/tpu_pod.py --dry_run` sizes a config).
 
     python -m jaxflash.sizing --preset smollm2_135m --learner_mesh fsdp=8 \
         --generation_mesh tensor=2 --batch_size 64 --seq_len 1024

@@ -142,6 +142,7 @@ class WeightReceiver:
         chunk_bytes: int = 64 << 20,
         timeout_s: float = 60.0,
         progress: Callable[[int, int], None] | None = None,
+        version: int | None = None,
     ) -> VersionedParams:
         """Fetch the senders' offer and install it.
 
@@ -154,6 +155,8 @@ class WeightReceiver:
             chunk); smaller chunks bound the sender's blocking time per request.
           timeout_s: socket timeout of every control and stream operation, seconds.
           progress: called after each chunk with (bytes received, bytes total).
+          version: install only this version: an offer of any other version is
+            refused (VERSION) before any byte moves. None: whatever is offered.
 
         Returns:
           The new ``current``.
@@ -171,7 +174,7 @@ class WeightReceiver:
         start = time.perf_counter()
         try:
             try:
-                version, plan, remotes = self._plan(list(senders), timeout_s)
+                version, plan, remotes = self._plan(list(senders), timeout_s, version)
             except (KeyError, TypeError) as err:  # a describe reply missing its fields
                 raise TransferError(TransferErrorKind.PROTOCOL, f"bad offer: {err!r}") from err
             fetch = (
@@ -208,7 +211,7 @@ class WeightReceiver:
             return expect(recv_message(sock), "offer")
 
     def _plan(
-        self, senders: list[str], timeout_s: float
+        self, senders: list[str], timeout_s: float, expected: int | None
     ) -> tuple[int, dict[str, list[_Item]], dict[str, tuple[str | None, int]]]:
         """(version, items per sender, (jax transfer address, bulk transports) per sender)."""
         offers = [self._describe(a, timeout_s) for a in senders]
@@ -218,6 +221,10 @@ class WeightReceiver:
                 TransferErrorKind.VERSION, f"sender processes offer different versions {versions}"
             )
         (version,) = versions
+        if expected is not None and version != int(expected):
+            raise TransferError(
+                TransferErrorKind.VERSION, f"the senders offer version {version}, not {expected}"
+            )
         previous = None if self._current is None else self._current.version
         try:
             check_version(version, previous)

@@ -1,0 +1,34 @@
+"""``launch/tpu_pod.py --dry_run``: an experiment's programs compiled ahead of time."""
+
+import pytest
+
+from configs import smoke_async
+from jaxflash.runtime.dry_run_plan import dry_run_report
+from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.specs import ConfigError
+
+
+def test_the_report_covers_the_configs_meshes_and_batch():
+    c = smoke_async.get_config()  # learner fsdp 3 x tensor 2, a 1-device generation slice
+    c.data.max_prompt_tokens = 24
+    report = dry_run_report(ExperimentConfig.from_config_dict(c))
+    lines = {line.split()[0]: line.split() for line in report.splitlines() if line.strip()}
+    assert lines["train_step"][1] == "6" and lines["generate"][1] == "1"
+    assert float(lines["train_step"][-1]) > 0 and float(lines["generate"][-1]) > 0
+    # B x G sequences of prompt + response tokens; the engine's slots and cache.
+    assert "batch [8, 32]" in report and "8 slots, prefill 24, cache 32" in report
+
+
+@pytest.mark.slow  # a second ahead-of-time compile (~25 s on 2 busy cores)
+def test_a_derived_prompt_length_is_assumed_and_said():
+    c = smoke_async.get_config()
+    c.data.max_prompt_tokens = 0
+    report = dry_run_report(ExperimentConfig.from_config_dict(c))
+    assert "assumes 256 tokens" in report
+
+
+def test_an_hf_source_is_refused_naming_the_way_out(tmp_path):
+    c = smoke_async.get_config()
+    c.model.source, c.model.path = "hf", str(tmp_path)
+    with pytest.raises(ConfigError, match="--config.model.source=random"):
+        dry_run_report(ExperimentConfig.from_config_dict(c))
