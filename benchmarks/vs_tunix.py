@@ -330,14 +330,20 @@ def main() -> None:
             cell_t, ratio = f"{best_t:.1f} ({all_t})", f"{best_o / best_t:.2f}"
         else:
             cell_t, ratio = "n/a", "n/a"
-        print(f"| {name} | {cell_t} | {best_o:.1f} ({all_o}) | {ratio} | {' '.join(loads)} | {comp} |")
+        row = [name, cell_t, f"{best_o:.1f} ({all_o})", ratio, " ".join(loads), comp]
+        print("| " + " | ".join(row) + " |")
         if CASES[name]["kind"] == "learner":
             # ~6 * non-embedding params + 2 * 3 * D * V (tied LM head) FLOP per token,
             # plus attention (2 * 2 * 3 * T/2 * D * L per token, causal).
             c = SHAPE
-            layer = c["d_model"] * (
-                (c["n_heads"] + 2 * c["n_kv_heads"]) * c["head_dim"] + c["n_heads"] * c["head_dim"]
-            ) + 3 * c["d_model"] * c["d_ff"]
+            layer = (
+                c["d_model"]
+                * (
+                    (c["n_heads"] + 2 * c["n_kv_heads"]) * c["head_dim"]
+                    + c["n_heads"] * c["head_dim"]
+                )
+                + 3 * c["d_model"] * c["d_ff"]
+            )
             T = CASES[name]["seq_len"]
             attn = 2 * T * c["n_heads"] * c["head_dim"]  # QK^T + PV per token, causal average
             flop = 6 * c["n_layers"] * (layer + attn) + 6 * c["d_model"] * c["vocab"]

@@ -146,7 +146,8 @@ def smollm2_case() -> dict[str, np.ndarray]:
         )
         for r in reqs
     ]
-    samples = run_requests(engine, engine.place_params(host_params), reqs, policy_version=0, eos_id=2)
+    params = engine.place_params(host_params)
+    samples = run_requests(engine, params, reqs, policy_version=0, eos_id=2)
     return {f"smollm2/{k}": v for k, v in _flatten(samples).items()}
 
 

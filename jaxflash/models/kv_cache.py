@@ -1,12 +1,16 @@
 """Key/value cache indexed by absolute position, one slot per batch row.
 
-Layout ``[L, B, S, K, H]``: layer, batch row (engine slot), cache position,
-key/value head, head dim. A forward pass with a cache writes each token's k/v at
-its row's absolute position ``positions_bt[b, t]`` (a per-row scatter), then
-every query at position p attends to cache entries j <= p. Entries past p are
-never read, so a slot is reused for a new sequence without clearing: writing the
-new prompt from position 0 overwrites everything a query can see. Rows of one
-batch may sit at different positions (continuous batching).
+Two layouts with the same semantics: ``KVCache`` stacks the layers into one
+``[L, B, S, K, H]`` array per k/v (layer, batch row = engine slot, cache position,
+key/value head, head dim) for the ``lax.scan`` forward; ``LayerKVCache`` keeps L
+separate ``[B, S, K, H]`` buffers for the unrolled forward the engine decodes with,
+so each layer's buffer is updated in place (a donated stacked cache inside a scan is
+copied out of and back into the stack at every step). A forward pass with a cache
+writes each token's k/v at its row's absolute position ``positions_bt[b, t]`` (a
+per-row scatter), then every query at position p attends to cache entries j <= p.
+Entries past p are never read, so a slot is reused for a new sequence without
+clearing: writing the new prompt from position 0 overwrites everything a query can
+see. Rows of one batch may sit at different positions (continuous batching).
 """
 
 from __future__ import annotations
@@ -39,6 +43,47 @@ class KVCache(NamedTuple):
         return self.k_lbskh.shape[2]
 
 
+class LayerKVCache(NamedTuple):
+    """Per-layer key/value cache: one buffer per layer (a pytree).
+
+    Attributes:
+      k_bskh: L arrays [B, S, K, H], keys after RoPE, compute dtype.
+      v_bskh: L arrays [B, S, K, H], values, compute dtype.
+    """
+
+    k_bskh: tuple[jax.Array, ...]
+    v_bskh: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        """S, number of positions each row can hold."""
+        return self.k_bskh[0].shape[1]
+
+
+def _check_size(config: ModelConfig, batch: int, max_len: int, what: str) -> None:
+    if batch < 1:
+        raise ValueError(f"{what}: batch must be >= 1, got {batch}")
+    if not 1 <= max_len <= config.max_seq_len:
+        raise ValueError(
+            f"{what}: max_len must be in [1, max_seq_len={config.max_seq_len}], got {max_len}"
+        )
+
+
+def init_layer_kv_cache(config: ModelConfig, batch: int, max_len: int) -> LayerKVCache:
+    """A zero ``LayerKVCache``: L separate [B, S, K, H] buffers per k/v.
+
+    Raises:
+      ValueError: batch < 1, or max_len outside [1, config.max_seq_len].
+    """
+    _check_size(config, batch, max_len, "init_layer_kv_cache")
+    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
+    dtype = config.jnp_compute_dtype
+    return LayerKVCache(
+        k_bskh=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
+        v_bskh=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
+    )
+
+
 def init_kv_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     """A zero cache for ``batch`` rows of ``max_len`` positions.
 
@@ -53,13 +98,7 @@ def init_kv_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     Raises:
       ValueError: batch < 1, or max_len outside [1, config.max_seq_len].
     """
-    if batch < 1:
-        raise ValueError(f"init_kv_cache: batch must be >= 1, got {batch}")
-    if not 1 <= max_len <= config.max_seq_len:
-        raise ValueError(
-            f"init_kv_cache: max_len must be in [1, max_seq_len={config.max_seq_len}], "
-            f"got {max_len}"
-        )
+    _check_size(config, batch, max_len, "init_kv_cache")
     shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
     zeros = jnp.zeros(shape, config.jnp_compute_dtype)
     return KVCache(k_lbskh=zeros, v_lbskh=zeros)

@@ -5,7 +5,13 @@ K key/value heads, G = N/K queries per kv head, H head dim, F MLP width,
 L layers, S cache length.
 
 Parameters are stacked over layers (leading axis L) and the forward pass is a
-``jax.lax.scan`` over that axis, so 30 layers compile as one. The computation is
+``jax.lax.scan`` over that axis, so 30 layers compile as one (what the learner
+differentiates). ``unstack_layers`` turns ``params["layers"]`` into a tuple of L
+per-layer dicts; ``forward`` over that layout unrolls the layers in Python and, with a
+``LayerKVCache``, updates each layer's own cache buffer in place — what the engine
+decodes with, because XLA on CPU copies every layer's weights and the whole cache
+out of and back into the stacks at each scanned decode step (the same ops either
+way, so both layouts give bit-identical results). The computation is
 the pure function ``forward(params, config, ...)`` on a nested dict of arrays —
 what the learner differentiates, the engine decodes with and sync transfers; the
 ``Llama`` module only creates parameters (init, logical axes) and wraps
@@ -26,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KVCache, write_rows
+from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.params import Params, get_params
 
@@ -242,13 +248,34 @@ def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_b
     return h_btd, (cache_k_bskh, cache_v_bskh)
 
 
+def unstack_layers(params: Params) -> Params:
+    """The same params with ``layers`` as a tuple of L per-layer dicts (no [L] axis).
+
+    ``forward`` over this layout unrolls the layers (see the module docstring).
+    Params already unstacked are returned unchanged.
+    """
+    layers = params["layers"]
+    if isinstance(layers, tuple | list):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n))}
+
+
+def stack_layers(params: Params) -> Params:
+    """Inverse of ``unstack_layers``: ``layers`` as one dict of [L, ...] arrays."""
+    layers = params["layers"]
+    if not isinstance(layers, tuple | list):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
 def forward(
     params: Params,
     config: ModelConfig,
     input_ids_bt: jax.Array,
     positions_bt: jax.Array,
-    kv_cache: KVCache | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+    kv_cache: KVCache | LayerKVCache | None = None,
+) -> tuple[jax.Array, KVCache | LayerKVCache | None]:
     """Pure forward pass: token ids -> final-normed hidden states.
 
     Without a cache, attention is causal over the T axis (token t sees tokens
@@ -258,30 +285,42 @@ def forward(
     entries beyond it are ignored, so slots are reused without clearing).
 
     Args:
-      params: nested dict per docs/CONTRACTS.md (``get_params`` / ``init_params``).
+      params: nested dict per docs/CONTRACTS.md (``get_params`` / ``init_params``),
+        layers stacked ([L, ...] arrays, run as a ``lax.scan``) or unstacked
+        (``unstack_layers``: a tuple of per-layer dicts, run unrolled).
       config: static model configuration (hashable; close over it under jit).
       input_ids_bt: int32 [B, T] token ids in [0, V).
       positions_bt: int32 [B, T] absolute 0-based positions; with a cache they
         must be < S (positions outside [0, S) are not written to the cache).
-      kv_cache: optional KVCache [L, B, S, K, H] with the same B.
+      kv_cache: optional cache with the same B: ``KVCache`` [L, B, S, K, H] for
+        stacked params, ``LayerKVCache`` (L x [B, S, K, H]) for unstacked ones.
 
     Returns:
-      (h_btd float32 [B, T, D], updated KVCache or None). Logits are
-      ``logits_from_hidden(h_btd, unembed(params, config))``.
+      (h_btd float32 [B, T, D], updated cache of the same type, or None). Logits
+      are ``logits_from_hidden(h_btd, unembed(params, config))``.
 
     Raises:
-      ValueError: if input and position shapes differ or the cache's batch differs.
+      ValueError: if input and position shapes differ, the cache's batch differs,
+        or the cache layout does not match the params layout.
     """
     if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
         raise ValueError(
             f"forward: input_ids_bt {input_ids_bt.shape} and positions_bt "
             f"{positions_bt.shape} must both be [B, T]"
         )
-    if kv_cache is not None and kv_cache.k_lbskh.shape[1] != input_ids_bt.shape[0]:
-        raise ValueError(
-            f"forward: kv_cache batch {kv_cache.k_lbskh.shape[1]} != input batch "
-            f"{input_ids_bt.shape[0]}"
-        )
+    unrolled = isinstance(params["layers"], tuple | list)
+    if kv_cache is not None:
+        want = LayerKVCache if unrolled else KVCache
+        if not isinstance(kv_cache, want):
+            raise ValueError(
+                f"forward: {'unstacked' if unrolled else 'stacked'} params need a "
+                f"{want.__name__}, got {type(kv_cache).__name__}"
+            )
+        batch = kv_cache[0][0].shape[0] if unrolled else kv_cache.k_lbskh.shape[1]
+        if batch != input_ids_bt.shape[0]:
+            raise ValueError(
+                f"forward: kv_cache batch {batch} != input batch {input_ids_bt.shape[0]}"
+            )
     h_btd = jnp.take(params["embed_vd"], input_ids_bt, axis=0).astype(jnp.float32)
 
     def body(h_btd, xs):
@@ -290,7 +329,18 @@ def forward(
 
     if config.remat:
         body = jax.checkpoint(body)
-    ks, vs = (None, None) if kv_cache is None else kv_cache
-    h_btd, (ks, vs) = jax.lax.scan(body, h_btd, (params["layers"], ks, vs))
+    if unrolled:
+        n = len(params["layers"])
+        ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
+        new_k, new_v = [], []
+        for lp, ck, cv in zip(params["layers"], ks, vs, strict=True):
+            h_btd, (ck, cv) = body(h_btd, (lp, ck, cv))
+            new_k.append(ck)
+            new_v.append(cv)
+        cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
+    else:
+        ks, vs = (None, None) if kv_cache is None else kv_cache
+        h_btd, (ks, vs) = jax.lax.scan(body, h_btd, (params["layers"], ks, vs))
+        cache = None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs)
     h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps)
-    return h_btd, (None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs))
+    return h_btd, cache
