@@ -35,6 +35,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.params import Params, get_params
+from jaxflash.models.swiglu import swiglu
 
 INIT_STD = 0.02  # normal init of every matrix (HF initializer_range default)
 _MASKED = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
@@ -237,14 +238,7 @@ def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_b
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], config.rms_norm_eps).astype(cd)
-    gate_btf = jnp.einsum("btd,df->btf", x_btd, w("w_gate_ldf"))
-    up_btf = jnp.einsum("btd,df->btf", x_btd, w("w_up_ldf"))
-    h_btd = h_btd + jnp.einsum(
-        "btf,fd->btd",
-        jax.nn.silu(gate_btf) * up_btf,
-        w("w_down_lfd"),
-        preferred_element_type=jnp.float32,
-    )
+    h_btd = h_btd + swiglu(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
     return h_btd, (cache_k_bskh, cache_v_bskh)
 
 
