@@ -85,7 +85,7 @@ def test_bf16_engine_matches_bf16_learner_and_stays_near_fp32():
     state = LlamaEngine(
         bf16, EngineConfig(max_concurrent_decodes=1, max_prefill_length=8, max_target_length=16)
     ).init_decode_state()
-    assert state.cache.k_bskh[0].dtype == jnp.bfloat16
+    assert state.cache.k_bksh[0].dtype == state.cache.v_bkhs[0].dtype == jnp.bfloat16
     for a, b in zip(samples16, samples32, strict=True):
         np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
         np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=5e-2)

@@ -284,8 +284,10 @@ def test_tensor_parallel_engine_matches_single_device(params):
     cfg = EngineConfig(max_concurrent_decodes=2, max_prefill_length=16, max_target_length=40)
     engine = LlamaEngine(CFG, cfg, mesh=mesh, rules=GENERATOR_RULES)
     state = engine.init_decode_state()
-    for k_bskh in state.cache.k_bskh:  # one buffer per layer, kv heads split
-        assert tuple(k_bskh.sharding.spec) == (None, None, "tensor", None)
+    for k_bksh, v_bkhs in zip(state.cache.k_bksh, state.cache.v_bkhs, strict=True):
+        # One buffer per layer and k/v ([B, K, S, H] / [B, K, H, S]), kv heads split.
+        assert tuple(k_bksh.sharding.spec) == (None, "tensor", None, None)
+        assert tuple(v_bkhs.sharding.spec) == (None, "tensor", None, None)
     reqs = [request(i, 5 + i, 8) for i in range(3)]
     host_params = jax.tree.map(np.asarray, params)
     got = run_requests(engine, host_params, reqs, policy_version=0, eos_id=NO_EOS)

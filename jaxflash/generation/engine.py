@@ -174,7 +174,7 @@ class LlamaEngine(engine_api.Engine):
         self._start_jit = jax.jit(
             counted(
                 lambda st, b, row, *_: (
-                    f"start_{row.shape[0]}_{b.logits_nv.shape[0]}x{b.cache.k_bskh[0].shape[1]}"
+                    f"start_{row.shape[0]}_{b.logits_nv.shape[0]}x{b.cache.max_len}"
                 ),
                 functools.partial(kernels.start, engine_config=ec),
             ),
@@ -183,7 +183,7 @@ class LlamaEngine(engine_api.Engine):
         )
         self._insert_jit = jax.jit(
             counted(
-                lambda st, prefix, *_: f"insert_{prefix.cache.k_bskh[0].shape[1]}",
+                lambda st, prefix, *_: f"insert_{prefix.cache.max_len}",
                 functools.partial(kernels.insert, engine_config=ec),
             ),
             donate_argnums=(0,),
@@ -560,7 +560,7 @@ class LlamaEngine(engine_api.Engine):
     # ------------------------------------------------- state, params, plumbing
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        """Empty slots: zero caches L x [B, S, K, H], every slot idle."""
+        """Empty slots: zero caches, every slot idle."""
         del args, kwargs
         # Built under jit so every field is its own buffer: generate and insert
         # donate the state, and XLA refuses to donate one buffer twice.

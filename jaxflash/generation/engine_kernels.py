@@ -50,7 +50,7 @@ def prefill(params, ids_nt, true_length_n, *, model_config: ModelConfig) -> Pref
       model_config: static.
 
     Returns:
-      PrefillBatch (caches L x [N, T, K, H], lengths, float32 logits [N, V]).
+      PrefillBatch (caches of N rows and length T, lengths, float32 logits [N, V]).
     """
     params = unstack_layers(params)
     n, t = ids_nt.shape
@@ -90,14 +90,17 @@ def sample_first(logits_gv, ident_g4, *, engine_config: EngineConfig):
 def _place(state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict) -> DecodeState:
     """Write prefill rows ``cache[row_g]`` into slots ``slot_g`` and set per-slot
     vectors; entries whose slot is out of range (padding) are dropped."""
-    t = cache.k_bskh[0].shape[1]
+    t = cache.max_len
 
-    def rows(dst_bskh, src_nskh):
-        return dst_bskh.at[slot_g, :t].set(src_nskh[row_g], mode="drop")
+    def k_rows(dst_bksh, src_nksh):
+        return dst_bksh.at[slot_g, :, :t].set(src_nksh[row_g], mode="drop")
+
+    def v_rows(dst_bkhs, src_nkhs):
+        return dst_bkhs.at[slot_g, :, :, :t].set(src_nkhs[row_g], mode="drop")
 
     new_cache = LayerKVCache(
-        k_bskh=tuple(map(rows, state.cache.k_bskh, cache.k_bskh)),
-        v_bskh=tuple(map(rows, state.cache.v_bskh, cache.v_bskh)),
+        k_bksh=tuple(map(k_rows, state.cache.k_bksh, cache.k_bksh)),
+        v_bkhs=tuple(map(v_rows, state.cache.v_bkhs, cache.v_bkhs)),
     )
 
     def put(name):

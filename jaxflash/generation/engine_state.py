@@ -19,7 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api
 
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KV_CACHE_LOGICAL_AXES, LayerKVCache, init_layer_kv_cache
+from jaxflash.models.kv_cache import (
+    LAYER_K_LOGICAL_AXES,
+    LAYER_V_LOGICAL_AXES,
+    LayerKVCache,
+    init_layer_kv_cache,
+)
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
 
@@ -89,8 +94,8 @@ class PrefillBatch:
     """N sequences of one prefill bucket, run through the model together.
 
     Attributes:
-      cache: LayerKVCache, L x [N, T, K, H] (rows past a sequence's length hold
-        junk that is overwritten before any query can see it).
+      cache: LayerKVCache of N rows and length T (positions past a sequence's
+        length hold junk that is overwritten before any query can see it).
       true_length_n: int32 [N] sequence lengths (padding rows repeat row 0).
       logits_nv: float32 [N, V] raw logits at each sequence's last position.
     """
@@ -145,7 +150,7 @@ class Prefix:
     """A prefilled prompt (batch of one), ready to ``insert`` into a slot.
 
     Attributes:
-      cache: LayerKVCache, L x [1, bucket, K, H] of the prompt (pad positions hold
+      cache: LayerKVCache of the prompt, batch 1, length bucket (pad positions hold
         junk that is overwritten before any query can see it).
       true_length: int32 [] prompt length P.
       first_token: int32 [] response token sampled at position P-1.
@@ -171,7 +176,7 @@ class DecodeState:
     """Everything ``generate`` / ``generate_block`` transform; one row per slot.
 
     Attributes:
-      cache: LayerKVCache, L x [B, S, K, H] (one buffer per layer, updated in place).
+      cache: LayerKVCache, batch B, length S (one buffer per layer, updated in place).
       next_token_b: int32 [B] last sampled token, fed at the next step.
       next_logp_b: float32 [B] its log q.
       pos_b: int32 [B] position ``next_token_b`` occupies.
@@ -233,8 +238,8 @@ def state_shardings(
 ) -> tuple[DecodeState, Prefix]:
     """Shardings of the decode state and of a Prefix on ``mesh``.
 
-    Each layer's cache buffer follows ``rules`` through ``KV_CACHE_LOGICAL_AXES``
-    without its layer axis (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
+    Each layer's cache buffers follow ``rules`` through ``LAYER_K_LOGICAL_AXES`` /
+    ``LAYER_V_LOGICAL_AXES`` (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
     dims that do not divide stay replicated); per-slot vectors and scalars are
     replicated. Without rules everything is replicated.
 
@@ -246,12 +251,12 @@ def state_shardings(
 
     def cache_sharding(batch: int, length: int) -> LayerKVCache:
         if rules is None:
-            sh = rep
-        else:
-            shape = (batch, length, c.n_kv_heads, c.head_dim)
-            spec = logical_to_spec(KV_CACHE_LOGICAL_AXES[1:], mesh, rules, shape)
-            sh = NamedSharding(mesh, spec)
-        return LayerKVCache(k_bskh=(sh,) * c.n_layers, v_bskh=(sh,) * c.n_layers)
+            return LayerKVCache(k_bksh=(rep,) * c.n_layers, v_bkhs=(rep,) * c.n_layers)
+        k_shape = (batch, c.n_kv_heads, length, c.head_dim)
+        v_shape = (batch, c.n_kv_heads, c.head_dim, length)
+        k_sh = NamedSharding(mesh, logical_to_spec(LAYER_K_LOGICAL_AXES, mesh, rules, k_shape))
+        v_sh = NamedSharding(mesh, logical_to_spec(LAYER_V_LOGICAL_AXES, mesh, rules, v_shape))
+        return LayerKVCache(k_bksh=(k_sh,) * c.n_layers, v_bkhs=(v_sh,) * c.n_layers)
 
     big = cache_sharding(config.max_concurrent_decodes, config.max_target_length)
     one = cache_sharding(1, config.max_prefill_length)
@@ -263,7 +268,7 @@ def state_shardings(
 
 
 def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> DecodeState:
-    """All slots idle: zero caches L x [B, S, K, H] and zero per-slot vectors.
+    """All slots idle: zero caches (``init_layer_kv_cache``) and zero per-slot vectors.
 
     Call it under jit (``LlamaEngine.init_decode_state`` does) so that every
     field is its own buffer: ``generate`` and ``insert`` donate the state, and

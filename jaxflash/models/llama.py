@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_rows
+from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.params import Params, get_params
 from jaxflash.models.swiglu import swiglu
@@ -192,22 +192,31 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(q_btnh, k_bskh, v_bskh, visible_bts, config: ModelConfig):
-    """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype."""
+def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
+    """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype.
+
+    Keys come as [B, K, S, H] and values as [B, K, H, S]: the layouts XLA's CPU
+    batched products read, so a ``LayerKVCache`` is used as stored (other callers
+    pass transposed views, which XLA materialises as before).
+    """
     b, t, n, h = q_btnh.shape
     cd = config.jnp_compute_dtype
     q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
     scores_bkgts = jnp.einsum(
-        "btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(cd), preferred_element_type=jnp.float32
+        "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
     ) * (h**-0.5)
     scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, _MASKED)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(cd))
+    out_btkgh = jnp.einsum("bkgts,bkhs->btkgh", probs_bkgts, v_bkhs.astype(cd))
     return out_btkgh.reshape(b, t, n, h)
 
 
-def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_bskh):
-    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None))."""
+def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k, cache_v, layer_cache=False):
+    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None)).
+
+    The cache layer is [B, S, K, H] for both (a ``KVCache`` slice) or, with
+    ``layer_cache``, keys [B, K, S, H] and values [B, K, H, S] (``LayerKVCache``).
+    """
     cd = config.jnp_compute_dtype
 
     def w(name):
@@ -221,25 +230,28 @@ def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_b
         q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
     q_btnh = apply_rope(q_btnh, positions_bt, config.rope_theta)
     k_btkh = apply_rope(k_btkh, positions_bt, config.rope_theta).astype(cd)
-    if cache_k_bskh is None:
+    if cache_k is None:
         # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
         # so right-padding never leaks into earlier tokens.
         t = h_btd.shape[1]
         visible_bts = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
-        keys_bskh, values_bskh = k_btkh, v_btkh
+        keys_bksh, values_bkhs = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 3, 1)
+    elif layer_cache:
+        cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
+        visible_bts = jnp.arange(cache_k.shape[2])[None, None, :] <= positions_bt[:, :, None]
+        keys_bksh, values_bkhs = cache_k, cache_v
     else:
-        cache_k_bskh = write_rows(cache_k_bskh, k_btkh, positions_bt)
-        cache_v_bskh = write_rows(cache_v_bskh, v_btkh, positions_bt)
-        s = cache_k_bskh.shape[1]
-        visible_bts = jnp.arange(s)[None, None, :] <= positions_bt[:, :, None]
-        keys_bskh, values_bskh = cache_k_bskh, cache_v_bskh
-    attn_btnh = _attention(q_btnh, keys_bskh, values_bskh, visible_bts, config)
+        cache_k = write_rows(cache_k, k_btkh, positions_bt)
+        cache_v = write_rows(cache_v, v_btkh, positions_bt)
+        visible_bts = jnp.arange(cache_k.shape[1])[None, None, :] <= positions_bt[:, :, None]
+        keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
+    attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
     h_btd = h_btd + jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], config.rms_norm_eps).astype(cd)
     h_btd = h_btd + swiglu(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
-    return h_btd, (cache_k_bskh, cache_v_bskh)
+    return h_btd, (cache_k, cache_v)
 
 
 def unstack_layers(params: Params) -> Params:
@@ -319,7 +331,7 @@ def forward(
 
     def body(h_btd, xs):
         lp, ck, cv = xs
-        return _layer(config, h_btd, lp, positions_bt, ck, cv)
+        return _layer(config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled)
 
     if config.remat:
         body = jax.checkpoint(body)
