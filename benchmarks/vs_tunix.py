@@ -22,8 +22,9 @@ order flips between rounds, so machine noise hits both alike. The fp32 matmul pe
 is measured in the same run (before and after), and the load average is printed
 next to every figure: compare ratios, not absolute numbers, on a shared machine.
 
-Cases: gen8, gen32 (generation B=8/32), learn (learner), long8 (B=8, 512 new
-tokens, cache 552 rows), real32 (ours only: SmolLM2-135M-Instruct's real GGUF
+Cases: gen8, gen32 (generation B=8/32), learn (learner; tunix runs its GRPO
+learner's loss), learn_lean (the same, tunix with a bare PPO-clip loss), long8 (B=8,
+512 new tokens, cache 552 rows), real32 (ours only: SmolLM2-135M-Instruct's real GGUF
 weights, 32 arithmetic prompts, 64 new tokens, stopping at EOS — tunix has no GGUF
 loader, so there is no tunix figure for it).
 """
@@ -46,8 +47,16 @@ CASES = {
     "gen8": dict(kind="generation", batch=8, prompt_len=40, new_tokens=64, reps=2),
     "gen32": dict(kind="generation", batch=32, prompt_len=40, new_tokens=64, reps=2),
     "learn": dict(kind="learner", batch=16, prompt_len=40, seq_len=128, reps=3),
+    # tunix's model with a bare PPO-clip loss instead of its GRPO learner's loss
+    # (no diagnostics, no entropy): the leanest tunix update we could write.
+    "learn_lean": dict(
+        kind="learner", batch=16, prompt_len=40, seq_len=128, reps=3, variant="lean"
+    ),
     "long8": dict(kind="generation", batch=8, prompt_len=40, new_tokens=512, reps=1),
     "real32": dict(kind="generation", batch=32, prompt_len=40, new_tokens=64, reps=2, real=True),
+    # Accelerator-sized cases (benchmarks/gpu_check.sh); too slow for 2 CPU cores.
+    "gen128": dict(kind="generation", batch=128, prompt_len=40, new_tokens=64, reps=2),
+    "learn_big": dict(kind="learner", batch=64, prompt_len=40, seq_len=512, reps=3),
 }
 DEFAULT_CASES = "gen8,gen32,learn"
 ALL_CASES = "gen8,gen32,learn,long8,real32"
@@ -66,14 +75,17 @@ NOT_MATCHED = [
 # ------------------------------------------------------------------ workers (ours)
 
 
-def _peak_worker(_: dict) -> dict:
-    """Best fp32 GFLOP/s of a 2048^3 matmul (jax, one device)."""
+def _peak_worker(w: dict) -> dict:
+    """Best GFLOP/s of an n^3 matmul in the compute dtype (jax, one device): 2048^3
+    fp32 on CPU, 8192^3 in the compute dtype on an accelerator."""
     import jax
     import jax.numpy as jnp
 
-    n = 2048
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    platform = w.get("platform", "cpu")
+    n = 2048 if platform == "cpu" else 8192
+    dtype = jnp.float32 if platform == "cpu" else jnp.dtype(w["compute_dtype"])
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
     mm = jax.jit(jnp.dot)
     mm(a, b).block_until_ready()
     best = 0.0
@@ -88,7 +100,12 @@ def _our_model(w: dict):
     from jaxflash.models.config import get_preset
     from jaxflash.models.llama import init_params
 
-    config = get_preset("smollm2_135m", max_seq_len=2048, remat=bool(w.get("remat")))
+    config = get_preset(
+        "smollm2_135m",
+        max_seq_len=2048,
+        remat=bool(w.get("remat")),
+        compute_dtype=w.get("compute_dtype", "float32"),
+    )
     return config, init_params(config, seed=0)
 
 
@@ -108,6 +125,7 @@ def _our_generation(w: dict) -> dict:
 
         path = smollm2_gguf_path()
         config, params = load_gguf(path)
+        config = config.replace(compute_dtype=w.get("compute_dtype", "float32"))
         tokenizer = Tokenizer.from_gguf(path)
         rows = ArithmeticTask(0, split="eval").rows(0, w["batch"])
         prompts = [
@@ -214,8 +232,6 @@ def _our_learner(w: dict) -> dict:
 
 
 def _worker(work: dict) -> None:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
     fn = {"peak": _peak_worker, "generation": _our_generation, "learner": _our_learner}
     print("RESULT " + json.dumps(fn[work["kind"]](work)), flush=True)
@@ -244,12 +260,15 @@ def run_worker(python: str, script: str, work: dict, timeout_s: float) -> dict:
     """Run one measurement in a fresh process; returns its RESULT dict (+ load, wall)."""
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
+    platform = "cpu" if work["platform"] == "cpu" else "cuda"
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [python, script, json.dumps(work)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+        # One device: no fake CPU devices, and no inherited XLA flags.
+        env={**os.environ, "PYTHONPATH": path, "XLA_FLAGS": "", "JAX_PLATFORMS": platform},
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -276,7 +295,17 @@ def main() -> None:
     )
     ap.add_argument("--no_tunix", action="store_true", help="measure jaxflash only")
     ap.add_argument("--timeout_s", type=float, default=1200.0, help="per worker process")
+    ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument(
+        "--compute_dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="jaxflash matmul dtype (fp32 master weights); tunix always runs fp32",
+    )
     args = ap.parse_args()
+    if args.compute_dtype != "float32" and not args.no_tunix:
+        ap.error("--compute_dtype bfloat16 compares nothing with tunix: add --no_tunix")
+    common = {"platform": args.platform, "compute_dtype": args.compute_dtype}
     names = (ALL_CASES if args.cases == "all" else args.cases).split(",")
     unknown = sorted(set(names) - set(CASES))
     if unknown:
@@ -285,13 +314,14 @@ def main() -> None:
     tunix_script = os.path.join(HERE, "tunix_worker.py")
     start = time.perf_counter()
     print(f"load average at start: {os.getloadavg()}")
-    peaks = [run_worker(sys.executable, OURS, {"kind": "peak"}, args.timeout_s)]
-    print(f"fp32 matmul peak: {peaks[0]['runs'][0]:.0f} GFLOP/s (load {peaks[0]['load']:.2f})")
+    peak_work = {"kind": "peak", **common}
+    peaks = [run_worker(sys.executable, OURS, peak_work, args.timeout_s)]
+    print(f"matmul peak: {peaks[0]['runs'][0]:.0f} GFLOP/s (load {peaks[0]['load']:.2f})")
 
     results: dict[str, dict[str, list[dict]]] = {n: {"jaxflash": [], "tunix": []} for n in names}
     for rnd in range(args.rounds):
         for name in names:
-            work = {**SHAPE, **CASES[name], "seed": 0}
+            work = {**SHAPE, **CASES[name], **common, "seed": 0}
             sides = ["jaxflash", "tunix"] if rnd % 2 == 0 else ["tunix", "jaxflash"]
             for side in sides:
                 if side == "tunix" and (tunix_py is None or work.get("real")):
@@ -306,13 +336,14 @@ def main() -> None:
                     f"{r['compile_s']:.1f} s, process {r['wall_s']:.0f} s, load {r['load']:.2f}",
                     flush=True,
                 )
-    peaks.append(run_worker(sys.executable, OURS, {"kind": "peak"}, args.timeout_s))
+    peaks.append(run_worker(sys.executable, OURS, peak_work, args.timeout_s))
 
     peak = max(p["runs"][0] for p in peaks)
     print()
     peak_list = ", ".join(f"{p['runs'][0]:.0f}" for p in peaks)
     print(
-        f"fp32 matmul peak (this run): {peak_list} GFLOP/s (before, after); "
+        f"{'fp32' if args.platform == 'cpu' else args.compute_dtype} matmul peak (this run): "
+        f"{peak_list} GFLOP/s (before, after); "
         f"load average now {os.getloadavg()}"
     )
     print("| case | tunix best (all runs) | jaxflash best (all runs) | ratio | loads | compile s |")
