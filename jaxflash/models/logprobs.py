@@ -4,17 +4,26 @@ The learner scores ``log q(target)`` where q is the temperature / top-k / top-p
 distribution the engine sampled from (``processed_log_softmax``), never the
 full-vocabulary softmax unless sampling used it (see shared/cases/rl_pitfalls.md,
 "Importance ratios"). Logits for a [B, T] batch of a 49k vocabulary would be
-[B, T, V] floats; we compute them ``chunk`` tokens at a time under
-``jax.checkpoint`` so neither the forward nor the backward pass holds more than
-[B, chunk, V] logits.
+[B, T, V] floats; we compute them ``chunk`` tokens at a time, and the backward pass
+recomputes each chunk's logits (as ``jax.checkpoint`` would), so neither pass holds
+more than [B, chunk, V] logits. The backward is written by hand: the derivative of
+log q(target) and of the entropy w.r.t. the logits in one elementwise pass, then
+the two products, instead of differentiating the log-softmax, the entropy and the
+target gather step by step (several more passes over [B, chunk, V] and a scatter).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxflash.algorithms.distributions import entropy_from_logprobs, processed_log_softmax
+from jaxflash.algorithms.distributions import (
+    NEG_INF,
+    entropy_from_logprobs,
+    processed_log_softmax,
+)
 
 
 def logits_from_hidden(h_btd: jax.Array, unembed_dv: jax.Array) -> jax.Array:
@@ -93,17 +102,60 @@ def target_logprobs(
     h_nbcd = h_pad.reshape(batch, n_chunks, chunk, -1).transpose(1, 0, 2, 3)
     ids_nbc = ids_pad.reshape(batch, n_chunks, chunk).transpose(1, 0, 2)
 
-    # checkpoint: the backward pass recomputes each chunk's logits instead of
-    # keeping all n chunks' [B, c, V] residuals alive at once.
-    @jax.checkpoint
     def one_chunk(args):
         h_bcd, ids_bc = args
-        logits_bcv = logits_from_hidden(h_bcd, unembed_dv)
-        logq_bcv = processed_log_softmax(logits_bcv, temperature=temp, top_k=top_k, top_p=top_p)
-        logp_bc = jnp.take_along_axis(logq_bcv, ids_bc[..., None], axis=-1)[..., 0]
-        return logp_bc, entropy_from_logprobs(logq_bcv)
+        return _chunk_logprobs(top_k, top_p, h_bcd, unembed_dv, ids_bc, temp)
 
     logp_nbc, ent_nbc = jax.lax.map(one_chunk, (h_nbcd, ids_nbc))
     logp_bt = logp_nbc.transpose(1, 0, 2).reshape(batch, -1)[:, :time]
     ent_bt = ent_nbc.transpose(1, 0, 2).reshape(batch, -1)[:, :time]
     return logp_bt, ent_bt
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_logprobs(top_k, top_p, h_bcd, unembed_dv, ids_bc, temp):
+    """(log q(target) [B, c], entropy of q [B, c]) of one chunk; q per
+    ``processed_log_softmax`` (temperature ``temp``: scalar or [B, 1, 1])."""
+    logits_bcv = logits_from_hidden(h_bcd, unembed_dv)
+    logq_bcv = processed_log_softmax(logits_bcv, temperature=temp, top_k=top_k, top_p=top_p)
+    logp_bc = jnp.take_along_axis(logq_bcv, ids_bc[..., None], axis=-1)[..., 0]
+    return logp_bc, entropy_from_logprobs(logq_bcv)
+
+
+def _chunk_fwd(top_k, top_p, h_bcd, unembed_dv, ids_bc, temp):
+    out = _chunk_logprobs(top_k, top_p, h_bcd, unembed_dv, ids_bc, temp)
+    return out, (h_bcd, unembed_dv, ids_bc, temp, out[1])
+
+
+def _chunk_bwd(top_k, top_p, res, cotangents):
+    """With z = logits / T and q the processed distribution over the kept set K:
+    d log q_t / dz_j = [t in K] (delta_tj - q_j) and dH / dz_j = -q_j (log q_j + H)
+    for j in K, 0 outside K (the kept set is piecewise constant in z)."""
+    h_bcd, unembed_dv, ids_bc, temp, ent_bc = res
+    g_logp_bc, g_ent_bc = cotangents
+    logits_bcv = logits_from_hidden(h_bcd, unembed_dv)
+    logq_bcv = processed_log_softmax(logits_bcv, temperature=temp, top_k=top_k, top_p=top_p)
+    kept_bcv = logq_bcv > NEG_INF / 2
+    q_bcv = jnp.where(kept_bcv, jnp.exp(logq_bcv), 0.0)
+    kept_t_bc = jnp.take_along_axis(kept_bcv, ids_bc[..., None], axis=-1)[..., 0]
+    g_t_bc = jnp.where(kept_t_bc, g_logp_bc, 0.0)
+    onehot_bcv = jnp.arange(logq_bcv.shape[-1])[None, None, :] == ids_bc[..., None]
+    log_term_bcv = jnp.where(kept_bcv, logq_bcv, 0.0) + ent_bc[..., None]
+    dz_bcv = (
+        jnp.where(onehot_bcv, g_t_bc[..., None], 0.0)
+        - q_bcv * g_t_bc[..., None]
+        - g_ent_bc[..., None] * q_bcv * log_term_bcv
+    )
+    dlogits_bcv = dz_bcv / temp
+    f32 = jnp.float32
+    dh_bcd = jnp.einsum("bcv,dv->bcd", dlogits_bcv, unembed_dv, preferred_element_type=f32)
+    dw_dv = jnp.einsum("bcd,bcv->dv", h_bcd, dlogits_bcv, preferred_element_type=f32)
+    return (
+        dh_bcd.astype(h_bcd.dtype),
+        dw_dv.astype(unembed_dv.dtype),
+        None,
+        jnp.zeros_like(temp),
+    )
+
+
+_chunk_logprobs.defvjp(_chunk_fwd, _chunk_bwd)
