@@ -119,12 +119,19 @@ def generation(w: dict) -> dict:
     t0 = time.perf_counter()
     call(0)  # compile
     compile_s = time.perf_counter() - t0
-    runs, tokens = [], 0
+    runs, cpu_runs, tokens = [], [], 0
     for rep in range(w["reps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tokens = call(rep + 1)
         runs.append(tokens / (time.perf_counter() - t0))
-    return {"compile_s": compile_s, "runs": runs, "tokens": tokens, "cache_rows": cache}
+        cpu_runs.append(tokens / (time.process_time() - c0))
+    return {
+        "compile_s": compile_s,
+        "runs": runs,
+        "cpu_runs": cpu_runs,
+        "tokens": tokens,
+        "cache_rows": cache,
+    }
 
 
 def learner(w: dict) -> dict:
@@ -186,12 +193,13 @@ def learner(w: dict) -> dict:
     t0 = time.perf_counter()
     call()
     compile_s = time.perf_counter() - t0
-    runs = []
+    runs, cpu_runs = [], []
     for _ in range(w["reps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         call()
         runs.append(b * w["seq_len"] / (time.perf_counter() - t0))
-    return {"compile_s": compile_s, "runs": runs, "tokens": b * w["seq_len"]}
+        cpu_runs.append(b * w["seq_len"] / (time.process_time() - c0))
+    return {"compile_s": compile_s, "runs": runs, "cpu_runs": cpu_runs, "tokens": b * w["seq_len"]}
 
 
 if __name__ == "__main__":
