@@ -43,29 +43,32 @@ bucket), insert once per bucket, generate once, generate_block once per block si
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from jaxflash.generation import engine_kernels as kernels
+from jaxflash.generation.engine_host import (
+    block_result,
+    identity_rows,
+    prefill_groups,
+    start_groups,
+    stop_array,
+)
 from jaxflash.generation.engine_params import engine_shardings, place
+from jaxflash.generation.engine_programs import Programs
 from jaxflash.generation.engine_state import (
     LOGP_COLUMN,
     BlockResult,
     DecodeState,
     EngineConfig,
-    PrefillBatch,
     Prefix,
     PromptPrefill,
     SampleStart,
-    empty_decode_state,
     result_logprobs,
     state_shardings,
 )
@@ -85,10 +88,6 @@ __all__ = [
     "SampleStart",
     "result_logprobs",
 ]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 class LlamaEngine(engine_api.Engine):
@@ -135,77 +134,15 @@ class LlamaEngine(engine_api.Engine):
         self._auto_prompt_id = itertools.count()  # for requests without an identity
         self._param_shardings = engine_shardings(model_config, self._mesh, rules)
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
-        self._traces: collections.Counter[str] = collections.Counter()
-        rep, mc, ec = self._replicated, model_config, config
-
-        def counted(name: Callable[..., str], fn: Callable) -> Callable:
-            # Runs only while jax traces ``fn``: counts compilations from outside.
-            def traced(*args, **kwargs):
-                self._traces[name(*args, **kwargs)] += 1
-                return fn(*args, **kwargs)
-
-            return traced
-
-        self._prefill_jit = jax.jit(
-            counted(
-                lambda p, ids, n: f"prefill_{ids.shape[0]}x{ids.shape[1]}",
-                functools.partial(kernels.prefill, model_config=mc),
-            ),
-            out_shardings=PrefillBatch(
-                cache=self._prefix_shardings.cache, true_length_n=rep, logits_nv=rep
-            ),
+        self._programs = Programs(
+            model_config, config, state_sh, self._prefix_shardings, self._replicated
         )
-
-        def first_of_row(logits_nv, row, ident_g4):
-            logits_gv = jnp.broadcast_to(logits_nv[row], (ident_g4.shape[0], logits_nv.shape[1]))
-            return kernels.sample_first(logits_gv, ident_g4, engine_config=ec)
-
-        self._first_jit = jax.jit(
-            counted(lambda logits, row, ident: f"first_tokens_{ident.shape[0]}", first_of_row),
-            out_shardings=rep,
-        )
-        # A Prefix holds its own [1, bucket] cache (JetStream moves Prefixes around).
-        self._row_jit = jax.jit(
-            lambda batch, row: (
-                jax.tree.map(lambda x: x[row][None], batch.cache),
-                batch.true_length_n[row],
-            )
-        )
-        self._start_jit = jax.jit(
-            counted(
-                lambda st, b, row, *_: (
-                    f"start_{row.shape[0]}_{b.logits_nv.shape[0]}x{b.cache.max_len}"
-                ),
-                functools.partial(kernels.start, engine_config=ec),
-            ),
-            donate_argnums=(0,),
-            out_shardings=(state_sh, rep, rep),
-        )
-        self._insert_jit = jax.jit(
-            counted(
-                lambda st, prefix, *_: f"insert_{prefix.cache.max_len}",
-                functools.partial(kernels.insert, engine_config=ec),
-            ),
-            donate_argnums=(0,),
-            out_shardings=state_sh,
-        )
-        self._generate_jit = jax.jit(
-            counted(
-                lambda *_: "generate",
-                functools.partial(kernels.generate, model_config=mc, engine_config=ec),
-            ),
-            donate_argnums=(1,),
-            out_shardings=(state_sh, rep),
-        )
-        self._block_jits: dict[int, Callable] = {}
-        self._block_out = (state_sh, rep, rep, rep)
-        self._init_jit = jax.jit(lambda: empty_decode_state(mc, ec), out_shardings=state_sh)
 
     @property
     def trace_counts(self) -> collections.Counter[str]:
         """Traces (= compilations) per program and input shape, e.g. ``generate``,
         ``prefill_4x16``, ``start_8_4x16``, ``generate_block_8`` (a copy)."""
-        return collections.Counter(self._traces)
+        return collections.Counter(self._programs.traces)
 
     # ---------------------------------------------------------------- prefill
 
@@ -245,25 +182,14 @@ class LlamaEngine(engine_api.Engine):
           ValueError: a sequence longer than max_prefill_length or empty.
         """
         seqs = [np.asarray(jax.device_get(s), np.int32).reshape(-1) for s in sequences]
-        by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-        for i, seq in enumerate(seqs):
-            by_bucket[self.prefill_bucket(seq.shape[0])].append(i)
-        rows = self.config.prefill_rows
         out: dict[int, PromptPrefill] = {}
-        for bucket, members in by_bucket.items():
-            for first in range(0, len(members), rows):
-                group = members[first : first + rows]
-                ids_nt = np.zeros((rows, bucket), np.int32)
-                length_n = np.zeros((rows,), np.int32)
-                for r, i in enumerate(group):
-                    ids_nt[r, : seqs[i].shape[0]] = seqs[i]
-                    length_n[r] = seqs[i].shape[0]
-                ids_nt[len(group) :], length_n[len(group) :] = ids_nt[0], length_n[0]
-                # Explicit copies: the engine runs under transfer_guard("disallow").
-                arrays = jax.device_put((ids_nt, length_n), self._replicated)
-                batch = self._prefill_jit(params, *arrays)
-                for r, i in enumerate(group):
-                    out[i] = PromptPrefill(batch=batch, row=r, true_length=int(length_n[r]))
+        rows = self.config.prefill_rows
+        for group, ids_nt, length_n in prefill_groups(seqs, self.prefill_bucket, rows):
+            # Explicit copies: the engine runs under transfer_guard("disallow").
+            arrays = jax.device_put((ids_nt, length_n), self._replicated)
+            batch = self._programs.prefill(params, *arrays)
+            for r, i in enumerate(group):
+                out[i] = PromptPrefill(batch=batch, row=r, true_length=int(length_n[r]))
         return [out[i] for i in range(len(seqs))]
 
     def prefill_prompt(
@@ -313,13 +239,10 @@ class LlamaEngine(engine_api.Engine):
         if token_index < 0:
             raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
         n = len(identities)
-        ident_g4 = np.zeros((_pow2(n), 4), np.int32)
-        ident_g4[:n, :3] = np.asarray(identities, np.int64).reshape(n, 3)
-        ident_g4[n:, :3] = ident_g4[0, :3]  # padding rows: discarded copies of row 0
-        ident_g4[:, 3] = token_index
+        ident_g4 = identity_rows(identities, token_index)
         row_dev, ident_dev = jax.device_put((np.int32(shared.row), ident_g4), self._replicated)
-        token_g, logp_g = self._first_jit(shared.batch.logits_nv, row_dev, ident_dev)
-        cache, true_length = self._row_jit(shared.batch, row_dev)
+        token_g, logp_g = self._programs.first_tokens(shared.batch.logits_nv, row_dev, ident_dev)
+        cache, true_length = self._programs.take_row(shared.batch, row_dev)
         return [
             Prefix(
                 cache=cache,
@@ -404,30 +327,11 @@ class LlamaEngine(engine_api.Engine):
         Raises:
           ValueError: a slot out of range, a repeated slot, or a negative budget.
         """
-        B = self.config.max_concurrent_decodes
-        slots = [s.slot for s in starts]
-        if len(set(slots)) != len(slots) or any(not 0 <= s < B for s in slots):
-            raise ValueError(f"start_samples: slots must be distinct and in [0, {B}), got {slots}")
-        if any(s.budget < 0 for s in starts):
-            raise ValueError("start_samples: budget must be >= 0")
-        groups: dict[int, list[int]] = collections.defaultdict(list)
-        for i, s in enumerate(starts):
-            groups[id(s.prefill.batch)].append(i)
         results = []
-        for members in groups.values():
-            g = _pow2(len(members))
-            row_g = np.zeros((g,), np.int32)
-            slot_g = np.full((g,), B, np.int32)  # padding entries are dropped
-            ident_g4 = np.zeros((g, 4), np.int32)
-            budget_g = np.zeros((g,), np.int32)
-            for k, i in enumerate(members):
-                s = starts[i]
-                row_g[k], slot_g[k], budget_g[k] = s.prefill.row, s.slot, s.budget
-                ident_g4[k] = (s.seed, s.prompt_id, s.sample_index, s.token_index)
-            ident_g4[len(members) :] = ident_g4[0]
-            arrays = jax.device_put((row_g, slot_g, ident_g4, budget_g), self._replicated)
+        for members, arrays in start_groups(starts, self.config.max_concurrent_decodes):
+            arrays = jax.device_put(arrays, self._replicated)
             batch = starts[members[0]].prefill.batch
-            decode_state, token_g, logp_g = self._start_jit(decode_state, batch, *arrays)
+            decode_state, token_g, logp_g = self._programs.start(decode_state, batch, *arrays)
             results.append((members, token_g, logp_g))
         host = jax.device_get([(t, lp) for _, t, lp in results])
         tokens = np.zeros((len(starts),), np.int32)
@@ -465,7 +369,7 @@ class LlamaEngine(engine_api.Engine):
                 f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
             )
         slot_emit = jax.device_put((np.int32(slot), np.bool_(emit_prefill_token)), self._replicated)
-        return self._insert_jit(decode_state, prefix, *slot_emit)
+        return self._programs.insert(decode_state, prefix, *slot_emit)
 
     # --------------------------------------------------------------- generate
 
@@ -487,7 +391,7 @@ class LlamaEngine(engine_api.Engine):
           (new DecodeState, ResultTokens with int32 data [B, 4]: token, valid,
           emitted length, logprob bits — see ``result_logprobs``).
         """
-        return self._generate_jit(params, decode_state)
+        return self._programs.generate(params, decode_state)
 
     def generate_block(
         self,
@@ -524,37 +428,11 @@ class LlamaEngine(engine_api.Engine):
             raise ValueError(
                 f"generate_block: need steps >= 1 and live [B={B}], got {steps}, {live.shape}"
             )
-        stop = np.full((max(8, _pow2(len(stop_ids))),), -1, np.int32)
-        stop[: len(stop_ids)] = np.asarray(list(stop_ids), np.int32)
-        if steps not in self._block_jits:
-            fn = functools.partial(
-                kernels.generate_block,
-                steps=steps,
-                model_config=self.model_config,
-                engine_config=self.config,
-            )
-
-            def traced(*args, _fn=fn, _steps=steps):
-                self._traces[f"generate_block_{_steps}"] += 1
-                return _fn(*args)
-
-            self._block_jits[steps] = jax.jit(
-                traced, donate_argnums=(1,), out_shardings=self._block_out
-            )
-        live_dev, stop_dev = jax.device_put((live, stop), self._replicated)
-        state, out_nb3, live_n, n = self._block_jits[steps](
-            params, decode_state, live_dev, stop_dev
-        )
+        live_dev, stop_dev = jax.device_put((live, stop_array(stop_ids)), self._replicated)
+        program = self._programs.generate_block(steps)
+        state, out_nb3, live_n, n = program(params, decode_state, live_dev, stop_dev)
         out_nb3, live_n, n = jax.device_get((out_nb3, live_n, n))
-        n = int(n)
-        out_nb3 = np.asarray(out_nb3[:n])
-        result = BlockResult(
-            tokens_nb=out_nb3[:, :, 0].copy(),
-            logps_nb=np.ascontiguousarray(out_nb3[:, :, 1]).view(np.float32),
-            emitted_nb=out_nb3[:, :, 2].astype(bool),
-            live_n=np.asarray(live_n[:n]),
-            steps=n,
-        )
+        result = block_result(out_nb3, live_n, int(n))
         return state, result
 
     # ------------------------------------------------- state, params, plumbing
@@ -564,7 +442,7 @@ class LlamaEngine(engine_api.Engine):
         del args, kwargs
         # Built under jit so every field is its own buffer: generate and insert
         # donate the state, and XLA refuses to donate one buffer twice.
-        return self._init_jit()
+        return self._programs.init_state()
 
     def load_params(self, *args, **kwargs) -> Any:
         """Params from ``load_params_fn``, placed on the engine's mesh.
