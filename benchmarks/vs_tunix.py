@@ -46,11 +46,11 @@ SHAPE = dict(n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, d_f
 CASES = {
     "gen8": dict(kind="generation", batch=8, prompt_len=40, new_tokens=64, reps=2),
     "gen32": dict(kind="generation", batch=32, prompt_len=40, new_tokens=64, reps=2),
-    "learn": dict(kind="learner", batch=16, prompt_len=40, seq_len=128, reps=3),
+    "learn": dict(kind="learner", batch=16, prompt_len=40, seq_len=128, reps=2),
     # tunix's model with a bare PPO-clip loss instead of its GRPO learner's loss
     # (no diagnostics, no entropy): the leanest tunix update we could write.
     "learn_lean": dict(
-        kind="learner", batch=16, prompt_len=40, seq_len=128, reps=3, variant="lean"
+        kind="learner", batch=16, prompt_len=40, seq_len=128, reps=2, variant="lean"
     ),
     "long8": dict(kind="generation", batch=8, prompt_len=40, new_tokens=512, reps=1),
     "real32": dict(kind="generation", batch=32, prompt_len=40, new_tokens=64, reps=2, real=True),
