@@ -25,7 +25,8 @@ next to every figure: compare ratios, not absolute numbers, on a shared machine.
 Cases: gen8, gen32 (generation B=8/32), learn (learner; tunix runs its GRPO
 learner's loss), learn_lean (the same, tunix with a bare PPO-clip loss), long8 (B=8,
 512 new tokens, cache 552 rows), real32 (ours only: SmolLM2-135M-Instruct's real GGUF
-weights, 32 arithmetic prompts, 64 new tokens, stopping at EOS — tunix has no GGUF
+weights, 32 chat-templated arithmetic prompts of up to 64 tokens, 64 new tokens,
+stopping at EOS, so tok/s counts the tokens really generated — tunix has no GGUF
 loader, so there is no tunix figure for it).
 """
 
@@ -128,12 +129,16 @@ def _our_generation(w: dict) -> dict:
         config, params = load_gguf(path)
         config = config.replace(compute_dtype=w.get("compute_dtype", "float32"))
         tokenizer = Tokenizer.from_gguf(path)
-        rows = ArithmeticTask(0, split="eval").rows(0, w["batch"])
+        # Chat-templated arithmetic prompts are 30-45 tokens: allow up to 64.
+        rows = ArithmeticTask(0, split="eval").rows(0, 2 * w["batch"])
         prompts = [
             p.prompt_tokens
-            for p in PromptSource(rows, tokenizer, max_prompt_tokens=w["prompt_len"])
+            for p in PromptSource(rows, tokenizer, max_prompt_tokens=64)
             if not isinstance(p, PromptFailure)
-        ]
+        ][: w["batch"]]
+        if len(prompts) < w["batch"]:
+            raise RuntimeError(f"real weights: only {len(prompts)} usable prompts")
+        w = {**w, "prompt_len": max(len(p) for p in prompts)}
         eos = tokenizer.eos_id
     else:
         config, params = _our_model(w)
