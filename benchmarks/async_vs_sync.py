@@ -4,11 +4,10 @@
     python benchmarks/async_vs_sync.py --steps 10 --alphas 1,2,4,8 --eos_prob 0.05
 
 What runs. One invocation runs every mode in turn, in this process, through the
-runtime's own loops (``runtime.rlvr.run`` for sync, ``runtime.rlvr_async.run``
-for async) from configs built here with ``ExperimentConfig.from_config_dict``;
-every number below is read back from each run's metrics.jsonl / rollouts.jsonl.
-Same seed, prompts, model, devices, slots and number of learner steps
-(B prompts x G samples each) in every mode.
+runtime's one loop (``runtime.rlvr.run``) from configs built here with
+``ExperimentConfig.from_config_dict``; every number below is read back from each
+run's metrics.jsonl / rollouts.jsonl. Same seed, prompts, model, decode slots and
+number of learner steps (B prompts x G samples each) in every mode.
 
 Model and length distribution (set through sampling, no sleeps). A random-init
 model of the real architecture (SmolLM2 "tiny" preset: 2 layers, d_model 64,
@@ -27,30 +26,37 @@ p at every position of a forward pass and prints min/max. learner.lr = 0, so the
 policy never changes: every mode samples the same length distribution (the
 learner still runs its full forward/backward/optimizer step).
 
-Devices (8 fake CPU devices, the same 8 in every mode). Async: learner fsdp 3 x
-tensor 2 on devices 0-5, two generation slices of one device each (6, 7) with
-K/2 slots each. Sync: the same learner mesh (the identical train program) and one
-engine on one device with all K slots (the sync loop drives one engine; the same
-total decode slots; one device because XLA's CPU client does not overlap
-multi-device programs, and a tensor-2 engine would only add collectives on
-these 2 cores).
+Devices (8 fake CPU devices; each mode prints the ones it used). Every mode has
+the same learner mesh, fsdp 3 x tensor 2 on devices 0-5 (the identical train
+program, compiled once). Sync is the colocated placement: one generation server
+with all K slots on device 0, one of the learner's own devices, idle while the
+learner trains; devices 6 and 7 stay idle. Async: two generation slices of one
+device each (6 and 7) with K/2 slots each. One device per generation mesh because
+XLA's CPU client does not overlap multi-device programs.
 
-Printed per mode: trained samples/s (over the steps after --warmup, excluding
-compilation), ratio to sync, mean/max staleness, learner idle and generation
-idle fractions, decode-slot occupancy, measured seconds per trained sample, and
-the ROLL Flash bound (arXiv 2510.11345; DESIGN.md "Measuring")
-    mean per-sample time <= μ_gen/K + L_gen/Q,  Q = N (sync), (α+1)·N (async),
-with K = total decode slots, N = B·G, μ_gen / L_gen = mean / longest per-sample
-generation time = response tokens x seconds per decode step, the latter measured
-on the sync run (generation alone, nothing competing). The bound covers
-generation only; the learner's seconds per sample are printed next to it, and
-"ideal" = bound + train (sync: one after the other) or max(bound, train) (async:
-complete overlap).
+Measured, identically in every mode:
+* wall time from the run's first generation request to the end of the last
+  step's learner update (metrics ``trained_at_s``), excluding warm-up by
+  discarding whole steps: the measured window runs from the end of step
+  --warmup to the end of the last step (from the first request if --warmup 0);
+* trained samples: rollouts.jsonl rows of those steps with outcome "trained"
+  that carried loss (checked against the steps' ``num_samples``);
+* samples/s = trained samples / wall, its ratio to sync, mean/max staleness,
+  learner idle (waiting for a batch) and generation idle fractions, decode-slot
+  occupancy, seconds per trained sample, and the ROLL Flash bound (arXiv
+  2510.11345; DESIGN.md "Measuring")
+      mean per-sample time <= μ_gen/K + L_gen/Q,  Q = N (sync), (α+1)·N (async),
+  with K = total decode slots, N = B·G, μ_gen / L_gen = mean / longest per-sample
+  generation time = response tokens x seconds per decode step, the latter
+  measured on the sync run (generation alone, nothing competing). The bound covers
+  generation only; the learner's seconds per sample are printed next to it, and
+  "ideal" = bound + train (sync: one after the other) or max(bound, train) (async:
+  complete overlap).
 
 Compilation is kept out of the numbers: the learner step is compiled for every
 32-token length bucket before the first mode (the persistent compilation cache,
-in <workdir>/xla_cache, makes the runs' own compiles hits), and the first
---warmup steps of each mode (engine compiles, pipeline fill) are not counted.
+in <workdir>/xla_cache, makes the runs' own compiles hits), and the warm-up steps
+(engine compiles, pipeline fill) are discarded in every mode alike.
 
 What 2 shared CPU cores can show. The fake devices are threads of one XLA CPU
 client on the same 2 cores. XLA's CPU client never runs two multi-device
@@ -168,17 +174,20 @@ def precompile_train_buckets(exp) -> list[int]:
     from jaxflash.learner.batching import bucket_length, pack_batch
     from jaxflash.learner.state import create_train_state
     from jaxflash.learner.step import make_train_step
-    from jaxflash.runtime.model_setup import build_meshes, load_model, make_datasets
+    from jaxflash.runtime.model_setup import load_model, load_tokenizer
+    from jaxflash.runtime.placement import carve
+    from jaxflash.runtime.task_setup import build_task
     from jaxflash.sharding.rules import LEARNER_RULES
     from jaxflash.types import FinishReason, Prompt, Sample
 
-    model_config, _, tokenizer = load_model(exp.model, exp.rollout)
-    mesh, _ = build_meshes(exp.mesh)
+    tokenizer = load_tokenizer(exp.model)
+    model_config, _ = load_model(exp.model, exp.rollout, tokenizer)
+    mesh = carve(exp.mesh).learner
     state = create_train_state(model_config, exp.learner, mesh, LEARNER_RULES, seed=exp.seed)
     train_step = make_train_step(model_config, exp.learner, mesh, LEARNER_RULES)
     n = exp.rollout.prompts_per_step * exp.rollout.group_size
     # The shortest possible batch: the shortest of the first 200 prompts + 1 token.
-    train_rows, _ = make_datasets(exp, tokenizer)
+    train_rows = build_task(exp).train
     source = PromptSource(train_rows, tokenizer, max_prompt_tokens=exp.data.max_prompt_tokens)
     shortest = min(len(p.prompt_tokens) for p in source.take(200) if isinstance(p, Prompt))
     buckets = list(range(bucket_length(shortest + 1), model_config.max_seq_len + 1, 32))
@@ -206,7 +215,7 @@ def precompile_train_buckets(exp) -> list[int]:
 
 
 def make_config(args: argparse.Namespace, model_dir: str, alpha: int | None):
-    """The experiment ConfigDict of one mode (alpha None = the synchronous loop)."""
+    """The experiment ConfigDict of one mode (alpha None = sync: colocated, α = 0)."""
     import ml_collections
 
     from configs import rlvr_smollm2_arith
@@ -222,7 +231,7 @@ def make_config(args: argparse.Namespace, model_dir: str, alpha: int | None):
     c.rollout.prompts_per_step = args.prompts
     c.rollout.group_size = args.group
     c.rollout.max_new_tokens = args.max_new_tokens
-    c.rollout.max_prefill_length = 64
+    c.data.max_prompt_tokens = c.rollout.max_prefill_length = 64  # arithmetic prompts: ~40
     c.rollout.temperature = 1.0  # the calibrated p holds at temperature 1 only
     c.learner.lr = 0.0  # the policy (hence the length distribution) never changes
     c.learner.micro_batch_size = args.prompts * args.group // 2
@@ -258,22 +267,46 @@ def _read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def summarize(workdir: str, *, sync: bool, warmup: int) -> dict:
-    """Throughput and overlap figures of one finished run, from its jsonl files."""
+def summarize(workdir: str, *, warmup: int) -> dict:
+    """Throughput and overlap figures of one finished run, from its jsonl files.
+
+    The same for every mode: whole steps 1..warmup are discarded; wall time runs
+    from the end of step ``warmup`` (the first request when 0) to the end of the
+    last step's update; trained samples are counted from rollouts.jsonl outcomes.
+
+    Raises:
+      RuntimeError: no step after warm-up, or the rows disagree with the metrics.
+    """
     import numpy as np
 
-    steps = [m for m in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if m["step"] > warmup]
-    if not steps:
+    steps = [m for m in _read_jsonl(os.path.join(workdir, "metrics.jsonl")) if m["step"] > 0]
+    measured = [m for m in steps if m["step"] > warmup]
+    if not measured:
         raise RuntimeError(f"{workdir}: no steps after warm-up {warmup}; raise --steps")
+    if any("skipped" in m for m in measured):
+        raise RuntimeError(f"{workdir}: a measured step trained nothing; see its metrics")
+    start = 0.0 if warmup == 0 else next(m for m in steps if m["step"] == warmup)["trained_at_s"]
+    wall = measured[-1]["trained_at_s"] - start
+    last = measured[-1]["step"]
     rows = _read_jsonl(os.path.join(workdir, "rollouts.jsonl"))
-    trained = [r for r in rows if r["learner_step"] > warmup and r.get("outcome", "trained")]
-    if not sync:
-        trained = [r for r in trained if r["outcome"] == "trained"]
-    lens = np.array([r.get("response_len", r.get("response_tokens")) for r in trained], float)
-    wall = sum(m["round_time_s" if sync else "step_time_s"] for m in steps)
-    n = sum(m["num_samples"] for m in steps)
-    train = sum(m["train_time_s"] for m in steps)
-    out = {
+    trained = [
+        r
+        for r in rows
+        if warmup < r["learner_step"] <= last and r["outcome"] == "trained" and not r["loss_masked"]
+    ]
+    n = len(trained)
+    if n != sum(m["num_samples"] for m in measured):
+        raise RuntimeError(
+            f"{workdir}: {n} trained rows but the steps report "
+            f"{sum(m['num_samples'] for m in measured)} samples with loss"
+        )
+    lens = np.array([r["response_len"] for r in trained], float)
+    train = sum(m["train_time_s"] for m in measured)
+    # A decode step per busy second: with alpha = 0 every sample of a step starts
+    # together (N <= K), so the step's decode steps ~ its longest response.
+    busy = [m["gen_tokens"] / m["gen_tokens_per_s"] for m in measured if m["gen_tokens_per_s"]]
+    s_step = [b / m["response_len_max"] for b, m in zip(busy, measured, strict=False)]
+    return {
         "trained_samples": n,
         "wall_s": wall,
         "samples_per_s": n / wall,
@@ -281,30 +314,14 @@ def summarize(workdir: str, *, sync: bool, warmup: int) -> dict:
         "train_s_per_sample": train / n,
         "len_mean": float(lens.mean()),
         "len_max": float(lens.max()),
-        "occupancy": float(np.mean([m["gen_slot_occupancy"] for m in steps])),
+        "occupancy": float(np.mean([m["gen_slot_occupancy"] for m in measured])),
+        "staleness_mean": float(np.mean([m["staleness_mean"] for m in measured])),
+        "staleness_max": int(max(m["staleness_max"] for m in measured)),
+        "learner_idle": sum(m["learner_wait_s"] for m in measured) / wall,
+        "gen_idle": float(np.mean([m["gen_idle_frac"] for m in measured])),
+        "s_per_decode_step": float(np.median(s_step)) if s_step else float("nan"),
+        "dropped_stale": int(sum(measured[-1]["prompt_outcomes"].get("stale", {}).values())),
     }
-    if sync:
-        gen = sum(m["gen_time_s"] for m in steps)
-        # One round: all N <= K samples start together; its decode steps ~ its longest sample.
-        s_step = [m["gen_time_s"] / m["response_len_max"] for m in steps]
-        out.update(
-            staleness_mean=0.0,
-            staleness_max=0,
-            learner_idle=1.0 - train / wall,
-            gen_idle=1.0 - gen / wall,
-            s_per_decode_step=float(np.median(s_step)),
-            dropped_stale=0,
-        )
-    else:
-        outcomes = steps[-1].get("prompt_outcomes", {})
-        out.update(
-            staleness_mean=float(np.mean([m["staleness_mean"] for m in steps])),
-            staleness_max=int(max(m["staleness_max"] for m in steps)),
-            learner_idle=sum(m["learner_wait_s"] for m in steps) / wall,
-            gen_idle=float(np.mean([m["gen_idle_frac"] for m in steps])),
-            dropped_stale=int(sum(outcomes.get("stale", {}).values())),
-        )
-    return out
 
 
 def main() -> None:
@@ -337,8 +354,9 @@ def main() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-    from jaxflash.runtime import rlvr, rlvr_async
+    from jaxflash.runtime import rlvr
     from jaxflash.runtime.experiment import ExperimentConfig
+    from jaxflash.runtime.placement import carve
 
     N, K, M, p = args.prompts * args.group, args.slots, args.max_new_tokens, args.eos_prob
     model_dir = os.path.join(workdir, "model")
@@ -360,10 +378,11 @@ def main() -> None:
         exp = ExperimentConfig.from_config_dict(make_config(args, model_dir, alpha))
         run_dir = os.path.join(workdir, name.replace(" ", "_").replace("=", ""))
         load0, t0, cpu0 = os.getloadavg()[0], time.monotonic(), _cpu_s()
-        print(f"=== {name}: {run_dir}", flush=True)
-        (rlvr.run if alpha is None else rlvr_async.run)(exp, workdir=run_dir)
-        res = summarize(run_dir, sync=alpha is None, warmup=args.warmup)
-        res.update(alpha=alpha, run_s=time.monotonic() - t0, load_before=load0)
+        devices = carve(exp.mesh).describe()
+        print(f"=== {name}: {devices}; {run_dir}", flush=True)
+        rlvr.run(exp, workdir=run_dir)
+        res = summarize(run_dir, warmup=args.warmup)
+        res.update(alpha=alpha, run_s=time.monotonic() - t0, load_before=load0, devices=devices)
         res["cpu_s"] = _cpu_s() - cpu0
         res["cores_used"] = res["cpu_s"] / res["run_s"]
         res["load_after"] = os.getloadavg()[0]
@@ -375,6 +394,11 @@ def main() -> None:
         f"\nN={N} samples/step, K={K} slots, {args.steps - args.warmup} measured steps "
         f"(after {args.warmup} warm-up), seed {args.seed}; sync decode step {s_step * 1e3:.1f} ms"
     )
+    for name, r in results.items():
+        print(
+            f"{name:<11}{r['trained_samples']:>4d} trained samples in {r['wall_s']:.1f}s; "
+            f"{r['devices']}"
+        )
     head = (
         f"{'mode':<11}{'samples/s':>10}{'x sync':>8}{'stale':>11}{'L idle':>8}{'G idle':>8}"
         f"{'occup':>7}{'len μ/max':>11}{'s/sample':>10}{'bound':>8}{'train':>8}{'ideal':>8}"
@@ -406,6 +430,7 @@ def main() -> None:
         "cores = CPU seconds / wall seconds of the whole mode (this process + reward workers); "
         "load = 1-min load average before->after the mode (2 cores, shared machine)."
     )
+    print(f"load average now (1, 5, 15 min): {os.getloadavg()}")
     with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"args": vars(args), "calibration": cal, "results": results}, f, indent=1)
     print(f"summary: {os.path.join(workdir, 'summary.json')}")

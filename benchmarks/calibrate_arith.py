@@ -95,7 +95,7 @@ def main() -> None:
     print(
         f"accuracy mean@{args.n} = {out['eval_accuracy']:.3f} +- "
         f"{out['eval_accuracy_stderr']:.3f} (stderr over prompts); failed={out['eval_failed']}; "
-        f"{elapsed:.0f} s"
+        f"{elapsed:.0f} s (load average {os.getloadavg()[0]:.1f})"
     )
 
 

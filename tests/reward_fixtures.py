@@ -12,3 +12,8 @@ def flaky_reward(response_text: str, answer: str) -> RewardResult:
     if answer == "hang":
         time.sleep(3600)
     return RewardResult(score=float(len(response_text) % 2), components={})
+
+
+def quarter_reward(response_text: str, answer: str) -> RewardResult:
+    """0.25 for every response, with no "correct" component (a custom reward)."""
+    return RewardResult(score=0.25, components={"quarter": 0.25})

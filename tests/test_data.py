@@ -11,7 +11,7 @@ import pytest
 from jaxflash.data.arithmetic import DEFAULT_TEMPLATE, ArithmeticTask, evaluate
 from jaxflash.data.files import DatasetError, RowFailure, load_rows
 from jaxflash.data.prompts import PromptFailure, PromptSource
-from jaxflash.types import Prompt
+from jaxflash.types import FailureReason, Prompt
 
 # ------------------------------------------------------------------ arithmetic
 
@@ -177,20 +177,22 @@ def test_load_rows_bad_path(tmp_path):
 class FakeTokenizer:
     """Chat template "<s>{system}|<u>{user}|<a>"; one token per character (its code point)."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, tokenize=False):
         assert add_generation_prompt
         tags = {"system": "<s>", "user": "<u>"}
-        return "".join(f"{tags[m['role']]}{m['content']}|" for m in messages) + "<a>"
+        text = "".join(f"{tags[m['role']]}{m['content']}|" for m in messages) + "<a>"
+        return self.encode(text) if tokenize else text
 
     def encode(self, text):
         return [ord(c) for c in text]
 
 
 class IdsTokenizer(FakeTokenizer):
-    """Like Hugging Face tokenizers: apply_chat_template returns token ids."""
+    """Like transformers 5: apply_chat_template(tokenize=True) returns a dict with input_ids."""
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        return self.encode(super().apply_chat_template(messages, add_generation_prompt))
+    def apply_chat_template(self, messages, add_generation_prompt=True, *, tokenize=False):
+        out = super().apply_chat_template(messages, add_generation_prompt, tokenize=tokenize)
+        return {"input_ids": out, "attention_mask": [1] * len(out)} if tokenize else out
 
 
 def test_prompt_source_renders_and_counts_failures():
@@ -211,14 +213,17 @@ def test_prompt_source_renders_and_counts_failures():
     assert out[1] == PromptFailure(
         prompt_id=1,
         reason="prompt 1 is 47 tokens, longer than max_prompt_tokens=30",
+        failure=FailureReason.PROMPT_TOO_LONG,
         meta={"prompt_tokens": 47},
     )
     assert out[2] == PromptFailure(
         prompt_id=2,
         reason="prompt 2: malformed row: f.jsonl:3: bad JSON",
+        failure=FailureReason.MALFORMED_ROW,
         meta={"source": "f.jsonl", "line": 3},
     )
     assert out[3].prompt_id == 3 and "'answer' must be a string, got int" in out[3].reason
+    assert out[3].failure == FailureReason.MALFORMED_ROW
 
 
 def test_prompt_source_cursor_resume_and_cycle():

@@ -1,6 +1,6 @@
 """The processed sampling distribution: top-k/top-p renormalisation and temperature.
 
-Cases from ../shared/cases/rl_pitfalls.md, "Importance ratios". Expected values are
+Cases from the RL-pitfalls list, "Importance ratios". Expected values are
 worked out by hand (math module), not by the code under test.
 """
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ from configs import rlvr_smollm2_arith, smoke  # noqa: E402
 from jaxflash.metrics.writer import MetricsWriter  # noqa: E402
 from jaxflash.runtime.experiment import ExperimentConfig  # noqa: E402
 from jaxflash.runtime.ledger import LedgerError, PromptLedger  # noqa: E402
-from jaxflash.types import PromptOutcome  # noqa: E402
+from jaxflash.types import FailureReason, PromptOutcome  # noqa: E402
 
 
 @pytest.mark.parametrize("module", [rlvr_smollm2_arith, smoke])
@@ -38,13 +39,109 @@ def test_config_errors_name_the_field():
         ExperimentConfig.from_config_dict(c)
 
 
+def _smoke(**overrides):
+    c = smoke.get_config()
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        c[section][field] = value
+    return c
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fields"),
+    [
+        ({"rollout.async_ratio": 2}, ("rollout.async_ratio=2", "mesh.colocated")),
+        ({"mesh.num_generation_slices": 2}, ("mesh.num_generation_slices", "mesh.colocated")),
+        ({"mesh.generation": {"tensor": 16}}, ("mesh.generation", "mesh.colocated")),
+        (
+            {"mesh.colocated": False, "rollout.partial_rollout": "restart"},
+            ("rollout.partial_rollout='restart'", "rollout.async_ratio"),
+        ),
+        (
+            {"mesh.colocated": False, "rollout.stale_policy": "regenerate"},
+            ("rollout.stale_policy='regenerate'", "rollout.async_ratio"),
+        ),
+        (
+            {"rollout.truncation": "mask", "rollout.truncation_penalty": -1.0},
+            ("rollout.truncation_penalty", "rollout.truncation"),
+        ),
+        ({"rollout.filter_min_std": 0.0}, ("rollout.filter_min_std",)),
+        (
+            {"rollout.filter_min_mean": 0.8, "rollout.filter_max_mean": 0.2},
+            ("rollout.filter_min_mean", "rollout.filter_max_mean"),
+        ),
+        ({"reward.format_weight": 0.5}, ("reward.format_weight", "reward.fn")),
+    ],
+)
+def test_silently_ignored_settings_are_refused_naming_the_fields(overrides, fields):
+    with pytest.raises(ValueError) as err:
+        ExperimentConfig.from_config_dict(_smoke(**overrides))
+    for field in fields:
+        assert field in str(err.value)
+
+
+def test_async_settings_accepted_on_disjoint_slices():
+    exp = ExperimentConfig.from_config_dict(
+        _smoke(
+            **{
+                "mesh.colocated": False,
+                "rollout.async_ratio": 2,
+                "rollout.partial_rollout": "restart",
+                "rollout.stale_policy": "regenerate",
+                "rollout.filter_min_std": 0.1,
+            }
+        )
+    )
+    assert exp.mesh.num_generation_slices == 2 and exp.mesh.learner == {"fsdp": 3, "tensor": 2}
+    assert exp.rollout.async_ratio == 2
+
+
+def test_group_filter_settings_become_the_filter_the_loop_builds():
+    exp = ExperimentConfig.from_config_dict(_smoke())
+    assert exp.rollout.group_filter_kwargs() is None  # keep every group
+    c = _smoke(**{"rollout.filter_zero_variance": True, "rollout.filter_min_std": 0.1})
+    assert ExperimentConfig.from_config_dict(c).rollout.group_filter_kwargs() == {
+        "zero_variance": True,
+        "min_mean": None,
+        "max_mean": None,
+        "min_std": 0.1,
+    }
+
+
+def test_launcher_refuses_async_ratio_on_the_colocated_config(tmp_path):
+    """Done-when of issue 6: the launcher fails at start, naming mesh.colocated."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(repo, "launch", "tpu_pod.py"),
+            "--config",
+            os.path.join(repo, "configs", "smoke.py"),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--config.rollout.async_ratio=2",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "mesh.colocated" in proc.stderr and "rollout.async_ratio=2" in proc.stderr
+    assert not (tmp_path / "w").exists()  # refused before anything was written
+
+
 def test_ledger_adds_up_and_round_trips():
     ledger = PromptLedger()
     for i in range(6):
         ledger.take(i)
     ledger.close(0, PromptOutcome.TRAINED, "ok")
     ledger.close(1, PromptOutcome.FILTERED, "zero_variance")
-    ledger.close(2, PromptOutcome.FAILED, "prompt too long")
+    with pytest.raises(TypeError, match="FailureReason"):
+        ledger.close(2, PromptOutcome.FAILED, "prompt too long")  # text is not a reason
+    ledger.close(2, PromptOutcome.FAILED, FailureReason.PROMPT_TOO_LONG)
     ledger.close(3, PromptOutcome.STALE, "staleness 3 > 2")
     ledger.check()
     assert ledger.metrics() == {
@@ -55,6 +152,7 @@ def test_ledger_adds_up_and_round_trips():
         "prompts_stale": 1,
         "prompts_failed": 1,
     }
+    assert ledger.outcomes["failed"] == {"prompt_too_long": 1}
     with pytest.raises(LedgerError, match="prompt 0"):
         ledger.close(0, PromptOutcome.TRAINED, "again")
     with pytest.raises(LedgerError, match="prompt 4 taken twice"):
@@ -67,10 +165,14 @@ def test_ledger_adds_up_and_round_trips():
 
 
 def test_metrics_writer(tmp_path):
-    with MetricsWriter(str(tmp_path), console=None) as w:
-        w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
+    with MetricsWriter(str(tmp_path)) as w:
         w.write_rollouts([{"prompt": "p", "response": "r", "reward": 1.0}])
+        # No step written yet: no (empty) TensorBoard event file either.
+        assert not (tmp_path / "tensorboard").exists()
+        row = w.write_step(1, {"reward_mean": 0.5, "nan_metric": float("nan"), "hist": [1, 2]})
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    assert rows == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
+    assert rows == [row] == [{"step": 1, "reward_mean": 0.5, "nan_metric": "nan", "hist": [1, 2]}]
     assert json.loads(open(tmp_path / "rollouts.jsonl").read())["reward"] == 1.0
     assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
+    MetricsWriter(str(tmp_path)).close()  # a run that writes no step adds no event file
+    assert len(os.listdir(tmp_path / "tensorboard")) == 1

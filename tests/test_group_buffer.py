@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
-from jaxflash.types import FinishReason, PromptOutcome, Sample
+from jaxflash.types import FailureReason, FinishReason, PromptOutcome, Sample
 
 G = 4
 
@@ -231,17 +231,20 @@ def test_filter_validates(kwargs):
 def test_failed_sample_fails_its_group_with_reason_and_late_siblings_are_discarded():
     buf = GroupBuffer(G)
     buf.add(_s(4, 0))
-    buf.add(_s(4, 1, reward=None, error="reward timeout after 10 s"))
+    buf.add(
+        _s(4, 1, reward=None, error="reward timeout after 10 s"),
+        failure=FailureReason.REWARD_TIMEOUT,
+    )
     _add_group(buf, 5)
     groups, dropped = buf.take(8, 5, 0)
     assert [g.prompt_id for g in groups] == [5]
-    assert [(d.prompt_id, d.reason, d.outcome) for d in dropped] == [
-        (4, "failed", PromptOutcome.FAILED)
+    assert [(d.prompt_id, d.reason, d.outcome, d.failure) for d in dropped] == [
+        (4, "failed", PromptOutcome.FAILED, FailureReason.REWARD_TIMEOUT)
     ]
     assert dropped[0].detail == "prompt 4 sample 1: reward timeout after 10 s"
     assert [s.sample_index for s in dropped[0].samples] == [0, 1]
     buf.add(_s(4, 2))  # a sibling arriving after the group was reported
-    buf.fail(4, "late")
+    buf.fail(4, FailureReason.GENERATION_TIMEOUT, "late")
     assert buf.take(8, 5, 0) == ([], [])
     c = buf.counts()
     assert c["samples_late_discarded"] == 2 and c["pending"] == 0 and c["dropped_failed"] == 1
@@ -250,15 +253,18 @@ def test_failed_sample_fails_its_group_with_reason_and_late_siblings_are_discard
 
 def test_fail_without_samples_and_nonfinite_reward():
     buf = GroupBuffer(G)
-    buf.fail(8, "generation error: RuntimeError: boom")
+    buf.fail(8, FailureReason.SERVER_DIED, "generation error: RuntimeError: boom")
     for i in range(G):
         buf.add(_s(9, i, reward=float("nan") if i == 2 else 1.0))
+    for i in range(G):  # an error in reward_info without a reason is a reward error
+        buf.add(_s(10, i, error="unparsable reference" if i == 1 else None))
     _, dropped = buf.take(8, 5, 0)
-    assert [(d.prompt_id, d.detail) for d in dropped] == [
-        (8, "prompt 8: generation error: RuntimeError: boom"),
-        (9, "prompt 9 sample 2: non-finite reward nan"),
+    assert [(d.prompt_id, d.detail, d.failure) for d in dropped] == [
+        (8, "prompt 8: generation error: RuntimeError: boom", FailureReason.SERVER_DIED),
+        (9, "prompt 9 sample 2: non-finite reward nan", FailureReason.NON_FINITE_REWARD),
+        (10, "prompt 10 sample 1: unparsable reference", FailureReason.REWARD_ERROR),
     ]
-    assert buf.counts()["produced"] == 2 and _balanced(buf)
+    assert buf.counts()["produced"] == 3 and _balanced(buf)
 
 
 def test_drain_empties_the_buffer():
@@ -266,9 +272,10 @@ def test_drain_empties_the_buffer():
     _add_group(buf, 1)
     buf.add(_s(2, 0))
     out = buf.drain()
-    assert [(d.prompt_id, d.reason, d.outcome, len(d.samples)) for d in out] == [
-        (1, "drained", PromptOutcome.FAILED, 4),
-        (2, "drained", PromptOutcome.FAILED, 1),
+    shutdown = FailureReason.SHUTDOWN
+    assert [(d.prompt_id, d.reason, d.outcome, d.failure, len(d.samples)) for d in out] == [
+        (1, "drained", PromptOutcome.FAILED, shutdown, 4),
+        (2, "drained", PromptOutcome.FAILED, shutdown, 1),
     ]
     assert buf.counts()["pending"] == 0 and _balanced(buf)
 
@@ -304,8 +311,12 @@ def test_bad_arguments():
         buf.take(1, 5, 0, policy="keep")
     with pytest.raises(ValueError, match="group_size"):
         GroupBuffer(0)
-    with pytest.raises(ValueError, match="reason"):
-        buf.fail(1, "")
+    with pytest.raises(ValueError, match="detail"):
+        buf.fail(1, FailureReason.REWARD_ERROR, "")
+    with pytest.raises(TypeError, match="FailureReason"):
+        buf.fail(1, "reward_error", "a reason as text is refused")
+    with pytest.raises(ValueError, match="fail()"):
+        buf.discard(1, PromptOutcome.FAILED, "failed")
 
 
 # -- Randomized invariant: every group produced is returned or dropped once ------
@@ -349,7 +360,7 @@ def test_random_add_take_conserves_every_group():
             late += pid in closed_failed
         elif action < 0.77 and outstanding:
             pid = rng.choice(sorted(outstanding))
-            buf.fail(pid, "generation timeout")
+            buf.fail(pid, FailureReason.GENERATION_TIMEOUT, "generation timeout")
             late += pid in closed_failed
         elif action < 0.80 and outstanding:
             # A surplus prompt aborted in flight: dropped (late samples discarded)

@@ -238,6 +238,10 @@ def test_train_step_compiles_once_parity_and_pulse(world):
     assert first["lr"] == np.float32(1e-2)
     # After an update the learner's logprobs drift from the behaviour ones.
     assert history[1]["logprob_gap_max"] > 1e-4 and history[1]["kl"] > 0
+    # The gap splits by the version that sampled each token (all version 0 here).
+    assert first["logprob_gap_max_off_policy"] == 0.0
+    assert history[1]["logprob_gap_max_current"] == 0.0 and history[1]["current_tokens"] == 0
+    assert history[1]["logprob_gap_max_off_policy"] == history[1]["logprob_gap_max"]
     assert int(state.step) == 3
 
     # (c) learning has a pulse: tokens with A > 0 gained probability, A < 0 lost it.

@@ -234,6 +234,8 @@ VARIANTS = [
     ("gspo", {}),
     ("kimi_k15", {}),
     ("kimi_k15", {"sequence_level": False}),
+    ("m2po", {}),
+    ("m2po", {"m2_threshold": 0.0}),
 ]
 
 

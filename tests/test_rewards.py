@@ -126,3 +126,60 @@ def test_registry_and_validation():
         RewardResult(score=float("inf"))
     with pytest.raises(TypeError, match="score"):
         RewardResult(score=True)
+
+
+# --------------------------------------------------------------- numeric precision
+# (label, response, expected): Math-Verify's default 6-decimal rounding says 1 for
+# the first two; exact answers stay exact; decimals get a stated tolerance.
+NUMERIC_CASES = [
+    (r"\frac{1}{2^{99}}", r"\boxed{\frac{1}{2^{98}}}", 0.0),
+    ("0.0000001", r"\boxed{0.0000002}", 0.0),
+    (r"\frac{1}{2^{99}}", r"\boxed{\frac{1}{2^{99}}}", 1.0),
+    ("0.0000001", r"\boxed{0.0000001}", 1.0),
+    (r"\frac{1}{2}", r"\boxed{0.5}", 1.0),
+    ("0.5", r"\boxed{\frac{1}{2}}", 1.0),
+    (r"\frac{1}{\sqrt{2}}", r"\boxed{\sqrt{2}/2}", 1.0),
+    (r"\frac{1}{3}", r"\boxed{0.3333333}", 1.0),  # within rel_tol 1e-6
+    (r"\frac{1}{3}", r"\boxed{0.3333}", 0.0),
+    (r"\pi", r"\boxed{3.14159265}", 1.0),
+    (r"\pi", r"\boxed{3.14}", 0.0),
+    ("1234567", r"\boxed{1234567.5}", 0.0),  # integers match exactly
+    ("1000001", r"\boxed{1000000}", 0.0),
+    # scientific notation, in the response and in the label
+    (r"1.5\times 10^{-7}", r"\boxed{1.5e-7}", 1.0),
+    ("0.00000015", r"\boxed{1.5e-7}", 1.0),
+    ("0.00000015", r"\boxed{1.6e-7}", 0.0),
+    ("6.02e23", r"\boxed{6.02\times10^{23}}", 1.0),
+    ("6.02e23", r"\boxed{6.03\times10^{23}}", 0.0),
+    ("0.001", "The answer is 1e-3", 1.0),
+    ("100000", r"\boxed{1E5}", 1.0),
+    # several boxes: one set of the distinct boxed values
+    ("3", r"\boxed{3} so the answer is \boxed{3}", 1.0),
+    ("3", r"\boxed{2} or \boxed{3}", 0.0),
+    ("2, 3", r"\boxed{2} or \boxed{3}", 1.0),
+]
+
+
+@pytest.mark.parametrize(("label", "response", "expected"), NUMERIC_CASES)
+def test_math_reward_numeric_precision(label, response, expected):
+    assert math_answer_reward(response, label).score == expected
+
+
+def test_math_reward_tolerance_is_settable_and_checked():
+    from jaxflash.rewards.math_reward import MathAnswerReward
+
+    loose = MathAnswerReward(rel_tol=1e-3)
+    assert loose(r"\boxed{3.1416}", r"\pi").score == 1.0
+    assert math_answer_reward(r"\boxed{3.1416}", r"\pi").score == 0.0
+    assert MathAnswerReward(abs_tol=1e-6)(r"\boxed{0.0000002}", "0.0000001").score == 1.0
+    assert pickle.loads(pickle.dumps(loose)) == loose
+    with pytest.raises(ValueError, match="rel_tol"):
+        MathAnswerReward(rel_tol=-1.0)
+
+
+def test_scientific_notation_is_rewritten_exactly():
+    from jaxflash.rewards.math_reward import normalize_scientific
+
+    assert normalize_scientific("1.5e-7, 6.02E+23, x2e3, e5, 1e999") == (
+        "0.00000015, 602000000000000000000000, x2e3, e5, 1e999"
+    )

@@ -1,16 +1,20 @@
-"""End-to-end runs of the synchronous loop on a tiny random model (real tokenizer).
+"""End-to-end runs of the loop on a tiny random model (real tokenizer), both placements.
 
 Bad input must end as counted failures naming the input, never as a crash or a
 silent drop: a malformed dataset row, a prompt longer than the limit, a reward
-function that raises and one that hangs.
+function that raises and one that hangs, a generation server that dies -- each
+counted under its own reason in the colocated and the disjoint placement alike.
 """
 
 import json
+import re
 
 import pytest
 
 from configs import smoke
+from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.rlvr import run
 
 
@@ -48,10 +52,11 @@ def _config(tmp_path, total_steps=2, **overrides):
     return ExperimentConfig.from_config_dict(c)
 
 
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "disjoint"])
 @pytest.mark.timeout(600)
-def test_bad_input_is_counted_not_lost(tmp_path, capsys):
+def test_bad_input_is_counted_not_lost(tmp_path, caplog, colocated):
     workdir = tmp_path / "run"
-    metrics = run(_config(tmp_path), workdir=str(workdir))
+    metrics = run(_config(tmp_path, **{"mesh.colocated": colocated}), workdir=str(workdir))
     rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     last = rows[-1]
@@ -68,12 +73,17 @@ def test_bad_input_is_counted_not_lost(tmp_path, capsys):
     # Per epoch of 8 rows: malformed JSON, missing answer, over-long, raise, hang fail.
     assert last["prompts_failed"] == 10
     assert last["prompts_trained"] == 6
-    failed = last["prompt_outcomes"]["failed"]
-    assert sum(failed.values()) == 10
-    out = capsys.readouterr().out
+    assert last["prompt_outcomes"]["failed"] == {
+        "malformed_row": 4,
+        "prompt_too_long": 2,
+        "reward_error": 2,
+        "reward_timeout": 2,
+    }
+    out = caplog.text
     assert "data.jsonl:2" in out and "bad JSON" in out  # names file and line
     assert "data.jsonl:3" in out and "answer" in out
-    assert "prompt 3" in out and "48" in out  # over-long prompt: id and limit
+    # over-long prompt: its id (the file is read in shuffled epochs) and the limit
+    assert re.search(r"prompt \d+ is \d+ tokens, longer than max_prompt_tokens=48", out)
     assert "reward backend exploded" in out
     assert "timeout" in out
     assert metrics["policy_version"] == 2
@@ -93,12 +103,50 @@ def test_resume_keeps_counters_and_cursor(tmp_path):
     assert last["prompts_taken"] == 24
     assert last["policy_version"] == 3
     rollouts = [json.loads(x) for x in open(f"{workdir}/rollouts.jsonl")]
-    # The third step read rows 16..23 of the cycled file: prompt ids continue.
-    # Rows 17-19 (malformed, no answer, over-long) never reach generation.
-    assert sorted({r["prompt_id"] for r in rollouts if r["learner_step"] == 3}) == [
-        16,
-        20,
-        21,
-        22,
-        23,
-    ]
+    # The third step read cursors 16..23 (the file's third shuffled epoch): prompt ids
+    # continue; file rows 1-3 (malformed, no answer, over-long) never reach generation.
+    order = EpochShuffledRows(list(range(8)), _config(tmp_path).seed)
+    expected = [c for c in range(16, 24) if order.index(c) not in (1, 2, 3)]
+    assert sorted({r["prompt_id"] for r in rollouts if r["learner_step"] == 3}) == expected
+
+
+class _DiesOnPrompt(GenerationServer):
+    """A real generation server that dies when it is handed prompt ``POISON``."""
+
+    POISON = 15
+
+    def submit(self, request):
+        if request.prompt_id == self.POISON:
+            self.dead = RuntimeError(f"{self.name}: device lost on prompt {request.prompt_id}")
+        if getattr(self, "dead", None) is not None:
+            raise self.dead
+        super().submit(request)
+
+    def check(self):
+        if getattr(self, "dead", None) is not None:
+            raise self.dead
+        super().check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "disjoint"])
+@pytest.mark.timeout(600)
+def test_server_death_fails_the_prompts_in_flight_and_the_run_goes_on(tmp_path, colocated):
+    """Step 2 admits prompts 8-15 in one pass; prompt 15 kills every server it reaches,
+    so the ones in flight (8, 12, 13, 14, 15; 9-11 fail on their own first) fail
+    SERVER_DIED, the step trains nothing and the run still ends normally. The file is
+    read in file order (prompt id i = row i % 8) so that the prompt ids above are the
+    rows the docstring names."""
+    workdir = tmp_path / "run"
+    exp = _config(tmp_path, **{"mesh.colocated": colocated, "data.shuffle": False})
+    last = run(exp, workdir=str(workdir), server_factory=_DiesOnPrompt)
+    assert last["policy_version"] == 2 and last["skipped"] == "all_failed"
+    assert last["prompt_outcomes"]["failed"] == {
+        "malformed_row": 4,
+        "prompt_too_long": 2,
+        "reward_error": 1,
+        "reward_timeout": 1,
+        "server_died": 5,
+    }
+    assert last["prompts_trained"] == 3 and last["prompts_taken"] == 16
+    assert last["server_failures"] == (1 if colocated else 2)

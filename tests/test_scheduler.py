@@ -1,8 +1,9 @@
-"""RolloutScheduler with fake servers (no jax): capacity, α gate, deadlines, counters.
+"""RolloutScheduler with fake servers (no jax), threaded: capacity, α gate, deadlines.
 
 The fake server "generates" a sample a few milliseconds after it is submitted,
 stamping the version it holds; the fake reward scores sample i with reward i, so
-every group has variance unless a test says otherwise.
+every group has variance unless a test says otherwise. (The thread-free parts and
+a virtual-clock run: tests/test_scheduler_parts.py.)
 """
 
 import concurrent.futures
@@ -13,19 +14,28 @@ import numpy as np
 import pytest
 
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
-from jaxflash.replay.versions import PolicyClock
 from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.ledger import PromptLedger
-from jaxflash.runtime.scheduler import RolloutScheduler
-from jaxflash.types import FinishReason, Prompt, PromptOutcome, Sample, SamplingParams
+from jaxflash.runtime.reward_pool import Scored
+from jaxflash.runtime.scheduler import Inbox, RolloutScheduler
+from jaxflash.types import (
+    FailureReason,
+    FinishReason,
+    Prompt,
+    PromptOutcome,
+    Sample,
+    SamplingParams,
+)
 
 
 class FakeServer:
     """Finishes each request after ``delay_s``; ``dead`` servers never finish anything."""
 
-    def __init__(self, *, delay_s=0.005, dead=False, hang=()):
+    partial_rollout = "continue"
+
+    def __init__(self, on_finished, *, delay_s=0.005, dead=False, hang=()):
         self.version, self.delay_s, self.dead, self.hang = 0, delay_s, dead, set(hang)
-        self.on_finished = None
+        self.on_finished = on_finished
         self.error = None  # set it to kill the server: check/submit raise, nothing finishes
         self.submitted, self.aborted = [], []
         self._lock = threading.Lock()
@@ -33,6 +43,16 @@ class FakeServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
+
+    def start(self):
+        pass
+
+    def stop(self, timeout_s=60.0):
+        self._stop.set()
+        return []
+
+    def stats(self):
+        return {"version": self.version}
 
     def check(self):
         if self.error:
@@ -106,21 +126,35 @@ class FakeRewards:
     def submit(self, item):
         _, pid, _, idx = item[2].split()
         f = concurrent.futures.Future()
-        f.set_result(RewardResult(score=1.0 if int(pid) in self.flat else float(idx)))
+        f.set_result(Scored(RewardResult(score=1.0 if int(pid) in self.flat else float(idx))))
         return f
 
 
 class Tok:
     eos_id = 0
+    stop_ids = frozenset({0})
 
     def decode(self, ids):
         return " ".join(map(str, ids))
 
+    def response_text(self, ids):  # up to the first stop id, like models.Tokenizer
+        ids = [int(i) for i in ids]
+        cut = next((k for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.decode(ids[:cut])
 
-def _scheduler(servers, *, B=2, G=2, alpha=0, rewards=None, group_filter=None, **kw):
+
+def _servers(*specs):
+    """An inbox and one FakeServer per dict of FakeServer keyword arguments."""
+    inbox = Inbox()
+    return inbox, [FakeServer(inbox.generated, **spec) for spec in specs]
+
+
+def _scheduler(inbox_servers, *, B=2, G=2, alpha=0, rewards=None, group_filter=None, **kw):
+    inbox, servers = inbox_servers
     ledger = PromptLedger()
     s = RolloutScheduler(
         servers,
+        inbox,
         FakeSource(),
         ledger,
         GroupBuffer(G, group_filter=group_filter),
@@ -131,11 +165,8 @@ def _scheduler(servers, *, B=2, G=2, alpha=0, rewards=None, group_filter=None, *
         async_ratio=alpha,
         sampling=SamplingParams(max_new_tokens=4),
         seed=0,
-        clock=PolicyClock(0),
         **kw,
     )
-    for srv in servers:
-        srv.on_finished = s.on_finished
     s.start()
     return s, ledger
 
@@ -145,8 +176,8 @@ def _trained_total(ledger):
 
 
 def test_alpha0_next_prompts_start_after_publish():
-    servers = [FakeServer(), FakeServer()]
-    sched, ledger = _scheduler(servers, B=2, G=2, alpha=0)
+    inbox, servers = _servers({}, {})
+    sched, ledger = _scheduler((inbox, servers), B=2, G=2, alpha=0)
     try:
         batch = sched.next_batch(0, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [0, 1]
@@ -166,8 +197,8 @@ def test_alpha0_next_prompts_start_after_publish():
 
 
 def test_at_most_alpha_plus_one_batches_in_flight():
-    servers = [FakeServer(delay_s=10.0)]  # nothing finishes during the test
-    sched, ledger = _scheduler(servers, B=2, G=2, alpha=2)
+    inbox, servers = _servers({"delay_s": 10.0})  # nothing finishes during the test
+    sched, ledger = _scheduler((inbox, servers), B=2, G=2, alpha=2)
     time.sleep(0.2)
     assert ledger.taken == 6  # (2 + 1) * 2 prompts
     assert len(servers[0].submitted) == 12
@@ -177,8 +208,8 @@ def test_at_most_alpha_plus_one_batches_in_flight():
 
 @pytest.mark.parametrize("policy", ["drop", "regenerate"])
 def test_stale_groups_dropped_or_regenerated(policy):
-    servers = [FakeServer()]
-    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1, stale_policy=policy)
+    inbox, servers = _servers({})
+    sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1, stale_policy=policy)
     try:
         time.sleep(0.2)  # prompts 0 and 1 finish at version 0
         sched.publish([None], 1)
@@ -188,9 +219,10 @@ def test_stale_groups_dropped_or_regenerated(policy):
             # staleness 2 > alpha 1: both dropped, closed as stale, rows say why.
             assert batch.groups == [] and [d.reason for d in batch.dropped] == ["stale"] * 2
             assert ledger.count(PromptOutcome.STALE) == 2
-            assert {r["outcome"] for r in batch.rows} == {"stale"}
-            sched.release()
-            batch = sched.next_batch(2, timeout_s=10)
+            assert {(r["outcome"], r["reason"]) for r in batch.rows} == {("stale", "stale")}
+            # The step is skipped; the next weights free the capacity for fresh prompts.
+            sched.publish([None], 3)
+            batch = sched.next_batch(3, timeout_s=10)
             assert [g.prompt_id for g in batch.groups] == [2]
         else:
             assert [g.prompt_id for g in batch.groups] == [0]
@@ -204,8 +236,10 @@ def test_stale_groups_dropped_or_regenerated(policy):
 
 def test_dead_server_and_hung_sample_do_not_block():
     # Server 1 is dead; sample (1, 0) never returns anywhere: retried once, then failed.
-    servers = [FakeServer(hang={(1, 0)}), FakeServer(dead=True, hang={(1, 0)})]
-    sched, ledger = _scheduler(servers, B=2, G=2, alpha=0, sample_deadline_s=0.3, max_retries=1)
+    inbox_servers = _servers({"hang": {(1, 0)}}, {"dead": True, "hang": {(1, 0)}})
+    sched, ledger = _scheduler(
+        inbox_servers, B=2, G=2, alpha=0, sample_deadline_s=0.3, max_retries=1
+    )
     t0 = time.monotonic()
     try:
         batch = sched.next_batch(0, timeout_s=20)
@@ -213,18 +247,20 @@ def test_dead_server_and_hung_sample_do_not_block():
         sched.close()
     assert time.monotonic() - t0 < 5
     assert [g.prompt_id for g in batch.groups] == [0]
-    assert [(d.prompt_id, d.reason) for d in batch.dropped] == [(1, "failed")]
+    assert [(d.prompt_id, d.reason, d.failure) for d in batch.dropped] == [
+        (1, "failed", FailureReason.GENERATION_TIMEOUT)
+    ]
     assert sched.counters["samples_timed_out"] >= 2
     assert sched.counters["samples_retried"] >= 1
     assert sched.counters["samples_failed"] == 1
-    assert ledger.count(PromptOutcome.FAILED) == 1
+    assert ledger.outcomes["failed"] == {"generation_timeout": 1}
     ledger.check()
 
 
 def test_dynamic_sampling_refills_filtered_groups():
     # Prompts 0 and 2 have equal rewards: filtered, replaced at once, batch still full.
     sched, ledger = _scheduler(
-        [FakeServer(), FakeServer()],
+        _servers({}, {}),
         B=2,
         G=2,
         alpha=0,
@@ -244,7 +280,7 @@ def test_dynamic_sampling_refills_filtered_groups():
 
 
 def test_next_batch_times_out_loudly_when_everything_is_dead():
-    sched, _ = _scheduler([FakeServer(dead=True)], B=1, G=1, alpha=0, sample_deadline_s=100)
+    sched, _ = _scheduler(_servers({"dead": True}), B=1, G=1, alpha=0, sample_deadline_s=100)
     try:
         with pytest.raises(TimeoutError, match="0/1 groups"):
             sched.next_batch(0, timeout_s=0.5)
@@ -253,8 +289,8 @@ def test_next_batch_times_out_loudly_when_everything_is_dead():
 
 
 def test_server_that_dies_is_routed_around():
-    servers = [FakeServer(delay_s=0.3), FakeServer(delay_s=0.3)]
-    sched, ledger = _scheduler(servers, B=2, G=2, alpha=0, sample_deadline_s=100)
+    inbox, servers = _servers({"delay_s": 0.3}, {"delay_s": 0.3})
+    sched, ledger = _scheduler((inbox, servers), B=2, G=2, alpha=0, sample_deadline_s=100)
     time.sleep(0.1)
     servers[1].error = "engine exploded"  # its 2 outstanding samples never come back
     try:
@@ -276,8 +312,8 @@ def _balanced(buf):
 
 def test_surplus_prompt_aborted_once_it_can_no_longer_be_trained_fresh():
     # alpha=1, B=1: capacity 2. Prompt 1's sample 1 never finishes by itself.
-    servers = [FakeServer(hang={(1, 1)})]
-    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1)
+    inbox, servers = _servers({"hang": {(1, 1)}})
+    sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1)
     try:
         batch = sched.next_batch(0, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [0]
@@ -293,10 +329,10 @@ def test_surplus_prompt_aborted_once_it_can_no_longer_be_trained_fresh():
         assert [(d.prompt_id, d.reason, d.outcome) for d in batch.dropped] == [
             (1, "surplus_stale", PromptOutcome.STALE)
         ]
-        assert [(r["prompt_id"], r["outcome"]) for r in batch.rows] == [
-            (2, "trained"),
-            (2, "trained"),
-            (1, "surplus_stale"),
+        assert [(r["prompt_id"], r["outcome"], r["reason"]) for r in batch.rows] == [
+            (2, "trained", "trained"),
+            (2, "trained", "trained"),
+            (1, "stale", "surplus_stale"),
         ]
         assert ledger.outcomes["stale"] == {"surplus_stale": 1}
         assert sched.counters["samples_aborted_surplus"] == 1  # (1, 1) was outstanding
@@ -321,9 +357,9 @@ def test_in_flight_start_version_depends_on_partial_rollout(partial_rollout):
     # start version they were dispatched at (0): stale at step 2, aborted at step 1.
     # On a restart server a sample still running at the next publish restarts at
     # the new version, so the prompt is kept.
-    servers = [FakeServer(hang={(1, 0), (1, 1)})]
+    inbox, servers = _servers({"hang": {(1, 0), (1, 1)}})
     servers[0].partial_rollout = partial_rollout
-    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1)
+    sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1)
     try:
         batch = sched.next_batch(0, timeout_s=10)
         sched.mark_trained(batch.groups)
@@ -345,8 +381,8 @@ def test_in_flight_start_version_depends_on_partial_rollout(partial_rollout):
 
 
 def test_surplus_prompt_regenerated_fresh():
-    servers = [FakeServer(hang={(1, 1)})]
-    sched, ledger = _scheduler(servers, B=1, G=2, alpha=1, stale_policy="regenerate")
+    inbox, servers = _servers({"hang": {(1, 1)}})
+    sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1, stale_policy="regenerate")
     try:
         batch = sched.next_batch(0, timeout_s=10)
         sched.mark_trained(batch.groups)

@@ -138,3 +138,56 @@ def test_grpc_serves_real_smollm2_greedy():
     expected, got = _serve_and_compare(engine, params, tokenizer, [prompt], max_tokens=8)
     assert got[0] == expected[0][1]
     assert "5" in got[0]
+
+
+def _outward_ipv4() -> str | None:
+    """This machine's non-loopback IPv4 address, if it has one (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def _answers(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _health(address: str) -> bool:
+    import grpc
+    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        return stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=10).is_live
+
+
+def test_server_binds_loopback_by_default_and_exposes_only_when_asked():
+    engine = LlamaEngine(
+        CFG,
+        EngineConfig(max_concurrent_decodes=1, max_prefill_length=8, max_target_length=16),
+        tokenizer=ToyTokenizer(),
+    )
+    params = init_params(CFG, seed=0)
+    outward = _outward_ipv4()
+    with serve(engine, params) as service:
+        assert service.host == "127.0.0.1" and service.address == f"127.0.0.1:{service.port}"
+        assert _health(service.address)
+        assert _answers("127.0.0.1", service.port)
+        if outward is not None:  # JetStream's own server would answer here ([::])
+            assert not _answers(outward, service.port)
+        assert not _answers("::1", service.port)
+    with serve(engine, params, host="0.0.0.0") as exposed:
+        assert exposed.address == f"127.0.0.1:{exposed.port}" and _health(exposed.address)
+        if outward is not None:
+            assert _answers(outward, exposed.port)

@@ -40,7 +40,14 @@ def tok() -> Tokenizer:
 
 
 def test_special_ids(tok):
-    assert (tok.eos_id, tok.pad_id, tok.bos_id, tok.vocab_size) == (2, 2, None, 49152)
+    # bos_token is the GGUF's bos_token_id (<|im_start|>), as transformers reads it,
+    # but the file says add_bos_token=False: plain encoding never adds it.
+    assert (tok.eos_id, tok.pad_id, tok.bos_id, tok.vocab_size) == (2, 2, 1, 49152)
+    assert tok.add_bos is False
+    assert tok.encode("hi", add_special_tokens=True) == tok.encode("hi")
+    # <|im_end|> is both the eos and the template's end of turn; nothing else stops.
+    assert tok.stop_ids == {2}
+    assert tok.stop_set.sources[2] == ("eos_token", "chat template end of turn")
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [
         0,
         1,
@@ -111,7 +118,7 @@ def test_bad_inputs(tok):
 def test_template_raise_exception_is_value_error(tok):
     strict = Tokenizer(
         tok.hf_tokenizer,
-        eos_token="<|im_end|>",
+        special_tokens={"eos_token": "<|im_end|>"},
         chat_template="{{ raise_exception('only user turns') }}",
     )
     with pytest.raises(ValueError, match="only user turns"):
@@ -121,7 +128,8 @@ def test_template_raise_exception_is_value_error(tok):
 def test_hf_dir_round_trip(tok, tmp_path):
     tok.save_hf(tmp_path)
     again = Tokenizer.from_hf_dir(tmp_path)
-    assert (again.eos_id, again.pad_id, again.bos_id, again.vocab_size) == (2, 2, None, 49152)
+    assert (again.eos_id, again.pad_id, again.bos_id, again.vocab_size) == (2, 2, 1, 49152)
+    assert (again.add_bos, again.stop_ids) == (False, tok.stop_ids)
     for text, (ids, _) in KNOWN.items():
         assert again.encode(text) == ids
     msgs = [{"role": "user", "content": "What is 3 + 4? Answer with just the number."}]

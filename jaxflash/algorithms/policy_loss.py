@@ -9,7 +9,7 @@ taken against (the proximal policy recomputed by the learner, or the behaviour
 logprobs when none is recomputed), ``adv_bt`` advantages (per-sequence values
 broadcast over tokens), ``mask_bt`` > 0 on tokens that carry loss, and
 ``behaviour_logp_bt`` the engine's log mu(token), used only by the off-policy
-corrections (decoupled PPO, TIS; ``None`` means mu = pi_old).
+corrections (decoupled PPO, TIS, M2PO; ``None`` means mu = pi_old).
 
 ``loss_bt`` is the per-token loss, 0 behind the mask; reduce it with
 ``aggregation.aggregate`` (the mode is a separate choice). Sequence-level losses
@@ -21,7 +21,7 @@ when all ratios are 1 (the on-policy REINFORCE gradient).
 Masks and NaN: inputs are selected with ``jnp.where`` *before* any arithmetic, so
 a NaN/Inf behind the mask never reaches a value or a gradient. A non-finite input
 at a valid position is not hidden: it propagates into ``loss_bt`` and is counted
-in ``metrics["nonfinite_count"]`` (see ../shared/cases/rl_pitfalls.md).
+in ``metrics["nonfinite_count"]`` ("NaN behind a mask", tests/test_policy_loss.py).
 
 Metrics (float32 scalars over this call's valid tokens, ``num_tokens`` lets a
 caller combine micro-batches): ratio_mean/max/min, clip_frac, clip_frac_low,
@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxflash.algorithms.m2po import M2PO_DEFAULT_THRESHOLD, m2po_mask
 
 LossAndMetrics = tuple[jax.Array, dict[str, jax.Array]]
 PolicyLossFn = Callable[..., LossAndMetrics]
@@ -387,6 +389,36 @@ def kimi_k15_loss(
     return _finish(x, loss, _metrics(x, _exp_ratio(delta_bt)))
 
 
+def m2po_loss(
+    logp_bt: jax.Array,
+    old_logp_bt: jax.Array,
+    adv_bt: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    behaviour_logp_bt: jax.Array | None = None,
+    m2_threshold: float = M2PO_DEFAULT_THRESHOLD,
+) -> LossAndMetrics:
+    """M2PO: loss_t = -M_t * sg(pi_old/mu) * (pi/pi_old) * A_t, no clipping.
+
+    Its value and gradient are those of -M_t * (pi/mu) * A_t whether pi_old is mu
+    (``ratio_against="behaviour"``) or the proximal policy; M_t is
+    ``m2po.m2po_mask`` of log(pi/mu) = sg(log pi) - log mu over this call's
+    tokens (a learner using micro-batches should fold a whole-batch mask into
+    ``mask_bt`` instead, see ``m2po``). Masked tokens count in ``masked_frac``;
+    ``m2_before`` / ``m2_after`` report the second moment.
+
+    References: M2PO, arXiv 2510.01161.
+    """
+    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    keep, m2 = m2po_mask(
+        jax.lax.stop_gradient(x.logp) - x.behaviour, x.valid, threshold=m2_threshold
+    )
+    ratio = _exp_ratio(x.logp - x.old)
+    loss = jnp.where(keep, -_exp_ratio(x.old - x.behaviour) * ratio * x.adv, 0.0)
+    metrics = _metrics(x, ratio, masked_frac=x.valid & ~keep)
+    return _finish(x, loss, {**metrics, **m2})
+
+
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "vanilla_pg": vanilla_pg_loss,
     "ppo": ppo_loss,
@@ -396,6 +428,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "topr": topr_loss,
     "gspo": gspo_loss,
     "kimi_k15": kimi_k15_loss,
+    "m2po": m2po_loss,
 }
 
 

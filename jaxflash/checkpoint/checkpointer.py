@@ -6,20 +6,58 @@ states, counters, policy version). Orbax writes into a temporary directory and
 renames it only after every item is complete (atomic finalize), so a process
 killed mid-save leaves a temporary directory that ``latest_step`` never sees;
 restore then falls back to the previous complete checkpoint.
+
+Storage faults (``storage.diagnose`` classifies them from the directory, not
+from error text): a directory that is read-only, full or not writable fails the
+save loudly with ``CheckpointWriteError`` naming the path, the step, the fault
+and the previous checkpoint, which stays intact (Orbax never touches complete
+checkpoints while writing a new one). A transient fault (the directory is
+healthy again when probed) is retried: a failure raised while ``save`` runs
+(every write, with ``async_save=False``) is retried up to ``max_retries`` times
+with exponential backoff; a background write of an async save that fails is
+found at the next ``save`` (which then writes the newer state: the failed step is
+superseded, counted) or at ``wait``/``close`` (which raise, as nothing newer
+exists to write). ``stats`` counts all of it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import glob
+import logging
 import os
 import random
+import shutil
+import time
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxflash.checkpoint.storage import CheckpointWriteError, StorageFault, diagnose
+
+log = logging.getLogger(__name__)
 _STATE, _META = "state", "meta"
+
+
+@dataclasses.dataclass
+class CheckpointStats:
+    """Counters of a Checkpointer (only go up).
+
+    Attributes:
+      saves: saves started.
+      failed_writes: failed write attempts by StorageFault value.
+      retries: attempts repeated after a transient fault (bounded by max_retries).
+      superseded: async saves lost to a transient fault and replaced by the
+        next, newer save.
+    """
+
+    saves: int = 0
+    failed_writes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    retries: int = 0
+    superseded: int = 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -87,16 +125,32 @@ class Checkpointer:
       max_to_keep: newest complete checkpoints kept; older ones are deleted.
       async_save: write in a background thread (the call returns once arrays
         are copied off the devices); ``wait()`` blocks until written.
+      max_retries: extra attempts after a transient storage fault (0 = none).
+      retry_backoff_s: wait before the first retry, doubled for each next one.
 
     Use as a context manager, or call ``close()`` (which waits for pending saves).
     """
 
     def __init__(
-        self, workdir: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True
+        self,
+        workdir: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        max_retries: int = 2,
+        retry_backoff_s: float = 0.5,
     ):
         if max_to_keep < 1:
             raise ValueError(f"Checkpointer: max_to_keep must be >= 1, got {max_to_keep}")
+        if max_retries < 0 or retry_backoff_s < 0:
+            raise ValueError(
+                f"Checkpointer: max_retries={max_retries} and retry_backoff_s={retry_backoff_s} "
+                "must be >= 0"
+            )
         self.workdir = os.path.abspath(os.fspath(workdir))
+        self._max_retries, self._backoff_s = int(max_retries), float(retry_backoff_s)
+        self._pending: tuple[int, int] | None = None  # (step, bytes) of an unconfirmed async save
+        self.stats = CheckpointStats()
         self._manager = ocp.CheckpointManager(
             self.workdir,
             options=ocp.CheckpointManagerOptions(
@@ -106,6 +160,11 @@ class Checkpointer:
                 # A save killed before finalize leaves "<step>.orbax-checkpoint-tmp";
                 # remove it on start so saving that step again does not collide.
                 cleanup_tmp_directories=True,
+                # Create a step's directories inside save(): created in the
+                # background (Orbax's default), a failed mkdir (read-only disk)
+                # left threads waiting 20 minutes for its completion signal
+                # (orbax-checkpoint 0.12.8), and the process could not exit.
+                async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             ),
             item_names=(_STATE, _META),
         )
@@ -124,6 +183,9 @@ class Checkpointer:
         Raises:
           ValueError: ``meta.step`` differs from ``state.step`` (when present), or
             a checkpoint for that step already exists.
+          CheckpointWriteError: this save, or the previous async one, hit a
+            permanent storage fault, or a transient one more than ``max_retries``
+            times (names the directory; earlier checkpoints are intact).
         """
         state_step = getattr(state, "step", None)
         if state_step is not None:
@@ -133,22 +195,86 @@ class Checkpointer:
                 raise ValueError(
                     f"Checkpointer.save: meta.step={meta.step} != state.step={state_step}"
                 )
+        self._settle(superseded_by=int(meta.step))
         if int(meta.step) in self._manager.all_steps():
             raise ValueError(f"Checkpointer.save: step {meta.step} already saved in {self.workdir}")
-        return self._manager.save(
-            int(meta.step),
-            args=ocp.args.Composite(
-                **{
-                    _STATE: ocp.args.StandardSave(state),
-                    _META: ocp.args.JsonSave(meta.to_json()),
-                }
-            ),
-            force=force,
+        step = int(meta.step)
+        need = sum(int(x.nbytes) for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+        args = ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta.to_json())}
+        )
+        for attempt in range(1, self._max_retries + 2):
+            try:
+                started = self._manager.save(step, args=args, force=force)
+            except Exception as err:  # Orbax/TensorStore raise OSError, ValueError, ...
+                fault = self._failed(step, need, err)
+                if fault.permanent or attempt > self._max_retries:
+                    raise self._error(step, fault, attempt, err) from err
+                self.stats.retries += 1
+                log.warning("checkpoint step %d: transient write fault, retry %d", step, attempt)
+                time.sleep(self._backoff_s * 2 ** (attempt - 1))
+                continue
+            self.stats.saves += int(started)
+            self._pending = (step, need) if started else None
+            return started
+        raise AssertionError("unreachable")
+
+    def _failed(self, step: int, need: int, err: BaseException) -> StorageFault:
+        """Classify a failed write and remove its partial (never finalized) directory."""
+        fault = diagnose(self.workdir, need_bytes=need)
+        self.stats.failed_writes[fault.value] += 1
+        for tmp in glob.glob(os.path.join(self.workdir, f"{step}.orbax-checkpoint-tmp*")):
+            shutil.rmtree(tmp, ignore_errors=True)  # on a read-only disk: at next start
+        log.warning("checkpoint step %d failed (%s): %r", step, fault.value, err)
+        return fault
+
+    def _error(
+        self, step: int, fault: StorageFault, attempts: int, err: BaseException
+    ) -> CheckpointWriteError:
+        steps = self._complete_steps()
+        return CheckpointWriteError(
+            path=self.workdir,
+            step=step,
+            fault=fault,
+            previous_step=steps[-1] if steps else None,
+            attempts=attempts,
+            detail=f"{type(err).__name__}: {err}"[:500],
         )
 
+    def _complete_steps(self) -> list[int]:
+        try:
+            self._manager.reload()
+        except Exception:  # a broken directory must not hide the write error
+            pass
+        return sorted(self._manager.all_steps())  # finalized steps only
+
+    def _settle(self, *, superseded_by: int | None) -> None:
+        """Wait for the previous async save; handle its failure (see the module doc)."""
+        if self._pending is None:
+            self._manager.wait_until_finished()
+            return
+        step, need = self._pending
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # the background write of ``step`` failed
+            fault = self._failed(step, need, err)
+            if fault.permanent or superseded_by is None:
+                error = self._error(step, fault, 1, err)
+                self._pending = None
+                raise error from err
+            self.stats.superseded += 1
+            log.warning("checkpoint step %d lost (transient); step %d replaces it", step,
+                        superseded_by)  # fmt: skip
+        self._pending = None
+
     def wait(self) -> None:
-        """Block until pending async saves are complete (and finalized)."""
-        self._manager.wait_until_finished()
+        """Block until pending async saves are complete (and finalized).
+
+        Raises:
+          CheckpointWriteError: the pending save failed (any fault: nothing newer
+            exists to write instead).
+        """
+        self._settle(superseded_by=None)
 
     def all_steps(self) -> list[int]:
         """Steps of complete checkpoints, ascending (temporary dirs excluded)."""
@@ -199,9 +325,11 @@ class Checkpointer:
         return self.restore(step, abstract_state)
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Wait for pending saves and release the manager (raises as ``wait``)."""
+        try:
+            self._settle(superseded_by=None)
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -10,8 +10,11 @@ and nothing is silently lost. Save ``cursor`` in a checkpoint and pass it back
 as ``start`` to resume exactly.
 
 The tokenizer is duck-typed (layer-2 packages do not import each other): it
-needs ``apply_chat_template(messages, add_generation_prompt=True)`` returning a
-str (or a list of token ids) and ``encode(text) -> list[int]``.
+needs ``apply_chat_template(messages, add_generation_prompt=True,
+tokenize=True)`` returning the token ids (a list, or a mapping with
+``input_ids`` as transformers 5 returns). Asking for ids rather than encoding a
+rendered string keeps transformers' BOS rule: the template writes BOS (or
+not), and no second one is added by encoding with special tokens.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxflash.data.files import RowFailure
-from jaxflash.types import Prompt
+from jaxflash.types import FailureReason, Prompt
 
 
 class ChatTokenizer(Protocol):
-    """What PromptSource needs from a tokenizer (jaxflash.models.tokenizer.Tokenizer fits)."""
+    """What PromptSource needs from a tokenizer (``jaxflash.models.tokenizer.Tokenizer``
+    and transformers' tokenizers fit)."""
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
-
-    def encode(self, text: str) -> list[int]: ...
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: bool = True,
+    ) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,12 +48,14 @@ class PromptFailure:
 
     Attributes:
       prompt_id: the cursor index of the row (as a Prompt would have had).
-      reason: what went wrong, naming the prompt id.
+      reason: what went wrong, naming the prompt id (for people; never parsed).
+      failure: the kind, counted by the ledger (MALFORMED_ROW or PROMPT_TOO_LONG).
       meta: provenance (source file and line when known).
     """
 
     prompt_id: int
     reason: str
+    failure: FailureReason
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -137,6 +145,7 @@ class PromptSource:
             return PromptFailure(
                 prompt_id=prompt_id,
                 reason=f"prompt {prompt_id}: malformed row: {row}",
+                failure=FailureReason.MALFORMED_ROW,
                 meta={"source": row.source, "line": row.line},
             )
         meta = (
@@ -149,14 +158,19 @@ class PromptSource:
             return PromptFailure(
                 prompt_id=prompt_id,
                 reason=f"prompt {prompt_id}: malformed row: {problem}",
+                failure=FailureReason.MALFORMED_ROW,
                 meta=meta,
             )
         messages = [{"role": "user", "content": row["prompt"]}]
         if self._system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self._system_prompt})
-        rendered = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # Hugging Face tokenizers return ids by default; ours returns the string.
-        ids = self._tokenizer.encode(rendered) if isinstance(rendered, str) else rendered
+        ids = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        if isinstance(ids, str):
+            raise TypeError("tokenizer.apply_chat_template(tokenize=True) returned a str, not ids")
         tokens = np.asarray(ids, dtype=np.int32)
         if tokens.ndim != 1:
             raise ValueError(f"tokenizer returned token ids of shape {tokens.shape}, expected 1-D")
@@ -167,6 +181,7 @@ class PromptSource:
                     f"prompt {prompt_id} is {len(tokens)} tokens, longer than "
                     f"max_prompt_tokens={self._max_prompt_tokens}"
                 ),
+                failure=FailureReason.PROMPT_TOO_LONG,
                 meta={**meta, "prompt_tokens": len(tokens)},
             )
         return Prompt(

@@ -62,7 +62,7 @@ def prefill(params, ids_nt, true_length_n, *, model_config: ModelConfig) -> Pref
     return PrefillBatch(cache=cache, true_length_n=true_length_n, logits_nv=logits_nv)
 
 
-def _sample(logits_bv, keys_b2, ec: EngineConfig):
+def _sample(logits_bv, keys_b2, mc: ModelConfig, ec: EngineConfig):
     return sample_tokens(
         logits_bv,
         keys_b2,
@@ -70,10 +70,11 @@ def _sample(logits_bv, keys_b2, ec: EngineConfig):
         top_k=ec.top_k,
         top_p=ec.top_p,
         greedy=ec.greedy,
+        valid_vocab_size=mc.valid_vocab_size,  # padded ids never drawn
     )
 
 
-def sample_first(logits_gv, ident_g4, *, engine_config: EngineConfig):
+def sample_first(logits_gv, ident_g4, *, model_config: ModelConfig, engine_config: EngineConfig):
     """First tokens of G samples: row g from ``logits_gv[g]`` with its own key.
 
     Args:
@@ -84,7 +85,7 @@ def sample_first(logits_gv, ident_g4, *, engine_config: EngineConfig):
       (token_g int32 [G], logp_g float32 [G]).
     """
     keys_g2 = jax.vmap(sample_key)(*(ident_g4[:, i] for i in range(4)))
-    return _sample(logits_gv, keys_g2, engine_config)
+    return _sample(logits_gv, keys_g2, model_config, engine_config)
 
 
 def _place(state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict) -> DecodeState:
@@ -118,6 +119,7 @@ def start(
     ident_g4,
     budget_g,
     *,
+    model_config: ModelConfig,
     engine_config: EngineConfig,
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Sample G first tokens from ``batch`` and start the samples in their slots.
@@ -133,7 +135,9 @@ def start(
     Returns:
       (state, first token_g int32 [G], logp_g float32 [G]).
     """
-    token_g, logp_g = sample_first(batch.logits_nv[row_g], ident_g4, engine_config=engine_config)
+    token_g, logp_g = sample_first(
+        batch.logits_nv[row_g], ident_g4, model_config=model_config, engine_config=engine_config
+    )
     values = dict(
         next_token_b=token_g,
         next_logp_b=logp_g,
@@ -177,7 +181,7 @@ def _next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
     keys_b2 = jax.vmap(sample_key)(
         state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
     )
-    token_b, logp_b = _sample(logits_bv, keys_b2, ec)
+    token_b, logp_b = _sample(logits_bv, keys_b2, mc, ec)
     return cache, token_b, logp_b
 
 

@@ -60,7 +60,7 @@ class Programs:
 
         def first_of_row(logits_nv, row, ident_g4):
             logits_gv = jnp.broadcast_to(logits_nv[row], (ident_g4.shape[0], logits_nv.shape[1]))
-            return kernels.sample_first(logits_gv, ident_g4, engine_config=ec)
+            return kernels.sample_first(logits_gv, ident_g4, model_config=mc, engine_config=ec)
 
         self.first_tokens = jax.jit(
             self._counted(
@@ -80,7 +80,7 @@ class Programs:
                 lambda st, b, row, *_: (
                     f"start_{row.shape[0]}_{b.logits_nv.shape[0]}x{b.cache.max_len}"
                 ),
-                functools.partial(kernels.start, engine_config=ec),
+                functools.partial(kernels.start, model_config=mc, engine_config=ec),
             ),
             donate_argnums=(0,),
             out_shardings=(state_shardings, rep, rep),

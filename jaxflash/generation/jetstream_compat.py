@@ -132,5 +132,6 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
 
     @property
     def stop_tokens(self) -> set[int]:
-        """Only EOS stops (pad may be a real token in some vocabularies)."""
-        return {self.eos_id}
+        """The tokenizer's stop set (``stop_ids``: eos, end-of-turn, ...), else EOS
+        alone; never pad (it may be a real token in some vocabularies)."""
+        return {int(i) for i in getattr(self._tok, "stop_ids", ())} | {self.eos_id}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxflash.algorithms.distributions import processed_log_softmax
+from jaxflash.algorithms.distributions import NEG_INF, processed_log_softmax
 
 
 def sample_key(
@@ -52,6 +52,7 @@ def sample_tokens(
     top_k: int,
     top_p: float,
     greedy: bool,
+    valid_vocab_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row and return it with its processed log-probability.
 
@@ -66,9 +67,11 @@ def sample_tokens(
       temperature: static T > 0.
       top_k: static int, 0 disables.
       top_p: static float in (0, 1], 1.0 disables.
-      greedy: static; take argmax of the raw logits instead of sampling. The
-        returned logprob is still log q(argmax) under (T, top_k, top_p), which
-        is what the learner scores for that token.
+      greedy: static; take argmax of the raw logits (over valid ids) instead
+        of sampling. The returned logprob is still log q(argmax) under (T,
+        top_k, top_p), which is what the learner scores for that token.
+      valid_vocab_size: static; ids >= it are padded embedding rows, never drawn
+        (``ModelConfig.valid_vocab_size``; None: every id is valid).
 
     Returns:
       (token_b int32 [B], logp_b float32 [B]) with logp_b = log q(token_b).
@@ -81,9 +84,18 @@ def sample_tokens(
         raise ValueError(f"sample_tokens: temperature must be > 0, got {temperature}")
     if logits_bv.ndim != 2:
         raise ValueError(f"sample_tokens: logits_bv must be [B, V], got {logits_bv.shape}")
-    logq_bv = processed_log_softmax(logits_bv, temperature=temperature, top_k=top_k, top_p=top_p)
+    logq_bv = processed_log_softmax(
+        logits_bv,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        valid_vocab_size=valid_vocab_size,
+    )
     if greedy:
-        token_b = argmax_first(logits_bv)
+        # argmax of the raw logits over the kept (hence valid) ids; the max is always
+        # kept, and argmax_first takes the first index among equal maxima like jnp.argmax.
+        kept_bv = jnp.where(logq_bv > NEG_INF / 2, logits_bv.astype(jnp.float32), -jnp.inf)
+        token_b = argmax_first(kept_bv)
     else:
         # Exactly ``jax.random.categorical(key_b, logq_bv[b])`` per row (Gumbel-max:
         # argmax of gumbel(key_b, [V]) + log q), written out so that the noise is
@@ -97,7 +109,7 @@ def sample_tokens(
 
 
 def argmax_first(x_bv: jax.Array) -> jax.Array:
-    """``jnp.argmax(x_bv, axis=-1)`` for finite inputs, as max + first index of it.
+    """``jnp.argmax(x_bv, axis=-1)`` for non-NaN inputs, as max + first index of it.
 
     Same result (the first index among equal maxima) as two single-output
     reductions, which XLA on CPU vectorises; a row containing NaN gives index V - 1

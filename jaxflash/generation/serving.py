@@ -25,12 +25,24 @@ Why RL rollouts do not use the Driver (they use ``slot_loop.SlotBatcher``):
 
 JetStream 0.2.2 needs ``jetstream_compat.import_orchestrator()`` first (the
 removed ``jax.tree_map``); ``serve`` does it.
+
+Address: JetStream 0.2.2's ``server_lib.JetStreamServer`` binds the hard-coded
+host ``[::]`` (every interface, IPv4 and IPv6) with whatever credentials it is
+given — insecure ones in its own ``run``. ``serve`` binds loopback
+(``127.0.0.1``) by default instead, through a subclass that re-does only the
+constructor with the host as a parameter (the rest of JetStream's server is
+inherited unchanged; re-check the constructor when upgrading JetStream).
+Exposing the server is explicit: ``host="0.0.0.0"`` (or ``"[::]"``), still
+without TLS or authentication, so only on a trusted network.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import socket
+import threading
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -38,12 +50,58 @@ import grpc
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.jetstream_compat import import_orchestrator
 
+LOOPBACK = "127.0.0.1"
 
-def free_port() -> int:
-    """A TCP port that was free on localhost a moment ago (bind to port 0, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, release)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host.strip("[]"), 0))
         return int(sock.getsockname()[1])
+
+
+def _grpc_target(host: str, port: int) -> str:
+    """ "host:port" for gRPC, IPv6 hosts in brackets ("[::1]:9000")."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def _bound_server_class(server_lib: Any) -> type:
+    """JetStream's server with the bind host as a parameter (its own is ``[::]``)."""
+    from jetstream.core.proto import jetstream_pb2_grpc  # noqa: PLC0415
+
+    class BoundJetStreamServer(server_lib.JetStreamServer):
+        # Same as JetStreamServer.__init__ (JetStream 0.2.2) except the bind address.
+        def __init__(self, driver: Any, threads: int, host: str, port: int, credentials: Any):
+            self._executor = futures.ThreadPoolExecutor(max_workers=threads)
+            self._loop = asyncio.new_event_loop()
+            self._loop.set_default_executor(self._executor)
+            self._loop_thread = threading.Thread(target=self._loop.run_forever)
+            self._loop_thread.start()
+
+            async def do_init():
+                self._grpc_server = grpc.aio.server(self._executor)
+
+            asyncio.run_coroutine_threadsafe(do_init(), loop=self._loop).result()
+            self._driver = driver
+            jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
+                server_lib.orchestrator.LLMOrchestrator(driver=self._driver), self._grpc_server
+            )
+            target = _grpc_target(host, port)
+            try:
+                bound = self._grpc_server.add_secure_port(target, credentials)
+            except RuntimeError:  # grpc raises where older versions returned 0
+                bound = 0
+            if bound == 0:
+                self.stop_loop()
+                raise OSError(f"JetStreamService: cannot bind {target}")
+
+        def stop_loop(self) -> None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join()
+
+    return BoundJetStreamServer
 
 
 class JetStreamService:
@@ -52,21 +110,37 @@ class JetStreamService:
     Args:
       engine: the engine (built with a ``tokenizer``: the Driver tokenizes text).
       params: model params, fixed for the server's lifetime.
+      host: interface to bind; loopback by default. "0.0.0.0" / "[::]" expose
+        the server to the network (no TLS, no authentication).
       port: TCP port; 0 picks a free one (see ``free_port``).
       threads: gRPC handler threads (at least the number of concurrent requests).
 
     Attributes:
-      address: "localhost:<port>" for clients.
+      host, port: where it listens; address: "host:port" for clients (a
+        wildcard host is reached through loopback).
+
+    Raises:
+      OSError: the address cannot be bound.
     """
 
-    def __init__(self, engine: LlamaEngine, params: Any, *, port: int = 0, threads: int = 4):
+    def __init__(
+        self,
+        engine: LlamaEngine,
+        params: Any,
+        *,
+        host: str = LOOPBACK,
+        port: int = 0,
+        threads: int = 4,
+    ):
         if engine.tokenizer is None:
             raise ValueError("JetStreamService: the engine needs tokenizer= to serve text")
         orchestrator = import_orchestrator()
         from jetstream.core import server_lib  # noqa: PLC0415 (after the compat import)
 
-        self.port = port or free_port()
-        self.address = f"localhost:{self.port}"
+        self.host = host
+        wildcard = host.strip("[]") in ("0.0.0.0", "::")
+        self.port = port or free_port(LOOPBACK if wildcard else host)
+        self.address = _grpc_target(LOOPBACK if wildcard else host, self.port)
         params = engine.place_params(params)
         self._driver = orchestrator.Driver(
             prefill_engines=[engine],
@@ -77,8 +151,8 @@ class JetStreamService:
             jax_padding=False,  # our engine copies prompts to host anyway
         )
         try:
-            self._server = server_lib.JetStreamServer(
-                self._driver, threads, self.port, grpc.insecure_server_credentials()
+            self._server = _bound_server_class(server_lib)(
+                self._driver, threads, host, self.port, grpc.insecure_server_credentials()
             )
             self._server.start()
         except BaseException:
@@ -108,12 +182,20 @@ class JetStreamService:
         self.stop()
 
 
-def serve(engine: LlamaEngine, params: Any, *, port: int = 0, threads: int = 4) -> JetStreamService:
+def serve(
+    engine: LlamaEngine,
+    params: Any,
+    *,
+    host: str = LOOPBACK,
+    port: int = 0,
+    threads: int = 4,
+) -> JetStreamService:
     """Start serving ``engine`` with ``params`` over JetStream's gRPC API.
 
-    See ``JetStreamService`` for arguments. Returns the running service.
+    See ``JetStreamService`` for arguments (loopback unless ``host`` says
+    otherwise). Returns the running service.
     """
-    return JetStreamService(engine, params, port=port, threads=threads)
+    return JetStreamService(engine, params, host=host, port=port, threads=threads)
 
 
 def decode_text(address: str, text: str, *, max_tokens: int, timeout_s: float = 120.0) -> str:

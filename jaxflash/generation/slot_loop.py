@@ -7,14 +7,14 @@ token carries its behaviour logprob and policy version.
 ``SlotBatcher`` owns the decode state and B slots. ``add`` queues a request,
 ``step`` fills every free slot (one batched prefill per prompt bucket, then one
 ``start_samples`` dispatch), runs one ``generate_block`` of up to ``decode_block``
-decode steps for all slots and returns the samples that finished (EOS, or
-``max_new_tokens`` reached = truncated); a finished slot is refilled at the start
-of the next ``step``. Everything that changes the batch — new requests, aborts,
-new weights — applies between ``step`` calls, i.e. at block boundaries: with
-``decode_block=1`` (the default) that is every decode step, as before; a larger
-block syncs with the host once per block (fewer dispatches and host copies) at
-the price of a slot that finishes mid-block idling until the block ends. Tokens
-and logprobs are the same for every block size.
+decode steps for all slots and returns the samples that finished (a stop id — any
+of ``stop_ids`` — gives EOS; ``max_new_tokens`` reached = LENGTH, truncated); a
+finished slot is refilled at the start of the next ``step``. Everything that
+changes the batch — new requests, aborts, new weights — applies between ``step``
+calls, i.e. at block boundaries: with ``decode_block=1`` (the default) that is
+every decode step, as before; a larger block syncs with the host once per block
+(fewer dispatches and host copies) at the price of a slot that finishes mid-block
+idling until the block ends. Tokens and logprobs are the same for every block size.
 ``set_params`` swaps weights between steps; in-flight samples then continue
 (keep their KV cache), restart (regenerate from scratch) or recompute (re-prefill
 prompt + generated prefix under the new weights, then continue), see
@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from jaxflash.generation.slot_types import (
     RequestKey,
     SlotStats,
     check_request,
+    resolve_stop_ids,
 )
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
 
@@ -54,6 +56,7 @@ __all__ = [
     "SlotBatcher",
     "SlotStats",
     "check_request",
+    "resolve_stop_ids",
     "run_requests",
 ]
 
@@ -76,7 +79,10 @@ class SlotBatcher:
       engine: the engine to drive.
       params: model params (placed on the engine's mesh here).
       policy_version: version of ``params``; stamped on every token.
-      eos_id: token that ends a sample (kept in the response).
+      stop_ids: every token id that ends a sample (finish reason EOS; the
+        token is kept in the response), e.g. ``Tokenizer.stop_ids``.
+      eos_id: a single stop id, the same as ``stop_ids={eos_id}`` (give one
+        of the two).
       share_prefix: fresh requests with equal prompt tokens share one prompt
         prefill (see the module docstring); False prefills every request alone.
         Either way the tokens and logprobs are bit-identical.
@@ -84,7 +90,7 @@ class SlotBatcher:
         see the module docstring. Results do not depend on it.
 
     Raises:
-      ValueError: decode_block < 1.
+      ValueError: decode_block < 1, or not exactly one of stop_ids / eos_id.
     """
 
     def __init__(
@@ -93,19 +99,20 @@ class SlotBatcher:
         params: Any,
         *,
         policy_version: PolicyVersion,
-        eos_id: int,
+        stop_ids: Collection[int] | None = None,
+        eos_id: int | None = None,
         share_prefix: bool = True,
         decode_block: int = 1,
     ):
         if decode_block < 1:
             raise ValueError(f"SlotBatcher: decode_block must be >= 1, got {decode_block}")
         self.decode_block = int(decode_block)
+        self.stop_ids = resolve_stop_ids(stop_ids, eos_id)
         self.engine = engine
         self.share_prefix = bool(share_prefix)
         # prompt tokens (bytes) -> its prefill under the current params; at most
         # B entries, cleared by set_params, pruned when no queued request needs it.
         self._shared: dict[bytes, PromptPrefill] = {}
-        self.eos_id = int(eos_id)
         self.stats = SlotStats()
         self._params = engine.place_params(params)
         self._version = int(policy_version)
@@ -249,7 +256,7 @@ class SlotBatcher:
                 self._state,
                 steps=self.decode_block,
                 live=live,
-                stop_ids=(self.eos_id,),
+                stop_ids=sorted(self.stop_ids),
             )
             for i in range(block.steps):
                 self.stats.steps += 1
@@ -385,7 +392,7 @@ class SlotBatcher:
         run.logps.append(logp)
         run.versions.append(self._version)
         self.stats.generated_tokens += 1
-        if token == self.eos_id:
+        if token in self.stop_ids:
             return FinishReason.EOS
         if len(run.tokens) >= run.request.sampling.max_new_tokens:
             return FinishReason.LENGTH
@@ -415,7 +422,8 @@ def run_requests(
     requests: list[GenerationRequest],
     *,
     policy_version: PolicyVersion,
-    eos_id: int,
+    stop_ids: Collection[int] | None = None,
+    eos_id: int | None = None,
     stats: SlotStats | None = None,
     share_prefix: bool = True,
     decode_block: int = 8,
@@ -427,7 +435,7 @@ def run_requests(
       params: model params, used for every token.
       requests: requests with distinct (prompt_id, sample_index).
       policy_version: stamped on every token and as each sample's start_version.
-      eos_id: end-of-sequence token.
+      stop_ids / eos_id: the ids that end a sample (see ``SlotBatcher``).
       stats: if given, updated in place with this run's counters (occupancy,
         tokens/s, slot fills).
       share_prefix: see ``SlotBatcher`` (same results either way; fewer prefills).
@@ -446,6 +454,7 @@ def run_requests(
         engine,
         params,
         policy_version=policy_version,
+        stop_ids=stop_ids,
         eos_id=eos_id,
         share_prefix=share_prefix,
         decode_block=decode_block,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -78,6 +79,24 @@ class SlotStats:
     def tokens_per_s(self) -> float:
         """Generated tokens per second of ``step`` time."""
         return self.generated_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+
+def resolve_stop_ids(stop_ids: Collection[int] | None, eos_id: int | None) -> frozenset[int]:
+    """The stop set of a batcher: ``stop_ids``, or ``{eos_id}``; exactly one given.
+
+    An id outside the vocabulary (e.g. -1) never matches, and an empty set
+    never stops: samples run to ``max_new_tokens`` (benchmarks use that).
+
+    Raises:
+      ValueError: both or neither given, or an id that is not an int.
+    """
+    if (stop_ids is None) == (eos_id is None):
+        raise ValueError("give exactly one of stop_ids= (a set of ids) or eos_id= (one id)")
+    ids = [eos_id] if stop_ids is None else list(stop_ids)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int | np.integer)]
+    if bad:
+        raise ValueError(f"stop ids must be ints, got {bad}")
+    return frozenset(int(i) for i in ids)
 
 
 def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:

@@ -5,7 +5,7 @@ in/out shardings and the state donated. Gradients accumulate over micro-batches
 with ``jax.lax.scan``; every micro-batch's loss is normalised by the *whole*
 batch's token / sequence counts (``aggregation.batch_normalizers``), so the sum of
 micro-batch gradients is the full-batch gradient and nothing depends on how the
-batch was split (see ../shared/cases/rl_pitfalls.md, "Micro-batch invariance").
+batch was split ("Micro-batch invariance", tests/test_learner.py).
 
 Per micro-batch: forward -> h [b, T, D] -> chunked log q(target) and entropy
 under the sampling distribution (temperature / top-k / top-p, the same q the
@@ -16,7 +16,8 @@ Parity metric: ``logprob_gap_max`` = max |log pi_theta - log mu| over masked
 tokens, computed in the forward passes of this step, i.e. under the params
 *before* the update. For tokens sampled by the current version it measures
 engine/learner numerical agreement (should be float rounding);
-``logprob_gap_max_current`` restricts it to those tokens.
+``logprob_gap_max_current`` restricts it to those tokens and
+``logprob_gap_max_off_policy`` to the others (sampled by older versions).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
 _MEAN_METRICS = ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "masked_frac")
 
 
-def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig):
+def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False):
     h_btd, _ = forward(params, mc, mb["input_ids_bt"], mb["positions_bt"])
     return target_logprobs(
         h_btd,
@@ -58,6 +59,8 @@ def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig):
         top_k=lc.sampling.top_k,
         top_p=lc.sampling.top_p,
         chunk=lc.logprob_chunk,
+        valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
+        full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
     )
 
 
@@ -88,7 +91,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
     def loss_fn(params, ref_params, mb, num_tokens, num_sequences, version):
         mask_bt = mb["loss_mask_bt"]
         valid_bt = mask_bt > 0
-        logp_bt, ent_bt = _logprobs(params, mb, mc, lc)
+        logp_bt, ent_bt, *full_bt = _logprobs(params, mb, mc, lc, full_vocab=lc.uses_reference)
         mu_bt = mb["behaviour_logp_bt"]
         if lc.ratio_against == "proximal":
             old_bt, behaviour = jax.lax.stop_gradient(logp_bt), mu_bt
@@ -103,8 +106,10 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             loss = loss - lc.entropy_coef * agg(ent_bt, mask_bt, num_tokens, num_sequences)
         kl_sum = jnp.zeros((), jnp.float32)
         if lc.uses_reference:
-            ref_logp_bt, _ = _logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc)
-            kl_bt = kl_k3(logp_bt, ref_logp_bt, mask_bt)
+            # KL between the tempered full-vocabulary distributions (finite even for
+            # a token outside the reference's top-p nucleus; algorithms.distributions).
+            ref_full_bt = _logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc, True)[2]
+            kl_bt = kl_k3(full_bt[0], ref_full_bt, mask_bt)
             loss = loss + lc.kl_coef * agg(kl_bt, mask_bt, num_tokens, num_sequences)
             kl_sum = jnp.sum(jnp.where(valid_bt, kl_bt, 0.0))
         sg = jax.lax.stop_gradient
@@ -117,6 +122,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             "kl_sum": sg(kl_sum),
             "logprob_gap_max": jnp.max(gap_bt),
             "logprob_gap_max_current": jnp.max(jnp.where(current_bt, gap_bt, 0.0)),
+            "logprob_gap_max_off_policy": jnp.max(jnp.where(current_bt, 0.0, gap_bt)),
             "current_tokens": jnp.sum(current_bt).astype(jnp.float32),
             "ratio_max": jnp.where(n > 0, m["ratio_max"], -jnp.inf),
             "ratio_min": jnp.where(n > 0, m["ratio_min"], jnp.inf),
@@ -188,6 +194,7 @@ def make_grad_fn(
             "kl": aux["kl_sum"] / denom,
             "logprob_gap_max": jnp.where(any_tok, aux["logprob_gap_max"], 0.0),
             "logprob_gap_max_current": jnp.maximum(aux["logprob_gap_max_current"], 0.0),
+            "logprob_gap_max_off_policy": jnp.maximum(aux["logprob_gap_max_off_policy"], 0.0),
             "current_tokens": aux["current_tokens"],
             "ratio_max": jnp.where(any_tok, aux["ratio_max"], 0.0),
             "ratio_min": jnp.where(any_tok, aux["ratio_min"], 0.0),
@@ -253,7 +260,7 @@ def make_train_step(
       metrics (float32 scalars, replicated): loss, pg_loss, grad_norm (before
       clipping), lr (used for this update), entropy and kl (token means), clip_frac
       (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
-      logprob_gap_max (+ _current, current_tokens), tokens, sequences.
+      logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences.
 
     Raises:
       ValueError: (at call time) a batch whose shapes are inconsistent.

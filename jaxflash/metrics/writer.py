@@ -1,4 +1,4 @@
-"""Run logs: metrics.jsonl, rollouts.jsonl, TensorBoard event files, a console line.
+"""Run logs: metrics.jsonl, rollouts.jsonl and TensorBoard event files.
 
 One JSON object per learner step goes to ``<workdir>/metrics.jsonl``; scalar
 fields are mirrored to TensorBoard (tensorboardX) under the same names; one JSON
@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import time
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import Any
 
 from tensorboardX import SummaryWriter
 
@@ -60,58 +58,43 @@ def truncate_jsonl(path: str, key: str, max_value: int) -> int:
 class MetricsWriter:
     """Writes per-step metrics and per-sample rollouts for one run.
 
+    The TensorBoard event file is created at the first ``write_step``, so a run
+    that writes no step (a rerun of a finished run, a run that fails at start)
+    leaves no empty event file behind.
+
     Args:
       workdir: run directory (created if missing).
-      console: stream for the one-line progress summary; None silences it.
-      console_keys: metric names shown on the console line, in order.
     """
 
-    def __init__(
-        self,
-        workdir: str,
-        *,
-        console: TextIO | None = sys.stdout,
-        console_keys: tuple[str, ...] = (
-            "reward_mean",
-            "accuracy",
-            "eval_accuracy",
-            "response_len_mean",
-            "grad_norm",
-            "logprob_gap_max",
-            "gen_tokens_per_s",
-            "train_tokens_per_s",
-        ),
-    ) -> None:
+    def __init__(self, workdir: str) -> None:
         os.makedirs(workdir, exist_ok=True)
+        self._workdir = workdir
         self._metrics = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
         self._rollouts = open(os.path.join(workdir, "rollouts.jsonl"), "a", encoding="utf-8")
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-        self._console = console
-        self._console_keys = console_keys
-        self._t0 = time.monotonic()
+        self._tb: SummaryWriter | None = None
 
-    def write_step(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def write_step(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Appends one metrics row and mirrors its finite scalars to TensorBoard.
 
         Args:
           step: learner step (policy version after the update).
           metrics: name -> scalar (or small list/dict, JSON only).
+
+        Returns:
+          The row as written (JSON types).
         """
         row = {"step": int(step), **_jsonable(dict(metrics))}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if self._tb is None:
+            self._tb = SummaryWriter(os.path.join(self._workdir, "tensorboard"))
         for name, value in row.items():
             if name == "step":
                 continue
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self._tb.add_scalar(name, value, global_step=step)
         self._tb.flush()
-        if self._console is not None:
-            parts = [f"step {step:4d}", f"{time.monotonic() - self._t0:7.1f}s"]
-            for key in self._console_keys:
-                if key in row and isinstance(row[key], int | float):
-                    parts.append(f"{key}={row[key]:.4g}")
-            print("  ".join(parts), file=self._console, flush=True)
+        return row
 
     def write_rollouts(self, rows: list[Mapping[str, Any]]) -> None:
         """Appends one JSON line per sample (prompt, response, reward, versions, ...)."""
@@ -122,7 +105,8 @@ class MetricsWriter:
     def close(self) -> None:
         self._metrics.close()
         self._rollouts.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -18,7 +18,13 @@ class ModelConfig:
     """Shape and numerics of a Llama-architecture decoder.
 
     Attributes:
-      vocab_size: V, number of token ids.
+      vocab_size: V, rows of the embedding / columns of the logits (a
+        checkpoint's config.json ``vocab_size``, often padded to a multiple of
+        64 or 128).
+      valid_vocab_size: ids the tokenizer can produce; ids in
+        [valid_vocab_size, V) are padding rows, masked out of every sampling
+        and scoring distribution. None: all V ids are valid. Set it with
+        ``reconcile_vocab``.
       d_model: D, residual stream width.
       n_layers: L, number of decoder blocks (stacked on one leading axis).
       n_heads: N, query heads.
@@ -42,6 +48,7 @@ class ModelConfig:
     """
 
     vocab_size: int
+    valid_vocab_size: int | None = None
     d_model: int
     n_layers: int
     n_heads: int
@@ -73,6 +80,16 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        valid = self.valid_vocab_size
+        if valid is not None and (
+            not isinstance(valid, int)
+            or isinstance(valid, bool)
+            or not 1 <= valid <= self.vocab_size
+        ):
+            raise ValueError(
+                f"ModelConfig.valid_vocab_size must be an int in [1, vocab_size="
+                f"{self.vocab_size}] or None, got {valid!r}"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
@@ -108,6 +125,31 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def reconcile_vocab(config: ModelConfig, tokenizer_vocab_size: int) -> ModelConfig:
+    """Match a checkpoint's embedding rows to its tokenizer (call once at load).
+
+    Args:
+      config: the model's configuration (``vocab_size`` = embedding rows).
+      tokenizer_vocab_size: ids the tokenizer can produce (``Tokenizer.vocab_size``).
+
+    Returns:
+      ``config`` with ``valid_vocab_size`` set when the embedding is padded
+      (e.g. config.json 151936 rows, tokenizer 151665 ids), None when they match.
+
+    Raises:
+      ValueError: the tokenizer has more ids than the model has rows (ids the
+        model cannot embed or predict), naming both sizes.
+    """
+    if tokenizer_vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer_vocab_size} ids but the model's vocab_size is "
+            f"{config.vocab_size}: ids >= {config.vocab_size} cannot be embedded or predicted "
+            "(wrong tokenizer for this checkpoint?)"
+        )
+    valid = None if tokenizer_vocab_size == config.vocab_size else int(tokenizer_vocab_size)
+    return config.replace(valid_vocab_size=valid)
+
+
 _PRESETS = {
     # SmolLM2-135M(-Instruct), HuggingFaceTB. rope_theta and rms_norm_eps checked
     # against the GGUF metadata (llama.rope.freq_base = 100000.0,
@@ -125,6 +167,22 @@ _PRESETS = {
         rms_norm_eps=1e-5,
         tie_embeddings=True,
         max_seq_len=2048,
+    ),
+    # Qwen2.5-1.5B(-Instruct) shapes (its config.json): a 1.5B-parameter decoder of
+    # the Llama family with q/k/v biases, for sizing runs (jaxflash.sizing.dry_run).
+    "qwen2p5_1p5b": dict(
+        vocab_size=151936,
+        d_model=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        head_dim=128,
+        d_ff=8960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        qkv_bias=True,
+        max_seq_len=4096,
     ),
     # Same architecture at toy size, for tests.
     "tiny": dict(
@@ -148,7 +206,7 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """A named configuration, optionally with fields overridden.
 
     Args:
-      name: "smollm2_135m" or "tiny".
+      name: "smollm2_135m", "qwen2p5_1p5b" or "tiny".
       **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
 
     Raises:

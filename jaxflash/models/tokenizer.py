@@ -1,71 +1,127 @@
-"""Tokenizer: Hugging Face ``tokenizers`` byte-level BPE plus the model's chat template.
+"""Tokenizer: Hugging Face ``tokenizers`` plus the model's chat template and stop set.
 
-Two sources give the same object:
+Two sources give the same object (``tokenizer_files.py`` reads them):
 
-- ``Tokenizer.from_gguf(path)``: the vocabulary, merges, token types and chat template
-  stored in a GGUF file (llama.cpp's ``tokenizer.ggml.*`` keys). Only ``gpt2``-style
-  byte-level BPE is supported; the pre-tokenizer follows ``tokenizer.ggml.pre``
-  (SmolLM2's ``smollm``: every digit is its own pre-token, then the GPT-2 regex).
-- ``Tokenizer.from_hf_dir(dir)``: ``tokenizer.json`` plus ``tokenizer_config.json``
-  (chat template, eos/pad token) of a Hugging Face checkpoint directory.
+- ``Tokenizer.from_gguf(path)``: vocabulary, merges, token types, special ids and
+  chat template stored in a GGUF file (llama.cpp's ``tokenizer.ggml.*`` keys).
+- ``Tokenizer.from_hf_dir(dir)``: ``tokenizer.json`` + ``tokenizer_config.json``
+  (+ ``generation_config.json`` / ``config.json`` for the stop set) of a Hugging
+  Face checkpoint directory.
 
-Chat templates are Jinja2 programs shipped with the model; they are rendered in a
-sandboxed environment with the same options as ``transformers`` (trim_blocks,
-lstrip_blocks), so the string is the one the model was trained on.
+It behaves like ``transformers``' fast tokenizer where that matters for RL:
+
+- **BOS.** ``encode(text, add_special_tokens=True)`` adds what the tokenizer's
+  post-processor adds (``tokenizer.json``'s, as transformers 5 does; for GGUF
+  files the one ``tokenizer.ggml.add_bos_token`` implies).
+  ``encode_chat`` / ``apply_chat_template(tokenize=True)`` render the template
+  with every named special token (``bos_token`` included, whether or not the
+  tokenizer adds BOS) and encode *without* special tokens, as
+  ``apply_chat_template(tokenize=True)`` does: a template that writes
+  ``{{ bos_token }}`` gives exactly one BOS, one that does not gives none.
+- **Templates** render in transformers' environment (``chat_template.py``).
+- **Stop set.** ``stop_ids`` holds every id that ends a response (eos,
+  generation_config's list, GGUF eot/eom, the template's end-of-turn token),
+  ``stop_set.describe()`` says where each came from, and ``response_text``
+  decodes a response up to (not including) its first stop id.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
 
-# llama.cpp token types (gguf.TokenType): 3 = CONTROL (special tokens such as <|im_end|>),
-# 4 = USER_DEFINED (added tokens that are not special).
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
-# tokenizer.ggml.pre values whose pre-tokenizer is "digits one by one, then GPT-2 regex".
-_DIGIT_SPLIT_PRES = frozenset({"smollm", "starcoder", "refact", "codeshell"})
-_GPT2_PRES = frozenset({"default", "gpt2", "gpt-2"})
+from jaxflash.models.chat_template import render_chat_template
+from jaxflash.models.stop_tokens import (
+    TEMPLATE_SOURCE,
+    StopSet,
+    build_stop_set,
+    template_end_of_turn,
+)
+
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES)."""
 
 
 class Tokenizer:
-    """Text <-> token ids, special tokens and chat rendering for one model.
+    """Text <-> token ids, special tokens, chat rendering and the stop set of one model.
+
+    Args:
+      hf_tokenizer: a ``tokenizers.Tokenizer``; its post-processor decides what
+        ``encode(..., add_special_tokens=True)`` adds (e.g. BOS).
+      special_tokens: named special tokens, ``{"eos_token": ..., "bos_token":
+        ..., "pad_token": ..., "unk_token": ...}`` (eos required); all are
+        passed to the chat template.
+      chat_template: Jinja2 source, or None.
+      stop_sources: ``[(source name, ids), ...]`` naming further stop ids
+        (generation_config.json, GGUF eot/eom); eos and the template's
+        end-of-turn token are added here.
 
     Attributes:
-      eos_id: id that ends a response (SmolLM2: 2, ``<|im_end|>``).
-      pad_id: id used for padding (SmolLM2: 2).
-      bos_id: id prepended by ``encode`` when ``add_bos`` is set, else None (SmolLM2: None).
-      vocab_size: number of ids, including special tokens.
-      chat_template: Jinja2 source of the chat template, or None.
+      eos_id: id of ``eos_token`` (SmolLM2: 2, ``<|im_end|>``).
+      pad_id: id of ``pad_token``, else eos (SmolLM2: 2).
+      bos_id: id of ``bos_token`` or None (SmolLM2 GGUF: 1, ``<|im_start|>``).
+      add_bos: whether ``encode(text, add_special_tokens=True)`` starts with BOS.
+      vocab_size: number of ids the tokenizer can produce (largest id + 1).
+      stop_set / stop_ids: see the module docstring.
+
+    Raises:
+      ValueError: a special token or stop id outside the vocabulary, or no eos.
     """
 
     def __init__(
         self,
         hf_tokenizer: tokenizers.Tokenizer,
         *,
-        eos_token: str,
-        pad_token: str | None = None,
-        bos_token: str | None = None,
-        add_bos: bool = False,
+        special_tokens: Mapping[str, str | None] | None = None,
+        eos_token: str | None = None,
         chat_template: str | None = None,
+        stop_sources: Iterable[tuple[str, Iterable[int]]] = (),
     ) -> None:
         self._tok = hf_tokenizer
-        self.eos_token = eos_token
-        self.eos_id = self._token_id(eos_token, "eos_token")
-        self.pad_token = pad_token if pad_token is not None else eos_token
-        self.pad_id = self._token_id(self.pad_token, "pad_token")
-        self.bos_token = bos_token
-        self.bos_id = self._token_id(bos_token, "bos_token") if bos_token is not None else None
-        if add_bos and self.bos_id is None:
-            raise ValueError("Tokenizer: add_bos=True needs a bos_token")
-        self.add_bos = add_bos
+        named = dict(special_tokens or {})
+        if eos_token is not None:
+            named["eos_token"] = eos_token
+        unknown = sorted(set(named) - set(SPECIAL_TOKEN_NAMES))
+        if unknown:
+            raise ValueError(f"Tokenizer: unknown special token names {unknown}")
+        self.special_tokens: dict[str, str] = {k: v for k, v in named.items() if v is not None}
+        if "eos_token" not in self.special_tokens:
+            raise ValueError("Tokenizer: an eos_token is required")
+        self._ids = {k: self._token_id(v, k) for k, v in self.special_tokens.items()}
+        self.eos_token = self.special_tokens["eos_token"]
+        self.eos_id = self._ids["eos_token"]
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.bos_id = self._ids.get("bos_token")
+        self.pad_token = self.special_tokens.get("pad_token", self.eos_token)
+        self.pad_id = self._ids.get("pad_token", self.eos_id)
         self.chat_template = chat_template
+        self._vocab_size = 1 + max(self._tok.get_vocab(with_added_tokens=True).values())
+        first = self._tok.encode("", add_special_tokens=True).ids
+        self.add_bos = self.bos_id is not None and first[:1] == [self.bos_id]
+        named_stops: list[tuple[str, Iterable[int]]] = [("eos_token", [self.eos_id])]
+        named_stops += [(s, list(ids)) for s, ids in stop_sources]
+        if chat_template is not None:
+            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+            end = template_end_of_turn(chat_template, self.special_tokens, added)
+            if end is not None:
+                named_stops.append((TEMPLATE_SOURCE, [self._token_id(end, TEMPLATE_SOURCE)]))
+        self.stop_set: StopSet = build_stop_set(named_stops)
+        outside = sorted(i for i in self.stop_set.ids if i >= self._vocab_size)
+        if outside:
+            raise ValueError(
+                f"Tokenizer: stop ids {outside} are outside the vocabulary of "
+                f"{self._vocab_size} ids ({self.stop_set.describe()})"
+            )
 
     def _token_id(self, token: str, what: str) -> int:
         token_id = self._tok.token_to_id(token)
@@ -75,7 +131,12 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends a response (pass to the slot loop as ``stop_ids``)."""
+        return self.stop_set.ids
 
     @property
     def hf_tokenizer(self) -> tokenizers.Tokenizer:
@@ -84,28 +145,30 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their ids.
 
         Args:
-          text: any unicode string (e.g. a rendered chat prompt).
-
-        Returns:
-          list of int ids; BOS is prepended only if the model adds one (SmolLM2: no).
+          text: any unicode string (e.g. a rendered chat prompt, which carries
+            its own BOS if the template writes one).
+          add_special_tokens: apply the post-processor (transformers'
+            ``tokenizer(text)`` default; adds BOS for Llama 3, Gemma, Mistral).
+            Off by default here: rendered chats must not get a second BOS.
 
         Raises:
           TypeError: if ``text`` is not a str.
         """
         if not isinstance(text, str):
             raise TypeError(f"Tokenizer.encode: text must be str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos else ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of token ids (int list or 1-D integer array).
 
         Raises:
-          ValueError: if an id is outside [0, vocab_size).
+          ValueError: if an id is outside [0, vocab_size) (e.g. a padded
+            embedding row; ``models.config.reconcile_vocab`` keeps them from
+            being sampled).
         """
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -115,208 +178,137 @@ class Tokenizer:
             )
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def response_text(self, response_ids: Sequence[int]) -> str:
+        """The text a reward sees: the response up to its first stop id, exclusive.
+
+        Args:
+          response_ids: generated ids (``Sample.response_tokens``; a finished
+            sample ends with the stop id that ended it).
+
+        Returns:
+          Decoded text (special tokens before the stop kept as written).
+        """
+        ids = [int(i) for i in response_ids]
+        stops = self.stop_ids
+        cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+        return self.decode(ids[:cut])
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
 
     # ------------------------------------------------------------------ chat template
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
         """Render a conversation with the model's own chat template.
 
+        Same string as transformers' ``apply_chat_template(..., tokenize=False)``
+        (note: ``add_generation_prompt`` defaults to True here, False there).
+
         Args:
-          messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+          messages: ``[{"role": "system"|"user"|"assistant"|..., "content": ...}]``.
           add_generation_prompt: append the assistant header so the model answers next.
+          tokenize: return token ids (``encode_chat``) instead of the string.
+          **template_kwargs: extra template variables (``tools``, ``date_string``...).
 
         Returns:
-          the prompt string (tokenize it with ``encode``; specials are recognised).
+          the prompt string, or its ids when ``tokenize``.
 
         Raises:
-          ValueError: if the tokenizer has no chat template, or messages are malformed.
+          ValueError: no chat template, malformed messages, or the template's
+            own ``raise_exception`` (``chat_template.ChatTemplateError``).
         """
         if self.chat_template is None:
             raise ValueError("Tokenizer.apply_chat_template: this tokenizer has no chat template")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise ValueError(
                     f"Tokenizer.apply_chat_template: messages[{i}] must be a dict with "
                     f"'role' and 'content', got {m!r}"
                 )
-        return _compiled_template(self.chat_template).render(
-            messages=list(messages),
+        text = render_chat_template(
+            self.chat_template,
+            messages,
+            special_tokens=self.special_tokens,
             add_generation_prompt=add_generation_prompt,
-            eos_token=self.eos_token,
-            bos_token=self.bos_token or "",
-            pad_token=self.pad_token,
+            **template_kwargs,
+        )
+        return self.encode(text) if tokenize else text
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a rendered conversation, as transformers'
+        ``apply_chat_template(messages, tokenize=True)``: the template decides
+        BOS; no special token is added on top."""
+        return self.apply_chat_template(
+            messages, add_generation_prompt, tokenize=True, **template_kwargs
         )
 
-    # ------------------------------------------------------------------ constructors
-
-    @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """Build the tokenizer stored in a GGUF file (llama.cpp ``tokenizer.ggml.*`` keys).
+    def encode_chat_with_mask(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """``encode_chat`` plus a 0/1 mask of the tokens inside ``{% generation %}``
+        blocks (transformers' ``return_assistant_tokens_mask``: a token counts when
+        its characters overlap a block).
 
         Raises:
-          FileNotFoundError: if ``path`` does not exist.
-          ValueError: if the file's tokenizer is not byte-level BPE (``gpt2``) or its
-            pre-tokenizer is unknown.
+          ValueError: as ``apply_chat_template``, or the template has no
+            ``{% generation %}`` block (the mask would be all zeros).
         """
-        import gguf  # local: only this constructor needs the GGUF reader
-
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Tokenizer.from_gguf: no GGUF file at {path}")
-        fields = gguf.GGUFReader(path).fields
-
-        def get(key: str, default: Any = None) -> Any:
-            return fields[key].contents() if key in fields else default
-
-        kind = get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if self.chat_template is None or "generation" not in self.chat_template:
             raise ValueError(
-                f"Tokenizer.from_gguf: {path}: tokenizer.ggml.model={kind!r}; only byte-level "
-                "BPE ('gpt2') is supported"
+                "Tokenizer.encode_chat_with_mask: the chat template has no {% generation %} block"
             )
-        tokens: list[str] = get("tokenizer.ggml.tokens")
-        token_types: list[int] = get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges")]
-        pre = get("tokenizer.ggml.pre", "default")
-
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-        tok = tokenizers.Tokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in _DIGIT_SPLIT_PRES:
-            # Same as SmolLM2's tokenizer.json: "12345" -> 1 2 3 4 5, then GPT-2 regex.
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        elif pre in _GPT2_PRES:
-            tok.pre_tokenizer = byte_level
-        else:
-            raise ValueError(
-                f"Tokenizer.from_gguf: {path}: unsupported tokenizer.ggml.pre={pre!r} "
-                f"(supported: {sorted(_DIGIT_SPLIT_PRES | _GPT2_PRES)})"
-            )
-        tok.decoder = decoders.ByteLevel()
-        # Control/user-defined tokens already have ids in the vocab; registering them as
-        # added tokens makes encode() match them whole instead of splitting "<|im_end|>".
-        added = [
-            tokenizers.AddedToken(
-                t, special=ty == _GGUF_CONTROL, normalized=False, single_word=False
-            )
-            for t, ty in zip(tokens, token_types, strict=True)
-            if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+        text, spans = render_chat_template(
+            self.chat_template,
+            messages,
+            special_tokens=self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            return_generation_spans=True,
+            **template_kwargs,
+        )
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        mask = [
+            int(any(s < end and e > start for s, e in spans)) for start, end in encoding.offsets
         ]
-        tok.add_tokens(added)
+        return encoding.ids, mask
 
-        def token_at(key: str) -> str | None:
-            token_id = get(key)
-            return None if token_id is None else tokens[int(token_id)]
-
-        eos = token_at("tokenizer.ggml.eos_token_id")
-        if eos is None:
-            raise ValueError(f"Tokenizer.from_gguf: {path}: no tokenizer.ggml.eos_token_id")
-        add_bos = bool(get("tokenizer.ggml.add_bos_token", False))
-        return cls(
-            tok,
-            eos_token=eos,
-            pad_token=token_at("tokenizer.ggml.padding_token_id"),
-            bos_token=token_at("tokenizer.ggml.bos_token_id") if add_bos else None,
-            add_bos=add_bos,
-            chat_template=get("tokenizer.chat_template"),
-        )
+    # ------------------------------------------------------------------ files
 
     @classmethod
-    def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
-        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a checkpoint directory.
+    def from_gguf(cls, path: Any) -> Tokenizer:
+        """See ``tokenizer_files.tokenizer_from_gguf``."""
+        from jaxflash.models.tokenizer_files import tokenizer_from_gguf  # noqa: PLC0415
 
-        The chat template comes from ``chat_template.jinja`` if present, else from
-        ``tokenizer_config.json``; eos/pad/bos tokens from ``tokenizer_config.json``.
-        BOS is prepended only if the config says ``add_bos_token: true``.
+        return tokenizer_from_gguf(path)
 
-        Raises:
-          FileNotFoundError: if ``tokenizer.json`` is missing.
-          ValueError: if no eos token can be determined.
-        """
-        tok_path = os.path.join(directory, "tokenizer.json")
-        if not os.path.isfile(tok_path):
-            raise FileNotFoundError(f"Tokenizer.from_hf_dir: no tokenizer.json in {directory}")
-        tok = tokenizers.Tokenizer.from_file(tok_path)
-        cfg_path = os.path.join(directory, "tokenizer_config.json")
-        cfg: dict[str, Any] = {}
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # HF allows named templates; use "default"
-            named = {t["name"]: t["template"] for t in template}
-            template = named.get("default", next(iter(named.values()), None))
-        jinja_path = os.path.join(directory, "chat_template.jinja")
-        if os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                template = f.read()
-        eos = _token_content(cfg.get("eos_token"))
-        if eos is None:
-            raise ValueError(f"Tokenizer.from_hf_dir: {cfg_path} names no eos_token")
-        add_bos = bool(cfg.get("add_bos_token", False))
-        bos = _token_content(cfg.get("bos_token"))
-        return cls(
-            tok,
-            eos_token=eos,
-            pad_token=_token_content(cfg.get("pad_token")),
-            bos_token=bos if add_bos else None,
-            add_bos=add_bos,
-            chat_template=template,
-        )
+    @classmethod
+    def from_hf_dir(cls, directory: Any) -> Tokenizer:
+        """See ``tokenizer_files.tokenizer_from_hf_dir``."""
+        from jaxflash.models.tokenizer_files import tokenizer_from_hf_dir  # noqa: PLC0415
 
-    def save_hf(self, directory: str | os.PathLike) -> None:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (readable by transformers)."""
-        os.makedirs(directory, exist_ok=True)
-        self._tok.save(os.path.join(directory, "tokenizer.json"))
-        cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": self.eos_token,
-            "pad_token": self.pad_token,
-            "bos_token": self.bos_token,
-            "add_bos_token": self.add_bos,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": 1 << 30,
-        }
-        if self.chat_template is not None:
-            cfg["chat_template"] = self.chat_template
-        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2, ensure_ascii=False)
+        return tokenizer_from_hf_dir(directory)
 
+    def save_hf(self, directory: Any) -> None:
+        """See ``tokenizer_files.save_tokenizer_hf``."""
+        from jaxflash.models.tokenizer_files import save_tokenizer_hf  # noqa: PLC0415
 
-def _token_content(token: Any) -> str | None:
-    """tokenizer_config.json writes tokens as "str" or {"content": "str", ...}."""
-    if isinstance(token, dict):
-        return token.get("content")
-    return token
-
-
-class _TemplateError(ValueError):
-    """A chat template rejected the conversation (its own raise_exception call)."""
-
-
-def _raise_exception(message: str) -> None:
-    # Chat templates call raise_exception("...") to reject malformed conversations.
-    raise _TemplateError(message)
-
-
-_TEMPLATE_CACHE: dict[str, jinja2.Template] = {}
-
-
-def _compiled_template(source: str) -> jinja2.Template:
-    """Compile once per template source, with the options transformers uses."""
-    if source not in _TEMPLATE_CACHE:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(
-            x, ensure_ascii=False, indent=indent
-        )
-        env.globals["raise_exception"] = _raise_exception
-        _TEMPLATE_CACHE[source] = env.from_string(source)
-    return _TEMPLATE_CACHE[source]
+        save_tokenizer_hf(self, directory)

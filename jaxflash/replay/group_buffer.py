@@ -3,15 +3,16 @@
 A group is the G samples of one prompt. `GroupBuffer.take` returns complete, fresh
 groups oldest-first (by start version, then prompt_id) and never more than asked:
 what does not fit stays for the next call ("Nothing dropped at the batch edge",
-../shared/cases/rl_pitfalls.md). Every group leaves through `take` (or `drain`, `discard`),
+tests/test_group_buffer.py). Every group leaves through `take` (or `drain`, `discard`),
 either returned or in the `dropped` list with an outcome and a reason, so at any time
 
     produced == returned + dropped + pending                       (see `counts`)
 
 Dropped reasons: "stale" (staleness > async_ratio, or negative -- that one is also
 counted as an anomaly), "failed" (a sample carried an error or a non-finite reward,
-or `fail` was called), the filter reasons "zero_variance", "mean_below_min",
-"mean_above_max", "std_below_min", "drained" (`drain`, at shutdown), and whatever
+or `fail` was called; the group carries the `FailureReason` given where it
+happened), the filter reasons "zero_variance", "mean_below_min", "mean_above_max",
+"std_below_min", "drained" (`drain`, at shutdown), and whatever
 reason the caller gives `discard` (e.g. "surplus_stale": a prompt aborted in flight).
 With policy="regenerate", stale groups are still reported in `dropped` (reason
 "stale", `regenerate=True`): the caller resubmits the prompt instead of closing it,
@@ -39,7 +40,7 @@ from typing import Literal
 import numpy as np
 
 from jaxflash.replay.staleness import StalenessCounts, Verdict, classify, start_version_of
-from jaxflash.types import FinishReason, PolicyVersion, PromptOutcome, Sample
+from jaxflash.types import FailureReason, FinishReason, PolicyVersion, PromptOutcome, Sample
 
 StalePolicy = Literal["drop", "regenerate"]
 
@@ -120,10 +121,11 @@ class DroppedGroup:
       prompt_id: the prompt.
       outcome: PromptOutcome for the prompt ledger (STALE, FILTERED or FAILED).
       reason: short machine-readable reason ("stale", "zero_variance", "failed", ...).
-      detail: human-readable detail (versions, the error text).
+      detail: human-readable detail (versions, the error text); never parsed.
       samples: whatever samples had arrived, sorted by sample_index.
       regenerate: True when the caller should resubmit the prompt (policy="regenerate")
         rather than close it in the ledger.
+      failure: why a FAILED group failed (None for every other outcome).
     """
 
     prompt_id: int
@@ -132,12 +134,13 @@ class DroppedGroup:
     detail: str
     samples: tuple[Sample, ...]
     regenerate: bool = False
+    failure: FailureReason | None = None
 
 
 @dataclasses.dataclass
 class _Pending:
     samples: dict[int, Sample] = dataclasses.field(default_factory=dict)
-    failure: str | None = None
+    failure: tuple[FailureReason, str] | None = None  # the first failure and its detail
 
 
 class GroupBuffer:
@@ -155,6 +158,10 @@ class GroupBuffer:
         self.group_filter = group_filter
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        # Prompts whose group was complete or failed when last touched: what `take`
+        # looks at (entries no longer pending are pruned there), so a take costs the
+        # ready groups, not every pending one.
+        self._ready: dict[int, None] = {}
         self._closed_failed: set[int] = set()  # failed or discarded: late samples dropped
         self._last_learner_version: int | None = None
         self._produced = 0
@@ -165,13 +172,14 @@ class GroupBuffer:
 
     # -- adding ---------------------------------------------------------------
 
-    def add(self, sample: Sample) -> None:
+    def add(self, sample: Sample, *, failure: FailureReason | None = None) -> None:
         """Add one finished, scored sample.
 
-        A sample whose `reward_info["error"]` is set, or whose reward is not
-        finite, marks its group failed (reported by the next `take`). A sample of a
-        prompt already reported as failed is discarded and counted
-        (`samples_late_discarded`).
+        A sample with a ``failure``, or whose `reward_info["error"]` is set
+        (REWARD_ERROR unless ``failure`` says otherwise), or whose reward is not
+        finite (NON_FINITE_REWARD), marks its group failed with that reason
+        (reported by the next `take`). A sample of a prompt already reported as
+        failed is discarded and counted (`samples_late_discarded`).
 
         Raises:
           TypeError: not a Sample.
@@ -187,6 +195,10 @@ class GroupBuffer:
                 f"sample_index {idx} of prompt {pid} is outside [0, group_size={self.group_size})"
             )
         error = sample.reward_info.get("error") if sample.reward_info else None
+        if error and failure is None:
+            failure = FailureReason.REWARD_ERROR
+        if failure is not None and not error:
+            error = str(failure)
         if not error:
             if sample.finish_reason == FinishReason.ABORTED:
                 raise ValueError(
@@ -196,6 +208,7 @@ class GroupBuffer:
                 raise ValueError(f"sample {pid}/{idx} has no reward: score it before adding")
             if not math.isfinite(float(sample.reward)):
                 error = f"non-finite reward {sample.reward}"
+                failure = FailureReason.NON_FINITE_REWARD
         with self._lock:
             if pid in self._closed_failed:
                 self._late_discarded += 1
@@ -204,18 +217,25 @@ class GroupBuffer:
             if idx in pend.samples:
                 raise ValueError(f"duplicate sample {pid}/{idx} added to GroupBuffer")
             pend.samples[idx] = sample
-            if error and pend.failure is None:
-                pend.failure = f"prompt {pid} sample {idx}: {error}"
+            if failure is not None and pend.failure is None:
+                pend.failure = (failure, f"prompt {pid} sample {idx}: {error}")
+            if pend.failure is not None or len(pend.samples) == self.group_size:
+                self._ready[pid] = None
 
-    def fail(self, prompt_id: int, reason: str) -> None:
+    def fail(self, prompt_id: int, failure: FailureReason, detail: str) -> None:
         """Mark a prompt's group failed (e.g. generation error or timeout, no Sample).
 
-        The group is reported by the next `take` with reason "failed" and `reason`
-        as its detail. Calling it for a prompt already reported failed is counted
+        The group is reported by the next `take` with reason "failed", ``failure``
+        and ``detail``. Calling it for a prompt already reported failed is counted
         as a late discard and otherwise ignored.
+
+        Raises:
+          TypeError: ``failure`` is not a FailureReason; ValueError: empty detail.
         """
-        if not reason:
-            raise ValueError(f"fail({prompt_id}) needs a non-empty reason")
+        if not isinstance(failure, FailureReason):
+            raise TypeError(f"fail({prompt_id}): failure must be a FailureReason, got {failure!r}")
+        if not detail:
+            raise ValueError(f"fail({prompt_id}) needs a non-empty detail")
         pid = int(prompt_id)
         with self._lock:
             if pid in self._closed_failed:
@@ -224,7 +244,9 @@ class GroupBuffer:
             pend = self._get_or_create(pid)
             if pend.failure is None:
                 prefix = f"prompt {pid}"
-                pend.failure = reason if reason.startswith(prefix) else f"{prefix}: {reason}"
+                text = detail if detail.startswith(prefix) else f"{prefix}: {detail}"
+                pend.failure = (failure, text)
+            self._ready[pid] = None
 
     def _get_or_create(self, pid: int) -> _Pending:
         pend = self._pending.get(pid)
@@ -280,15 +302,19 @@ class GroupBuffer:
                     f"after version {self._last_learner_version}"
                 )
             dropped: list[DroppedGroup] = []
-            for pid in sorted(p for p, g in self._pending.items() if g.failure is not None):
+            self._ready = {p: None for p in self._ready if p in self._pending}
+            for pid in sorted(p for p in self._ready if self._pending[p].failure is not None):
                 pend = self._pending.pop(pid)
                 self._closed_failed.add(pid)
-                dropped.append(self._drop(pid, pend, PromptOutcome.FAILED, "failed", pend.failure))
+                failure, detail = pend.failure
+                dropped.append(
+                    self._drop(pid, pend, PromptOutcome.FAILED, "failed", detail, failure=failure)
+                )
 
             complete = [
                 (min(start_version_of(s) for s in g.samples.values()), pid)
-                for pid, g in self._pending.items()
-                if len(g.samples) == self.group_size
+                for pid, g in ((p, self._pending.get(p)) for p in self._ready)
+                if g is not None and len(g.samples) == self.group_size
             ]
             groups: list[Group] = []
             for start, pid in sorted(complete):
@@ -333,10 +359,17 @@ class GroupBuffer:
             return groups, dropped
 
     def drain(self, reason: str = "drained") -> list[DroppedGroup]:
-        """Remove every pending group (complete or not) as FAILED with `reason`."""
+        """Remove every pending group (complete or not) as FAILED (SHUTDOWN) with `reason`."""
         with self._lock:
             out = [
-                self._drop(pid, self._pending.pop(pid), PromptOutcome.FAILED, reason, reason)
+                self._drop(
+                    pid,
+                    self._pending.pop(pid),
+                    PromptOutcome.FAILED,
+                    reason,
+                    reason,
+                    failure=FailureReason.SHUTDOWN,
+                )
                 for pid in sorted(self._pending)
             ]
             return out
@@ -368,10 +401,13 @@ class GroupBuffer:
           group was pending (nothing produced, nothing dropped).
 
         Raises:
-          ValueError: empty reason.
+          ValueError: empty reason, or outcome FAILED (a failure goes through
+            `fail`, which carries its FailureReason).
         """
         if not reason:
             raise ValueError(f"discard({prompt_id}) needs a non-empty reason")
+        if PromptOutcome(outcome) == PromptOutcome.FAILED:
+            raise ValueError(f"discard({prompt_id}): a failed prompt goes through fail()")
         pid = int(prompt_id)
         with self._lock:
             if not regenerate:
@@ -390,6 +426,7 @@ class GroupBuffer:
         detail: str | None,
         *,
         regenerate: bool = False,
+        failure: FailureReason | None = None,
     ) -> DroppedGroup:
         self._dropped[reason] = self._dropped.get(reason, 0) + 1
         return DroppedGroup(
@@ -399,6 +436,7 @@ class GroupBuffer:
             detail=detail or reason,
             samples=tuple(pend.samples[i] for i in sorted(pend.samples)),
             regenerate=regenerate,
+            failure=failure,
         )
 
     # -- introspection --------------------------------------------------------
@@ -412,7 +450,8 @@ class GroupBuffer:
     def num_complete(self) -> int:
         """Complete groups waiting (fresh or not yet judged)."""
         with self._lock:
-            return sum(len(g.samples) == self.group_size for g in self._pending.values())
+            groups = (self._pending.get(p) for p in self._ready)
+            return sum(g is not None and len(g.samples) == self.group_size for g in groups)
 
     def counts(self) -> dict[str, int]:
         """Counters; produced == returned + dropped + pending always holds.

@@ -17,20 +17,11 @@ Definitions (ROLL Flash, arXiv 2510.11345, the per-sample async ratio alpha):
   published -- a bug (versions went backwards, or a stamp is wrong). It is never
   fresh: `classify` returns ANOMALY, which callers treat as stale and count apart.
 
-Restart semantics (for the rollout scheduler; "Restart means restart"). When a
-sample in flight is stopped (stale, weights changed) and generated again:
-
-* partial rollout OFF -> `restart_sample(s, v, partial=False)` keeps NO tokens: the
-  regenerated response is produced entirely at version v, its token_versions read
-  [v, v, ...] and its start version is v. Nothing of the old attempt is trained on.
-* partial rollout ON -> `restart_sample(s, v, partial=True)` keeps the old tokens,
-  their behaviour logprobs and their version stamps; the continuation is stamped v.
-  Aborted at version 2 with 2 tokens and continued at 3, the stamps read
-  [2, 2, 3, ...] and the start version stays 2, so the staleness gate still sees
-  the old prefix. `off_policy_tokens(token_versions, v)` marks the version-2 tokens
-  as off-policy (their behaviour logprobs came from older weights; the loss must
-  importance-weight them with the recorded behaviour logprobs, never assume
-  behaviour == current policy).
+Restart semantics ("Restart means restart") live where samples are generated:
+``generation.slot_loop.SlotBatcher.set_params(in_flight=...)`` restarts a running
+sample with no old tokens ("restart"), or keeps its prefix with the prefix's own
+version stamps ("continue" / "recompute"), so its start version -- and this gate
+-- still sees the older prefix, and the learner treats those tokens as off-policy.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxflash.types import FinishReason, PolicyVersion, Sample
+from jaxflash.types import PolicyVersion, Sample
 
 VersionsLike = int | np.integer | Sequence[int] | np.ndarray | Sample
 
@@ -159,106 +150,3 @@ class StalenessCounts:
     @property
     def total(self) -> int:
         return self.fresh + self.stale + self.anomaly
-
-
-def off_policy_tokens(token_versions_t: np.ndarray, version: PolicyVersion) -> np.ndarray:
-    """bool [T]: True where a token was sampled by weights older than `version`."""
-    tv = np.asarray(token_versions_t)
-    if tv.ndim != 1 or not np.issubdtype(tv.dtype, np.integer):
-        raise ValueError(
-            f"token_versions_t must be a 1-D int array, got shape {tv.shape} dtype {tv.dtype}"
-        )
-    return tv < int(version)
-
-
-def restart_sample(sample: Sample, new_version: PolicyVersion, *, partial: bool) -> Sample:
-    """The in-flight state of `sample` when it is resumed/regenerated at `new_version`.
-
-    Args:
-      sample: the stopped sample (typically finish_reason ABORTED).
-      new_version: version of the weights that will generate from now on; must be
-        >= every version already in the sample (versions only go up).
-      partial: True keeps the generated prefix (tokens, behaviour logprobs, version
-        stamps, start version); False discards it and restarts at `new_version`.
-
-    Returns:
-      a new Sample, finish_reason ABORTED (still to be continued), reward unset.
-      Append the continuation with `extend_sample(..., version=new_version)`.
-
-    Raises:
-      ValueError: `new_version` is older than the sample's newest token or start.
-    """
-    new_version = _check_nonneg_int("new_version", new_version)
-    newest = int(sample.start_version)
-    tv = np.asarray(sample.token_versions)
-    if tv.size:
-        newest = max(newest, int(tv.max()))
-    if new_version < newest:
-        raise ValueError(
-            f"restart of prompt {sample.prompt_id}/{sample.sample_index} at version "
-            f"{new_version} is older than its newest version {newest}"
-        )
-    if partial and tv.size:
-        keep = dict(
-            response_tokens=np.asarray(sample.response_tokens, np.int32).copy(),
-            behaviour_logprobs=np.asarray(sample.behaviour_logprobs, np.float32).copy(),
-            token_versions=tv.astype(np.int32).copy(),
-            start_version=start_version_of(sample),
-        )
-    else:  # partial off, or nothing generated yet: nothing old survives
-        keep = dict(
-            response_tokens=np.zeros((0,), np.int32),
-            behaviour_logprobs=np.zeros((0,), np.float32),
-            token_versions=np.zeros((0,), np.int32),
-            start_version=new_version,
-        )
-    return Sample(
-        prompt_id=sample.prompt_id,
-        sample_index=sample.sample_index,
-        prompt_tokens=np.asarray(sample.prompt_tokens, np.int32).copy(),
-        finish_reason=FinishReason.ABORTED,
-        **keep,
-    )
-
-
-def extend_sample(
-    sample: Sample,
-    tokens_t: np.ndarray,
-    logprobs_t: np.ndarray,
-    *,
-    version: PolicyVersion,
-    finish_reason: FinishReason,
-) -> Sample:
-    """Append tokens sampled at `version` to `sample` (pure: returns a new Sample).
-
-    Args:
-      sample: the sample to continue (e.g. from `restart_sample`).
-      tokens_t: int [T_new] new response tokens.
-      logprobs_t: float [T_new] their behaviour logprobs under the weights of `version`.
-      version: version that sampled every new token.
-      finish_reason: why the sample stopped now.
-
-    Raises:
-      ValueError: lengths differ, or `version` is older than a token already present.
-    """
-    version = _check_nonneg_int("version", version)
-    tokens_t = np.asarray(tokens_t, np.int32).reshape(-1)
-    logprobs_t = np.asarray(logprobs_t, np.float32).reshape(-1)
-    if tokens_t.shape != logprobs_t.shape:
-        raise ValueError(
-            f"tokens_t has {tokens_t.size} entries but logprobs_t has {logprobs_t.size}"
-        )
-    tv = np.asarray(sample.token_versions, np.int32)
-    if tv.size and version < int(tv.max()):
-        raise ValueError(f"extend at version {version} is older than existing token {tv.max()}")
-    return dataclasses.replace(
-        sample,
-        response_tokens=np.concatenate([np.asarray(sample.response_tokens, np.int32), tokens_t]),
-        behaviour_logprobs=np.concatenate(
-            [np.asarray(sample.behaviour_logprobs, np.float32), logprobs_t]
-        ),
-        token_versions=np.concatenate([tv, np.full(tokens_t.shape, version, np.int32)]),
-        finish_reason=FinishReason(finish_reason),
-        reward=None,
-        reward_info={},
-    )

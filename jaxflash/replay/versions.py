@@ -5,7 +5,7 @@ token with the version that sampled it, and the staleness gate
 (`jaxflash.replay.staleness`) compares those stamps with the published version.
 A version that goes backwards (e.g. a checkpoint restored into a running job, or two
 learners publishing) would make old samples look fresh, so `publish` refuses it
-loudly instead ("Versions only go up", ../shared/cases/rl_pitfalls.md).
+loudly instead ("Versions only go up", tests/test_staleness.py).
 
 This module holds a lock but starts no threads (threads live in `jaxflash.runtime`).
 
@@ -41,16 +41,16 @@ class PolicyClock:
 
     def __init__(self, initial: PolicyVersion = 0) -> None:
         self._version = _check_version("PolicyClock initial version", initial)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
 
     @property
     def version(self) -> PolicyVersion:
         """The latest published version (a consistent read from any thread)."""
-        with self._cond:
+        with self._lock:
             return self._version
 
     def publish(self, version: PolicyVersion) -> None:
-        """Publish a new learner version; wakes anyone in `wait_for`.
+        """Publish a new learner version.
 
         Args:
           version: the new version; must be strictly greater than the current one.
@@ -60,24 +60,13 @@ class PolicyClock:
           TypeError: `version` is not an int.
         """
         version = _check_version("published version", version)
-        with self._cond:
+        with self._lock:
             if version <= self._version:
                 raise ValueError(
                     f"policy versions only go up: cannot publish version {version} "
                     f"after version {self._version}"
                 )
             self._version = version
-            self._cond.notify_all()
-
-    def wait_for(self, version: PolicyVersion, timeout_s: float | None = None) -> bool:
-        """Block until the published version is >= `version` or `timeout_s` passes.
-
-        Returns:
-          True if the version was reached, False on timeout.
-        """
-        version = _check_version("awaited version", version)
-        with self._cond:
-            return self._cond.wait_for(lambda: self._version >= version, timeout=timeout_s)
 
     def __repr__(self) -> str:
         return f"PolicyClock(version={self.version})"

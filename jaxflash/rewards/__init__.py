@@ -2,10 +2,16 @@
 
 Importing the package fills the `REWARD_FNS` registry: "math" (answer
 correctness on Math-Verify), "format_boxed", "format_answer_is", "format_any",
-"uppercase_fraction" (a toy reward for smoke runs).
+"reasoning_gym" (reasoning-gym's verifiers), "uppercase_fraction" (a toy reward
+for smoke runs).
 """
 
-from jaxflash.rewards import format, math_reward, toy  # noqa: F401  (fill the registry)
+from jaxflash.rewards import (  # noqa: F401  (fill the registry)
+    format,
+    math_reward,
+    reasoning_gym_reward,
+    toy,
+)
 from jaxflash.rewards.base import (
     REWARD_FNS,
     CombinedReward,
@@ -17,12 +23,13 @@ from jaxflash.rewards.base import (
     register,
 )
 from jaxflash.rewards.format import FormatReward
-from jaxflash.rewards.math_reward import math_answer_reward
+from jaxflash.rewards.math_reward import MathAnswerReward, math_answer_reward
 
 __all__ = [
     "REWARD_FNS",
     "CombinedReward",
     "FormatReward",
+    "MathAnswerReward",
     "RewardFn",
     "RewardResult",
     "as_reward_fn",

@@ -22,8 +22,12 @@ _ANSWER_IS = re.compile(
 )
 
 
-def has_boxed(text: str) -> bool:
-    """True if `text` holds a \\boxed{...} with balanced braces and non-blank content."""
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every \\boxed{...} / \\fbox{...} with balanced braces, in order.
+
+    Example: ``boxed_contents(r"so \\boxed{\\frac{1}{2}}")`` -> ``["\\frac{1}{2}"]``.
+    """
+    out = []
     for match in _BOX_OPEN.finditer(text):
         depth, start = 1, match.end()
         for pos in range(start, len(text)):
@@ -32,10 +36,14 @@ def has_boxed(text: str) -> bool:
             elif text[pos] == "}":
                 depth -= 1
                 if depth == 0:
-                    if text[start:pos].strip():
-                        return True
+                    out.append(text[start:pos])
                     break
-    return False
+    return out
+
+
+def has_boxed(text: str) -> bool:
+    """True if `text` holds a \\boxed{...} with balanced braces and non-blank content."""
+    return any(c.strip() for c in boxed_contents(text))
 
 
 def has_answer_is(text: str) -> bool:

@@ -1,4 +1,4 @@
-"""Math answer correctness on Math-Verify (huggingface/Math-Verify).
+"""Math answer correctness on Math-Verify (huggingface/Math-Verify), with stated precision.
 
 Extract once: the response's final answer is extracted a single time (a
 ``\\boxed{}`` first, then "the answer is N" / "Answer: N", then the last
@@ -6,6 +6,38 @@ number or LaTeX expression), and the reference label is parsed a single time
 as a *plain* answer (a label "5" needs no box; a label "\\frac{1}{2}" or
 "3\\sqrt{2}" is read as LaTeX). So grading "... so the answer is \\boxed{5}"
 against "5" and grading the already-extracted "5" against "5" both give 1.0.
+
+Comparison precision (Math-Verify's defaults round floats to 6 decimals and
+evaluate differences to 15 digits with ``chop``, so ``1/2^98`` equals
+``1/2^99`` and ``0.0000001`` equals ``0.0000002``; both are wrong here):
+
+1. **Exact first.** Math-Verify's comparison (strings, sets, intervals,
+   relations, matrices, symbolic simplification) runs with floats kept to 15
+   decimals and differences evaluated to 50 significant digits, so exact
+   answers compare exactly: ``1/2^98`` vs ``1/2^99`` -> 0, ``0.5`` vs
+   ``\\frac{1}{2}`` -> 1, ``\\sqrt{2}/2`` vs ``\\frac{1}{\\sqrt{2}}`` -> 1.
+   Two numbers also match when equal with every decimal read as the exact
+   number it denotes (``6.02\\times 10^{23}`` vs ``602000000000000000000000``).
+2. **Tolerance only for inexact numbers.** When that fails, both answers are
+   single real numbers, at least one is written as a decimal (a float) and
+   neither is an integer, they match iff
+   ``|a - b| <= max(rel_tol * max(|a|, |b|), abs_tol)``; defaults
+   ``rel_tol=1e-6``, ``abs_tol=0`` (``MathAnswerReward`` sets others). So
+   ``3.14159265`` vs ``\\pi`` -> 1, ``0.3333333`` vs ``1/3`` -> 1, ``3.14`` vs
+   ``\\pi`` -> 0, ``0.0000002`` vs ``0.0000001`` -> 0, ``1234567.5`` vs
+   ``1234567`` -> 0 (integers match exactly), and two exact numbers never get
+   a tolerance.
+3. **Scientific notation.** ``1.5e-7`` / ``6.02E23`` (which LaTeX parsing reads
+   as ``1.5 * e - 7`` with Euler's e) is rewritten as the plain decimal it
+   denotes (``0.00000015``, exactly, via ``decimal``) in both the response and
+   the label before parsing; exponents beyond +-64 are left alone.
+
+Several boxed answers: Math-Verify reads every ``\\boxed{}`` of the response
+and joins the distinct ones into one set. The same value boxed twice counts
+once (``\\boxed{3} ... \\boxed{3}`` vs "3" -> 1); different values form a set
+that a single-valued label never equals (``\\boxed{2} or \\boxed{3}`` vs "3"
+-> 0: hedging is not rewarded), while a label that is itself a set matches it
+(vs "2, 3" -> 1).
 
 Math-Verify's own timeouts use SIGALRM, which raises off the main thread; they
 are disabled here (``parsing_timeout=None``, ``timeout_seconds=None``) and
@@ -15,9 +47,14 @@ worker process that runs past its deadline).
 
 from __future__ import annotations
 
+import dataclasses
+import decimal
 import functools
 import logging
+import math
+import re
 
+import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from jaxflash.rewards.base import RewardResult, register
@@ -33,6 +70,10 @@ RESPONSE_EXTRACTION = (
 # parsing of the raw label is the fallback.
 _LABEL_LATEX = (LatexExtractionConfig(boxed_match_priority=0),)
 _LABEL_EXPR = (ExprExtractionConfig(),)
+FLOAT_DECIMALS = 15  # Math-Verify float_rounding: floats compared at full double precision
+EVAL_DIGITS = 50  # Math-Verify numeric_precision: digits of (a - b).evalf before chop
+# 1.5e-7, 6.02E+23, .5e3 (not inside words or longer numbers).
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -46,6 +87,23 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
 
 
+def normalize_scientific(text: str) -> str:
+    """``1.5e-7`` -> ``0.00000015``, ``6.02E23`` -> ``602000000000000000000000``.
+
+    LaTeX parsing reads the ``e`` of ``1.5e-7`` as Euler's number; the plain
+    decimal parses the same in LaTeX and in plain text. Exact (``decimal``);
+    exponents beyond +-64 are left as written.
+    """
+
+    def plain(m: re.Match) -> str:
+        if abs(int(m.group(2))) > 64:
+            return m.group(0)
+        text = format(decimal.Decimal(m.group(0)), "f")
+        return text.rstrip("0").rstrip(".") if "." in text else text
+
+    return _SCIENTIFIC.sub(plain, text)
+
+
 def extract_answer(response_text: str) -> list:
     """Extract and parse the final answer of a response (Math-Verify objects).
 
@@ -56,7 +114,10 @@ def extract_answer(response_text: str) -> list:
       Math-Verify's parse: [sympy object, extracted string] or [] if no answer.
     """
     return parse(
-        response_text, list(RESPONSE_EXTRACTION), parsing_timeout=None, raise_on_error=False
+        normalize_scientific(response_text),
+        list(RESPONSE_EXTRACTION),
+        parsing_timeout=None,
+        raise_on_error=False,
     )
 
 
@@ -67,12 +128,12 @@ def parse_label(answer: str) -> tuple:
     Cached: the G samples of a group (and every epoch) share one parse.
 
     Args:
-      answer: the reference answer, e.g. "5", "\\frac{1}{2}", "\\boxed{5}".
+      answer: the reference answer, e.g. "5", "\\frac{1}{2}", "\\boxed{5}", "1.5e-7".
 
     Returns:
       Math-Verify's parse as a tuple; () if the label cannot be parsed.
     """
-    text = answer.strip()
+    text = normalize_scientific(answer.strip())
     if not text:
         return ()
     # A label that already carries its own delimiters or box is parsed as given.
@@ -83,38 +144,111 @@ def parse_label(answer: str) -> tuple:
     return tuple(gold)
 
 
-@register("math")
-def math_answer_reward(response_text: str, answer: str) -> RewardResult:
-    """1.0 if the response's final answer equals the reference, else 0.0.
+def _real_number(x: object) -> float | None:
+    """x as a finite float if it is a constant real number (sympy), else None."""
+    if not isinstance(x, sympy.Basic) or x.free_symbols:
+        return None
+    try:
+        value = complex(sympy.N(x, 30))
+    except (TypeError, ValueError):
+        return None
+    if value.imag != 0 or not math.isfinite(value.real):
+        return None
+    return value.real
+
+
+def _as_written(x: sympy.Basic) -> sympy.Basic:
+    """x with every float replaced by the exact decimal it prints as (0.3333333 -> 3333333/10^7)."""
+    return x.xreplace({f: sympy.Rational(str(f)) for f in x.atoms(sympy.Float)})
+
+
+def answers_match(gold: list, pred: list, *, rel_tol: float, abs_tol: float) -> bool:
+    """Exact comparison first, tolerance only for inexact numbers (module docstring).
 
     Args:
-      response_text: the model's response only.
-      answer: the reference answer label.
+      gold, pred: Math-Verify parses ([sympy object, string]).
+      rel_tol, abs_tol: tolerance of step 2.
+    """
+    if verify(
+        gold,
+        pred,
+        float_rounding=FLOAT_DECIMALS,
+        numeric_precision=EVAL_DIGITS,
+        timeout_seconds=None,
+        raise_on_error=False,
+    ):
+        return True
+    g, p = gold[0], pred[0]
+    if not (isinstance(g, sympy.Basic) and isinstance(p, sympy.Basic)):
+        return False
+    if not (g.has(sympy.Float) or p.has(sympy.Float)):
+        return False  # two exact numbers: exact equality only (step 1 said no)
+    if _real_number(g) is not None and _real_number(p) is not None:
+        # Decimals as the exact numbers they denote: 6.02\times 10^{23} is an integer.
+        try:
+            if (_as_written(g) - _as_written(p)).is_zero:
+                return True
+        except (TypeError, ValueError):
+            pass
+    a, b = _real_number(g), _real_number(p)
+    if a is None or b is None or g.is_Integer or p.is_Integer:
+        return False  # an integer answer is only ever matched exactly
+    return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol)
 
-    Returns:
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MathAnswerReward:
+    """1.0 if the response's final answer equals the reference, else 0.0.
+
+    A class so the tolerance is stated, settable and picklable into reward
+    workers; the registered "math" reward is ``MathAnswerReward()``.
+
+    Attributes:
+      rel_tol: relative tolerance for answers written as decimals (>= 0).
+      abs_tol: absolute tolerance for them (>= 0; 0 = none, so tiny answers
+        are not equal by rounding).
+
+    Returns (when called with ``(response_text, answer)``):
       RewardResult with components {"correct", "answer_found"}; error set only
       when the *label* cannot be parsed (a data problem, not a wrong answer).
 
     Raises:
       TypeError: response_text or answer is not a str.
+      ValueError: (at construction) a negative or non-finite tolerance.
 
     References:
       Math-Verify, https://github.com/huggingface/Math-Verify (parse / verify).
     """
-    if not isinstance(response_text, str):
-        raise TypeError(f"response_text must be str, got {type(response_text).__name__}")
-    if not isinstance(answer, str):
-        raise TypeError(f"answer must be str, got {type(answer).__name__}")
-    gold = parse_label(answer)
-    if not gold:
-        return RewardResult(
-            score=0.0,
-            components={"correct": 0.0, "answer_found": 0.0},
-            error=f"could not parse reference answer {answer!r}",
-        )
-    pred = extract_answer(response_text)
-    if not pred:
-        return RewardResult(score=0.0, components={"correct": 0.0, "answer_found": 0.0})
-    correct = verify(list(gold), pred, timeout_seconds=None, raise_on_error=False)
-    score = 1.0 if correct else 0.0
-    return RewardResult(score=score, components={"correct": score, "answer_found": 1.0})
+
+    rel_tol: float = 1e-6
+    abs_tol: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("rel_tol", "abs_tol"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"MathAnswerReward.{name} must be a finite float >= 0, got {value!r}"
+                )
+
+    def __call__(self, response_text: str, answer: str) -> RewardResult:
+        if not isinstance(response_text, str):
+            raise TypeError(f"response_text must be str, got {type(response_text).__name__}")
+        if not isinstance(answer, str):
+            raise TypeError(f"answer must be str, got {type(answer).__name__}")
+        gold = parse_label(answer)
+        if not gold:
+            return RewardResult(
+                score=0.0,
+                components={"correct": 0.0, "answer_found": 0.0},
+                error=f"could not parse reference answer {answer!r}",
+            )
+        pred = extract_answer(response_text)
+        if not pred:
+            return RewardResult(score=0.0, components={"correct": 0.0, "answer_found": 0.0})
+        correct = answers_match(list(gold), pred, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+        score = 1.0 if correct else 0.0
+        return RewardResult(score=score, components={"correct": score, "answer_found": 1.0})
+
+
+math_answer_reward = register("math")(MathAnswerReward())

@@ -1,18 +1,24 @@
-"""Held-out evaluation: accuracy (mean@n) on a fixed prompt set."""
+"""Held-out evaluation: accuracy (mean@n) on a fixed prompt set, scored by the run's reward."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.slot_loop import check_request, run_requests
+from jaxflash.generation.slot_loop import SlotBatcher, check_request
 from jaxflash.runtime.reward_pool import RewardPool
+from jaxflash.runtime.scoring import TruncationPolicy, apply_score, correctness, response_text
 from jaxflash.types import GenerationRequest, Prompt, SamplingParams
 
 EVAL_SEED_OFFSET = 1_000_003  # eval samples never share RNG streams with training samples
+_NO_TRUNCATION_PENALTY = TruncationPolicy(mode="none")  # accuracy counts the answer alone
+
+Progress = Callable[[int, int, int], None]
+"""``progress(samples_finished, samples_total, tokens_generated_so_far)``."""
 
 
 def evaluate(
@@ -26,17 +32,29 @@ def evaluate(
     policy_version: int,
     tokenizer: Any,
     reward_pool: RewardPool,
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """Answer accuracy on held-out prompts, as mean@n with its standard error.
+
+    Each sample is sent to the reward pool the moment it finishes, so scoring
+    overlaps the rest of the generation.
 
     Args:
       engine, params: generation engine and params (engine samples ``sampling``).
       prompts: held-out prompts (the same list at every evaluation).
       samples_per_prompt: n samples per prompt.
-      sampling, seed, policy_version, tokenizer, reward_pool: as in ``rollout_round``.
+      sampling: the training sampling (one engine, one compiled distribution).
+      seed: the run seed (offset so eval never shares RNG streams with training).
+      policy_version: version of ``params``.
+      tokenizer: ``stop_ids`` (every id that ends a response) and
+        ``response_text(ids)`` (the text the reward sees).
+      reward_pool: the training reward pool (the same reward scores both).
+      progress: called after every decode step (for the console).
 
     Returns:
-      {"eval_accuracy": mean over prompts of the per-prompt mean correctness,
+      {"eval_accuracy": mean over prompts of the per-prompt mean correctness
+       (``scoring.correctness``: the reward's ``correct`` component, else its
+       score; the training metric ``accuracy``'s definition),
        "eval_accuracy_stderr": standard error over prompts, "eval_prompts": count,
        "eval_failed": prompts that could not be evaluated (too long / reward error)}.
     """
@@ -59,27 +77,31 @@ def evaluate(
             failed += 1
             continue
         requests.extend(reqs)
-    samples = run_requests(
-        engine, params, requests, policy_version=policy_version, eos_id=tokenizer.eos_id
-    )
     answers = {p.prompt_id: p.answer for p in prompts}
-    futures = [
-        reward_pool.submit(
-            (
-                tokenizer.decode([int(t) for t in s.response_tokens if int(t) != tokenizer.eos_id]),
+    batcher = SlotBatcher(
+        engine, params, policy_version=policy_version, stop_ids=tokenizer.stop_ids
+    )
+    for request in requests:
+        batcher.add(request)
+    if progress is not None:
+        progress(0, len(requests), 0)
+    scored = []  # (sample, future), in finishing order
+    while not batcher.idle:
+        for s in batcher.step():
+            item = (
+                response_text(s, tokenizer),
                 answers[s.prompt_id],
                 f"eval prompt {s.prompt_id} sample {s.sample_index}",
             )
-        )
-        for s in samples
-    ]
+            scored.append((s, reward_pool.submit(item)))
+        if progress is not None:  # every decode step: long responses finish late
+            progress(len(scored), len(requests), batcher.stats.generated_tokens)
     per_prompt: dict[int, list[float]] = {}
     errored: set[int] = set()
-    for s, fut in zip(samples, futures, strict=True):
-        result = fut.result()
-        if result.error is not None:
+    for s, fut in scored:
+        if apply_score(s, fut.result(), _NO_TRUNCATION_PENALTY) is not None:
             errored.add(s.prompt_id)
-        per_prompt.setdefault(s.prompt_id, []).append(result.components.get("math", 0.0))
+        per_prompt.setdefault(s.prompt_id, []).append(correctness(s))
     means = np.array([np.mean(v) for k, v in per_prompt.items() if k not in errored])
     n = len(means)
     return {

@@ -1,201 +1,81 @@
 """The experiment, as validated frozen dataclasses (the ConfigDict stops at the launcher).
 
 ``ExperimentConfig.from_config_dict(config)`` turns a ``configs/*.py`` ConfigDict
-into these; every field is checked eagerly, with errors naming the field.
+into these (sections in ``runtime.specs``); every field is checked eagerly, with
+errors naming the field, and an unknown key is refused with the nearest known one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
+from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.runtime.specs import (
+    FILE_TASKS,
+    CheckpointSpec,
+    ConfigError,
+    DataSpec,
+    EvalSpec,
+    MeshSpec,
+    ModelSpec,
+    RewardSpec,
+    RolloutSpec,
+    unknown_key_message,
+)
+from jaxflash.runtime.specs import check as _check
 from jaxflash.types import SamplingParams
+
+__all__ = [
+    "FILE_TASKS",
+    "GROUP_RELATIVE",
+    "CheckpointSpec",
+    "ConfigError",
+    "DataSpec",
+    "EvalSpec",
+    "ExperimentConfig",
+    "MeshSpec",
+    "ModelSpec",
+    "RewardSpec",
+    "RolloutSpec",
+    "unknown_key_message",
+]
 
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 """Advantage estimators whose baseline is the prompt's own group of samples."""
 
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+TASK_VERIFIERS = ("math", "reasoning_gym")
+"""Built-in rewards that read a task's answer format (a task's ``task_reward``)."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshSpec:
-    """Devices: a learner mesh and (unless colocated) generation slices.
-
-    Attributes:
-      num_cpu_devices: fake CPU devices (CPU only; set before jax is imported).
-      learner: learner mesh axis sizes, e.g. {"fsdp": 4, "tensor": 2}.
-      generation: axis sizes of each generation slice, e.g. {"tensor": 1}.
-      colocated: sync mode; generation runs on the learner's devices.
-      num_generation_slices: async mode (colocated False): disjoint generation
-        slices after the learner's devices, one GenerationServer each.
-    """
-
-    num_cpu_devices: int = 1
-    learner: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"fsdp": 1})
-    generation: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"tensor": 1})
-    colocated: bool = True
-    num_generation_slices: int = 1
-
-    def __post_init__(self) -> None:
-        _check(
-            self.num_generation_slices >= 1,
-            f"mesh.num_generation_slices must be >= 1, got {self.num_generation_slices}",
-        )
-        for name, axes in (("learner", self.learner), ("generation", self.generation)):
-            for axis, size in axes.items():
-                _check(int(size) >= 1, f"mesh.{name}.{axis} must be >= 1, got {size}")
+def _refuse_unknown(section: str, given: Mapping[str, Any], known: list[str]) -> None:
+    for key in sorted(set(given) - set(known)):
+        raise ConfigError(unknown_key_message(f"{section}.{key}" if section else key, known))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """Where the weights come from. source: gguf | hf | random."""
-
-    source: str = "gguf"
-    path: str = ""
-    preset: str = "smollm2_135m"
-    compute_dtype: str = "float32"
-    remat: bool = True
-    logits_chunk: int = 64
-
-    def __post_init__(self) -> None:
-        _check(
-            self.source in ("gguf", "hf", "random"),
-            f"model.source must be gguf | hf | random, got {self.source!r}",
-        )
-        _check(self.source != "hf" or bool(self.path), "model.path is required for source=hf")
-        _check(
-            self.compute_dtype in ("float32", "bfloat16"),
-            f"model.compute_dtype must be float32 | bfloat16, got {self.compute_dtype!r}",
-        )
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DataSpec:
-    """Prompts: the procedural arithmetic task or a JSONL/Parquet file."""
-
-    task: str = "arithmetic"
-    path: str = ""
-    min_operands: int = 2
-    max_operands: int = 2
-    min_digits: int = 1
-    max_digits: int = 1
-    ops: str = "+-*"
-    max_prompt_tokens: int = 64
-    eval_size: int = 64
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    answer_marker: str = ""
-    on_error: str = "fail"
-
-    def __post_init__(self) -> None:
-        _check(
-            self.task in ("arithmetic", "file"),
-            f"data.task must be arithmetic | file, got {self.task!r}",
-        )
-        _check(self.task != "file" or bool(self.path), "data.path is required for data.task=file")
-        _check(
-            self.max_prompt_tokens >= 1,
-            f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}",
-        )
-        _check(self.eval_size >= 0, f"data.eval_size must be >= 0, got {self.eval_size}")
-        _check(
-            self.on_error in ("fail", "raise"),
-            f"data.on_error must be fail | raise, got {self.on_error!r}",
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutSpec:
-    """Generation: B prompts x G samples per step, sampling, slots, staleness bound."""
-
-    prompts_per_step: int = 8
-    group_size: int = 4
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    num_slots: int = 32
-    max_prefill_length: int = 64
-    async_ratio: int = 0
-    truncation: str = "penalty"
-    truncation_penalty: float = 0.0
-    filter_zero_variance: bool = False
-    # Async runtime (ROLL Flash, arXiv 2510.11345); ignored by the synchronous loop.
-    filter_min_mean: float | None = None  # drop groups with mean reward below
-    filter_max_mean: float | None = None  # drop groups with mean reward above
-    filter_min_std: float | None = None  # drop groups with reward std below
-    partial_rollout: str = "continue"  # continue | recompute | restart (on weight update)
-    stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows
-    sample_deadline_s: float = 600.0  # a sample not back by then is aborted and retried
-    max_retries: int = 1  # retries of a timed-out sample before its prompt fails
-
-    def __post_init__(self) -> None:
-        _check(
-            self.prompts_per_step >= 1,
-            f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}",
-        )
-        _check(self.group_size >= 1, f"rollout.group_size must be >= 1, got {self.group_size}")
-        _check(self.num_slots >= 1, f"rollout.num_slots must be >= 1, got {self.num_slots}")
-        _check(self.async_ratio >= 0, f"rollout.async_ratio must be >= 0, got {self.async_ratio}")
-        _check(
-            self.truncation in ("penalty", "mask", "none"),
-            f"rollout.truncation must be penalty | mask | none, got {self.truncation!r}",
-        )
-        _check(
-            self.partial_rollout in ("continue", "recompute", "restart"),
-            "rollout.partial_rollout must be continue | recompute | restart, "
-            f"got {self.partial_rollout!r}",
-        )
-        _check(
-            self.stale_policy in ("drop", "regenerate"),
-            f"rollout.stale_policy must be drop | regenerate, got {self.stale_policy!r}",
-        )
-        _check(
-            self.sample_deadline_s > 0,
-            f"rollout.sample_deadline_s must be > 0, got {self.sample_deadline_s}",
-        )
-        _check(self.max_retries >= 0, f"rollout.max_retries must be >= 0, got {self.max_retries}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RewardSpec:
-    """Reward: Math-Verify answer (+ format), or any picklable "module:attr" callable."""
-
-    fn: str = "math"
-    answer_weight: float = 1.0
-    format_weight: float = 0.0
-    num_workers: int = 2
-    timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        _check(self.num_workers >= 1, f"reward.num_workers must be >= 1, got {self.num_workers}")
-        _check(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalSpec:
-    every: int = 5
-    temperature: float = 1.0
-    samples_per_prompt: int = 1
-
-    def __post_init__(self) -> None:
-        _check(self.every >= 1, f"eval.every must be >= 1, got {self.every}")
-        _check(
-            self.samples_per_prompt >= 1,
-            f"eval.samples_per_prompt must be >= 1, got {self.samples_per_prompt}",
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointSpec:
-    every: int = 1
-    max_to_keep: int = 2
-
-    def __post_init__(self) -> None:
-        _check(self.every >= 1, f"checkpoint.every must be >= 1, got {self.every}")
+def _task_options(value: Any) -> dict[str, Any]:
+    """``data.task_options``: a mapping, or its JSON text (as written on a command line)."""
+    if isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"data.task_options is not valid JSON ({e}): {value!r}") from None
+    _check(
+        isinstance(value, Mapping),
+        f"data.task_options must be a JSON object, got {type(value).__name__}",
+    )
+    return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in value.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,31 +98,107 @@ class ExperimentConfig:
         # Cross-field checks, so a bad combination fails before any model is loaded.
         _check(self.total_steps >= 0, f"total_steps must be >= 0, got {self.total_steps}")
         _check(
+            self.advantage in ADVANTAGE_ESTIMATORS,
+            f"learner.advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, "
+            f"got {self.advantage!r}",
+        )
+        # The reward defaults to the task's own verifier; a built-in verifier of another
+        # task's answers would score every sample 0 (or fail it), so it is refused.
+        own = task_reward(self.data.task)
+        if not self.reward.fn:
+            object.__setattr__(self, "reward", dataclasses.replace(self.reward, fn=own))
+        _check(
+            self.reward.fn not in TASK_VERIFIERS or self.reward.fn == own,
+            f"reward.fn={self.reward.fn!r} cannot verify data.task={self.data.task!r}, whose "
+            f"answers the {own!r} reward reads; leave reward.fn unset (= the task's own)",
+        )
+        _check(
             self.eval.temperature == self.rollout.sampling.temperature,
             "eval.temperature must equal rollout.temperature (one engine, one compiled "
             f"distribution), got {self.eval.temperature} vs {self.rollout.sampling.temperature}",
         )
+        d, r = self.data, self.rollout
         _check(
-            self.data.max_prompt_tokens <= self.rollout.max_prefill_length,
-            f"data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds "
-            f"rollout.max_prefill_length={self.rollout.max_prefill_length}: prompts in "
-            "between would pass the data filter and then fail in the engine",
+            not (d.max_prompt_tokens and r.max_prefill_length)
+            or d.max_prompt_tokens <= r.max_prefill_length,
+            f"data.max_prompt_tokens={d.max_prompt_tokens} exceeds "
+            f"rollout.max_prefill_length={r.max_prefill_length}: prompts in "
+            "between would pass the data filter and then fail in the engine "
+            "(set rollout.max_prefill_length=0 to follow data.max_prompt_tokens)",
         )
         _check(
-            self.rollout.group_size >= 2 or self.advantage not in GROUP_RELATIVE,
+            r.group_size >= 2 or self.advantage not in GROUP_RELATIVE,
             f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "
             "group-relative advantage of one sample is always 0 (use group_size >= 2)",
         )
-        _check(
-            self.data.task != "file" or os.path.isfile(self.data.path),
-            f"data.path={self.data.path!r} is not a file",
+        m = self.mesh
+        if m.colocated:
+            _check(
+                r.async_ratio == 0,
+                f"rollout.async_ratio={r.async_ratio} needs disjoint generation slices "
+                "(mesh.colocated=False): a colocated generation server is idle while the "
+                "learner trains, so nothing could run ahead of it",
+            )
+            _check(
+                m.num_generation_slices == 1,
+                f"mesh.num_generation_slices={m.num_generation_slices} with "
+                "mesh.colocated=True: a colocated placement runs one generation server",
+            )
+            n_gen, n_learner = math.prod(m.generation.values()), math.prod(m.learner.values())
+            _check(
+                n_gen <= n_learner,
+                f"mesh.generation {dict(m.generation)} needs {n_gen} devices but with "
+                f"mesh.colocated=True it runs on the learner's {n_learner} (mesh.learner)",
+            )
+
+    def with_prompt_lengths(self, max_prompt_tokens: int) -> ExperimentConfig:
+        """A copy with ``data.max_prompt_tokens`` (and a 0 ``rollout.max_prefill_length``)
+        set to ``max_prompt_tokens`` (``runtime.prompt_lengths`` derives it)."""
+        prefill = self.rollout.max_prefill_length or max_prompt_tokens
+        return dataclasses.replace(
+            self,
+            data=dataclasses.replace(self.data, max_prompt_tokens=max_prompt_tokens),
+            rollout=dataclasses.replace(self.rollout, max_prefill_length=prefill),
         )
 
     @classmethod
     def from_config_dict(cls, config: Any) -> ExperimentConfig:
-        """Converts a ``configs/*.py`` ConfigDict (or nested dict); unknown keys raise."""
+        """Converts a ``configs/*.py`` ConfigDict (or nested dict).
+
+        Raises:
+          ConfigError: an invalid value or combination (naming the fields), or an
+            unknown key (naming the nearest known one).
+        """
+        try:
+            return cls._from_dict(config)
+        except ConfigError:
+            raise
+        except ValueError as e:  # LearnerConfig / SamplingParams checks
+            raise ConfigError(str(e)) from None
+
+    @classmethod
+    def _from_dict(cls, config: Any) -> ExperimentConfig:
         c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         c = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in c.items()}
+        sections = {
+            "mesh": _fields(MeshSpec),
+            "model": _fields(ModelSpec),
+            "data": _fields(DataSpec),
+            "rollout": [f for f in _fields(RolloutSpec) if f != "sampling"]
+            + ["temperature", "top_k", "top_p", "max_new_tokens"],
+            "reward": _fields(RewardSpec),
+            "learner": [
+                f
+                for f in _fields(LearnerConfig)
+                if f not in ("total_steps", "sampling", "logprob_chunk")
+            ]
+            + ["advantage"],
+            "eval": _fields(EvalSpec),
+            "checkpoint": _fields(CheckpointSpec),
+        }
+        _refuse_unknown("", c, ["seed", "total_steps", *sections])
+        for name, known in sections.items():
+            _refuse_unknown(name, c.get(name, {}), known)
         r = dict(c.get("rollout", {}))
         sampling = SamplingParams(
             temperature=float(r.pop("temperature", 1.0)),
@@ -259,21 +215,9 @@ class ExperimentConfig:
             sampling=sampling,
             logprob_chunk=int(c.get("model", {}).get("logits_chunk", 256)),
         )
-        known = {
-            "seed",
-            "total_steps",
-            "mesh",
-            "model",
-            "data",
-            "rollout",
-            "reward",
-            "learner",
-            "eval",
-            "checkpoint",
-        }
-        unknown = set(c) - known
-        _check(not unknown, f"unknown top-level config keys: {sorted(unknown)}")
         mesh = dict(c.get("mesh", {}))
+        data = dict(c.get("data", {}))
+        data["task_options"] = _task_options(data.get("task_options", {}))
         return cls(
             seed=int(c.get("seed", 0)),
             total_steps=int(c.get("total_steps", 10)),
@@ -285,7 +229,7 @@ class ExperimentConfig:
                 num_generation_slices=int(mesh.get("num_generation_slices", 1)),
             ),
             model=ModelSpec(**c.get("model", {})),
-            data=DataSpec(**c.get("data", {})),
+            data=DataSpec(**data),
             rollout=RolloutSpec(sampling=sampling, **r),
             reward=RewardSpec(**c.get("reward", {})),
             learner=learner,

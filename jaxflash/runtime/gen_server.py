@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.slot_loop import IN_FLIGHT_POLICIES, SlotBatcher, check_request
+from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 
 RequestKey = tuple[int, int]
@@ -52,7 +52,10 @@ class GenerationServer:
       engine: the engine of this generation slice (its mesh is the slice).
       params: initial weights (placed on the engine's mesh).
       policy_version: their version.
-      eos_id: end-of-sequence token id.
+      stop_ids: every id that ends a sample (``Tokenizer.stop_ids``: eos,
+        end-of-turn, generation_config's list); a stop id ends it with finish
+        reason EOS and is kept as its last token.
+      eos_id: a single stop id instead (``stop_ids={eos_id}``); give exactly one.
       partial_rollout: in-flight policy at a weight update, one of
         ``IN_FLIGHT_POLICIES`` ("continue" | "restart" | "recompute"), see
         ``SlotBatcher.set_params``.
@@ -60,9 +63,10 @@ class GenerationServer:
         server thread; never for aborted samples. Keep it short (e.g. put the
         sample on a queue): the server does not decode while it runs. If it
         raises, the server stops with that error.
+      clock: time source of the busy/idle accounting (default: real time).
 
     Raises:
-      ValueError: unknown partial_rollout.
+      ValueError: unknown partial_rollout; both or neither of stop_ids / eos_id.
     """
 
     def __init__(
@@ -72,9 +76,11 @@ class GenerationServer:
         params: Any,
         *,
         policy_version: PolicyVersion,
-        eos_id: int,
+        stop_ids: Collection[int] | None = None,
+        eos_id: int | None = None,
         partial_rollout: str,
         on_finished: Callable[[Sample], None],
+        clock: Clock | None = None,
     ):
         if partial_rollout not in IN_FLIGHT_POLICIES:
             raise ValueError(
@@ -85,7 +91,10 @@ class GenerationServer:
         self.engine = engine
         self.partial_rollout = partial_rollout
         self._on_finished = on_finished
-        self._batcher = SlotBatcher(engine, params, policy_version=policy_version, eos_id=eos_id)
+        self._clock = clock or RealClock()
+        self._batcher = SlotBatcher(
+            engine, params, policy_version=policy_version, stop_ids=stop_ids, eos_id=eos_id
+        )
         self._cond = threading.Condition()
         # Guarded by _cond:
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
@@ -224,7 +233,8 @@ class GenerationServer:
 
         Keys: name, version (applied), requested_version, queued_or_running
         (= load), occupancy (mean fraction of slots live per decode step),
-        busy_s / idle_s (wall seconds working / blocked with no work), steps,
+        live_slot_steps / slot_steps (its numerator and denominator), busy_s /
+        idle_s (clock seconds working / blocked with no work), steps,
         generated_tokens (including tokens later dropped by restarts), submitted,
         delivered, aborted, weight_updates (applied), wakeups (loop passes: one
         per decode step or command batch; flat while idle), restarted, recomputed,
@@ -242,6 +252,8 @@ class GenerationServer:
                 "requested_version": self._requested_version,
                 "queued_or_running": len(self._outstanding),
                 "occupancy": s.occupancy,
+                "live_slot_steps": s.live_slot_steps,
+                "slot_steps": s.slot_steps,
                 "busy_s": self._busy_s,
                 "idle_s": self._idle_s,
                 "steps": s.steps,
@@ -280,7 +292,7 @@ class GenerationServer:
             while True:
                 with self._cond:
                     # Block while there is nothing to do (no busy-wait).
-                    waited = time.perf_counter()
+                    waited = self._clock.now()
                     while (
                         not self._stopping
                         and not self._inbox
@@ -288,18 +300,18 @@ class GenerationServer:
                         and self._batcher.idle
                     ):
                         self._cond.wait()
-                    self._idle_s += time.perf_counter() - waited
+                    self._idle_s += self._clock.now() - waited
                     if self._stopping:
                         return
                     commands = list(self._inbox)
                     self._inbox.clear()
                     weights, self._pending_weights = self._pending_weights, None
                 self._counts["wakeups"] += 1
-                start = time.perf_counter()
+                start = self._clock.now()
                 self._apply(commands, weights)
                 finished = self._batcher.step() if not self._batcher.idle else []
                 self._deliver(finished)
-                self._busy_s += time.perf_counter() - start
+                self._busy_s += self._clock.now() - start
         except BaseException as err:  # surfaced to callers by check() and every call
             with self._cond:
                 self._error = err

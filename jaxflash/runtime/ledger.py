@@ -1,8 +1,10 @@
 """The prompt ledger: every prompt taken from the dataset ends in exactly one outcome.
 
 Outcomes are ``types.PromptOutcome`` (trained, filtered, stale, failed), each with
-a reason. ``check()`` asserts the books balance: taken == in flight + sum of
-outcomes. The ledger is part of the checkpoint, so the counts survive a restart.
+a reason; a failed prompt's reason is the ``types.FailureReason`` set where the
+failure happened (carried, never recovered from message text). ``check()``
+asserts the books balance: taken == in flight + sum of outcomes. The ledger is
+part of the checkpoint, so the counts survive a restart.
 """
 
 from __future__ import annotations
@@ -11,31 +13,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from jaxflash.types import PromptOutcome
-
-_FAILURE_CATEGORIES = (
-    # (substring of the failure detail, reason counted in the ledger); first match wins
-    ("malformed row", "malformed_row"),
-    ("longer than max_prompt_tokens", "prompt_too_long"),
-    ("exceeds max_prefill_length", "prompt_too_long"),
-    ("max_target_length", "prompt_too_long"),
-    ("reward error", "reward_error"),
-    ("not back within", "generation_timeout"),
-)
-
-
-def failure_reason(detail: str) -> str:
-    """The ledger reason for a failed prompt, from its human-readable detail.
-
-    Reward errors become "reward_timeout" when the reward worker hit its deadline.
-    Unknown details are counted as "other" (the detail itself is still printed).
-    """
-    for needle, reason in _FAILURE_CATEGORIES:
-        if needle in detail:
-            if reason == "reward_error" and "timeout" in detail:
-                return "reward_timeout"
-            return reason
-    return "other"
+from jaxflash.types import FailureReason, PromptOutcome
 
 
 class LedgerError(RuntimeError):
@@ -64,7 +42,19 @@ class PromptLedger:
         self.open_ids.add(prompt_id)
         self.taken += 1
 
-    def close(self, prompt_id: int, outcome: PromptOutcome, reason: str) -> None:
+    def close(self, prompt_id: int, outcome: PromptOutcome, reason: str | FailureReason) -> None:
+        """Close an open prompt with its outcome and reason.
+
+        Raises:
+          TypeError: a FAILED prompt whose reason is not a FailureReason.
+          LedgerError: the prompt is not open.
+        """
+        if PromptOutcome(outcome) == PromptOutcome.FAILED and not isinstance(reason, FailureReason):
+            raise TypeError(
+                f"prompt {prompt_id} closed as failed with reason {reason!r}: a failure "
+                "reason must be a FailureReason"
+            )
+        reason = str(reason)
         if prompt_id not in self.open_ids:
             raise LedgerError(f"prompt {prompt_id} closed as {outcome} but it is not in flight")
         self.open_ids.remove(prompt_id)

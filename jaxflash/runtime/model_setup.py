@@ -1,82 +1,74 @@
-"""Building the pieces a run needs from its ExperimentConfig: meshes, model, data, reward."""
+"""Building the pieces a run needs from its ExperimentConfig: tokenizer, model, reward,
+engine (the task: ``runtime.task_setup``)."""
 
 from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
-from jaxflash.data.arithmetic import ArithmeticTask
-from jaxflash.data.files import load_rows
-from jaxflash.data.prompts import PromptFailure, PromptSource
-from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.models.config import ModelConfig, get_preset, reconcile_vocab
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
 from jaxflash.rewards.base import REWARD_FNS, combined
-from jaxflash.runtime.experiment import DataSpec, ExperimentConfig, MeshSpec, ModelSpec, RolloutSpec
-from jaxflash.sharding.mesh import make_mesh
-from jaxflash.types import Prompt
+from jaxflash.runtime.experiment import (
+    ConfigError,
+    ExperimentConfig,
+    ModelSpec,
+    RewardSpec,
+    RolloutSpec,
+)
 
-EVAL_SEED_OFFSET = 7919  # eval rows come from a different split stream as well
 
+def load_tokenizer(spec: ModelSpec) -> Tokenizer:
+    """The model's tokenizer, with its chat template and stop set (``tokenizer.stop_ids``).
 
-def build_meshes(spec: MeshSpec) -> tuple[Mesh, Mesh]:
-    """(learner mesh, generation mesh). Colocated: generation uses the learner's first devices.
-
-    Raises:
-      ValueError: more devices requested than exist (both numbers named).
+    A random-init model uses SmolLM2's tokenizer (from the GGUF), so smoke runs
+    render real prompts.
     """
-    devices = jax.devices()
-    n_learner = math.prod(spec.learner.values())
-    n_gen = math.prod(spec.generation.values())
-    need = n_learner if spec.colocated else n_learner + n_gen
-    if need > len(devices):
-        raise ValueError(
-            f"mesh needs {need} devices (learner {dict(spec.learner)}, generation "
-            f"{dict(spec.generation)}, colocated={spec.colocated}) but jax sees {len(devices)}"
-        )
-    learner = make_mesh(devices[:n_learner], dict(spec.learner))
-    gen_devices = devices[:n_gen] if spec.colocated else devices[n_learner : n_learner + n_gen]
-    return learner, make_mesh(gen_devices, dict(spec.generation))
+    if spec.source == "hf":
+        return Tokenizer.from_hf_dir(spec.path)
+    return Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
 
 
 def load_model(
-    spec: ModelSpec, rollout: RolloutSpec
-) -> tuple[ModelConfig, dict[str, Any] | None, Tokenizer]:
-    """(model config, imported params or None for random init, tokenizer).
+    spec: ModelSpec, rollout: RolloutSpec, tokenizer: Tokenizer
+) -> tuple[ModelConfig, dict[str, Any] | None]:
+    """(model config, imported params or None for random init).
 
-    The tokenizer of a random-init model is SmolLM2's (from the GGUF), so smoke
-    runs use real prompts; the model's vocabulary is sized to it.
+    The vocabulary is reconciled with ``tokenizer`` (``reconcile_vocab``: padded
+    embedding rows are masked, ``config.valid_vocab_size``); a random-init model
+    is sized to it.
+
+    Raises:
+      ValueError: the tokenizer is larger than the model, or
+        ``rollout.max_prefill_length + rollout.max_new_tokens`` exceeds the
+        model's context (naming the fields).
     """
     overrides = dict(
         compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk
     )
     need_len = rollout.max_prefill_length + rollout.sampling.max_new_tokens
     if spec.source == "gguf":
-        path = spec.path or smollm2_gguf_path()
-        config, params = load_gguf(path)
-        tokenizer = Tokenizer.from_gguf(path)
+        config, params = load_gguf(spec.path or smollm2_gguf_path())
     elif spec.source == "hf":
         config, params = load_hf(spec.path)
-        tokenizer = Tokenizer.from_hf_dir(spec.path)
     else:
-        tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
         config, params = get_preset(spec.preset, vocab_size=tokenizer.vocab_size), None
         overrides["max_seq_len"] = max(config.max_seq_len, need_len)
-    config = config.replace(**overrides)
+    # Padded embeddings: ids past the tokenizer are masked; a larger tokenizer is refused.
+    config = reconcile_vocab(config.replace(**overrides), tokenizer.vocab_size)
     if need_len > config.max_seq_len:
         raise ValueError(
             f"rollout.max_prefill_length={rollout.max_prefill_length} + "
             f"rollout.max_new_tokens={rollout.sampling.max_new_tokens} = {need_len} exceeds "
             f"the model's max_seq_len={config.max_seq_len}"
         )
-    return config, params, tokenizer
+    return config, params
 
 
 def check_workdir_model(workdir: str, config: ModelConfig) -> None:
@@ -115,41 +107,7 @@ def check_workdir_model(workdir: str, config: ModelConfig) -> None:
         json.dump(current, f, indent=1)
 
 
-def make_datasets(exp: ExperimentConfig, tokenizer: Any) -> tuple[Any, list[Prompt]]:
-    """(training rows: a sequence or index -> row function, held-out eval prompts)."""
-    d: DataSpec = exp.data
-    if d.task == "arithmetic":
-        knobs = dict(
-            min_operands=d.min_operands,
-            max_operands=d.max_operands,
-            min_digits=d.min_digits,
-            max_digits=d.max_digits,
-            ops=d.ops,
-        )
-        train = ArithmeticTask(exp.seed, split="train", **knobs)
-        held_out = ArithmeticTask(exp.seed, split="eval", **knobs)
-        train_rows: Any = train.row
-        eval_rows: Any = held_out.rows(0, d.eval_size)
-    else:
-        # on_error="fail": a malformed row becomes a prompt failed with its file:line
-        # (counted by the ledger) instead of stopping the run.
-        rows = load_rows(
-            d.path,
-            prompt_key=d.prompt_key,
-            answer_key=d.answer_key,
-            answer_marker=d.answer_marker or None,
-            on_error="skip" if d.on_error == "fail" else "raise",
-        )
-        if not rows:
-            raise ValueError(f"data.path={d.path!r} has no rows")
-        n_eval = min(d.eval_size, len(rows) // 10)  # hold out at most 10 % of a file
-        train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
-    eval_source = PromptSource(eval_rows, tokenizer, max_prompt_tokens=d.max_prompt_tokens)
-    eval_prompts = [p for p in eval_source if not isinstance(p, PromptFailure)]
-    return train_rows, eval_prompts
-
-
-def make_reward(spec: Any) -> Any:
+def make_reward(spec: RewardSpec) -> Any:
     """Weighted Math-Verify answer reward (+ optional format reward), or ``spec.fn``.
 
     ``spec.fn`` is "math", another registered name (``REWARD_FNS``) or a
@@ -157,18 +115,16 @@ def make_reward(spec: Any) -> Any:
     callable ``(response_text, answer) -> RewardResult`` (it runs in worker processes).
 
     Raises:
-      ValueError: a malformed path; ImportError / AttributeError: it does not resolve.
+      ConfigError: the path does not import or has no such attribute (names reward.fn).
     """
     if spec.fn in REWARD_FNS and spec.fn != "math":
         return spec.fn  # a registered name; workers resolve it from the registry
     if spec.fn != "math":
-        module_name, sep, attr = spec.fn.partition(":")
-        if not sep or not module_name or not attr:
-            raise ValueError(
-                f"reward.fn must be a registered name {sorted(REWARD_FNS)} or "
-                f"'module:attr', got {spec.fn!r}"
-            )
-        return getattr(importlib.import_module(module_name), attr)
+        module_name, _, attr = spec.fn.partition(":")  # the form is checked by RewardSpec
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"reward.fn={spec.fn!r} does not resolve: {e}") from None
     weights = {"math": spec.answer_weight}
     if spec.format_weight:
         weights["format_any"] = spec.format_weight
@@ -204,13 +160,3 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
         logical_axes(model_config), mesh, GENERATOR_RULES, shapes=abstract_params(model_config)
     )
     return engine, shardings
-
-
-def prompt_by_id(rows: Any, source: PromptSource, prompt_id: int) -> Prompt | PromptFailure:
-    """Re-render prompt ``prompt_id`` (a resumed run regenerates prompts in flight).
-
-    ``rows`` is what ``make_datasets`` returned (a sequence, read in epochs, or an
-    index -> row function); ``source`` renders it without moving its cursor.
-    """
-    row = rows(prompt_id) if callable(rows) else rows[prompt_id % len(rows)]
-    return source.render(prompt_id, row)

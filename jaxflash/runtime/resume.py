@@ -1,7 +1,9 @@
-"""Start a learner fresh or resume it from a run directory (shared by both loops)."""
+"""Start a learner fresh or resume it from a run directory."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from typing import Any
 
@@ -19,6 +21,8 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.sharding.rules import LEARNER_RULES
+
+log = logging.getLogger(__name__)
 
 
 def init_or_restore_learner(
@@ -47,10 +51,11 @@ def init_or_restore_learner(
     if restored is not None:
         state, meta = restored
         ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
-        print(
-            f"resumed from step {meta.step} (data cursor {meta.data_cursor}, "
-            f"{len(ledger.open_ids)} prompts in flight)",
-            flush=True,
+        log.info(  # the run's console says it too
+            "resumed from step %d (data cursor %d, %d prompts in flight)",
+            meta.step,
+            meta.data_cursor,
+            len(ledger.open_ids),
         )
         truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
         truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
@@ -64,3 +69,32 @@ def init_or_restore_learner(
             imported_params, model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
         )
     return state, CheckpointMeta(step=0), PromptLedger(), checkpointer
+
+
+def finished_step(workdir: str, total_steps: int) -> int | None:
+    """The step of the last complete checkpoint in ``workdir`` if it reached
+    ``total_steps`` (the run is finished), else None (fresh start or resume).
+
+    Reads only the checkpoint directory: no model, no device memory.
+    """
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    with Checkpointer(directory) as checkpointer:
+        step = checkpointer.latest_step()
+    return step if step is not None and step >= total_steps else None
+
+
+def last_metrics(workdir: str) -> dict[str, Any]:
+    """The last row of ``<workdir>/metrics.jsonl`` ({} if none)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    last: dict[str, Any] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                last = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+    return last

@@ -2,8 +2,8 @@
 
 Scoring runs in separate processes (multiprocessing *spawn* context) so that:
 - a reward that hangs (a pathological sympy simplification, a stuck sandbox)
-  can be killed: the item gets ``RewardResult(score=0.0, error="timeout after
-  Xs scoring <item_id>")`` and the worker is replaced;
+  can be killed: the item resolves to score 0.0, error "timeout after Xs scoring
+  <item_id>" and failure ``FailureReason.REWARD_TIMEOUT``; the worker is replaced;
 - SIGALRM-based code works (each worker runs its reward on its main thread);
 - scoring never holds the learner's or the scheduler's GIL.
 
@@ -12,10 +12,10 @@ idle worker, waits on the result pipes with the earliest deadline as timeout,
 and resolves `concurrent.futures.Future`s. The deadline clock for an item starts
 when a *ready* worker receives it (start-up and queueing do not count).
 
-Workers import `jaxflash.rewards` only (not jax): start-up costs one Python
-interpreter plus Math-Verify/sympy. Note that spawn re-imports the parent's
-``__main__`` module in every worker, so launchers keep heavy imports (jax)
-inside ``main()``, not at module top level.
+Workers (``runtime.reward_worker``) import `jaxflash.rewards` only (not jax):
+start-up costs one Python interpreter plus Math-Verify/sympy. Note that spawn
+re-imports the parent's ``__main__`` module in every worker, so launchers keep
+heavy imports (jax) inside ``main()``, not at module top level.
 """
 
 from __future__ import annotations
@@ -25,49 +25,30 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any, NamedTuple
+from typing import Any
 
 from jaxflash.rewards.base import REWARD_FNS, RewardFn, RewardResult, as_reward_fn
-
-_READY = "ready"
-
-
-class RewardItem(NamedTuple):
-    """One response to score; any 3-tuple (response_text, answer, item_id) works."""
-
-    response_text: str
-    answer: str
-    item_id: Any
+from jaxflash.runtime.clock import Clock, RealClock
+from jaxflash.runtime.reward_worker import READY, STARTUP_ERROR, RewardItem, worker_main
+from jaxflash.types import FailureReason
 
 
-def _worker_main(conn: Connection, reward_spec: Any) -> None:
-    """Worker process: resolve the reward, say ready, then score items until None."""
-    try:
-        fn = as_reward_fn(reward_spec)
-    except BaseException as e:  # report why the worker cannot start, then exit
-        conn.send(("startup_error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(_READY)
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:  # the pool went away
-            return
-        if msg is None:
-            return
-        response_text, answer, item_id = msg
-        try:
-            result = fn(response_text, answer)
-            if not isinstance(result, RewardResult):
-                raise TypeError(f"reward returned {type(result).__name__}, not RewardResult")
-        except BaseException as e:
-            result = RewardResult(
-                score=0.0, error=f"reward raised scoring {item_id}: {type(e).__name__}: {e}"
-            )
-        conn.send(result)
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """What a scored item resolves to.
+
+    Attributes:
+      result: the reward's result (score 0.0 and ``error`` set when scoring failed).
+      failure: None when the reward ran to completion and reported no error; else
+        why not: REWARD_ERROR (raised, returned an error or the wrong type),
+        REWARD_TIMEOUT, REWARD_CRASH (worker died), REWARD_UNAVAILABLE (pool closed
+        or broken).
+    """
+
+    result: RewardResult
+    failure: FailureReason | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,9 +80,12 @@ class RewardPool:
         (>= 0). An exception raised by the reward is not retried (it is
         deterministic); it becomes the item's error.
       startup_timeout_s: how long a worker may take to import and resolve the reward.
+      clock: time source of the deadlines (the pipe waits themselves are real:
+        worker processes run in real time).
 
-    Every submitted item resolves to a `RewardResult` (never an exception):
-    score 0.0 with `error` set on timeout, crash, raise, or pool close.
+    Every submitted item resolves to a `Scored` (never an exception): its result
+    has score 0.0 and `error` set, and `failure` says why, on timeout, crash,
+    raise, or pool close.
 
     Raises:
       KeyError: `reward` is an unknown name (checked here, in the parent).
@@ -116,6 +100,7 @@ class RewardPool:
         timeout_s: float,
         max_retries: int = 0,
         startup_timeout_s: float = 120.0,
+        clock: Clock | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"RewardPool.num_workers must be >= 1, got {num_workers}")
@@ -131,6 +116,7 @@ class RewardPool:
         self._timeout_s = float(timeout_s)
         self._max_retries = max_retries
         self._startup_timeout_s = float(startup_timeout_s)
+        self._clock = clock or RealClock()
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._pending: collections.deque[_Job] = collections.deque()
@@ -144,7 +130,7 @@ class RewardPool:
     # ---------------------------------------------------------------- public API
 
     def submit(self, item: RewardItem | tuple) -> concurrent.futures.Future:
-        """Queue one item; the future resolves to its `RewardResult`.
+        """Queue one item; the future resolves to its `Scored`.
 
         Raises:
           RuntimeError: the pool is closed or its workers could not start.
@@ -166,7 +152,7 @@ class RewardPool:
         self._wake()
         return future
 
-    def score_many(self, items: Iterable[RewardItem | tuple]) -> list[RewardResult]:
+    def score_many(self, items: Iterable[RewardItem | tuple]) -> list[Scored]:
         """Score items in parallel; results in input order. Returns within about
         ceil(n / num_workers) * timeout_s * (1 + max_retries) plus worker restarts."""
         futures = [self.submit(item) for item in items]
@@ -194,11 +180,11 @@ class RewardPool:
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_worker_main, args=(child, self._reward), name="reward-worker", daemon=True
+            target=worker_main, args=(child, self._reward), name="reward-worker", daemon=True
         )
         process.start()
         child.close()  # the parent keeps only its end, so a dead worker reads as EOF
-        return _Worker(process=process, conn=parent, started_at=time.monotonic())
+        return _Worker(process=process, conn=parent, started_at=self._clock.now())
 
     def _kill(self, worker: _Worker) -> None:
         worker.process.kill()
@@ -215,16 +201,19 @@ class RewardPool:
         except OSError:  # the dispatcher already closed the pipe
             pass
 
-    def _finish(self, job: _Job, result: RewardResult) -> None:
+    def _finish(self, job: _Job, result: RewardResult, failure: FailureReason | None) -> None:
         if not job.future.done():
-            job.future.set_result(result)
+            job.future.set_result(Scored(result, failure))
 
-    def _fail_or_retry(self, job: _Job, error: str) -> None:
+    def _fail(self, job: _Job, error: str, failure: FailureReason) -> None:
+        self._finish(job, RewardResult(score=0.0, error=error), failure)
+
+    def _fail_or_retry(self, job: _Job, error: str, failure: FailureReason) -> None:
         if job.attempts <= self._max_retries:
             with self._lock:
                 self._pending.appendleft(job)  # retry before newer items
         else:
-            self._finish(job, RewardResult(score=0.0, error=error))
+            self._fail(job, error, failure)
 
     # ------------------------------------------------------------ dispatcher loop
 
@@ -245,7 +234,7 @@ class RewardPool:
 
     def _assign(self) -> None:
         """Hand pending items to ready, idle workers."""
-        now = time.monotonic()
+        now = self._clock.now()
         for worker in self._workers:
             if not worker.ready or worker.job is not None:
                 continue
@@ -257,14 +246,18 @@ class RewardPool:
             try:
                 worker.conn.send(tuple(job.item))
             except (OSError, EOFError):
-                self._fail_or_retry(job, f"reward worker died before scoring {job.item.item_id}")
+                self._fail_or_retry(
+                    job,
+                    f"reward worker died before scoring {job.item.item_id}",
+                    FailureReason.REWARD_CRASH,
+                )
                 self._replace(worker)
                 continue
             worker.job, worker.deadline = job, now + self._timeout_s
 
     def _wait_and_collect(self) -> None:
         """Block until a result, a wake-up or the earliest deadline; then handle it."""
-        now = time.monotonic()
+        now = self._clock.now()
         deadlines = [w.deadline for w in self._workers if w.job is not None]
         deadlines += [w.started_at + self._startup_timeout_s for w in self._workers if not w.ready]
         wait_s = max(0.0, min(deadlines) - now) if deadlines else None
@@ -276,13 +269,15 @@ class RewardPool:
                     self._wake_r.recv_bytes()
                 continue
             self._collect(conns[conn])
-        now = time.monotonic()
+        now = self._clock.now()
         for worker in list(self._workers):
             if worker.job is not None and now >= worker.deadline:
                 job = worker.job
                 self._replace(worker)  # SIGKILL: a hung reward cannot block us
                 self._fail_or_retry(
-                    job, f"timeout after {self._timeout_s:g}s scoring {job.item.item_id}"
+                    job,
+                    f"timeout after {self._timeout_s:g}s scoring {job.item.item_id}",
+                    FailureReason.REWARD_TIMEOUT,
                 )
             elif not worker.ready and now >= worker.started_at + self._startup_timeout_s:
                 self._set_fatal(f"worker did not start within {self._startup_timeout_s:g}s", worker)
@@ -300,16 +295,19 @@ class RewardPool:
             self._replace(worker)
             if job is not None:
                 self._fail_or_retry(
-                    job, f"reward worker died (exit code {code}) scoring {job.item.item_id}"
+                    job,
+                    f"reward worker died (exit code {code}) scoring {job.item.item_id}",
+                    FailureReason.REWARD_CRASH,
                 )
             return
-        if msg == _READY:
+        if msg == READY:
             worker.ready = True
-        elif isinstance(msg, tuple) and msg and msg[0] == "startup_error":
+        elif isinstance(msg, tuple) and msg and msg[0] == STARTUP_ERROR:
             self._set_fatal(msg[1], worker)
         elif worker.job is not None:
             job, worker.job, worker.deadline = worker.job, None, float("inf")
-            self._finish(job, msg)
+            # The worker turns a raise (or a wrong return type) into an error result.
+            self._finish(job, msg, None if msg.error is None else FailureReason.REWARD_ERROR)
 
     def _set_fatal(self, reason: str, worker: _Worker) -> None:
         """Workers cannot start (bad import, unpicklable reward): fail everything."""
@@ -332,12 +330,10 @@ class RewardPool:
                 worker.process.join(timeout=5.0)
             worker.conn.close()
             if worker.job is not None:
-                self._finish(
+                self._fail(
                     worker.job,
-                    RewardResult(
-                        score=0.0,
-                        error=f"reward pool closed while scoring {worker.job.item.item_id}",
-                    ),
+                    f"reward pool closed while scoring {worker.job.item.item_id}",
+                    FailureReason.REWARD_UNAVAILABLE,
                 )
         self._workers = []
         with self._lock:
@@ -345,8 +341,8 @@ class RewardPool:
             reason = self._fatal
         for job in pending:
             why = f"reward pool failed ({reason})" if reason else "reward pool closed"
-            self._finish(
-                job, RewardResult(score=0.0, error=f"{why} before scoring {job.item.item_id}")
+            self._fail(
+                job, f"{why} before scoring {job.item.item_id}", FailureReason.REWARD_UNAVAILABLE
             )
         self._wake_r.close()
         self._wake_w.close()

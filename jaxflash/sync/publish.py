@@ -5,7 +5,7 @@ to the generator's PartitionSpec (a jitted identity with ``out_shardings``),
 so every target shard already exists whole on some learner device and
 ``jax.device_put`` onto the generation mesh moves it device to device. Without
 that step, shards that do not exist in the source layout are gathered through
-the host (checked on jax 0.10.2, see ../shared/DESIGN.md "Facts checked").
+the host (checked on jax 0.10.2).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def check_version(version: PolicyVersion, previous: PolicyVersion | None) -> Non
     """Raise ValueError unless ``version`` is >= 0 and greater than ``previous``.
 
     Versions only go up: a generator must never be handed weights older than the
-    ones it has (see ../shared/cases/rl_pitfalls.md, "Versions only go up").
+    ones it has ("Versions only go up").
     """
     if int(version) < 0:
         raise ValueError(f"publish: version must be >= 0, got {version}")

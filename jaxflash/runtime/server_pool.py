@@ -1,0 +1,197 @@
+"""The generation servers the scheduler feeds: health, ranking and guarded calls.
+
+A server that raises from ``check``/``submit``/``abort_prompt``/``update_weights``
+(other than a ValueError from ``submit``, which rejects one request) is marked dead
+and never called again; one that let a sample miss its deadline is *suspect* until
+it delivers again. ``choose`` picks the server for a new sample: healthy before
+suspect, up to date before lagging, least loaded, lowest index (ROLL Flash queue
+scheduling, arXiv 2510.11345 §5.1). Thread-free: the scheduler serialises access;
+the servers themselves may be threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jaxflash.types import GenerationRequest, PolicyVersion
+
+log = logging.getLogger(__name__)
+
+
+class GenerationServerProtocol(Protocol):
+    """What the rollout scheduler calls on a generation server (``GenerationServer`` fits).
+
+    Attributes:
+      partial_rollout: in-flight policy at a weight update ("continue" | "recompute"
+        | "restart"); with "restart" a sample still running at an update restarts
+        at the new version.
+      version: policy version of the weights it generates with now.
+    """
+
+    partial_rollout: str
+
+    @property
+    def version(self) -> PolicyVersion: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout_s: float = 60.0) -> list[tuple[int, int]]: ...
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue one sample; ValueError rejects the request, anything else is a dead server."""
+        ...
+
+    def abort_prompt(self, prompt_id: int) -> int: ...
+
+    def update_weights(self, params: Any, version: PolicyVersion) -> None: ...
+
+    def check(self) -> None:
+        """Raise if the server's loop died."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Submitted(enum.Enum):
+    """Outcome of a guarded call; DIED is returned once, by the call that found it dead."""
+
+    OK = "ok"
+    REJECTED = "rejected"  # submit's ValueError: this request cannot run on the engine
+    DIED = "died"  # the server raised anything else: it is now dead
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitResult:
+    status: Submitted
+    error: BaseException | None = None
+
+
+class ServerPool:
+    """Generation servers by index, with their dead and suspect sets.
+
+    Args:
+      servers: the servers (at least one), constructed before the scheduler and
+        started by ``start``.
+
+    Raises:
+      ValueError: no servers.
+    """
+
+    def __init__(self, servers: Sequence[GenerationServerProtocol]) -> None:
+        if not servers:
+            raise ValueError("ServerPool needs at least one generation server")
+        self.servers = list(servers)
+        self.dead: set[int] = set()
+        self.suspect: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    @property
+    def alive(self) -> list[int]:
+        return [i for i in range(len(self.servers)) if i not in self.dead]
+
+    def restarts(self, i: int) -> bool:
+        """Server i restarts in-flight samples at a weight update."""
+        return self.servers[i].partial_rollout == "restart"
+
+    def version(self, i: int) -> PolicyVersion:
+        return int(self.servers[i].version)
+
+    def choose(self, load: collections.Counter, version: PolicyVersion, avoid: int = -1) -> int:
+        """The server for a new sample, or -1 when every server is dead.
+
+        Args:
+          load: server index -> samples outstanding on it.
+          version: the learner's published version (servers behind it rank lower).
+          avoid: a server to use only if no other is alive (a retry elsewhere).
+        """
+        alive = self.alive
+        if not alive:
+            return -1
+
+        def rank(i: int) -> tuple:
+            lagging = self.version(i) < version
+            return (i == avoid, i in self.suspect, lagging, load[i], i)
+
+        return min(alive, key=rank)
+
+    # -- guarded calls: a raising server is marked dead, never re-raised ------------
+
+    def mark_dead(self, i: int, err: BaseException) -> bool:
+        """Mark server i dead; True if it was alive."""
+        if i in self.dead:
+            return False
+        self.dead.add(i)
+        self.suspect.discard(i)
+        log.warning("generation server %d died: %r", i, err)
+        return True
+
+    def submit(self, i: int, request: GenerationRequest) -> SubmitResult:
+        try:
+            self.servers[i].submit(request)
+        except ValueError as err:  # the request cannot run (too long, wrong sampling)
+            return SubmitResult(Submitted.REJECTED, err)
+        except Exception as err:
+            self.mark_dead(i, err)
+            return SubmitResult(Submitted.DIED, err)
+        return SubmitResult(Submitted.OK)
+
+    def abort(self, i: int, prompt_id: int) -> Submitted:
+        """Abort a prompt's samples on server i: OK, or DIED if it died doing it now
+        (a server already dead is skipped: OK)."""
+        return self._guarded(i, lambda s: s.abort_prompt(prompt_id))
+
+    def update(self, i: int, params: Any, version: PolicyVersion) -> Submitted:
+        """Hand new weights to server i: OK, or DIED if it died doing it now."""
+        return self._guarded(i, lambda s: s.update_weights(params, version))
+
+    def _guarded(self, i: int, call: Any) -> Submitted:
+        if i in self.dead:
+            return Submitted.OK
+        try:
+            call(self.servers[i])
+        except Exception as err:
+            self.mark_dead(i, err)
+            return Submitted.DIED
+        return Submitted.OK
+
+    def check(self) -> list[int]:
+        """Servers found dead by this call (their ``check`` raised)."""
+        died = []
+        for i in self.alive:
+            try:
+                self.servers[i].check()
+            except Exception as err:
+                if self.mark_dead(i, err):
+                    died.append(i)
+        return died
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each server's ``stats()`` ({} for a dead one; ``check`` reports deaths)."""
+        out = []
+        for i, server in enumerate(self.servers):
+            try:
+                out.append({} if i in self.dead else dict(server.stats()))
+            except Exception:
+                out.append({})
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+
+    def stop(self) -> None:
+        """Stop every server; one stuck in a step is left behind (a daemon thread)."""
+        for i, server in enumerate(self.servers):
+            try:
+                server.stop()
+            except Exception as err:
+                log.warning("generation server %d did not stop: %r", i, err)

@@ -1,0 +1,87 @@
+"""One readable line for a bad ``--config.<key>=<value>`` override.
+
+``ml_collections.config_flags`` reports an unknown key as a chained
+KeyError/AttributeError traceback of ~55 lines whose last line holds an
+escaped "Did you mean". ``parse_flags`` (an ``absl.app.run`` flags parser)
+catches any error while the flags are parsed and explains it in one line: the
+unknown key with the nearest known one (found here by walking the config the
+``--config`` file builds), or the flag library's own message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from absl import flags
+
+from jaxflash.runtime.specs import unknown_key_message
+
+
+def _config_file(argv: Sequence[str]) -> tuple[str, str | None] | None:
+    """(path, argument) of ``--config=path[:arg]`` / ``--config path[:arg]``."""
+    for i, arg in enumerate(argv):
+        value = None
+        if arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value:
+            path, sep, config_arg = value.partition(":")
+            return path, (config_arg if sep else None)
+    return None
+
+
+def _load_config(path: str, config_arg: str | None) -> Any:
+    spec = importlib.util.spec_from_file_location("_jaxflash_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(config_arg) if config_arg is not None else module.get_config()
+
+
+def unknown_override(argv: Sequence[str]) -> str | None:
+    """The message for the first ``--config.<key>`` that names no config field, or None.
+
+    Args:
+      argv: the command line (``sys.argv``).
+    """
+    located = _config_file(argv)
+    if located is None or not os.path.isfile(located[0]):
+        return None
+    try:
+        config = _load_config(*located)
+    except Exception:  # the flag parser reports a broken config file itself
+        return None
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config.") :].split("=", 1)[0]
+        node: Any = config
+        for depth, part in enumerate(key.split(".")):
+            known = list(node.keys()) if hasattr(node, "keys") else []
+            if part not in known:
+                prefix = ".".join(key.split(".")[:depth])
+                full = f"{prefix}.{part}" if prefix else part
+                return unknown_key_message(full, known)
+            node = node[part]
+    return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """``absl.app.run``'s flags parser: a bad flag exits with status 2 and one line.
+
+    Raises:
+      SystemExit(2): a flag could not be parsed (the line says which and why).
+    """
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as err:
+        message = unknown_override(argv)
+        if message is None:
+            text = " ".join(str(err).split()) or type(err).__name__
+            message = f"bad command line: {text}"
+        print(f"config error: {message}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,235 @@
+"""What a user sees: progress during long phases, labelled step lines, one-line errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import rlvr_smollm2_arith, smoke
+from jaxflash.runtime import records
+from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
+from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _wait_for(predicate, timeout_s=10.0):
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout_s, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_long_phase_prints_its_progress_after_each_silence():
+    out = io.StringIO()
+    console = Console(out, every_s=0.05)
+    done = {"n": 0}
+    with console.phase("step 1/3: generating", lambda: f"{done['n']}/8 samples"):
+        for n in range(1, 4):
+            done["n"] = n
+            _wait_for(lambda n=n: f"{n}/8 samples" in out.getvalue())
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("  step 1/3: generating: 1/8 samples (")
+    assert lines[0].endswith(" s)")  # elapsed, with its unit
+    time.sleep(0.2)  # outside a phase, with nothing in the background: silence
+    n = len(out.getvalue().splitlines())
+    console.line("step 1/3 | elapsed 1 s")
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == n + 1
+    # Between phases the background names the work; an inner phase takes over while it lasts.
+    console.background("step 2/3")
+    _wait_for(lambda: out.getvalue().splitlines()[-1].startswith("  step 2/3 ("))
+    with console.phase("step 2/3: training"):
+        _wait_for(lambda: out.getvalue().splitlines()[-1].startswith("  step 2/3: training ("))
+    _wait_for(lambda: out.getvalue().splitlines()[-1].startswith("  step 2/3 ("))
+    console.background(None)
+    time.sleep(0.2)
+    n = len(out.getvalue().splitlines())
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == n
+    console.close()
+
+
+def test_announced_phase_and_a_status_that_fails():
+    out = io.StringIO()
+    console = Console(out, every_s=0.05)
+
+    def broken():
+        raise RuntimeError("counter gone")
+
+    with console.phase("loading", broken, announce="loading the model (SmolLM2) ..."):
+        _wait_for(lambda: "loading: ?" in out.getvalue())  # never raises into the run
+    assert out.getvalue().splitlines()[0] == "loading the model (SmolLM2) ..."
+    console.close()
+    console.close()  # idempotent
+    silent = Console(None)
+    with silent.phase("anything", broken):
+        pass
+    assert silent._thread is None  # nothing to print: no thread
+
+
+def test_status_lines_count_from_their_start():
+    class Sched:
+        generated, scored, tokens = 6, 5, 100
+
+        def stats(self):
+            return {"samples_generated": self.generated, "samples_scored": self.scored}
+
+        def server_stats(self):
+            return [{"generated_tokens": self.tokens}, {}]  # a dead server reports {}
+
+    now = [10.0]
+    sched = Sched()
+    status = GenerationStatus(sched, lambda: now[0], samples=32)
+    sched.generated, sched.scored, sched.tokens, now[0] = 16, 12, 500, 20.0
+    assert status() == "10/32 samples generated, 7 scored, 400 tokens at 40.0 tokens/s"
+    ev = EvalStatus(lambda: now[0])
+    ev.update(3, 200, 90)
+    now[0] = 23.0
+    assert ev() == "3/200 samples, 90 tokens at 30.0 tokens/s"
+    assert [duration(s) for s in (4.4, 65, 3725)] == ["4 s", "1 min 05 s", "1 h 02 min"]
+
+
+def test_step_line_labels_every_column():
+    line = records.step_line(
+        3,
+        20,
+        "5 min 12 s",
+        {
+            "step_time_s": 190.24,
+            "reward_mean": 0.25,
+            "accuracy": 0.125,
+            "response_len_mean": 18.25,
+            "staleness_max": 2,
+            "gen_tokens_per_s": 45.12,
+            "train_tokens_per_s": 812.0,
+            "eval_accuracy": 0.115,
+            "eval_accuracy_stderr": 0.024,
+            "eval_prompts": 100,
+        },
+    )
+    assert line == (
+        "step 3/20 | elapsed 5 min 12 s | step_time 190.2 s | reward_mean 0.250 | "
+        "accuracy 0.125 | response_len_mean 18.2 tokens | staleness_max 2 | "
+        "generation 45.1 tokens/s | training 812.0 tokens/s | "
+        "eval_accuracy 0.115 ± 0.024 (100 prompts)"
+    )
+    skipped = records.step_line(2, 2, "9 s", {"skipped": "all_truncated", "reward_mean": 0.0})
+    assert skipped == (
+        "step 2/2 | elapsed 9 s | skipped: all_truncated (nothing to train) | reward_mean 0.000"
+    )
+
+
+def _launch(tmp_path, *overrides):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "launch", "tpu_pod.py"),
+            "--config",
+            os.path.join(REPO, "configs", "smoke.py"),
+            "--workdir",
+            str(tmp_path / "w"),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "--config.rollout.max_new_token=4",
+            "config error: unknown config key 'rollout.max_new_token' "
+            "(did you mean 'rollout.max_new_tokens'?)",
+        ),
+        ("--config.rolout.top_k=4", "config error: unknown config key 'rolout' (did you mean"),
+        ("--config.rollout.max_new_tokens=abc", "config error: bad command line: flag"),
+        (
+            "--config.data.task=countdwn",
+            "config error: data.task: unknown task 'countdwn'; known: ['arithmetic', 'countdown'",
+        ),
+    ],
+)
+def test_launcher_says_a_bad_override_in_one_line(tmp_path, override, message):
+    proc = _launch(tmp_path, override)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(message), proc.stderr
+    assert proc.stderr.count("\n") == 1  # one line, no traceback
+    assert not (tmp_path / "w").exists()
+
+
+def _exp(**overrides):
+    c = rlvr_smollm2_arith.get_config()
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        c[section][field] = value
+    return ExperimentConfig.from_config_dict(c)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"learner__advantage": "grpoo"}, "learner.advantage must be one of"),
+        ({"learner__loss": "pp0"}, "loss must be one of"),
+        ({"reward__fn": "mathh"}, "reward.fn must be '' (the task's own reward)"),
+        ({"data__task": "gsm8k"}, "data.task: unknown task 'gsm8k'"),
+        ({"rollout__partial_rollout": "resume"}, "rollout.partial_rollout must be"),
+        ({"rollout__truncation": "cut"}, "rollout.truncation must be"),
+        ({"model__source": "random", "model__preset": "huge"}, "model.preset: unknown"),
+        ({"data__task": "countdown", "reward__fn": "math"}, "reward.fn='math' cannot verify"),
+        ({"data__path": "train.jsonl"}, "data.path='train.jsonl': only file tasks"),
+        ({"data__task": "countdown", "data__shuffle": False}, "data.shuffle=False: only file"),
+        ({"data__task_options": "{oops"}, "data.task_options is not valid JSON"),
+        ({"data__task_options": '{"path": "x"}'}, "data.task_options sets ['path']"),
+        ({"data__max_prompt_tokens": 128, "rollout__max_prefill_length": 64}, "exceeds"),
+    ],
+)
+def test_every_name_valued_option_is_checked_before_the_model_loads(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        _exp(**overrides)
+    assert message in str(err.value)
+
+
+def test_unknown_keys_of_a_config_file_name_the_nearest_one():
+    c = smoke.get_config().to_dict()
+    c["data"]["pth"] = "x.jsonl"
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'data.pth' \(did you mean 'data.path'"
+    ):
+        ExperimentConfig.from_config_dict(c)
+
+
+def test_the_task_picks_its_own_reward_unless_one_is_set():
+    assert _exp().reward.fn == "math"
+    assert _exp(data__task="countdown").reward.fn == "reasoning_gym"
+    assert _exp(data__task="reasoning_gym:chain_sum").reward.fn == "reasoning_gym"
+    assert _exp(data__task="countdown", reward__fn="uppercase_fraction").reward.fn == (
+        "uppercase_fraction"
+    )
+    exp = _exp(data__task="countdown", data__task_options='{"config": {"max_numbers": 3}}')
+    assert exp.data.task_kwargs() == {"config": {"max_numbers": 3}}
+    exp = _exp(
+        data__task="file",
+        data__path=os.path.join(REPO, "README.md"),
+        data__prompt_key="question",
+        data__answer_marker="####",
+        data__shuffle=False,
+    )
+    assert exp.data.task_kwargs() == {
+        "path": os.path.join(REPO, "README.md"),
+        "shuffle": False,
+        "on_error": "skip",
+        "prompt_key": "question",
+        "answer_marker": "####",
+    }

@@ -1,0 +1,224 @@
+"""One definition of each rollout row field and step metric, and the learner batch."""
+
+import dataclasses
+import os
+import re
+
+import numpy as np
+import pytest
+
+from jaxflash.algorithms.advantages import get_advantage_estimator
+from jaxflash.replay.group_buffer import DroppedGroup, Group
+from jaxflash.runtime import records
+from jaxflash.runtime.learner_batch import empty_reason, learner_batch
+from jaxflash.runtime.scoring import TruncationPolicy, correctness
+from jaxflash.types import FailureReason, FinishReason, Prompt, PromptOutcome, Sample
+
+README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+
+
+def _s(pid, idx, reward, *, n=3, truncated=False, versions=None, components=None):
+    tv = np.full(n, 2, np.int32) if versions is None else np.asarray(versions, np.int32)
+    s = Sample(
+        prompt_id=pid,
+        sample_index=idx,
+        prompt_tokens=np.array([1, 2], np.int32),
+        response_tokens=np.arange(5, 5 + tv.size, dtype=np.int32),
+        behaviour_logprobs=np.zeros(tv.size, np.float32),
+        token_versions=tv,
+        start_version=int(tv.min()) if tv.size else 0,
+        finish_reason=FinishReason.LENGTH if truncated else FinishReason.EOS,
+        reward=reward,
+        reward_info={"components": components or {}, "error": None},
+    )
+    s.response_text = "text"
+    return s
+
+
+def _group(pid, rewards, truncated=()):
+    samples = tuple(_s(pid, i, r, truncated=i in truncated) for i, r in enumerate(rewards))
+    return Group(prompt_id=pid, start_version=2, samples=samples)
+
+
+def test_rollout_row_has_every_field_in_order():
+    prompt = Prompt(prompt_id=4, text="What is 1+1?", prompt_tokens=np.array([1]), answer="2")
+    s = _s(4, 1, 1.0, versions=[2, 3, 3], truncated=True, components={"math": 1.0})
+    row = records.rollout_row(
+        s,
+        prompt,
+        outcome="trained",
+        reason="trained",
+        learner_version=3,
+        truncation=TruncationPolicy(mode="mask"),
+    )
+    assert tuple(row) == records.ROLLOUT_FIELDS
+    assert (row["learner_step"], row["start_version"], row["staleness"]) == (4, 2, 1)
+    assert (row["token_version_min"], row["token_version_max"]) == (2, 3)
+    assert row["loss_masked"] is True and row["correct"] == 1.0 and row["failure"] is None
+    assert row["prompt"] == "What is 1+1?" and row["response_tokens"] == [5, 6, 7]
+    dropped = records.rollout_row(
+        s,
+        None,
+        outcome="failed",
+        reason="failed",
+        learner_version=3,
+        truncation=TruncationPolicy(),
+        failure=FailureReason.REWARD_TIMEOUT,
+    )
+    assert dropped["failure"] == "reward_timeout" and dropped["loss_masked"] is True
+    assert dropped["prompt"] == "" and dropped["answer"] == ""
+
+
+def test_correctness_is_the_rewards_correct_component_else_its_score():
+    # Math-Verify and reasoning-gym report "correct" (a partial-credit score is not).
+    assert correctness(_s(0, 0, 0.05, components={"correct": 0.0, "answer_found": 1})) == 0.0
+    assert correctness(_s(0, 0, 0.0, components={"correct": 1.0})) == 1.0
+    # The built-in math reward with a format bonus: its Math-Verify part decides.
+    both = {"math": 1.0, "math/correct": 1.0, "format_any": 1.0, "format_any/boxed": 1.0}
+    assert correctness(_s(0, 0, 1.1, components=both)) == 1.0
+    assert correctness(_s(0, 0, 0.1, components={**both, "math/correct": 0.0})) == 0.0
+    # A custom reward without one: its own score (eval scores with that reward).
+    assert correctness(_s(0, 0, 0.375, components={"uppercase_fraction": 0.375})) == 0.375
+    assert correctness(_s(0, 0, 0.99)) == 0.99
+    # Two parts that both claim correctness: ambiguous, so the score.
+    two = {"a/correct": 1.0, "b/correct": 0.0}
+    assert correctness(_s(0, 0, 0.5, components=two)) == 0.5
+
+
+def test_batch_metrics_count_loss_samples_and_describe_all():
+    groups = [_group(0, [1.0, 0.0], truncated={1}), _group(1, [0.5, 0.5])]
+    trained = [groups[0].samples[0], *groups[1].samples]
+    m = records.batch_metrics(groups, trained)
+    assert (m["num_groups"], m["num_samples"], m["samples_masked"]) == (2, 3, 1)
+    assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.25
+    # No "correct" component: accuracy is the mean reward, (1 + 0 + 0.5 + 0.5) / 4.
+    assert m["accuracy"] == 0.5 and m["response_len_max"] == 3.0
+    assert records.batch_metrics([], []) == {"num_groups": 0, "num_samples": 0, "samples_masked": 0}
+
+
+def test_staleness_and_learner_metrics():
+    m = records.staleness_metrics(np.array([0, 2, 2, 1]))
+    assert m == {
+        "staleness_mean": 1.25,
+        "staleness_max": 2,
+        "staleness_hist": {"0": 1, "1": 1, "2": 2},
+    }
+    assert records.staleness_metrics(np.array([], np.int64)) == {}
+    train = {
+        "loss": 1.0,
+        "logprob_gap_max": 0.5,
+        "logprob_gap_max_current": 1e-6,
+        "logprob_gap_max_off_policy": 0.5,
+        "current_tokens": 7.0,
+    }
+    assert records.learner_metrics(train) == {
+        "loss": 1.0,
+        "logprob_gap_on_policy_max": 1e-6,
+        "logprob_gap_off_policy_max": 0.5,
+        "on_policy_tokens": 7.0,
+    }
+
+
+def test_server_metrics_are_per_step_differences():
+    before = [
+        {
+            "version": 1,
+            "live_slot_steps": 10,
+            "slot_steps": 20,
+            "busy_s": 1.0,
+            "idle_s": 1.0,
+            "generated_tokens": 100,
+        },
+        {
+            "version": 1,
+            "live_slot_steps": 0,
+            "slot_steps": 0,
+            "busy_s": 0.0,
+            "idle_s": 0.0,
+            "generated_tokens": 0,
+        },
+    ]
+    now = [
+        {
+            "version": 2,
+            "live_slot_steps": 40,
+            "slot_steps": 60,
+            "busy_s": 3.0,
+            "idle_s": 1.0,
+            "generated_tokens": 300,
+        },
+        {},  # dead
+    ]
+    m = records.server_metrics(before, now, version=3)
+    assert m["gen0_occupancy"] == 0.75 and m["gen0_version_lag"] == 1
+    assert "gen1_occupancy" not in m and m["gen_version_lag_max"] == 1
+    assert m["gen_tokens"] == 200 and m["gen_tokens_per_s"] == 100.0
+    assert m["gen_idle_frac"] == 0.0 and m["gen_slot_occupancy"] == 0.75
+
+
+def test_learner_batch_masks_truncated_samples_out_of_loss_and_baseline():
+    grpo = get_advantage_estimator("grpo")
+    groups = [_group(0, [1.0, 0.0, 1.0], truncated={2}), _group(1, [0.0, 0.0, 0.0])]
+    lb = learner_batch(
+        groups, grpo, TruncationPolicy(mode="mask"), pad_id=0, max_len=64, num_sequences=6
+    )
+    assert [(s.prompt_id, s.sample_index) for s in lb.samples] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
+    # Group 0's baseline is over its two unmasked samples [1, 0]: mean 0.5, std
+    # (ddof 1) 1/sqrt(2), so +-1/sqrt(2); with the masked sample it would be +-0.577.
+    np.testing.assert_allclose(lb.advantages[:2], [2**-0.5, -(2**-0.5)], atol=1e-5)
+    np.testing.assert_array_equal(lb.advantages[2:], 0.0)
+    assert int((np.asarray(lb.batch.loss_mask_bt).sum(axis=1) > 0).sum()) == 5
+    empty = learner_batch(
+        [_group(2, [1.0, 0.0], truncated={0, 1})],
+        grpo,
+        TruncationPolicy(mode="mask"),
+        pad_id=0,
+        max_len=64,
+        num_sequences=2,
+    )
+    assert empty.batch is None and empty.samples == ()
+
+
+def test_learner_batch_is_the_same_whatever_order_the_groups_completed_in():
+    # Completion order depends on thread timing; float sums depend on row order, so
+    # the batch is packed by prompt_id (a resumed run then matches bit for bit).
+    grpo = get_advantage_estimator("grpo")
+    groups = [_group(3, [1.0, 0.0]), _group(1, [0.0, 1.0]), _group(2, [1.0, 1.0])]
+    kw = dict(pad_id=0, max_len=64, num_sequences=6)
+    a = learner_batch(groups, grpo, TruncationPolicy(mode="none"), **kw)
+    b = learner_batch(groups[::-1], grpo, TruncationPolicy(mode="none"), **kw)
+    assert [s.prompt_id for s in a.samples] == [1, 1, 2, 2, 3, 3]
+    assert [(s.prompt_id, s.sample_index) for s in a.samples] == [
+        (s.prompt_id, s.sample_index) for s in b.samples
+    ]
+    np.testing.assert_array_equal(a.advantages, b.advantages)
+    fields = [f.name for f in dataclasses.fields(a.batch)]
+    assert "input_ids_bt" in fields
+    for name in fields:
+        np.testing.assert_array_equal(getattr(a.batch, name), getattr(b.batch, name), name)
+
+
+def _dropped(pid, outcome):
+    return DroppedGroup(prompt_id=pid, outcome=outcome, reason=str(outcome), detail="", samples=())
+
+
+def test_empty_reason_names_what_emptied_the_step():
+    assert empty_reason([_group(0, [1.0])], []) == "all_truncated"
+    assert empty_reason([], [_dropped(0, PromptOutcome.FILTERED)] * 2) == "all_filtered"
+    assert empty_reason([], [_dropped(0, PromptOutcome.STALE)]) == "all_stale"
+    mixed = [_dropped(0, PromptOutcome.STALE), _dropped(1, PromptOutcome.FAILED)]
+    assert empty_reason([], mixed) == "mixed"
+    assert empty_reason([], []) == "no_prompts"
+
+
+@pytest.mark.parametrize("name", records.ROLLOUT_FIELDS)
+def test_readme_documents_every_rollout_field(name):
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    assert re.search(rf"`{name}`", text), name

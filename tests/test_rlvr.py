@@ -1,0 +1,215 @@
+"""The one RL loop end to end on the tiny smoke model (8 fake CPU devices), both placements.
+
+* Colocated, α = 0 reproduces the previous synchronous loop prompt for prompt: the
+  golden results in tests/data/sync_golden_smoke.json were recorded from it
+  (``runtime.rlvr`` at commit 45e787d, before it became this loop's α = 0 case).
+* α = 0 on disjoint slices reproduces the colocated run: same prompt ids, groups,
+  training order, bit-equal tokens; losses to float32 rounding.
+* α = 2 (configs/smoke_async.py): every trained sample has 0 <= staleness <= 2,
+  rollouts.jsonl agrees, the counters add up, and a restart keeps the version and
+  the counters, regenerates the prompts that were in flight and trains none twice.
+* Empty batches: truncation=mask with every sample truncated runs to the end in
+  both placements, each step skipped and counted.
+"""
+
+import json
+import os
+import re
+
+import pytest
+
+from configs import smoke, smoke_async
+from jaxflash.runtime import rlvr
+from jaxflash.runtime.experiment import ExperimentConfig
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
+README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+
+
+def _rows(path):
+    return [json.loads(x) for x in open(path)]
+
+
+def _undocumented(metrics_rows):
+    """Metric names a run wrote that the README's metrics table does not name."""
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    patterns = [
+        (r"^gen\d+_", "gen{i}_"),
+        (r"^(samples_dropped|buffer_dropped|steps_skipped)_.+$", r"\1_<reason>"),
+    ]
+    missing = set()
+    for row in metrics_rows:
+        for key in row:
+            name = key
+            for pattern, repl in patterns:
+                name = re.sub(pattern, repl, name)
+            if key != "step" and f"`{name}`" not in readme:
+                missing.add(key)
+    return missing
+
+
+@pytest.mark.timeout(900)
+def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path):
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    c = smoke.get_config()  # colocated: learner on 8 devices, one server on device 0
+    c.total_steps = 3
+    c.data.eval_size = 0
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    rows = _rows(tmp_path / "rollouts.jsonl")
+    metrics = _rows(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for g, m in zip(golden["steps"], metrics, strict=True):
+        step = g["step"]
+        mine = {(r["prompt_id"], r["sample_index"]): r for r in rows if r["learner_step"] == step}
+        assert sorted({k[0] for k in mine}) == g["prompt_ids"], step
+        assert len(mine) == len(g["samples"])
+        for s in g["samples"]:
+            r = mine[(s["prompt_id"], s["sample_index"])]
+            assert r["response_tokens"] == s["response_tokens"], (step, s["prompt_id"])
+            assert r["reward"] == s["reward"] and r["finish_reason"] == s["finish_reason"]
+            assert r["outcome"] == "trained" and r["staleness"] == 0
+        assert m["tokens"] == g["tokens"], step
+        # Same tokens and training order; logprob-derived values to float32 rounding.
+        for key in ("loss", "pg_loss"):
+            assert abs(m[key] - g[key]) <= 1e-6, (step, key, m[key], g[key])
+        assert m["grad_norm"] == pytest.approx(g["grad_norm"], rel=1e-5), step
+        assert m["entropy"] == pytest.approx(g["entropy"], rel=1e-5), step
+        assert m["reward_mean"] == pytest.approx(g["reward_mean"], rel=1e-12), step
+    assert not _undocumented(metrics)  # every metric is in the README's table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_alpha0_disjoint_slices_reproduce_the_sync_loop(tmp_path):
+    c = smoke.get_config()
+    c.total_steps = 2
+    c.data.eval_size = 0
+    c.mesh.learner.fsdp, c.mesh.learner.tensor = 2, 2  # same learner mesh in both runs
+    sync_exp = ExperimentConfig.from_config_dict(c)
+    c.mesh.colocated = False
+    c.mesh.num_generation_slices = 2
+    c.rollout.async_ratio = 0
+    async_exp = ExperimentConfig.from_config_dict(c)
+
+    rlvr.run(sync_exp, workdir=str(tmp_path / "sync"))
+    rlvr.run(async_exp, workdir=str(tmp_path / "async"))
+
+    def by_key(rows):
+        return {(r["learner_step"], r["prompt_id"], r["sample_index"]): r for r in rows}
+
+    s_rows, a_rows = (
+        by_key(_rows(tmp_path / "sync/rollouts.jsonl")),
+        by_key(_rows(tmp_path / "async/rollouts.jsonl")),
+    )
+    assert sorted(s_rows) == sorted(a_rows)
+    assert {k[1] for k in s_rows} == set(range(8))  # 2 steps x 4 prompts
+    for key, row in s_rows.items():
+        assert a_rows[key]["response"] == row["response"], key
+        assert a_rows[key]["reward"] == row["reward"], key
+        assert a_rows[key]["start_version"] == row["start_version"] == key[0] - 1
+    s_metrics = _rows(tmp_path / "sync/metrics.jsonl")
+    a_metrics = _rows(tmp_path / "async/metrics.jsonl")
+    assert [m["step"] for m in a_metrics] == [1, 2]
+    for s, a in zip(s_metrics, a_metrics, strict=True):
+        assert a["tokens"] == s["tokens"], s["step"]
+        # Same tokens, same training order; the behaviour logprobs come from engines with
+        # different slot counts (2 servers vs 1), whose matmuls may round the last bits
+        # differently, so logprob-derived values agree to float32 rounding, not bit for bit.
+        for key in ("loss", "pg_loss"):
+            assert abs(a[key] - s[key]) <= 1e-6, (s["step"], key, a[key], s[key])
+        assert a["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5), s["step"]
+        assert a["staleness_max"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_alpha2_staleness_bound_counters_and_resume(tmp_path):
+    c = smoke_async.get_config()
+    c.data.eval_size = 0
+    c.total_steps = 3
+    workdir = str(tmp_path / "run")
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=workdir)
+    first = _rows(f"{workdir}/metrics.jsonl")
+    assert [m["step"] for m in first] == [1, 2, 3]
+    for m in first:
+        assert 0 <= m["staleness_max"] <= 2
+        assert sum(m["staleness_hist"].values()) == m["num_samples"] == 8
+        closed = sum(m[f"prompts_{o}"] for o in ("trained", "filtered", "stale", "failed"))
+        assert m["prompts_taken"] == closed + m["prompts_in_flight"]
+        assert m["prompts_taken"] <= 3 * 4 + 4 * m["step"]  # (α+1)·B in flight at most
+    assert not _undocumented(first)
+    open_at_end = first[-1]["prompts_in_flight"]
+    assert open_at_end > 0  # α = 2: prompts for later steps were in flight
+
+    c.total_steps = 5  # resume in the same workdir
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=workdir)
+    metrics = _rows(f"{workdir}/metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    last = metrics[-1]
+    assert last["policy_version"] == 5
+    assert last["prompts_regenerated_on_resume"] == open_at_end
+    assert last["prompts_trained"] == 5 * 4
+    closed = sum(last[f"prompts_{o}"] for o in ("trained", "filtered", "stale", "failed"))
+    assert last["prompts_taken"] == closed + last["prompts_in_flight"]
+    trained = [r for r in _rows(f"{workdir}/rollouts.jsonl") if r["outcome"] == "trained"]
+    assert all(0 <= r["staleness"] <= 2 for r in trained)
+    keys = [(r["prompt_id"], r["sample_index"]) for r in trained]
+    assert len(keys) == len(set(keys)) == 5 * 4 * 2  # nothing trained twice
+
+
+@pytest.mark.timeout(600)
+def test_async_smoke_restart_policy_two_steps(tmp_path):
+    """The fast end-to-end check: α = 1, partial_rollout=restart, stale groups regenerated."""
+    c = smoke_async.get_config()
+    c.data.eval_size = 0
+    c.total_steps = 2
+    c.rollout.async_ratio = 1
+    c.rollout.partial_rollout = "restart"
+    c.rollout.stale_policy = "regenerate"
+    workdir = tmp_path / "run"
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(workdir))
+    metrics = _rows(workdir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 0 <= m["staleness_max"] <= 1
+        assert m["prompts_trained"] == 4 * m["step"]
+        assert m["prompts_taken"] <= (1 + 1) * 4 + 4 * m["step"]
+        for key in ("gen0_version_lag", "gen1_version_lag", "weight_sync_s", "gen_idle_frac"):
+            assert key in m
+    for r in _rows(workdir / "rollouts.jsonl"):
+        # restart: a sample never mixes versions, and it starts where its tokens start.
+        assert r["token_version_min"] == r["token_version_max"] == r["start_version"]
+        assert 0 <= r["staleness"] <= 1 or r["outcome"] != "trained"
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.timeout(900)
+def test_all_truncated_batches_are_skipped_and_the_run_goes_on(tmp_path, placement):
+    # The random smoke model never emits EOS within 8 tokens: every sample is
+    # truncated, and truncation=mask leaves every batch with nothing to train.
+    c = smoke.get_config() if placement == "colocated" else smoke_async.get_config()
+    c.total_steps = 2
+    c.data.eval_size = 0
+    c.rollout.truncation = "mask"
+    c.rollout.async_ratio = 0 if placement == "colocated" else 1
+    last = rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    metrics = _rows(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["skipped"] == "all_truncated"
+        assert m["num_samples"] == 0 and m["samples_masked"] == 4 * 2 and m["truncated_frac"] == 1
+        assert "loss" not in m and "grad_norm" not in m
+    assert last["policy_version"] == 2
+    assert last["steps_skipped"] == last["steps_skipped_all_truncated"] == 2
+    assert not _undocumented(metrics)
+    assert last["prompts_trained"] == 0
+    assert last["prompt_outcomes"]["filtered"] == {"all_truncated": 2 * 4}
+    closed = sum(last[f"prompts_{o}"] for o in ("trained", "filtered", "stale", "failed"))
+    assert last["prompts_taken"] == closed + last["prompts_in_flight"]
+    rows = _rows(tmp_path / "rollouts.jsonl")
+    assert not [r for r in rows if r["outcome"] == "trained"]
+    taken = [r for r in rows if r["outcome"] == "filtered"]
+    assert len(taken) == 2 * 4 * 2
+    assert all(r["loss_masked"] and r["reason"] == "all_truncated" for r in taken)

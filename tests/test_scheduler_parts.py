@@ -1,0 +1,596 @@
+"""The scheduler's thread-free parts, and the scheduler driven under a VirtualClock.
+
+OutstandingTable, Admission, ServerPool and the clocks each on their own; then the
+whole RolloutScheduler without its pump thread (``poll`` / ``try_batch`` /
+``publish``), against fake servers that finish samples at virtual times: deadlines
+fire at the virtual time they are due and nothing sleeps for real.
+"""
+
+import collections
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxflash.data.prompts import PromptFailure
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.rewards.base import RewardResult
+from jaxflash.runtime.admission import Admission
+from jaxflash.runtime.clock import RealClock, VirtualClock
+from jaxflash.runtime.ledger import PromptLedger
+from jaxflash.runtime.outstanding import Outstanding, OutstandingTable
+from jaxflash.runtime.reward_pool import Scored
+from jaxflash.runtime.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.server_pool import ServerPool, Submitted
+from jaxflash.types import (
+    FailureReason,
+    FinishReason,
+    GenerationRequest,
+    Prompt,
+    PromptOutcome,
+    Sample,
+    SamplingParams,
+)
+
+SAMPLING = SamplingParams(max_new_tokens=4)
+
+
+def _request(pid, idx=0):
+    return GenerationRequest(
+        prompt_id=pid, sample_index=idx, prompt_tokens=np.array([1, 2], np.int32), sampling=SAMPLING
+    )
+
+
+def _prompt(pid):
+    return Prompt(prompt_id=pid, text=f"q{pid}", prompt_tokens=np.array([1, 2]), answer="a")
+
+
+# -- OutstandingTable -----------------------------------------------------------------
+
+
+def test_outstanding_table_rows_load_and_lateness():
+    t = OutstandingTable()
+    t.add(Outstanding(request=_request(1, 0), server=0, dispatched_at=10.0, version=3))
+    t.add(Outstanding(request=_request(1, 1), server=1, dispatched_at=11.0, version=3))
+    t.add(Outstanding(request=_request(2, 0), server=1, dispatched_at=9.0, version=4, attempts=1))
+    with pytest.raises(ValueError, match=r"\(1, 0\) is already outstanding"):
+        t.add(Outstanding(request=_request(1, 0), server=1, dispatched_at=12.0, version=4))
+    assert len(t) == 3 and (1, 1) in t and (3, 0) not in t
+    assert [e.key for e in t.by_prompt(1)] == [(1, 0), (1, 1)]
+    assert [e.key for e in t.by_server(1)] == [(1, 1), (2, 0)]
+    assert t.prompts() == [1, 2]
+    assert t.load() == collections.Counter({1: 2, 0: 1})
+    # Late: strictly more than deadline_s since dispatch, oldest first.
+    assert t.late(now=14.0, deadline_s=5.0) == []
+    assert t.late(now=15.5, deadline_s=5.0) == [(2, 0), (1, 0)]
+    assert t.next_deadline(5.0) == 14.0
+    assert t.pop((2, 0)).attempts == 1 and t.pop((2, 0)) is None
+    assert t.get((1, 0)).server == 0
+    assert OutstandingTable().next_deadline(5.0) is None
+
+
+def test_start_estimate_counts_finished_samples_and_non_restarting_servers():
+    t = OutstandingTable()
+    t.add(Outstanding(request=_request(1, 0), server=0, dispatched_at=0.0, version=5))
+    t.add(Outstanding(request=_request(1, 1), server=1, dispatched_at=0.0, version=2))
+    restarts = {0: False, 1: True}.get  # server 1 restarts in-flight samples at an update
+    assert t.start_estimate(1, restarts) == 5.0  # server 1's version bounds nothing
+    t.note_finished(1, 4)
+    t.note_finished(1, 6)
+    assert t.start_estimate(1, restarts) == 4.0  # the oldest finished sample
+    assert t.start_estimate(1, lambda i: False) == 2.0
+    t.forget(1)
+    assert t.start_estimate(1, restarts) == 5.0
+    assert t.start_estimate(9, restarts) == float("inf")
+
+
+# -- Admission ----------------------------------------------------------------------------
+
+
+class _Source:
+    def __init__(self, n=100):
+        self.cursor, self.n = 0, n
+
+    def take(self, k):
+        out = []
+        while len(out) < k and self.cursor < self.n:
+            out.append(_prompt(self.cursor))
+            self.cursor += 1
+        return out
+
+
+def _admit_all(a):
+    out = []
+    while (nxt := a.next()) is not None:
+        out.append((nxt[0].prompt_id, nxt[1]))
+    return out
+
+
+def test_admission_capacity_resume_and_release():
+    resumed = _prompt(40)
+    a = Admission(_Source(), capacity=3, resume=[resumed])
+    # Resumed prompts first (already in the ledger: from_source False), then the source.
+    assert _admit_all(a) == [(40, False), (0, True), (1, True)]
+    assert len(a) == 3 and not a.can_admit()
+    a.release_at_publish(0)
+    assert a.next() is None and a.is_active(0)  # only at the next release
+    a.free(1)  # capacity back now
+    assert _admit_all(a) == [(2, True)]
+    assert a.release() == [] and not a.is_active(0)
+    assert _admit_all(a) == [(3, True)]
+    a.regenerate_at_release(40)
+    a.regenerate_at_release(3)
+    a.free(3)  # released before it could be regenerated: nothing to regenerate
+    assert [p.prompt_id for p in a.release()] == [40]
+    assert a.prompt(40) is resumed and a.prompt(3) is None
+
+
+def test_admission_refill_budget_halt_and_exhaustion():
+    a = Admission(_Source(n=6), capacity=2, refill_budget=1)
+    assert _admit_all(a) == [(0, True), (1, True)]
+    assert a.free_for_refill(0) is True  # within the budget: freed now
+    assert a.free_for_refill(1) is False  # budget spent: at the next release
+    assert _admit_all(a) == [(2, True)]
+    a.release()  # frees 1, renews the budget
+    assert a.free_for_refill(2) is True
+    a.halted = True
+    assert a.next() is None and not a.can_admit()
+    a.halted = False
+    assert _admit_all(a) == [(3, True), (4, True)]
+    a.free(3)
+    a.free(4)
+    assert _admit_all(a) == [(5, True)]
+    a.free(5)
+    assert a.next() is None and not a.can_admit()  # the source is exhausted
+    with pytest.raises(ValueError, match="capacity"):
+        Admission(_Source(), capacity=0)
+
+
+# -- ServerPool ---------------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, version=0, partial_rollout="continue"):
+        self.version, self.partial_rollout = version, partial_rollout
+        self.fail_with = None  # raised by every call once set
+        self.submitted, self.aborted, self.updates = [], [], []
+
+    def _maybe_fail(self):
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    def start(self):
+        pass
+
+    def stop(self, timeout_s=60.0):
+        return []
+
+    def submit(self, request):
+        self._maybe_fail()
+        if request.prompt_id < 0:
+            raise ValueError("prompt of 999 tokens exceeds max_prefill_length=64 tokens")
+        self.submitted.append(request.prompt_id)
+
+    def abort_prompt(self, prompt_id):
+        self._maybe_fail()
+        self.aborted.append(prompt_id)
+        return 1
+
+    def update_weights(self, params, version):
+        self._maybe_fail()
+        self.updates.append(version)
+
+    def check(self):
+        self._maybe_fail()
+
+    def stats(self):
+        self._maybe_fail()
+        return {"version": self.version}
+
+
+def test_server_pool_ranking():
+    servers = [_Server(version=3), _Server(version=2), _Server(version=3)]
+    pool = ServerPool(servers)
+    load = collections.Counter({0: 2, 1: 0, 2: 1})
+    assert pool.choose(load, version=3) == 2  # up to date before lagging, then least loaded
+    assert pool.choose(load, version=3, avoid=2) == 0
+    assert pool.choose(collections.Counter({0: 0, 2: 0}), version=3) == 0  # lowest index
+    pool.suspect.add(0)
+    assert pool.choose(collections.Counter(), version=3) == 2  # healthy before suspect
+    assert pool.choose(collections.Counter(), version=2) == 1  # nobody lags at version 2
+    pool.mark_dead(1, RuntimeError("x"))
+    pool.mark_dead(2, RuntimeError("x"))
+    assert pool.choose(collections.Counter(), version=3) == 0  # suspect, but alive
+    pool.mark_dead(0, RuntimeError("x"))
+    assert pool.choose(collections.Counter(), version=3) == -1 and pool.alive == []
+    with pytest.raises(ValueError, match="at least one"):
+        ServerPool([])
+
+
+def test_server_pool_guarded_calls_report_each_death_once():
+    a, b = _Server(), _Server(partial_rollout="restart")
+    pool = ServerPool([a, b])
+    assert pool.restarts(1) and not pool.restarts(0)
+    assert pool.submit(0, _request(5)).status is Submitted.OK and a.submitted == [5]
+    rejected = pool.submit(0, _request(-1))
+    assert rejected.status is Submitted.REJECTED and "max_prefill_length" in str(rejected.error)
+    assert pool.alive == [0, 1]  # a rejected request does not kill the server
+    a.fail_with = RuntimeError("engine exploded")
+    assert pool.submit(0, _request(6)).status is Submitted.DIED
+    assert pool.dead == {0}
+    assert pool.abort(0, 5) is Submitted.OK and pool.update(0, None, 1) is Submitted.OK  # skipped
+    assert pool.check() == []  # already known dead: reported once
+    b.fail_with = RuntimeError("oom")
+    assert pool.stats() == [{}, {}]  # stats never kill: check() reports the death
+    assert pool.check() == [1] and pool.check() == []
+    c = _Server()
+    pool = ServerPool([c])
+    c.fail_with = RuntimeError("gone")
+    assert pool.update(0, None, 2) is Submitted.DIED and pool.abort(0, 1) is Submitted.OK
+
+
+# -- Clocks -----------------------------------------------------------------------------
+
+
+def test_virtual_clock_moves_only_when_advanced():
+    clock = VirtualClock(start=5.0)
+    assert clock.now() == 5.0 and clock.now() == 5.0
+    assert clock.advance(1.5) == 6.5
+    clock.sleep(0.5)  # no real sleeping: the sleeper makes time pass
+    cond = threading.Condition()
+    with cond:
+        assert clock.wait(cond, 2.0) is False
+    assert clock.now() == 9.0
+    assert clock.advance_to(10.0) == 10.0
+    with pytest.raises(ValueError, match="already 10.0"):
+        clock.advance_to(9.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        clock.advance(-1.0)
+    real = RealClock()
+    t0 = real.now()
+    real.sleep(0.01)
+    assert real.now() > t0
+
+
+# -- The scheduler under a VirtualClock ---------------------------------------------------
+
+
+class VirtualServer:
+    """Finishes each sample ``latency_s`` virtual seconds after its submit.
+
+    Samples of prompts in ``hang`` never finish; a submit for a prompt in ``poison``
+    kills the server (that submit and every later call raise).
+    """
+
+    partial_rollout = "continue"
+
+    def __init__(self, on_finished, clock, *, latency_s=1.0, hang=(), poison=(), reject=()):
+        self.on_finished, self.clock, self.latency_s = on_finished, clock, latency_s
+        self.hang, self.poison, self.reject = set(hang), set(poison), set(reject)
+        self.version, self.queue, self.error, self.submitted = 0, {}, None, []
+
+    def start(self):
+        pass
+
+    def stop(self, timeout_s=60.0):
+        return sorted(self.queue)
+
+    def check(self):
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def submit(self, request):
+        self.check()
+        if request.prompt_id in self.reject:
+            raise ValueError(f"prompt {request.prompt_id} cannot run on this engine")
+        if request.prompt_id in self.poison:
+            self.error = f"died on prompt {request.prompt_id}"
+            self.check()
+        key = (request.prompt_id, request.sample_index)
+        self.queue[key] = (self.clock.now() + self.latency_s, request, self.version)
+        self.submitted.append(key)
+
+    def abort_prompt(self, prompt_id):
+        self.check()
+        keys = [k for k in self.queue if k[0] == prompt_id]
+        for k in keys:
+            del self.queue[k]
+        return len(keys)
+
+    def update_weights(self, params, version):
+        self.check()
+        self.version = version
+
+    def stats(self):
+        self.check()
+        return {"version": self.version}
+
+    def next_due(self):
+        due = [t for k, (t, _, _) in self.queue.items() if k[0] not in self.hang]
+        return min(due, default=None)
+
+    def deliver_due(self):
+        for key, (t, req, version) in sorted(self.queue.items()):
+            if t <= self.clock.now() and key[0] not in self.hang and not self.error:
+                del self.queue[key]
+                self.on_finished(
+                    Sample(
+                        prompt_id=req.prompt_id,
+                        sample_index=req.sample_index,
+                        prompt_tokens=np.asarray(req.prompt_tokens, np.int32),
+                        response_tokens=np.array([7, 0], np.int32),
+                        behaviour_logprobs=np.zeros(2, np.float32),
+                        token_versions=np.array([version, version], np.int32),
+                        start_version=version,
+                        finish_reason=FinishReason.EOS,
+                    )
+                )
+
+
+class InstantRewards:
+    """Reward = sample index; the future is resolved before it is returned."""
+
+    def submit(self, item):
+        f = concurrent.futures.Future()
+        f.set_result(Scored(RewardResult(score=float(item[2].split()[-1]))))
+        return f
+
+
+class Tok:
+    eos_id = 0
+    stop_ids = frozenset({0})
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def response_text(self, ids):  # up to the first stop id, like models.Tokenizer
+        ids = [int(i) for i in ids]
+        cut = next((k for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.decode(ids[:cut])
+
+
+def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
+    """Discrete-event loop: poll, try the batch, else jump to the next event.
+
+    Events are server deliveries and sample deadlines (virtual time); rewards from
+    a real reward pool resolve in real time, so time stands still while any is out.
+    """
+    stop_at = time.monotonic() + real_timeout_s
+    while time.monotonic() < stop_at:
+        sched.poll()
+        batch = sched.try_batch(learner_version)
+        if batch is not None:
+            return batch
+        if sched.dispatcher.num_scoring or not sched.dispatcher.inbox.empty():
+            sched.dispatcher.inbox.wait(RealClock(), 0.05)
+            continue
+        events = [s.next_due() for s in servers] + [sched.next_deadline()]
+        events = [t for t in events if t is not None]
+        assert events, "nothing can happen: the scheduler would wait forever"
+        clock.advance_to(max(clock.now(), min(events) + 1e-6))
+        for s in servers:
+            s.deliver_due()
+    raise AssertionError("no batch within the real-time limit")
+
+
+def _virtual_scheduler(servers_kw, *, B, G, alpha=0, scorer=None, source=None, **kw):
+    clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
+    servers = [VirtualServer(inbox.generated, clock, **s) for s in servers_kw]
+    sched = RolloutScheduler(
+        servers,
+        inbox,
+        source or _Source(),
+        ledger,
+        GroupBuffer(G),
+        scorer or InstantRewards(),
+        tokenizer=Tok(),
+        batch_prompts=B,
+        group_size=G,
+        async_ratio=alpha,
+        sampling=SAMPLING,
+        seed=0,
+        clock=clock,
+        **kw,
+    )
+    return sched, clock, servers, ledger
+
+
+def test_no_silent_hang_under_a_virtual_clock(monkeypatch):
+    """rl_pitfalls "No silent hang": of 8 samples one never returns and one raises;
+    0.5 s deadline, one retry: the batch comes back at virtual t ~ 1 s with the
+    shortfall and both failures counted -- and nothing sleeps for real."""
+
+    def no_sleep(_):
+        raise AssertionError("real sleep under a virtual clock")
+
+    monkeypatch.setattr(time, "sleep", no_sleep)
+    threads = threading.active_count()
+    sched, clock, servers, ledger = _virtual_scheduler(
+        [{"latency_s": 0.1, "hang": {1}, "reject": {2}}, {"latency_s": 0.1, "hang": {1}}],
+        B=4,
+        G=2,
+        sample_deadline_s=0.5,
+        max_retries=1,
+    )
+    # Deadlines fire at the virtual time they are due, not before.
+    sched.poll()  # admits prompts 0-3 at t = 0; (2, 0) is rejected on submit
+    clock.advance_to(0.2)
+    for s in servers:
+        s.deliver_due()  # everything but prompt 1 is back
+    clock.advance_to(0.5)
+    sched.poll()
+    assert sched.counters["samples_timed_out"] == 0
+    clock.advance_to(0.51)
+    sched.poll()
+    assert sched.counters["samples_timed_out"] == 2  # (1, 0) and (1, 1), both late now
+    assert sched.counters["samples_retried"] == 2  # each retried on the other server
+    batch = drive(sched, clock, servers, 0)
+    assert 1.0 < clock.now() < 1.1  # the second deadline (0.51 + 0.5), not later
+    assert [g.prompt_id for g in batch.groups] == [0, 3]
+    assert {(d.prompt_id, d.failure) for d in batch.dropped} == {
+        (1, FailureReason.GENERATION_TIMEOUT),
+        (2, FailureReason.REQUEST_REJECTED),
+    }
+    # Second deadline: the first late sample fails the prompt, its sibling is aborted.
+    assert sched.counters["samples_timed_out"] == 3
+    assert sched.counters["samples_failed"] == 2
+    assert ledger.outcomes["failed"] == {"generation_timeout": 1, "request_rejected": 1}
+    sched.mark_trained(batch.groups)
+    assert ledger.count(PromptOutcome.TRAINED) == 2
+    # alpha = 0: nothing new starts before the next weights are published.
+    sent = sum(len(s.submitted) for s in servers)
+    clock.advance(10.0)
+    sched.poll()
+    assert sum(len(s.submitted) for s in servers) == sent
+    sched.publish([None, None], 1)
+    sched.poll()
+    assert sum(len(s.submitted) for s in servers) == sent + 4 * 2
+    assert threading.active_count() == threads  # no pump thread was started
+
+
+def test_virtual_clock_runs_are_deterministic():
+    def run():
+        sched, clock, servers, ledger = _virtual_scheduler(
+            [{"latency_s": 0.3}, {"latency_s": 0.7}], B=3, G=2, alpha=1
+        )
+        trace = []
+        for v in range(4):
+            batch = drive(sched, clock, servers, v)
+            sched.mark_trained(batch.groups)
+            trace.append((clock.now(), [g.prompt_id for g in batch.groups], batch.rows))
+            sched.publish([None, None], v + 1)
+        return trace, dict(sched.counters), ledger.state_dict()
+
+    assert run() == run()
+
+
+# -- Every failure reason, exact, in both placements ---------------------------------------
+
+
+class _CharTokenizer:
+    """Renders "<u>{content}<a>" as code points (PromptSource asks for the ids directly)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"<u>{m['content']}" for m in messages) + "<a>"
+        return [ord(c) % 512 for c in text] if tokenize else text
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.timeout(300)
+def test_every_failure_reason_is_counted_exactly(tmp_path, placement):
+    """Malformed row, over-long prompt, reward raise, reward timeout (real data
+    loader, prompt source and reward worker processes), sample deadline and server
+    death (fake servers): each prompt fails with its own reason, none is "other"."""
+    from jaxflash.data.files import load_rows
+    from jaxflash.data.prompts import PromptSource
+    from jaxflash.runtime.reward_pool import RewardPool
+    from tests.reward_fixtures import flaky_reward
+
+    lines = [
+        '{"prompt": "a", "answer": "1"}',
+        "{this is not json",  # 1: malformed_row
+        '{"prompt": "' + "w" * 80 + '", "answer": "1"}',  # 2: prompt_too_long
+        '{"prompt": "c", "answer": "raise"}',  # 3: reward_error
+        '{"prompt": "d", "answer": "hang"}',  # 4: reward_timeout
+        '{"prompt": "e", "answer": "1"}',  # 5: generation_timeout (never comes back)
+        '{"prompt": "f", "answer": "1"}',  # 6: server_died (kills every server it reaches)
+        '{"prompt": "g", "answer": "1"}',
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    rows = load_rows(str(path), prompt_key="prompt", answer_key="answer", on_error="skip")
+    source = PromptSource(rows, _CharTokenizer(), max_prompt_tokens=32)
+    n_servers = 1 if placement == "colocated" else 2
+    server = {"latency_s": 0.2, "hang": {5}, "poison": {6}}
+    with RewardPool(flaky_reward, num_workers=2, timeout_s=1.0) as pool:
+        sched, clock, servers, ledger = _virtual_scheduler(
+            [server] * n_servers,
+            B=6,
+            G=2,
+            scorer=pool,
+            source=source,
+            sample_deadline_s=5.0,
+            max_retries=0,
+        )
+        first = drive(sched, clock, servers, 0)  # prompts 0-5
+        sched.mark_trained(first.groups)
+        sched.publish([None] * n_servers, 1)
+        second = drive(sched, clock, servers, 1)  # prompt 6 kills the servers: admission halts
+        with pytest.raises(RuntimeError, match="every generation server died"):
+            drive(sched, clock, servers, 1)
+    assert [g.prompt_id for g in first.groups] == [0] and second.groups == []
+    assert ledger.outcomes["failed"] == {
+        "malformed_row": 1,
+        "prompt_too_long": 1,
+        "reward_error": 1,
+        "reward_timeout": 1,
+        "generation_timeout": 1,
+        "server_died": 1,
+    }
+    assert ledger.count(PromptOutcome.TRAINED) == 1 and ledger.taken == 7
+    assert sched.counters["server_failures"] == n_servers
+    failures = {r["prompt_id"]: r["failure"] for r in first.rows + second.rows if r["failure"]}
+    assert failures == {3: "reward_error", 4: "reward_timeout"}  # the samples that came back
+    ledger.check()
+
+
+def test_prompt_failure_items_fail_with_their_own_reason():
+    class Failing(_Source):
+        def take(self, k):
+            self.cursor += 1
+            return [PromptFailure(prompt_id=0, reason="bad", failure=FailureReason.MALFORMED_ROW)]
+
+    sched, clock, servers, ledger = _virtual_scheduler([{}], B=1, G=2, source=Failing(n=1))
+    batch = drive(sched, clock, servers, 0)
+    assert [(d.prompt_id, d.failure) for d in batch.dropped] == [(0, FailureReason.MALFORMED_ROW)]
+    assert ledger.outcomes["failed"] == {"malformed_row": 1}
+
+
+class LowRewards(InstantRewards):
+    """Reward 0 for every sample of the prompts in ``low``, else the sample index."""
+
+    def __init__(self, low):
+        self.low = set(low)
+
+    def submit(self, item):
+        _, pid, _, idx = item[2].split()
+        f = concurrent.futures.Future()
+        f.set_result(Scored(RewardResult(score=0.0 if int(pid) in self.low else float(idx))))
+        return f
+
+
+def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
+    """Filter thresholds act at alpha = 0 on one server (the colocated shape) too; a
+    filtered prompt is replaced at once, at most B times per step, so a run whose
+    every group is filtered cannot read its whole dataset in one step."""
+    from jaxflash.replay.group_buffer import GroupFilter
+
+    clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
+    servers = [VirtualServer(inbox.generated, clock, latency_s=0.1)]
+    sched = RolloutScheduler(
+        servers,
+        inbox,
+        _Source(),
+        ledger,
+        GroupBuffer(2, group_filter=GroupFilter(min_mean=0.25)),
+        LowRewards(low={0, 1, 2, 3, 5}),
+        tokenizer=Tok(),
+        batch_prompts=2,
+        group_size=2,
+        async_ratio=0,
+        sampling=SAMPLING,
+        seed=0,
+        refill_dropped=True,
+        clock=clock,
+    )
+    batch = drive(sched, clock, servers, 0)
+    # 0 and 1 filtered -> replaced by 2 and 3 (budget 2 spent) -> filtered, not replaced.
+    assert batch.groups == [] and [d.prompt_id for d in batch.dropped] == [0, 1, 2, 3]
+    assert {d.reason for d in batch.dropped} == {"mean_below_min"}
+    assert ledger.taken == 4 and ledger.outcomes["filtered"] == {"mean_below_min": 4}
+    sched.publish([None], 1)  # the skipped step's version: capacity and budget are back
+    batch = drive(sched, clock, servers, 1)
+    assert [g.prompt_id for g in batch.groups] == [4, 6]  # 5 filtered and replaced by 6
+    assert ledger.outcomes["filtered"] == {"mean_below_min": 5}

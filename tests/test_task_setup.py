@@ -1,0 +1,122 @@
+"""Tasks built from the config, and prompt limits derived from (or checked against) the data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from configs import rlvr_smollm2_arith
+from jaxflash.data.epochs import EpochShuffledRows
+from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.task_setup import (
+    SAMPLE_ROWS,
+    build_task,
+    eval_prompts,
+    measure_prompts,
+    prompt_lengths,
+)
+
+
+class WordTokenizer:
+    """One token per word of the user message, plus 3 for the template."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        words = " ".join(m["content"] for m in messages).split()
+        return list(range(3 + len(words))) if tokenize else " ".join(words)
+
+
+def _exp(**overrides):
+    c = rlvr_smollm2_arith.get_config()
+    for key, value in overrides.items():
+        section, field = key.split("__")
+        c[section][field] = value
+    return ExperimentConfig.from_config_dict(c)
+
+
+def _file(tmp_path, lengths, name="train.jsonl"):
+    path = tmp_path / name
+    rows = [json.dumps({"question": "w " * n, "answer": "#### 1"}) for n in lengths]
+    path.write_text("\n".join([*rows, "{not json"]) + "\n")
+    return str(path)
+
+
+def test_file_lengths_are_derived_from_every_row(tmp_path):
+    # GSM8K-like: prompts of 90-180 words; 64 (the old fixed limit) would fail them all.
+    path = _file(tmp_path, [90 + 9 * i for i in range(11)])
+    exp = _exp(
+        data__task="file",
+        data__path=path,
+        data__prompt_key="question",
+        data__answer_marker="####",
+        data__eval_size=1,
+    )
+    task = build_task(exp)
+    assert isinstance(task.train, EpochShuffledRows) and len(task.train) == 11  # 12 rows - 1 eval
+    seen = []
+    lengths, every_row = measure_prompts(task, WordTokenizer(), on_row=lambda i, n: seen.append(n))
+    assert every_row and sorted(lengths) == [93 + 9 * i for i in range(11)]  # bad row skipped
+    assert seen == [12] * 13  # the total first, then after every row
+    derived, info = prompt_lengths(exp, lengths, every_row)
+    assert derived.data.max_prompt_tokens == derived.rollout.max_prefill_length == 256
+    assert (info.longest, info.limit, info.derived, info.too_long) == (183, 256, True, 0)
+    assert "derived from every row: 93-183 tokens" in info.describe()
+    assert [p.answer for p in eval_prompts(task, WordTokenizer(), 256)] == ["1"]
+
+
+def test_procedural_lengths_get_headroom():
+    exp = _exp()
+    task = build_task(exp)
+    lengths, every_row = measure_prompts(task, WordTokenizer())
+    assert not every_row and len(lengths) == exp.data.eval_size + SAMPLE_ROWS
+    longest = max(lengths)  # "What is 12 + 34? Answer with just the number." + 3
+    assert longest == 13
+    derived, info = prompt_lengths(exp, [30], every_row)
+    assert info.limit == 64  # 30 * 1.25 = 37.5 -> 64, not 32
+    derived, info = prompt_lengths(exp, [10], every_row)
+    assert info.limit == 32  # never below MIN_PROMPT_TOKENS
+
+
+def test_a_limit_the_user_set_is_checked_against_the_data(tmp_path, caplog):
+    path = _file(tmp_path, [90, 100, 40])
+    exp = _exp(data__task="file", data__path=path, data__max_prompt_tokens=64)
+    assert exp.rollout.max_prefill_length == 0
+    kept, info = prompt_lengths(exp, [93, 103, 43], True)
+    assert (info.limit, info.derived, info.too_long) == (64, False, 2)
+    assert kept.rollout.max_prefill_length == 64  # follows data.max_prompt_tokens
+    assert "2 of 3 prompts measured are longer than data.max_prompt_tokens=64" in caplog.text
+    with pytest.raises(ConfigError) as err:
+        prompt_lengths(exp, [93, 103], True)
+    message = str(err.value)
+    assert "data.max_prompt_tokens=64" in message and "rollout.max_prefill_length" in message
+    assert "at least 103" in message and "set both to 0" in message
+    # Only the engine's limit given: it is the prompt limit too.
+    exp = _exp(data__task="file", data__path=path, rollout__max_prefill_length=128)
+    kept, info = prompt_lengths(exp, [93, 103], True)
+    assert kept.data.max_prompt_tokens == kept.rollout.max_prefill_length == 128
+    with pytest.raises(ConfigError, match="no prompt could be rendered"):
+        prompt_lengths(_exp(data__task="file", data__path=path), [], True)
+
+
+def test_task_errors_name_the_data_fields(tmp_path):
+    path = _file(tmp_path, [3])
+    with pytest.raises(ConfigError, match=r"data.task='file'.*unexpected keyword.*bogus"):
+        build_task(_exp(data__task="file", data__path=path, data__task_options='{"bogus": 1}'))
+    with pytest.raises(ConfigError, match="unknown reasoning-gym dataset 'nope'"):
+        build_task(_exp(data__task="reasoning_gym:nope"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="no rows"):
+        build_task(_exp(data__task="file", data__path=str(empty)))
+
+
+def test_a_run_whose_prompts_cannot_fit_stops_before_the_model_loads(tmp_path):
+    from jaxflash.runtime.rlvr import run
+
+    path = _file(tmp_path, [90, 100])
+    exp = _exp(
+        data__task="file", data__path=path, data__prompt_key="question", data__max_prompt_tokens=32
+    )
+    with pytest.raises(ConfigError, match="limit of 32 tokens"):
+        run(exp, workdir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
