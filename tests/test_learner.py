@@ -94,6 +94,24 @@ def test_pack_batch_layout_by_hand():
     np.testing.assert_array_equal(mb.token_versions_bt[1, 1], -np.ones(8))
 
 
+def test_pack_batch_applies_response_mask():
+    """Multi-turn samples: tokens with response_mask 0 (env observations) stay in the
+    input as context but carry no loss, advantage, behaviour logprob or version."""
+    import dataclasses
+
+    s = _sample([5, 6], [7, 8, 9, 10], [-0.5, -0.25, -0.125, -1.0], [3, 3, 4, 4])
+    s = dataclasses.replace(s, response_mask=np.asarray([1, 0, 0, 1], np.float32))
+    b = pack_batch([s], [2.0], length_multiple=8)
+    np.testing.assert_array_equal(b.input_ids_bt[0], [5, 6, 7, 8, 9, 10, 0, 0])
+    np.testing.assert_array_equal(b.loss_mask_bt[0], [0, 1, 0, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(b.advantages_bt[0], [0, 2, 0, 0, 2, 0, 0, 0])
+    np.testing.assert_array_equal(b.behaviour_logp_bt[0], [0, -0.5, 0, 0, -1.0, 0, 0, 0])
+    np.testing.assert_array_equal(b.token_versions_bt[0], [-1, 3, -1, -1, 4, -1, -1, -1])
+    for bad in ([1, 0, 1], [1, 0.5, 1, 1]):
+        with pytest.raises(ValueError, match=r"prompt_id=0.*response_mask must be 0/1 of length 4"):
+            pack_batch([dataclasses.replace(s, response_mask=np.asarray(bad))], [1.0])
+
+
 def test_bucket_and_pack_errors():
     assert [bucket_length(n, multiple=32) for n in (1, 32, 33)] == [32, 32, 64]
     assert [bucket_length(n, multiple=16, power_of_two=True) for n in (3, 17, 64, 65)] == [
