@@ -83,8 +83,8 @@ def pack_batch(
     Raises:
       ValueError: empty input, mismatched lengths, a sample with an empty
         response, per-token arrays whose length differs from the response, a
-        response_mask that is not 0/1 of the response's length, non-finite advantages, or a sequence longer than ``max_len`` (names the
-        sample).
+        response_mask that is not 0/1 of the response's length, non-finite
+        advantages, or a sequence longer than ``max_len`` (names the sample).
     """
     if len(samples) == 0:
         raise ValueError("pack_batch: samples is empty")
