@@ -139,6 +139,19 @@ class LlamaEngine(engine_api.Engine):
         )
 
     @property
+    def prefill_jit(self) -> Any:
+        """The jitted prefill program, for ahead-of-time lowering (``sizing``):
+        ``(params, ids int32 [N, T], true_length int32 [N]) -> PrefillBatch``;
+        params unstacked on ``engine_shardings`` (see ``place_params``)."""
+        return self._programs.prefill
+
+    @property
+    def generate_jit(self) -> Any:
+        """The jitted single decode step, for ahead-of-time lowering (``sizing``):
+        ``(params, DecodeState) -> (DecodeState, ResultTokens)``, state donated."""
+        return self._programs.generate
+
+    @property
     def trace_counts(self) -> collections.Counter[str]:
         """Traces (= compilations) per program and input shape, e.g. ``generate``,
         ``prefill_4x16``, ``start_8_4x16``, ``generate_block_8`` (a copy)."""
