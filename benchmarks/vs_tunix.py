@@ -118,7 +118,7 @@ def _our_generation(w: dict) -> dict:
     from jaxflash.generation.slot_loop import run_requests
     from jaxflash.types import GenerationRequest, SamplingParams
 
-    eos = -1
+    stop_ids: set[int] = set()  # random weights: every sample runs to new_tokens
     if w.get("real"):
         from jaxflash.data.arithmetic import ArithmeticTask
         from jaxflash.data.prompts import PromptFailure, PromptSource
@@ -139,7 +139,7 @@ def _our_generation(w: dict) -> dict:
         if len(prompts) < w["batch"]:
             raise RuntimeError(f"real weights: only {len(prompts)} usable prompts")
         w = {**w, "prompt_len": max(len(p) for p in prompts)}
-        eos = tokenizer.eos_id
+        stop_ids = set(tokenizer.stop_ids)  # eos and end-of-turn, as the RL loop stops
     else:
         config, params = _our_model(w)
         rng = np.random.default_rng(w["seed"])
@@ -165,7 +165,7 @@ def _our_generation(w: dict) -> dict:
             )
             for i, p in enumerate(prompts)
         ]
-        samples = run_requests(engine, params, reqs, policy_version=0, eos_id=eos)
+        samples = run_requests(engine, params, reqs, policy_version=0, stop_ids=stop_ids)
         return sum(len(s.response_tokens) for s in samples)
 
     t0 = time.perf_counter()
