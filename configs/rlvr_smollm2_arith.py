@@ -128,4 +128,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 1  # learner steps between checkpoints
     c.checkpoint.max_to_keep = 2
+
+    # ReFlow's dual replay cycle (jaxflash.runtime.replay_spec); ratio 0 = no replay.
+    placeholder = ml_collections.config_dict.placeholder
+    c.replay = ml_collections.ConfigDict()
+    c.replay.ratio = 0.0  # rho: replayed share of each learner batch, in [0, 1)
+    c.replay.capacity = 1024  # trajectories kept; the oldest evicted beyond it (counted)
+    c.replay.max_age = 4  # oldest age (versions) still trained; must exceed async_ratio
+    c.replay.max_reuse = 1  # replays per trajectory after its fresh use
+    c.replay.sampler = "uniform"  # uniform | recency | freshness | per_prompt (RePO)
+    c.replay.recency_exponent = placeholder(float)  # recency only: weights (i + 1)^a
+    c.replay.freshness_tau = placeholder(float)  # freshness only: exp(-age / tau)
+    c.replay.freshness_base = "abs_advantage"  # freshness: p_base = |A| or "uniform"
+    c.replay.prompt_strategy = placeholder(str)  # per_prompt: recent | highest_reward | ...
+    c.replay.drop_uniform_groups = True  # do not store groups with equal rewards
+    c.replay.advantages = "fixed"  # fixed (at ingestion) | joint | split (per_prompt only)
+    c.replay.advantage_estimator = placeholder(str)  # joint/split: estimator (grpo)
+    c.replay.correction = placeholder(str)  # replayed rows' loss; unset = learner.loss
+
+    c.controller = ml_collections.ConfigDict()
+    c.controller.kind = "none"  # none (replay.ratio) | fixed (replay_schedule) | adaptive
+    c.controller.replay_schedule = ""  # fixed: "from_step:rho,...", e.g. "0:0.25,10:0.5"
+    c.controller.max_replay_ratio = 0.75  # adaptive: bounds and gains (replay.controller)
+    c.controller.replay_step = 0.125
+    c.controller.ess_min = 0.5
+    c.controller.staleness_target = placeholder(float)
+    c.controller.balance_margin = 0.15
+    c.controller.queue_high = 2.0
+    c.controller.smoothing = 0.5
+    c.controller.move_patience = 3
     return c

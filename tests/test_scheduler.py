@@ -409,3 +409,20 @@ def test_surplus_prompt_regenerated_fresh():
     assert ledger.count(PromptOutcome.STALE) == 0 and ledger.count(PromptOutcome.TRAINED) == 3
     assert sched.counters["samples_aborted_surplus"] == 1
     ledger.check()
+
+
+def test_batch_groups_in_prompt_order_whatever_order_they_completed_in():
+    # Prompt 0 finishes after prompt 1; the batch is still [0, 1] (canonical order,
+    # so float sums over the batch do not depend on thread timing).
+    inbox, servers = _servers({"hang": {(0, 0), (0, 1)}})
+    sched, _ = _scheduler((inbox, servers), B=2, G=2, alpha=0)
+    try:
+        deadline = time.monotonic() + 10
+        while sched.buffer.num_complete() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.buffer.num_complete() == 1  # prompt 1's group, complete first
+        servers[0].hang.clear()
+        batch = sched.next_batch(0, timeout_s=10)
+        assert [g.prompt_id for g in batch.groups] == [0, 1]
+    finally:
+        sched.close()

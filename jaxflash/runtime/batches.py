@@ -39,7 +39,9 @@ class Batch:
     """What the learner gets for one step.
 
     Attributes:
-      groups: complete fresh groups, oldest first (at most B).
+      groups: complete fresh groups (at most B; taken oldest first), returned sorted
+        by prompt_id: completion order depends on thread timing and float sums on
+        order, so a canonical order makes a resumed run match bit for bit.
       dropped: groups that left the buffer untrained (closed in the ledger, or
         regenerated).
       rows: rollouts.jsonl rows of every sample in ``groups`` and ``dropped``.
@@ -121,6 +123,7 @@ class BatchAssembler:
         elif not f.groups and not f.dropped and self.admission.halted:
             raise RuntimeError("every generation server died: no prompt can be generated")
         self.forming = None
+        f.groups.sort(key=lambda g: g.prompt_id)
         return f
 
     def _row(

@@ -16,6 +16,7 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, check_replay_combination
 from jaxflash.runtime.specs import (
     FILE_TASKS,
     CheckpointSpec,
@@ -93,6 +94,8 @@ class ExperimentConfig:
     advantage: str = "grpo"
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
+    replay: ReplaySpec = dataclasses.field(default_factory=ReplaySpec)
+    controller: ControllerSpec = dataclasses.field(default_factory=ControllerSpec)
 
     def __post_init__(self) -> None:
         # Cross-field checks, so a bad combination fails before any model is loaded.
@@ -130,6 +133,12 @@ class ExperimentConfig:
             r.group_size >= 2 or self.advantage not in GROUP_RELATIVE,
             f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "
             "group-relative advantage of one sample is always 0 (use group_size >= 2)",
+        )
+        check_replay_combination(
+            self.replay,
+            self.controller,
+            learner_loss=self.learner.loss,
+            async_ratio=self.rollout.async_ratio,
         )
         m = self.mesh
         if m.colocated:
@@ -195,6 +204,8 @@ class ExperimentConfig:
             + ["advantage"],
             "eval": _fields(EvalSpec),
             "checkpoint": _fields(CheckpointSpec),
+            "replay": _fields(ReplaySpec),
+            "controller": _fields(ControllerSpec),
         }
         _refuse_unknown("", c, ["seed", "total_steps", *sections])
         for name, known in sections.items():
@@ -236,4 +247,6 @@ class ExperimentConfig:
             advantage=advantage,
             eval=EvalSpec(**c.get("eval", {})),
             checkpoint=CheckpointSpec(**c.get("checkpoint", {})),
+            replay=ReplaySpec(**c.get("replay", {})),
+            controller=ControllerSpec(**c.get("controller", {})),
         )

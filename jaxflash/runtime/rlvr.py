@@ -46,7 +46,7 @@ from jaxflash.algorithms.advantages import get_advantage_estimator
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.data.prompts import PromptSource
 from jaxflash.learner.state import state_shardings
-from jaxflash.learner.step import make_train_step
+from jaxflash.learner.step import make_logprob_fn, make_train_step
 from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
@@ -66,6 +66,7 @@ from jaxflash.runtime.model_setup import (
     make_reward,
 )
 from jaxflash.runtime.placement import carve
+from jaxflash.runtime.replay_cycle import make_replay_cycle
 from jaxflash.runtime.resume import finished_step, init_or_restore_learner, last_metrics
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.scheduler import RolloutScheduler
@@ -191,6 +192,16 @@ def run(
     # ------------------------------------------------------------ data, rewards, scheduler
     r = exp.rollout
     B, G = r.prompts_per_step, r.group_size
+    # ReFlow's replay cycle (runtime.replay_cycle; None without replay): B - fresh groups
+    # of every learner batch come from the replay buffer instead of the servers.
+    cycle = make_replay_cycle(
+        exp,
+        learner_mesh=placement.learner,
+        generation_meshes=placement.generation,
+        logprob_fn=make_logprob_fn(model_config, exp.learner, placement.learner, LEARNER_RULES),
+        extra=meta.extra,
+    )
+    B = cycle.fresh_prompts if cycle else B
     train_rows = task.train
     held_out = eval_prompts(task, tokenizer, exp.data.max_prompt_tokens)
     source = PromptSource(
@@ -310,14 +321,24 @@ def run(
                 num_sequences=B * G,
             )
             stale = np.array([version - start_version_of(s) for s in lb.samples], np.int64)
+            train_batch, replay_metrics = lb.batch, {}
+            if cycle is not None:  # + the replay cycle at rho; ratio statistics per cycle
+                train_batch, replay_metrics = cycle.step_batch(
+                    lb,
+                    state.params,
+                    learner_version=version,
+                    pad_id=tokenizer.pad_id,
+                    max_len=model_config.max_seq_len,
+                )
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
-            compiled_now = lb.batch is not None and not compiled["learner"]
-            if lb.batch is not None:
+            compiled_now = train_batch is not None and not compiled["learner"]
+            if train_batch is not None:
                 note = "" if compiled["learner"] else " (the first update compiles the step)"
-                with console.phase(f"{step_label}: training on {len(lb.samples)} samples{note}"):
-                    state, train_metrics = train_step(state, lb.batch)
+                n = len(lb.samples) + replay_metrics.get("cycle_replay_samples", 0)
+                with console.phase(f"{step_label}: training on {n} samples{note}"):
+                    state, train_metrics = train_step(state, train_batch)
                     step_metrics = records.learner_metrics(
                         {k: float(v) for k, v in jax.device_get(train_metrics).items()}
                     )
@@ -351,6 +372,7 @@ def run(
                 **records.batch_metrics(batch.groups, lb.samples),
                 **step_metrics,
                 **records.staleness_metrics(stale),
+                **replay_metrics,
                 **gen,
                 "train_time_s": train_s,
                 "train_tokens_per_s": step_metrics.get("tokens", 0.0) / max(train_s, 1e-9),
@@ -364,6 +386,8 @@ def run(
                 **sched_stats,
                 "prompt_outcomes": ledger.outcomes,
             }
+            if cycle is not None:  # the controller's inputs and decision (rho of the next step)
+                metrics.update(cycle.control_from(metrics, next_version=version))
             # 8. Evaluate.
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
@@ -380,7 +404,11 @@ def run(
                         data_cursor=cursor,
                         policy_version=version,
                         counters=counts,
-                        extra={"ledger": ledger_state, "counters": counts},
+                        extra={
+                            "ledger": ledger_state,
+                            "counters": counts,
+                            **({"replay": cycle.state_dict()} if cycle else {}),
+                        },
                     ),
                 )
     finally:

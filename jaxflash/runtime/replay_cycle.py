@@ -1,0 +1,351 @@
+"""The dual replay cycle inside the RLVR loop: buffer, composer, controller, ratio statistics.
+
+ReFlow (arXiv 2610.21640) mixes every learner batch from a fresh cycle (samples
+from the generation servers, trained once: the alpha-bounded path) and a replay
+cycle (recent trajectories drawn again from a buffer) at a replay ratio rho. The
+loop (``runtime.rlvr``) builds one ``ReplayCycle`` when the config has a replay
+cycle (``replay_spec.replay_active``) and calls, per learner step:
+
+1. ``mix`` with the fresh samples that carry loss and their advantages: draws the
+   replay cycle at this step's rho *before* storing the fresh samples (a sample
+   is never replayed in the step it is trained fresh), packs fresh rows first,
+   then replayed ones, padded to a fixed row count (one compiled step), and
+   returns the row labels (0 fresh, 1 replay). Replayed samples keep their stored
+   behaviour logprobs and per-token versions, so the learner's ratios for them
+   are taken against the policy that generated them.
+2. ``ratio_metrics`` before the update: importance ratios w = pi_theta / mu of
+   every row under the params the update starts from (those its loss sees),
+   aggregated per cycle with Kish's ESS (``algorithms.importance``). It costs
+   one extra forward pass of the batch per step.
+3. ``control`` after the update: the controller's inputs (generation and
+   training rates, queue depth, staleness, replay ESS) and decision, as
+   ``ctl_*`` metrics; the decision's rho is used from the next step on.
+
+``state_dict`` (buffer contents, counters, the sampler's RNG, the controller's
+state and current decision) goes into the checkpoint's metadata; a
+``ReplayCycle`` built with it draws exactly what the uninterrupted one would.
+
+With rho = 0 and no controller there is no ``ReplayCycle``: the loop is exactly
+the one without replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxflash.algorithms.importance import per_sample_ratio_stats, ratio_metrics_by_cycle
+from jaxflash.learner.batching import pack_batch
+from jaxflash.replay.controller import (
+    AdaptiveController,
+    ControllerInputs,
+    Decision,
+    FixedSchedule,
+    in_flight_for,
+)
+from jaxflash.replay.dual_cycle import (
+    DualCycleComposer,
+    DualCycleConfig,
+    fresh_groups_needed,
+    replay_count,
+)
+from jaxflash.replay.replay_buffer import ReplayBuffer
+from jaxflash.runtime.learner_batch import LearnerBatch
+from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, replay_active
+from jaxflash.types import Sample, TrainBatch
+
+LogprobFn = Callable[[Any, TrainBatch], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedStep:
+    """One step's mixed batch.
+
+    Attributes:
+      batch: TrainBatch [rows, T] (None when nothing carries loss).
+      samples: fresh samples, then replayed ones (batch row order).
+      cycle_b: int8 [rows], 0 fresh / 1 replay (padding rows 0; they carry no tokens).
+      metrics: the composer's per-step metrics (README "replay cycle").
+    """
+
+    batch: TrainBatch | None
+    samples: tuple[Sample, ...]
+    cycle_b: np.ndarray
+    metrics: dict[str, Any]
+
+
+class ReplayCycle:
+    """The replay cycle of one run (see module docstring).
+
+    Args:
+      replay, controller: the config sections.
+      batch_prompts: ``rollout.prompts_per_step`` B, the learner batch in groups.
+      group_size: G.
+      async_ratio: the run's alpha (the adaptive controller's maximum).
+      learner_devices, generation_devices: the role split, as the controller sees it.
+      seed: seeds the buffer's sampler.
+      logprob_fn: ``learner.step.make_logprob_fn``'s function, for ratio statistics.
+      state: a ``state_dict`` from a checkpoint (None: a fresh buffer).
+
+    Raises:
+      ValueError: a saved state whose buffer config differs from this run's.
+    """
+
+    def __init__(
+        self,
+        replay: ReplaySpec,
+        controller: ControllerSpec,
+        *,
+        batch_prompts: int,
+        group_size: int,
+        async_ratio: int,
+        learner_devices: int,
+        generation_devices: int,
+        seed: int,
+        logprob_fn: LogprobFn,
+        state: dict[str, Any] | None = None,
+        samples_generated: int = 0,
+    ):
+        self.group_size = group_size
+        # Fresh groups per step: the learner batch of B groups minus the replayed share.
+        self.fresh_prompts = fresh_groups_needed(batch_prompts, replay.ratio)
+        n_fresh = self.fresh_prompts * group_size
+        # Rows of every packed batch: the fresh samples plus the most any step replays.
+        self.rows = n_fresh + replay_count(n_fresh, controller.max_ratio(replay))
+        buffer_config = replay.buffer_config(seed=seed)
+        buffer = (
+            ReplayBuffer.from_state_dict(buffer_config, state["buffer"])
+            if state
+            else ReplayBuffer(buffer_config)
+        )
+        self._composer = DualCycleComposer(
+            buffer,
+            DualCycleConfig(advantages=replay.advantages, estimator=replay.advantage_estimator),
+        )
+        self._logprob_fn = logprob_fn
+        batch_samples = batch_prompts * group_size
+        self._decision = Decision(
+            replay_ratio=replay.ratio,
+            async_ratio=async_ratio,
+            requests_in_flight=in_flight_for(async_ratio, replay.ratio, batch_samples),
+            learner_devices=learner_devices,
+            generation_devices=generation_devices,
+        )
+        self._controller: AdaptiveController | FixedSchedule | None = None
+        if controller.kind == "adaptive":
+            config = controller.controller_config(
+                batch_samples=batch_samples, max_async_ratio=async_ratio
+            )
+            self._controller = AdaptiveController(config, self._decision)
+            if state and state.get("controller"):
+                self._controller.load_state_dict(state["controller"])
+        elif controller.kind == "fixed":
+            self._controller = FixedSchedule(
+                [
+                    (
+                        s,
+                        dataclasses.replace(
+                            self._decision,
+                            replay_ratio=r,
+                            requests_in_flight=in_flight_for(async_ratio, r, batch_samples),
+                        ),
+                    )
+                    for s, r in controller.schedule()
+                ]
+            )
+        if state:
+            self._decision = Decision(**state["decision"])
+        self._generated_before = int(samples_generated)  # the scheduler's counter at start
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        return self._composer.buffer
+
+    @property
+    def replay_ratio(self) -> float:
+        """rho of the next step (the controller's last decision, or replay.ratio)."""
+        return self._decision.replay_ratio
+
+    # ------------------------------------------------------------------ the batch
+    def step_batch(
+        self, lb: LearnerBatch, params: Any, *, learner_version: int, pad_id: int, max_len: int
+    ) -> tuple[TrainBatch | None, dict[str, Any]]:
+        """The learner batch of a step: ``mix``, then ``ratio_metrics`` (pre-update params).
+
+        Args:
+          lb: the fresh cycle (``learner_batch``): samples with loss, advantages.
+          params: the learner params the update starts from.
+
+        Returns:
+          (TrainBatch [rows, T] or None when nothing carries loss, the composer's and
+          the ratio metrics).
+        """
+        mixed = self.mix(
+            lb.samples,
+            lb.advantages,
+            learner_version=learner_version,
+            pad_id=pad_id,
+            max_len=max_len,
+        )
+        if mixed.batch is None:
+            return None, mixed.metrics
+        return mixed.batch, {
+            **mixed.metrics,
+            **self.ratio_metrics(params, mixed.batch, mixed.cycle_b),
+        }
+
+    def mix(
+        self,
+        samples: Sequence[Sample],
+        advantages: np.ndarray,
+        *,
+        learner_version: int,
+        pad_id: int,
+        max_len: int,
+    ) -> MixedStep:
+        """Draw the replay cycle, store the fresh samples, pack both.
+
+        Args:
+          samples: the step's fresh samples that carry loss (``LearnerBatch.samples``).
+          advantages: float32 [len(samples)], their advantages.
+          learner_version: the version the step trains at (ages are taken against it).
+          pad_id, max_len: as ``pack_batch``.
+
+        Returns:
+          MixedStep with ``self.rows`` rows.
+        """
+        mixed = self._composer.compose(
+            samples,
+            list(advantages),
+            learner_version=learner_version,
+            replay_ratio=self.replay_ratio,
+        )
+        if not mixed.samples:
+            return MixedStep(None, (), np.zeros((0,), np.int8), mixed.metrics)
+        batch = pack_batch(
+            list(mixed.samples),
+            np.stack([np.asarray(a, np.float32) for a in mixed.advantages]),
+            pad_id=pad_id,
+            max_len=max_len,
+            num_sequences=self.rows,
+        )
+        cycle_b = np.zeros((self.rows,), np.int8)
+        cycle_b[: len(mixed.cycle_b)] = mixed.cycle_b
+        return MixedStep(batch, mixed.samples, cycle_b, mixed.metrics)
+
+    def ratio_metrics(self, params: Any, batch: TrainBatch, cycle_b: np.ndarray) -> dict:
+        """Importance-ratio statistics and ESS per cycle under ``params`` (pre-update).
+
+        Returns:
+          ``fresh_*`` / ``replay_*``: ratio_mean, ratio_max, ratio_min, ess_token,
+          ess_seq (cycles with tokens), ratio_tokens, sequences
+          (``importance.ratio_metrics_by_cycle``).
+        """
+        logp_bt, _ = self._logprob_fn(params, batch)
+        log_ratio_bt = logp_bt - np.asarray(batch.behaviour_logp_bt, np.float32)
+        stats = per_sample_ratio_stats(log_ratio_bt, np.asarray(batch.loss_mask_bt))
+        stats = {k: np.asarray(v) for k, v in stats.items()}
+        return ratio_metrics_by_cycle(stats, cycle_b)
+
+    # ------------------------------------------------------------------ the controller
+    def control(
+        self,
+        *,
+        next_version: int,
+        samples_generated: int,
+        step_s: float,
+        trained_samples: int,
+        train_s: float,
+        queue_samples: int,
+        staleness_mean: float,
+        replay_ess: float | None,
+    ) -> dict[str, Any]:
+        """Feed the controller this step's measurements; its decision sets the next rho.
+
+        Args:
+          next_version: learner version the next step trains at (the decision's step).
+          samples_generated: the scheduler's cumulative ``samples_generated``.
+          step_s, train_s: this step's wall time and update time (s).
+          trained_samples: rows that carried loss this step.
+          queue_samples: scored samples waiting for the learner.
+          staleness_mean: mean staleness of the fresh samples trained.
+          replay_ess: the replay cycle's token ESS (None when nothing was replayed).
+
+        Returns:
+          ``ctl_in_*`` (inputs), the controller's flags and ``ctl_*`` (decision);
+          {} without a controller, and on a step that trained nothing (no training
+          rate to measure: the decision stands).
+        """
+        before, self._generated_before = self._generated_before, samples_generated
+        if self._controller is None or trained_samples < 1:
+            return {}
+        generated = samples_generated - before
+        inputs = ControllerInputs(
+            step=next_version,
+            gen_rate=max(generated, 0) / max(step_s, 1e-9),
+            train_rate=trained_samples / max(train_s, 1e-9),
+            queue_depth=max(int(queue_samples), 0),
+            staleness_mean=float(staleness_mean),
+            ess=None if replay_ess is None else min(max(replay_ess, 1e-12), 1.0),
+        )
+        self._decision = self._controller.update(inputs)
+        return self._controller.metrics()
+
+    def control_from(self, metrics: dict[str, Any], *, next_version: int) -> dict[str, Any]:
+        """``control`` with its inputs read from the step's metrics row (README names)."""
+        return self.control(
+            next_version=next_version,
+            samples_generated=int(metrics.get("samples_generated", 0)),
+            step_s=float(metrics["step_time_s"]),
+            trained_samples=int(metrics.get("sequences", 0)),
+            train_s=float(metrics["train_time_s"]),
+            queue_samples=int(metrics.get("buffer_pending", 0)) * self.group_size,
+            staleness_mean=float(metrics.get("staleness_mean", 0.0)),
+            replay_ess=metrics.get("replay_ess_token"),
+        )
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: the buffer (contents, counters, RNG), the controller, the decision."""
+        return {
+            "buffer": self.buffer.state_dict(),
+            "controller": self._controller.state_dict() if self._controller else {},
+            "decision": dataclasses.asdict(self._decision),
+        }
+
+
+def make_replay_cycle(
+    exp: Any,
+    *,
+    learner_mesh: Any,
+    generation_meshes: Sequence[Any],
+    logprob_fn: LogprobFn,
+    extra: dict[str, Any],
+) -> ReplayCycle | None:
+    """The run's ReplayCycle, or None when the config has no replay cycle.
+
+    Args:
+      exp: the ``ExperimentConfig``.
+      learner_mesh, generation_meshes: the placement (the controller's role split).
+      logprob_fn: ``make_logprob_fn`` for the learner mesh.
+      extra: the checkpoint metadata's ``extra`` ({} on a fresh start): its
+        "replay" entry restores the buffer, and its "counters" the generation count.
+    """
+    if not replay_active(exp.replay, exp.controller):
+        return None
+    return ReplayCycle(
+        exp.replay,
+        exp.controller,
+        batch_prompts=exp.rollout.prompts_per_step,
+        group_size=exp.rollout.group_size,
+        async_ratio=exp.rollout.async_ratio,
+        learner_devices=int(learner_mesh.devices.size),
+        generation_devices=sum(int(m.devices.size) for m in generation_meshes),
+        seed=exp.seed,
+        logprob_fn=logprob_fn,
+        state=extra.get("replay"),
+        samples_generated=int(extra.get("counters", {}).get("samples_generated", 0)),
+    )

@@ -1,0 +1,281 @@
+"""Config sections ``replay.*`` and ``controller.*``: the dual replay cycle and its scheduler.
+
+``ReplaySpec`` and ``ControllerSpec`` validate their own fields;
+``check_replay_combination`` refuses, naming the fields, every combination whose
+settings would be silently ignored (it runs in ``ExperimentConfig.__post_init__``,
+before any model is loaded). The runtime builds the buffer, the composer and the
+controller from them in ``runtime.replay_cycle``.
+
+Sources: the replay cycle is ReFlow's (arXiv 2610.21640; only its abstract is
+available), its caps Marin's, its samplers Arnal et al. (arXiv 2604.08706),
+FreshPER (arXiv 2604.16918) and RePO (arXiv 2506.09340); the controller's rules
+are documented in ``replay.controller``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from jaxflash.algorithms.policy_loss import POLICY_LOSSES
+from jaxflash.replay.controller import ControllerConfig
+from jaxflash.replay.dual_cycle import ADVANTAGE_MODES
+from jaxflash.replay.replay_config import ReplayConfig
+from jaxflash.runtime.specs import ConfigError, check
+
+CONTROLLER_KINDS = ("none", "fixed", "adaptive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplaySpec:
+    """``replay.*``: the replay cycle mixed into every learner batch.
+
+    Attributes:
+      ratio: rho in [0, 1), the replayed share of each learner batch. 0 (default)
+        is plain async: no buffer, exactly the loop without replay. With rho > 0
+        the learner batch keeps ``rollout.prompts_per_step`` groups' worth of
+        rows, of which round((1 - rho) * prompts_per_step) groups are fresh.
+      capacity, max_age, max_reuse, sampler, recency_exponent, freshness_tau,
+        freshness_base, prompt_strategy, drop_uniform_groups: the buffer
+        (``replay.replay_config.ReplayConfig``; fields a sampler would ignore
+        must stay None).
+      advantages: "fixed" (stored at ingestion, Marin) | "joint" | "split" (RePO:
+        need sampler="per_prompt").
+      advantage_estimator: estimator "joint"/"split" recompute with (None there
+        means "grpo"); must stay None with "fixed".
+      correction: off-policy correction of the replayed rows, a ``POLICY_LOSSES``
+        name; None = the learner's own ``learner.loss`` (which takes its ratio
+        against the stored behaviour logprobs, or the proximal policy per
+        ``learner.ratio_against``). A different loss per cycle is not wired into
+        the learner step yet and is refused.
+    """
+
+    ratio: float = 0.0
+    capacity: int = 1024
+    max_age: int = 4
+    max_reuse: int = 1
+    sampler: str = "uniform"
+    recency_exponent: float | None = None
+    freshness_tau: float | None = None
+    freshness_base: str = "abs_advantage"
+    prompt_strategy: str | None = None
+    drop_uniform_groups: bool = True
+    advantages: str = "fixed"
+    advantage_estimator: str | None = None
+    correction: str | None = None
+
+    def __post_init__(self) -> None:
+        check(0.0 <= self.ratio < 1.0, f"replay.ratio must be in [0, 1), got {self.ratio}")
+        check(
+            self.advantages in ADVANTAGE_MODES,
+            f"replay.advantages must be one of {ADVANTAGE_MODES}, got {self.advantages!r}",
+        )
+        check(
+            self.advantage_estimator is None or self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            f"replay.advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, "
+            f"got {self.advantage_estimator!r}",
+        )
+        check(
+            self.advantages != "fixed" or self.advantage_estimator is None,
+            "replay.advantage_estimator would be ignored with replay.advantages='fixed' "
+            "(nothing is recomputed); leave it unset or choose 'joint' / 'split'",
+        )
+        check(
+            self.advantages == "fixed" or self.sampler == "per_prompt",
+            f"replay.advantages={self.advantages!r} normalises each prompt's fresh and "
+            f"replayed samples together or apart: it needs replay.sampler='per_prompt', "
+            f"got {self.sampler!r}",
+        )
+        check(
+            self.correction is None or self.correction in POLICY_LOSSES,
+            f"replay.correction must be one of {sorted(POLICY_LOSSES)} (or unset = "
+            f"learner.loss), got {self.correction!r}",
+        )
+        try:
+            self.buffer_config(seed=0)
+        except ValueError as e:
+            raise ConfigError(str(e).replace("ReplayConfig.", "replay.")) from None
+
+    def buffer_config(self, *, seed: int) -> ReplayConfig:
+        """The buffer's ``ReplayConfig`` (its RNG seeded with ``seed``)."""
+        return ReplayConfig(
+            capacity=self.capacity,
+            max_age=self.max_age,
+            max_reuse=self.max_reuse,
+            sampler=self.sampler,
+            recency_exponent=self.recency_exponent,
+            freshness_tau=self.freshness_tau,
+            freshness_base=self.freshness_base,
+            prompt_strategy=self.prompt_strategy,
+            drop_uniform_groups=self.drop_uniform_groups,
+            seed=seed,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControllerSpec:
+    """``controller.*``: who sets the replay ratio each step.
+
+    Attributes:
+      kind: "none" (replay.ratio every step), "fixed" (``replay_schedule``, a
+        ``FixedSchedule`` for ablations) or "adaptive" (``AdaptiveController``).
+      replay_schedule: "fixed" only: "from_step:rho,..." e.g. "0:0.25,10:0.5"
+        (the first from_step 0, the first rho equal to replay.ratio).
+      max_replay_ratio, replay_step, ess_min, staleness_target, balance_margin,
+        queue_high, smoothing, move_patience: "adaptive" only, as in
+        ``replay.controller.ControllerConfig``. Its alpha stays within
+        rollout.async_ratio (the user's maximum).
+
+    Applied in the live loop: the replay ratio. The adaptive controller's alpha,
+    requests in flight and role split are logged (``ctl_*``) but not applied yet:
+    the scheduler's alpha and the device roles are fixed for a run.
+    """
+
+    kind: str = "none"
+    replay_schedule: str = ""
+    max_replay_ratio: float = 0.75
+    replay_step: float = 0.125
+    ess_min: float = 0.5
+    staleness_target: float | None = None
+    balance_margin: float = 0.15
+    queue_high: float = 2.0
+    smoothing: float = 0.5
+    move_patience: int = 3
+
+    def __post_init__(self) -> None:
+        check(
+            self.kind in CONTROLLER_KINDS,
+            f"controller.kind must be one of {CONTROLLER_KINDS}, got {self.kind!r}",
+        )
+        check(
+            self.kind == "fixed" or not self.replay_schedule,
+            f"controller.replay_schedule would be ignored with controller.kind={self.kind!r} "
+            "(only 'fixed' reads it)",
+        )
+        if self.kind == "fixed":
+            self.schedule()  # parse errors now
+        if self.kind != "adaptive":
+            ignored = [
+                f"controller.{f.name}"
+                for f in dataclasses.fields(self)
+                if f.name not in ("kind", "replay_schedule") and getattr(self, f.name) != f.default
+            ]
+            check(
+                not ignored,
+                f"{ignored} would be ignored with controller.kind={self.kind!r} (only "
+                "'adaptive' reads them)",
+            )
+        else:
+            try:
+                self.controller_config(batch_samples=1, max_async_ratio=0)
+            except ValueError as e:
+                raise ConfigError(str(e).replace("ControllerConfig", "controller")) from None
+
+    def schedule(self) -> list[tuple[int, float]]:
+        """``replay_schedule`` parsed: [(from_step, rho)], from_step ascending, first 0."""
+        pairs: list[tuple[int, float]] = []
+        for part in filter(None, (p.strip() for p in self.replay_schedule.split(","))):
+            step, sep, rho = part.partition(":")
+            try:
+                pairs.append((int(step), float(rho)))
+            except ValueError:
+                raise ConfigError(
+                    f"controller.replay_schedule entry {part!r} is not 'from_step:rho'"
+                ) from None
+            check(bool(sep), f"controller.replay_schedule entry {part!r} is not 'from_step:rho'")
+        steps = [s for s, _ in pairs]
+        check(
+            bool(steps) and steps[0] == 0 and steps == sorted(set(steps)),
+            "controller.replay_schedule needs from_steps starting at 0 and increasing, got "
+            f"{self.replay_schedule!r}",
+        )
+        bad = [r for _, r in pairs if not 0.0 <= r < 1.0]
+        check(not bad, f"controller.replay_schedule ratios must be in [0, 1), got {bad}")
+        return pairs
+
+    def controller_config(self, *, batch_samples: int, max_async_ratio: int) -> ControllerConfig:
+        """The ``AdaptiveController``'s config for a run's batch and alpha maximum."""
+        return ControllerConfig(
+            batch_samples=batch_samples,
+            max_async_ratio=max_async_ratio,
+            max_replay_ratio=self.max_replay_ratio,
+            replay_step=self.replay_step,
+            ess_min=self.ess_min,
+            staleness_target=self.staleness_target,
+            balance_margin=self.balance_margin,
+            queue_high=self.queue_high,
+            smoothing=self.smoothing,
+            move_patience=self.move_patience,
+        )
+
+    def max_ratio(self, replay: ReplaySpec) -> float:
+        """The largest rho any step of the run can use (sizes the learner batch)."""
+        if self.kind == "adaptive":
+            return max(replay.ratio, self.max_replay_ratio)
+        if self.kind == "fixed":
+            return max(r for _, r in self.schedule())
+        return replay.ratio
+
+
+def replay_active(replay: ReplaySpec, controller: ControllerSpec) -> bool:
+    """Whether the run has a replay cycle at all (False: the plain loop, unchanged)."""
+    return replay.ratio > 0 or controller.kind != "none"
+
+
+def check_replay_combination(
+    replay: ReplaySpec, controller: ControllerSpec, *, learner_loss: str, async_ratio: int
+) -> None:
+    """Refuse settings that the other sections would make ignored (naming the fields).
+
+    Raises:
+      ConfigError: replay.* set while no replay happens (ratio 0, no controller);
+        a fixed schedule whose first ratio is not replay.ratio; an adaptive
+        controller whose max_replay_ratio is below replay.ratio; a replay
+        correction other than the learner's loss (per-cycle losses are not wired
+        into the learner step); replay.max_age <= rollout.async_ratio (fresh samples
+        arrive up to alpha versions old and are replayed at least one version later,
+        so in steady state every one would be rejected for age and nothing replayed).
+    """
+    if not replay_active(replay, controller):
+        ignored = [
+            f"replay.{f.name}"
+            for f in dataclasses.fields(replay)
+            if getattr(replay, f.name) != f.default
+        ]
+        check(
+            not ignored,
+            f"{ignored} would be ignored: replay.ratio=0 and controller.kind='none' run no "
+            "replay cycle (set replay.ratio > 0, or controller.kind='fixed'/'adaptive')",
+        )
+    check(
+        not replay_active(replay, controller) or replay.max_age > async_ratio,
+        f"replay.max_age={replay.max_age} <= rollout.async_ratio={async_ratio}: fresh "
+        "samples arrive up to alpha versions old and a replay happens at least one version "
+        "later, so the buffer would reject them for age and replay nothing; set "
+        f"replay.max_age >= {async_ratio + 1}",
+    )
+    if controller.kind == "fixed":
+        check(
+            controller.max_ratio(replay) > 0,
+            f"controller.replay_schedule={controller.replay_schedule!r} never replays (every "
+            "rho is 0): the replay.* settings would be ignored; use controller.kind='none'",
+        )
+        first = controller.schedule()[0][1]
+        check(
+            first == replay.ratio,
+            f"controller.replay_schedule starts at rho={first} but replay.ratio={replay.ratio}: "
+            "one of them would be ignored (make them equal)",
+        )
+    if controller.kind == "adaptive":
+        check(
+            replay.ratio <= controller.max_replay_ratio,
+            f"replay.ratio={replay.ratio} exceeds controller.max_replay_ratio="
+            f"{controller.max_replay_ratio}",
+        )
+    check(
+        replay.correction is None or replay.correction == learner_loss,
+        f"replay.correction={replay.correction!r} differs from learner.loss={learner_loss!r}: "
+        "one loss per cycle is not wired into the learner step yet (algorithms.cycle_loss "
+        "exists; the step takes one loss); leave replay.correction unset or equal to "
+        "learner.loss",
+    )
