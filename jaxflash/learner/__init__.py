@@ -9,7 +9,7 @@ from jaxflash.learner.state import (
     from_params,
     state_shardings,
 )
-from jaxflash.learner.step import make_grad_fn, make_train_step
+from jaxflash.learner.step import make_grad_fn, make_logprob_fn, make_train_step
 
 __all__ = [
     "LearnerConfig",
@@ -19,6 +19,7 @@ __all__ = [
     "create_train_state",
     "from_params",
     "make_grad_fn",
+    "make_logprob_fn",
     "make_train_step",
     "pack_batch",
     "split_micro_batches",

@@ -37,7 +37,7 @@ from jaxflash.algorithms.policy_loss import get_policy_loss
 from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
-from jaxflash.learner.state import TrainState, state_shardings
+from jaxflash.learner.state import TrainState, param_shardings, state_shardings
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import forward, unembed
 from jaxflash.models.logprobs import target_logprobs
@@ -298,3 +298,36 @@ def make_train_step(
     )
     step_obj = TrainStep(jitted, learner_config.micro_batch_size, b_shard)
     return step_obj
+
+
+def make_logprob_fn(
+    model_config: ModelConfig, learner_config: LearnerConfig, mesh: Mesh, rules: Rules
+) -> Callable[[Any, TrainBatch], tuple[np.ndarray, np.ndarray]]:
+    """Jitted per-token log q(target) and entropy of a batch under given params.
+
+    For proximal logprobs or evaluation. Scores the processed sampling
+    distribution of ``learner_config.sampling`` (same as the train step).
+
+    Returns:
+      ``logprob_fn(params, batch) -> (logp_bt, entropy_bt)``: ``params`` on the
+      learner shardings; ``batch`` a host TrainBatch [B, T]; outputs numpy float32
+      [B, T] (masked positions hold whatever the model gives; apply the mask).
+    """
+    mc, lc = model_config, learner_config
+    b_shard = batch_sharding(mesh, rules, lc.micro_batch_size)
+    p_shard = param_shardings(mc, mesh, rules)
+
+    def fn(params, batch):
+        return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc), batch)
+
+    jitted = jax.jit(fn, in_shardings=(p_shard, b_shard))
+
+    def logprob_fn(params: Any, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
+        B, T = np.shape(batch.input_ids_bt)
+        logp_mbt, ent_mbt = jitted(params, _to_device_batch(batch, lc.micro_batch_size, b_shard))
+        logp_mbt, ent_mbt = jax.device_get((logp_mbt, ent_mbt))
+        logp = np.asarray(logp_mbt).reshape(-1, T)[:B]
+        ent = np.asarray(ent_mbt).reshape(-1, T)[:B]
+        return logp, ent
+
+    return logprob_fn
