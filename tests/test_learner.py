@@ -10,7 +10,7 @@ from jaxflash.learner.batching import bucket_length, pack_batch, split_micro_bat
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_schedule
 from jaxflash.learner.state import create_train_state, from_params
-from jaxflash.learner.step import make_grad_fn, make_train_step
+from jaxflash.learner.step import make_grad_fn, make_logprob_fn, make_train_step
 from jaxflash.models.config import get_preset
 from jaxflash.models.llama import forward, unembed
 from jaxflash.models.logprobs import target_logprobs
@@ -261,6 +261,14 @@ def test_train_step_compiles_once_parity_and_pulse(world):
     assert history[1]["logprob_gap_max_current"] == 0.0 and history[1]["current_tokens"] == 0
     assert history[1]["logprob_gap_max_off_policy"] == history[1]["logprob_gap_max"]
     assert int(state.step) == 3
+    # make_logprob_fn (the replay cycle's scorer) rescores the padded batch like the
+    # step: equal to the unpadded reference logprobs on every loss token.
+    logp_fn = make_logprob_fn(MODEL, lc, mesh, LEARNER_RULES)
+    logp0, ent0 = logp_fn(state0.params, batch)
+    assert logp0.shape == ent0.shape == batch.loss_mask_bt.shape
+    on = batch.loss_mask_bt > 0
+    np.testing.assert_allclose(logp0[on], batch.behaviour_logp_bt[on], atol=1e-5)
+    assert np.all(ent0[on] > 0)
 
     # (c) learning has a pulse: tokens with A > 0 gained probability, A < 0 lost it.
     def rescore(params):
