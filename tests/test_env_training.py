@@ -192,9 +192,14 @@ def test_failed_or_unfinished_episodes_are_not_samples(tok):
 
     env = Broken([1.0])
     ep = Episode(
-        TurnRenderer(tok), env.config, prompt_id=1, episode_index=0, env_seed=0,
-        start_version=0, max_context_tokens=256,
-    )  # fmt: skip
+        TurnRenderer(tok),
+        env.config,
+        prompt_id=1,
+        episode_index=0,
+        env_seed=0,
+        start_version=0,
+        max_context_tokens=256,
+    )
     ep.begin(checked_reset(env, 0))
     with pytest.raises(ValueError, match="not finished"):
         trajectory_to_sample(ep.trajectory())
@@ -260,8 +265,10 @@ def test_episode_batch_trains_only_sampled_tokens(tok):
 
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.learner.state import create_train_state
-    from jaxflash.learner.step import make_logprob_fn, make_train_step
+    from jaxflash.learner.step import make_train_step
     from jaxflash.models.config import get_preset
+    from jaxflash.models.llama import forward, unembed
+    from jaxflash.models.logprobs import target_logprobs
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import LEARNER_RULES
 
@@ -274,7 +281,19 @@ def test_episode_batch_trains_only_sampled_tokens(tok):
     )
     mask = batch.loss_mask_bt > 0
     assert mask.sum() == sum(int(t.loss_mask.sum()) for t in trajs) == 15  # 5 turns x 3 tokens
-    logp0, _ = make_logprob_fn(mc, lc, mesh, LEARNER_RULES)(state.params, batch)
+    # The learner's scoring, written out (forward + target_logprobs on the same weights).
+    params = jax.device_get(state.params)
+    h, _ = forward(params, mc, batch.input_ids_bt, batch.positions_bt)
+    sp = lc.sampling
+    logp0, _ = target_logprobs(
+        h,
+        unembed(params, mc),
+        batch.target_ids_bt,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        chunk=lc.logprob_chunk,
+    )
     # Behaviour logprobs as the same weights would give them (observation positions keep 0,
     # far from the model's logprobs there: a mask that let them in would show a gap).
     batch.behaviour_logp_bt = np.where(mask, logp0, 0.0).astype(np.float32)

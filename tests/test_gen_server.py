@@ -219,10 +219,10 @@ def test_bad_request_raises_in_the_caller(engine, params):
 
 
 def test_engine_error_surfaces(engine, params, monkeypatch):
-    def boom(params, state):
+    def boom(params, state, **kwargs):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(engine, "generate", boom)
+    monkeypatch.setattr(engine, "generate_block", boom)  # what SlotBatcher.step decodes with
     server = GenerationServer(
         "g",
         engine,

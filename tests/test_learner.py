@@ -94,6 +94,24 @@ def test_pack_batch_layout_by_hand():
     np.testing.assert_array_equal(mb.token_versions_bt[1, 1], -np.ones(8))
 
 
+def test_pack_batch_applies_response_mask():
+    """Multi-turn samples: tokens with response_mask 0 (env observations) stay in the
+    input as context but carry no loss, advantage, behaviour logprob or version."""
+    import dataclasses
+
+    s = _sample([5, 6], [7, 8, 9, 10], [-0.5, -0.25, -0.125, -1.0], [3, 3, 4, 4])
+    s = dataclasses.replace(s, response_mask=np.asarray([1, 0, 0, 1], np.float32))
+    b = pack_batch([s], [2.0], length_multiple=8)
+    np.testing.assert_array_equal(b.input_ids_bt[0], [5, 6, 7, 8, 9, 10, 0, 0])
+    np.testing.assert_array_equal(b.loss_mask_bt[0], [0, 1, 0, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(b.advantages_bt[0], [0, 2, 0, 0, 2, 0, 0, 0])
+    np.testing.assert_array_equal(b.behaviour_logp_bt[0], [0, -0.5, 0, 0, -1.0, 0, 0, 0])
+    np.testing.assert_array_equal(b.token_versions_bt[0], [-1, 3, -1, -1, 4, -1, -1, -1])
+    for bad in ([1, 0, 1], [1, 0.5, 1, 1]):
+        with pytest.raises(ValueError, match=r"prompt_id=0.*response_mask must be 0/1 of length 4"):
+            pack_batch([dataclasses.replace(s, response_mask=np.asarray(bad))], [1.0])
+
+
 def test_bucket_and_pack_errors():
     assert [bucket_length(n, multiple=32) for n in (1, 32, 33)] == [32, 32, 64]
     assert [bucket_length(n, multiple=16, power_of_two=True) for n in (3, 17, 64, 65)] == [
@@ -221,19 +239,14 @@ def test_train_step_compiles_once_parity_and_pulse(world):
     mesh, lc, state0, host_params, batch = world
     state = from_params(host_params, MODEL, lc, mesh, LEARNER_RULES)
     train_step = make_train_step(MODEL, lc, mesh, LEARNER_RULES)
-    logprob_fn = make_logprob_fn(MODEL, lc, mesh, LEARNER_RULES)
-    mask = batch.loss_mask_bt > 0
-    logp0, _ = logprob_fn(state.params, batch)
-    # Learner rescoring of the padded batch equals the unpadded reference.
-    np.testing.assert_allclose(logp0[mask], batch.behaviour_logp_bt[mask], atol=1e-5)
-
     history = []
     for _ in range(3):
         state, metrics = train_step(state, _copy(batch))
         history.append(jax.device_get(metrics))
     assert train_step.trace_count == 1  # traced (and compiled) once for 3 steps
     first = history[0]
-    # (d) parity: identical params, behaviour logprobs from target_logprobs.
+    # (d) parity: identical params, behaviour logprobs from target_logprobs of the
+    # unpadded sequences, so the learner's rescoring of the padded batch matches.
     assert first["logprob_gap_max"] < 1e-5
     assert first["logprob_gap_max_current"] < 1e-5 and first["current_tokens"] == 12.0
     assert abs(first["ratio_max"] - 1.0) < 1e-4 and abs(first["ratio_min"] - 1.0) < 1e-4
@@ -248,9 +261,26 @@ def test_train_step_compiles_once_parity_and_pulse(world):
     assert history[1]["logprob_gap_max_current"] == 0.0 and history[1]["current_tokens"] == 0
     assert history[1]["logprob_gap_max_off_policy"] == history[1]["logprob_gap_max"]
     assert int(state.step) == 3
+    # make_logprob_fn (the replay cycle's scorer) rescores the padded batch like the
+    # step: equal to the unpadded reference logprobs on every loss token.
+    logp_fn = make_logprob_fn(MODEL, lc, mesh, LEARNER_RULES)
+    logp0, ent0 = logp_fn(state0.params, batch)
+    assert logp0.shape == ent0.shape == batch.loss_mask_bt.shape
+    on = batch.loss_mask_bt > 0
+    np.testing.assert_allclose(logp0[on], batch.behaviour_logp_bt[on], atol=1e-5)
+    assert np.all(ent0[on] > 0)
+
     # (c) learning has a pulse: tokens with A > 0 gained probability, A < 0 lost it.
-    logp3, _ = logprob_fn(state.params, batch)
-    delta = logp3 - logp0
+    def rescore(params):
+        ids, pos = jnp.asarray(batch.input_ids_bt), jnp.asarray(batch.positions_bt)
+        h, _ = forward(params, MODEL, ids, pos)
+        logp, _ = target_logprobs(
+            h, unembed(params, MODEL), jnp.asarray(batch.target_ids_bt), temperature=0.7, chunk=8
+        )
+        return np.asarray(logp)
+
+    mask = batch.loss_mask_bt > 0
+    delta = rescore(jax.device_get(state.params)) - rescore(host_params)
     adv = batch.advantages_bt
     assert delta[mask & (adv > 0)].mean() > 0.1, delta[mask]
     assert delta[mask & (adv < 0)].mean() < -0.1, delta[mask]

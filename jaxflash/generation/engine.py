@@ -2,58 +2,49 @@
 
 ``LlamaEngine`` implements ``jetstream.engine.engine_api.Engine`` on the pure
 function ``jaxflash.models.llama.forward`` — the same code the learner runs — so
-engine logprobs and learner logprobs agree to float rounding.
+engine logprobs and learner logprobs agree to float rounding. Its device programs
+are the pure functions of ``engine_kernels``; the engine jits them, places params
+(``engine_params``: layers unstacked, so a decode step reads each layer's weights
+in place) and counts compilations from outside (``trace_counts``).
 
-Life of a request (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
+Two ways to drive it (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
 
-- ``prefill(params=, padded_tokens=, true_length=)`` runs the prompt (padded to a
-  power-of-two bucket, at most ``max_prefill_length``) at positions 0..P-1,
-  samples the first response token from the last prompt position and returns a
-  ``Prefix``: the prompt's k/v [L, 1, bucket, K, H], the first token and its
-  logprob, and the sample's RNG identity (seed, prompt_id, sample_index).
-- ``insert(prefix, decode_state, slot)`` copies that into row ``slot``.
-- ``generate(params, decode_state)`` runs one decode step for all B slots: feed
-  each slot's last token at its position, sample the next one. ``params`` is an
-  argument of every call, so new weights apply at the next step with nothing
-  rebuilt or recompiled; in-flight sequences keep their cache (partial rollout).
+- JetStream's API (its Driver and gRPC server): ``prefill(params=, padded_tokens=,
+  true_length=) -> Prefix`` runs one prompt (padded to a power-of-two bucket, at
+  most ``max_prefill_length``) at positions 0..P-1 and samples the first response
+  token; ``insert(prefix, state, slot)`` copies it into a slot; ``generate(params,
+  state)`` runs one decode step for all slots. JetStream 0.2.2's Driver only
+  streams what ``generate`` returns, so ``insert`` by default marks the slot
+  pending: its next ``generate`` emits the prefill's token.
+- jaxflash's slot loop: ``prefill_many(params, sequences)`` runs prompts
+  ``prefill_rows`` at a time per bucket (prefix sharing: each distinct prompt once);
+  ``start_samples(state, starts)`` draws every new sample's first token and puts
+  it in its slot in one dispatch; ``generate_block(params, state, steps=n, ...)``
+  decodes up to n steps in one jitted loop and returns tokens in a block, so the
+  host syncs once per block and new requests / aborts / weights apply at block
+  boundaries.
 
-Recompute (AReaL's interruptible rollout, arXiv 2505.24298): after a weight
-update, ``prefill`` of prompt + the n tokens generated so far with
-``token_index=n`` rebuilds the sample's KV cache under the new weights and
-draws its next token with the key the uninterrupted sample would have used.
+``params`` is an argument of every call, so new weights apply at the next step with
+nothing rebuilt or recompiled; in-flight sequences keep their cache (partial
+rollout). Recompute (AReaL's interruptible rollout, arXiv 2505.24298): prefilling
+prompt + the n tokens generated so far with ``token_index=n`` rebuilds a sample's
+cache under new weights and draws its next token with the key the uninterrupted
+sample would have used.
 
-Prefix sharing (G samples per prompt in RL): ``prefill`` is ``prefill_prompt``
-(forward pass: KV cache + last-position logits) followed by ``first_tokens``
-(one sampled first token per sample identity). A slot loop calls
-``prefill_prompt`` once per prompt and ``first_tokens`` for all its samples, so
-the prompt runs once instead of G times, with bit-identical results (a row of
-``sample_tokens`` depends only on its logits and key).
+Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i, so a
+sequence holds at most S tokens. ``generate`` returns ``ResultTokens`` with data
+int32 [B, 4]: token, validity (0 once the slot's cache is full), tokens emitted so
+far, logprob bit-cast to int32 (``result_logprobs``); JetStream ignores column 3.
 
-Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i,
-so a sequence holds at most S tokens in all (prompt + response).
-
-First token and JetStream's Driver: JetStream 0.2.2's Driver ignores anything
-prefill samples and only streams what ``generate`` returns. ``insert`` therefore
-by default marks the slot *pending*: its next ``generate`` emits the prefill's
-token (the slot does not advance that step). jaxflash's slot loop reads the first
-token from the Prefix and inserts with ``emit_prefill_token=False``, so no step
-is spent on it.
-
-Each ``generate`` returns ``ResultTokens`` with data int32 [B, 4]: column 0 the
-token, 1 validity (0 once the slot's cache is full), 2 tokens emitted so far by
-the slot, 3 the token's logprob bit-cast to int32 (read with ``result_logprobs``;
-JetStream ignores extra columns). One array means one device-to-host copy.
-
-Compilation: prefill compiles once per bucket, first_tokens once per power-of-two
-sample count, insert once per bucket, generate once; ``trace_counts`` counts traces
-so tests can assert it.
+Compilation: prefill once per bucket, starts once per (power-of-two sample count,
+bucket), insert once per bucket, generate once, generate_block once per block size.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -61,35 +52,45 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from jaxflash.generation.engine_kernels import EngineKernels
+from jaxflash.generation.engine_host import (
+    block_result,
+    identity_rows,
+    prefill_groups,
+    start_groups,
+    stop_array,
+)
+from jaxflash.generation.engine_params import engine_shardings, place
+from jaxflash.generation.engine_programs import Programs
 from jaxflash.generation.engine_state import (
     LOGP_COLUMN,
+    BlockResult,
     DecodeState,
     EngineConfig,
     Prefix,
     PromptPrefill,
-    empty_decode_state,
+    SampleStart,
     result_logprobs,
     state_shardings,
 )
 from jaxflash.generation.jetstream_compat import JetStreamTokenizer
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, logical_axes
 from jaxflash.sharding.mesh import make_mesh
-from jaxflash.sharding.rules import Rules, logical_to_shardings
+from jaxflash.sharding.rules import Rules
 
 __all__ = [
     "LOGP_COLUMN",
+    "BlockResult",
     "DecodeState",
     "EngineConfig",
     "LlamaEngine",
     "Prefix",
     "PromptPrefill",
+    "SampleStart",
     "result_logprobs",
 ]
 
 
-class LlamaEngine(EngineKernels, engine_api.Engine):
+class LlamaEngine(engine_api.Engine):
     """JetStream engine for jaxflash's Llama decoder.
 
     Args:
@@ -98,8 +99,7 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
       mesh: devices the engine runs on; default ``make_mesh`` (data, fsdp,
         tensor) over ``jax.devices()[0]``.
       rules: logical-axis rules (e.g. ``jaxflash.sharding.rules.GENERATOR_RULES``)
-        for the KV cache and for params that arrive unplaced; None replicates
-        everything on the mesh. Params already on the mesh keep their sharding.
+        for params and KV caches; None replicates everything on the mesh.
       tokenizer: optional object with ``encode``, ``decode``, ``eos_id``,
         ``pad_id`` (``jaxflash.models.tokenizer.Tokenizer``); needed only to
         serve text through JetStream's Driver.
@@ -132,27 +132,30 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
         self.tokenizer = tokenizer
         self._load_params_fn = load_params_fn
         self._auto_prompt_id = itertools.count()  # for requests without an identity
-        self.trace_counts: collections.Counter[str] = collections.Counter()
-        self._param_shardings = (
-            None
-            if rules is None
-            else logical_to_shardings(
-                logical_axes(model_config), self._mesh, rules, shapes=abstract_params(model_config)
-            )
-        )
+        self._param_shardings = engine_shardings(model_config, self._mesh, rules)
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
-        rep = self._replicated
-        self._prefill_jit = jax.jit(
-            self._prefill_impl, out_shardings=(self._prefix_shardings.cache, rep)
+        self._programs = Programs(
+            model_config, config, state_sh, self._prefix_shardings, self._replicated
         )
-        self._first_jit = jax.jit(self._first_tokens_impl, out_shardings=rep)
-        self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=state_sh)
-        self._generate_jit = jax.jit(
-            self._generate_impl, donate_argnums=(1,), out_shardings=(state_sh, rep)
-        )
-        self._init_jit = jax.jit(
-            lambda: empty_decode_state(model_config, config), out_shardings=state_sh
-        )
+
+    @property
+    def prefill_jit(self) -> Any:
+        """The jitted prefill program, for ahead-of-time lowering (``sizing``):
+        ``(params, ids int32 [N, T], true_length int32 [N]) -> PrefillBatch``;
+        params unstacked on ``engine_shardings`` (see ``place_params``)."""
+        return self._programs.prefill
+
+    @property
+    def generate_jit(self) -> Any:
+        """The jitted single decode step, for ahead-of-time lowering (``sizing``):
+        ``(params, DecodeState) -> (DecodeState, ResultTokens)``, state donated."""
+        return self._programs.generate
+
+    @property
+    def trace_counts(self) -> collections.Counter[str]:
+        """Traces (= compilations) per program and input shape, e.g. ``generate``,
+        ``prefill_4x16``, ``start_8_4x16``, ``generate_block_8`` (a copy)."""
+        return collections.Counter(self._programs.traces)
 
     # ---------------------------------------------------------------- prefill
 
@@ -171,6 +174,102 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
         bucket = max(self.config.min_prefill_bucket, 1 << (length - 1).bit_length())
         return min(bucket, limit)
 
+    def prefill_many(
+        self, params: Any, sequences: Sequence[np.ndarray | jax.Array]
+    ) -> list[PromptPrefill]:
+        """Run many sequences: ``prefill_rows`` of one bucket per forward pass.
+
+        The last group of a bucket is padded with copies of its first row, so every
+        program has exactly ``prefill_rows`` rows and each sequence's results are
+        the same whichever sequences it is prefilled with (see
+        ``EngineConfig.prefill_rows``).
+
+        Args:
+          params: model params (``place_params`` them first for speed).
+          sequences: 1-D int token arrays (prompt, or prompt + generated prefix).
+
+        Returns:
+          One PromptPrefill per sequence, in order.
+
+        Raises:
+          ValueError: a sequence longer than max_prefill_length or empty.
+        """
+        seqs = [np.asarray(jax.device_get(s), np.int32).reshape(-1) for s in sequences]
+        out: dict[int, PromptPrefill] = {}
+        rows = self.config.prefill_rows
+        for group, ids_nt, length_n in prefill_groups(seqs, self.prefill_bucket, rows):
+            # Explicit copies: the engine runs under transfer_guard("disallow").
+            arrays = jax.device_put((ids_nt, length_n), self._replicated)
+            batch = self._programs.prefill(params, *arrays)
+            for r, i in enumerate(group):
+                out[i] = PromptPrefill(batch=batch, row=r, true_length=int(length_n[r]))
+        return [out[i] for i in range(len(seqs))]
+
+    def prefill_prompt(
+        self, *, params: Any, padded_tokens: jax.Array | np.ndarray, true_length: int
+    ) -> PromptPrefill:
+        """Run one sequence (``prefill_many`` of one); shareable by all its samples.
+
+        Args:
+          params: model params.
+          padded_tokens: int [T_pad]; only the first true_length count.
+          true_length: P, tokens in the sequence (prompt, or prompt + prefix).
+
+        Raises:
+          ValueError: P > max_prefill_length, P < 1, or P > len(padded_tokens).
+        """
+        tokens = np.asarray(jax.device_get(padded_tokens)).reshape(-1)
+        if int(true_length) > tokens.shape[0]:
+            raise ValueError(
+                f"prefill: true_length={int(true_length)} exceeds len(padded_tokens)="
+                f"{tokens.shape[0]}"
+            )
+        return self.prefill_many(params, [tokens[: int(true_length)]])[0]
+
+    def first_tokens(
+        self,
+        shared: PromptPrefill,
+        identities: list[tuple[int, int, int]],
+        *,
+        token_index: int = 0,
+    ) -> list[Prefix]:
+        """JetStream Prefixes of N samples drawn from one ``prefill_prompt``.
+
+        Args:
+          shared: from ``prefill_prompt`` / ``prefill_many`` under the samples' params.
+          identities: (seed, prompt_id, sample_index) per sample, N >= 1.
+          token_index: response index of the tokens drawn (0 for a prompt, n for a
+            recompute of prompt + n tokens; see ``prefill``).
+
+        Returns:
+          N Prefixes, in order, sharing one [1, bucket] cache.
+
+        Raises:
+          ValueError: no identities, or token_index < 0.
+        """
+        if not identities:
+            raise ValueError("first_tokens: identities is empty")
+        if token_index < 0:
+            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
+        n = len(identities)
+        ident_g4 = identity_rows(identities, token_index)
+        row_dev, ident_dev = jax.device_put((np.int32(shared.row), ident_g4), self._replicated)
+        token_g, logp_g = self._programs.first_tokens(shared.batch.logits_nv, row_dev, ident_dev)
+        cache, true_length = self._programs.take_row(shared.batch, row_dev)
+        return [
+            Prefix(
+                cache=cache,
+                true_length=true_length,
+                first_token=token_g[g],
+                first_logp=logp_g[g],
+                seed=ident_dev[g, 0],
+                prompt_id=ident_dev[g, 1],
+                sample_index=ident_dev[g, 2],
+                token_index=ident_dev[g, 3],
+            )
+            for g in range(n)
+        ]
+
     def prefill(
         self,
         *,
@@ -183,7 +282,7 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
         sample_index: int = 0,
         token_index: int = 0,
     ) -> Prefix:
-        """Run a prompt and sample its first response token.
+        """Run a prompt and sample its first response token (JetStream's prefill).
 
         Args:
           params: model params (nested dict, see docs/CONTRACTS.md).
@@ -193,19 +292,17 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
           seed, prompt_id, sample_index: RNG identity of the sample (see
             ``sampling.sample_key``); prompt_id None draws a fresh id from a
             per-engine counter (what JetStream's Driver gets).
-          token_index: response index of the token sampled here. 0 for a
-            prompt; n to resume a sample whose prompt + first n response tokens
-            are ``padded_tokens`` (AReaL-style recompute, arXiv 2505.24298):
-            the token drawn at position P-1 uses key token_index n, the one the
-            uninterrupted sample would have used, and decoding continues with
-            n + 1. P (prompt + prefix) is bounded by max_prefill_length.
+          token_index: response index of the token sampled here. 0 for a prompt;
+            n to resume a sample whose prompt + first n response tokens are
+            ``padded_tokens`` (recompute): the token drawn at position P-1 uses key
+            n and decoding continues with n + 1. P is bounded by max_prefill_length.
 
         Returns:
           Prefix on the engine's mesh.
 
         Raises:
           ValueError: P > max_prefill_length ("prompt of P tokens exceeds
-            max_prefill_length=..."), P < 1, or P > len(padded_tokens).
+            max_prefill_length=..."), P < 1, P > len(padded_tokens), token_index < 0.
           NotImplementedError: existing_prefix is given.
         """
         if existing_prefix is not None:
@@ -222,78 +319,40 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
         )
         return prefix
 
-    def prefill_prompt(
-        self, *, params: Any, padded_tokens: jax.Array | np.ndarray, true_length: int
-    ) -> PromptPrefill:
-        """Run a prompt once, keeping its KV cache and last-position logits.
+    # ------------------------------------------------------ starting samples
 
-        The shareable half of ``prefill``: G samples of one prompt (GRPO-style
-        replication) call this once and ``first_tokens`` once for all G, instead
-        of G full prefills. ``prefill`` is exactly these two calls, so tokens
-        and logprobs are bit-identical either way (each row of
-        ``sample_tokens`` depends only on its own logits and key).
+    def start_samples(
+        self, decode_state: DecodeState, starts: Sequence[SampleStart]
+    ) -> tuple[DecodeState, np.ndarray, np.ndarray]:
+        """Draw each sample's first token and put the sample in its slot.
 
-        Args:
-          params: model params.
-          padded_tokens: int [T_pad]; only the first true_length count.
-          true_length: P, tokens in the sequence (prompt, or prompt + prefix).
-
-        Returns:
-          PromptPrefill (cache [L, 1, bucket, K, H], true_length, logits f32 [1, V]).
-
-        Raises:
-          ValueError: P > max_prefill_length, P < 1, or P > len(padded_tokens).
-        """
-        # Explicit copies both ways, so the engine runs under
-        # jax.transfer_guard("disallow") (implicit transfers are bugs there).
-        tokens = np.asarray(jax.device_get(padded_tokens)).reshape(-1)
-        true_length = int(true_length)
-        if true_length > tokens.shape[0]:
-            raise ValueError(
-                f"prefill: true_length={true_length} exceeds len(padded_tokens)={tokens.shape[0]}"
-            )
-        bucket = self.prefill_bucket(true_length)
-        ids_1t = np.zeros((1, bucket), np.int32)
-        ids_1t[0, :true_length] = tokens[:true_length]
-        ids_1t, length = jax.device_put((ids_1t, np.int32(true_length)), self._replicated)
-        cache, logits_1v = self._prefill_jit(params, ids_1t, length)
-        return PromptPrefill(cache=cache, true_length=length, logits_1v=logits_1v)
-
-    def first_tokens(
-        self,
-        shared: PromptPrefill,
-        identities: list[tuple[int, int, int]],
-        *,
-        token_index: int = 0,
-    ) -> list[Prefix]:
-        """Sample each sample's first token from one ``prefill_prompt``.
+        One dispatch per distinct ``PrefillBatch`` and one host copy in all. The
+        slot then decodes its second token at the next ``generate_block``
+        (nothing is pending).
 
         Args:
-          shared: from ``prefill_prompt`` under the params the samples use.
-          identities: (seed, prompt_id, sample_index) per sample, N >= 1.
-          token_index: response index of the tokens drawn (0 for a prompt, n
-            for a recompute of prompt + n tokens; see ``prefill``).
+          decode_state: current state; donated.
+          starts: where and how each sample starts (slots distinct).
 
         Returns:
-          N Prefixes, in order; they share ``shared.cache`` (insert does not
-          donate a Prefix, so each can be inserted into its own slot).
+          (new state, first tokens int32 [N], their logprobs float32 [N]) in order.
 
         Raises:
-          ValueError: no identities, or token_index < 0.
+          ValueError: a slot out of range, a repeated slot, or a negative budget.
         """
-        if not identities:
-            raise ValueError("first_tokens: identities is empty")
-        if token_index < 0:
-            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
-        n = len(identities)
-        width = 1 << (n - 1).bit_length()  # power-of-two rows: few compiles
-        ident_g4 = np.zeros((width, 4), np.int32)
-        ident_g4[:n, :3] = np.asarray(identities, np.int64).reshape(n, 3)
-        ident_g4[n:, :3] = ident_g4[0, :3]  # padding rows: discarded copies of row 0
-        ident_g4[:, 3] = token_index
-        ident_g4 = jax.device_put(ident_g4, self._replicated)
-        rows = self._first_jit(shared.logits_1v, shared.true_length, ident_g4)
-        return [Prefix(cache=shared.cache, **row) for row in rows[:n]]
+        results = []
+        for members, arrays in start_groups(starts, self.config.max_concurrent_decodes):
+            arrays = jax.device_put(arrays, self._replicated)
+            batch = starts[members[0]].prefill.batch
+            decode_state, token_g, logp_g = self._programs.start(decode_state, batch, *arrays)
+            results.append((members, token_g, logp_g))
+        host = jax.device_get([(t, lp) for _, t, lp in results])
+        tokens = np.zeros((len(starts),), np.int32)
+        logps = np.zeros((len(starts),), np.float32)
+        for (members, _, _), (token_g, logp_g) in zip(results, host, strict=True):
+            tokens[members] = token_g[: len(members)]
+            logps[members] = logp_g[: len(members)]
+        return decode_state, tokens, logps
 
     # ----------------------------------------------------------------- insert
 
@@ -312,9 +371,8 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
           decode_state: current state; its buffers are donated (do not reuse it).
           slot: int in [0, max_concurrent_decodes).
           emit_prefill_token: True (JetStream's Driver): the next ``generate``
-            emits the prefill's token for this slot. False (jaxflash's slot
-            loop, which reads it from the Prefix): the next step samples the
-            second token.
+            emits the prefill's token for this slot. False: the next step samples
+            the second token.
 
         Raises:
           ValueError: slot out of range.
@@ -324,7 +382,7 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
                 f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
             )
         slot_emit = jax.device_put((np.int32(slot), np.bool_(emit_prefill_token)), self._replicated)
-        return self._insert_jit(prefix, decode_state, *slot_emit)
+        return self._programs.insert(decode_state, prefix, *slot_emit)
 
     # --------------------------------------------------------------- generate
 
@@ -346,16 +404,58 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
           (new DecodeState, ResultTokens with int32 data [B, 4]: token, valid,
           emitted length, logprob bits — see ``result_logprobs``).
         """
-        return self._generate_jit(params, decode_state)
+        return self._programs.generate(params, decode_state)
+
+    def generate_block(
+        self,
+        params: Any,
+        decode_state: DecodeState,
+        *,
+        steps: int,
+        live: np.ndarray,
+        stop_ids: Sequence[int],
+    ) -> tuple[DecodeState, BlockResult]:
+        """Up to ``steps`` decode steps in one dispatch, one host copy of the tokens.
+
+        Slot b decodes while live (see ``engine_kernels.generate_block``): from
+        ``live[b]`` until it emits a stop token or its budget (set by
+        ``start_samples``) runs out. Same tokens and logprobs as ``steps`` single
+        steps.
+
+        Args:
+          params: model params.
+          decode_state: current state; donated.
+          steps: maximum decode steps (compiles once per value).
+          live: bool [B] slots holding a running sample.
+          stop_ids: token ids that end a sample (may be empty).
+
+        Returns:
+          (new state, BlockResult on the host).
+
+        Raises:
+          ValueError: steps < 1 or ``live`` not of shape [B].
+        """
+        B = self.config.max_concurrent_decodes
+        live = np.asarray(live, bool)
+        if steps < 1 or live.shape != (B,):
+            raise ValueError(
+                f"generate_block: need steps >= 1 and live [B={B}], got {steps}, {live.shape}"
+            )
+        live_dev, stop_dev = jax.device_put((live, stop_array(stop_ids)), self._replicated)
+        program = self._programs.generate_block(steps)
+        state, out_nb3, live_n, n = program(params, decode_state, live_dev, stop_dev)
+        out_nb3, live_n, n = jax.device_get((out_nb3, live_n, n))
+        result = block_result(out_nb3, live_n, int(n))
+        return state, result
 
     # ------------------------------------------------- state, params, plumbing
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        """Empty slots: zero cache [L, B, S, K, H], every slot idle."""
+        """Empty slots: zero caches, every slot idle."""
         del args, kwargs
         # Built under jit so every field is its own buffer: generate and insert
         # donate the state, and XLA refuses to donate one buffer twice.
-        return self._init_jit()
+        return self._programs.init_state()
 
     def load_params(self, *args, **kwargs) -> Any:
         """Params from ``load_params_fn``, placed on the engine's mesh.
@@ -369,22 +469,13 @@ class LlamaEngine(EngineKernels, engine_api.Engine):
         return self.place_params(self._load_params_fn())
 
     def place_params(self, params: Any) -> Any:
-        """Put params on the engine's mesh.
+        """Params in the engine's layout (layers unstacked) on the engine's mesh.
 
-        Leaves that are already jax arrays on exactly the mesh's devices keep
-        their sharding (e.g. generator shardings from ``sync``); anything else
-        (numpy, other devices) gets the ``rules`` sharding, or is replicated.
+        Takes stacked (learner / sync / checkpoint) or unstacked params, host or
+        device; see ``engine_params.place``. Every program also accepts stacked
+        params, but then slices each layer out of the stack at every call.
         """
-        devices = set(self._mesh.devices.flat)
-
-        def place(leaf, sharding):
-            if isinstance(leaf, jax.Array) and set(leaf.sharding.device_set) == devices:
-                return leaf
-            return jax.device_put(leaf, sharding)
-
-        if self._param_shardings is None:
-            return jax.tree.map(lambda leaf: place(leaf, self._replicated), params)
-        return jax.tree.map(place, params, self._param_shardings)
+        return place(params, self._param_shardings, self._mesh)
 
     def get_prefix_destination_sharding(self) -> Any:
         """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""

@@ -1,7 +1,28 @@
-"""The engine's device programs: prefill, first-token sampling, insert and one decode step.
+"""The engine's device programs, as pure functions of (params, state, static config).
 
-Each method is jitted once by ``LlamaEngine.__init__``; they read the engine's
-static ``model_config`` / ``config`` and count traces in ``trace_counts``."""
+``LlamaEngine`` jits each of them once per input shape with the static
+configuration bound (``functools.partial``) and counts the traces from outside.
+None of them reads or writes anything but its arguments.
+
+- ``prefill``: N sequences of one bucket in one forward pass -> ``PrefillBatch``.
+- ``sample_first``: first tokens of G samples from prefill logits.
+- ``start``: ``sample_first`` + write each sample's prefill rows and per-slot
+  vectors into its slot (one dispatch for a whole fill).
+- ``insert``: JetStream's insert of one ``Prefix``.
+- ``generate``: one decode step for every slot (JetStream's ``generate``).
+- ``generate_block``: up to ``steps`` decode steps in one ``lax.while_loop``; a slot
+  stops on a stop token, on its budget or when the cache is full, and the loop
+  ends early once every slot has stopped. Tokens come back as one [n, B, 3] array.
+
+Params may be stacked ([L, ...], as the learner holds them) or unstacked
+(``models.llama.unstack_layers``, as ``LlamaEngine.place_params`` returns them);
+stacked ones are unstacked inside the program (static slices: correct, but each
+call copies every layer's weights — pass placed params for speed).
+
+Every decode step is the same sequence of operations in all three decode paths, so
+tokens and logprobs are bit-identical between ``generate``, ``generate_block`` and
+the engine before these programs were unrolled (tests/test_engine_golden.py).
+"""
 
 from __future__ import annotations
 
@@ -9,121 +30,275 @@ import jax
 import jax.numpy as jnp
 from jetstream.engine import engine_api
 
-from jaxflash.generation.engine_state import (
-    DecodeState,
-    Prefix,
-)
+from jaxflash.generation.engine_state import DecodeState, EngineConfig, PrefillBatch, Prefix
 from jaxflash.generation.sampling import sample_key, sample_tokens
-from jaxflash.models.kv_cache import KVCache, init_kv_cache
-from jaxflash.models.llama import forward, unembed
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.kv_cache import LayerKVCache, init_layer_kv_cache
+from jaxflash.models.llama import forward, unembed, unstack_layers
 from jaxflash.models.logprobs import logits_from_hidden
 
+__all__ = ["generate", "generate_block", "insert", "prefill", "sample_first", "start"]
 
-class EngineKernels:
-    """Mixed into ``LlamaEngine`` (engine.py); uses its config and meshes."""
 
-    def _prefill_impl(self, params, ids_1t, true_length):
-        self.trace_counts[f"prefill_{ids_1t.shape[1]}"] += 1
-        cfg, bucket = self.model_config, ids_1t.shape[1]
-        positions_1t = jnp.arange(bucket, dtype=jnp.int32)[None]
-        cache = init_kv_cache(cfg, 1, bucket)
-        h_1td, cache = forward(params, cfg, ids_1t, positions_1t, cache)
-        h_1d = jax.lax.dynamic_slice_in_dim(h_1td[0], true_length - 1, 1, axis=0)
-        logits_1v = logits_from_hidden(h_1d, unembed(params, cfg)).astype(jnp.float32)
-        return cache, logits_1v
+def prefill(params, ids_nt, true_length_n, *, model_config: ModelConfig) -> PrefillBatch:
+    """Run N sequences of one bucket; keep their caches and last-position logits.
 
-    def _first_tokens_impl(self, logits_1v, true_length, ident_g4):
-        width = ident_g4.shape[0]
-        self.trace_counts[f"first_tokens_{width}"] += 1
-        keys_g2 = jax.vmap(sample_key)(*(ident_g4[:, i] for i in range(4)))
-        logits_gv = jnp.broadcast_to(logits_1v, (width, logits_1v.shape[1]))
-        token_g, logp_g = self._sample(logits_gv, keys_g2)
-        return [
-            dict(
-                true_length=true_length,
-                first_token=token_g[g],
-                first_logp=logp_g[g],
-                seed=ident_g4[g, 0],
-                prompt_id=ident_g4[g, 1],
-                sample_index=ident_g4[g, 2],
-                token_index=ident_g4[g, 3],
-            )
-            for g in range(width)
-        ]
+    Args:
+      params: model params (stacked or unstacked layers).
+      ids_nt: int32 [N, T] right-padded token ids.
+      true_length_n: int32 [N] lengths in [1, T].
+      model_config: static.
 
-    def _sample(self, logits_bv, keys_b2):
-        c = self.config
-        return sample_tokens(
-            logits_bv,
-            keys_b2,
-            temperature=c.temperature,
-            top_k=c.top_k,
-            top_p=c.top_p,
-            greedy=c.greedy,
-            valid_vocab_size=self.model_config.valid_vocab_size,  # padded ids never drawn
-        )
+    Returns:
+      PrefillBatch (caches of N rows and length T, lengths, float32 logits [N, V]).
+    """
+    params = unstack_layers(params)
+    n, t = ids_nt.shape
+    positions_nt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    cache = init_layer_kv_cache(model_config, n, t)
+    h_ntd, cache = forward(params, model_config, ids_nt, positions_nt, cache)
+    h_nd = jnp.take_along_axis(h_ntd, (true_length_n - 1)[:, None, None], axis=1)[:, 0]
+    logits_nv = logits_from_hidden(h_nd, unembed(params, model_config)).astype(jnp.float32)
+    return PrefillBatch(cache=cache, true_length_n=true_length_n, logits_nv=logits_nv)
 
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, emit):
-        self.trace_counts[f"insert_{prefix.cache.k_lbskh.shape[2]}"] += 1
-        start = (0, slot, 0, 0, 0)
-        cache = KVCache(
-            k_lbskh=jax.lax.dynamic_update_slice(state.cache.k_lbskh, prefix.cache.k_lbskh, start),
-            v_lbskh=jax.lax.dynamic_update_slice(state.cache.v_lbskh, prefix.cache.v_lbskh, start),
-        )
 
-        def put(row_b, value):
-            return row_b.at[slot].set(jnp.asarray(value, row_b.dtype))
+def _sample(logits_bv, keys_b2, mc: ModelConfig, ec: EngineConfig):
+    return sample_tokens(
+        logits_bv,
+        keys_b2,
+        temperature=ec.temperature,
+        top_k=ec.top_k,
+        top_p=ec.top_p,
+        greedy=ec.greedy,
+        valid_vocab_size=mc.valid_vocab_size,  # padded ids never drawn
+    )
 
-        return DecodeState(
+
+def sample_first(logits_gv, ident_g4, *, model_config: ModelConfig, engine_config: EngineConfig):
+    """First tokens of G samples: row g from ``logits_gv[g]`` with its own key.
+
+    Args:
+      logits_gv: float32 [G, V] raw logits.
+      ident_g4: int32 [G, 4] (seed, prompt_id, sample_index, token_index).
+
+    Returns:
+      (token_g int32 [G], logp_g float32 [G]).
+    """
+    keys_g2 = jax.vmap(sample_key)(*(ident_g4[:, i] for i in range(4)))
+    return _sample(logits_gv, keys_g2, model_config, engine_config)
+
+
+def _place(state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict) -> DecodeState:
+    """Write prefill rows ``cache[row_g]`` into slots ``slot_g`` and set per-slot
+    vectors; entries whose slot is out of range (padding) are dropped."""
+    t = cache.max_len
+
+    def k_rows(dst_bksh, src_nksh):
+        return dst_bksh.at[slot_g, :, :t].set(src_nksh[row_g], mode="drop")
+
+    def v_rows(dst_bkhs, src_nkhs):
+        return dst_bkhs.at[slot_g, :, :, :t].set(src_nkhs[row_g], mode="drop")
+
+    new_cache = LayerKVCache(
+        k_bksh=tuple(map(k_rows, state.cache.k_bksh, cache.k_bksh)),
+        v_bkhs=tuple(map(v_rows, state.cache.v_bkhs, cache.v_bkhs)),
+    )
+
+    def put(name):
+        row_b = getattr(state, name)
+        return row_b.at[slot_g].set(jnp.asarray(values[name], row_b.dtype), mode="drop")
+
+    return state.replace(cache=new_cache, **{name: put(name) for name in values})
+
+
+def start(
+    state: DecodeState,
+    batch: PrefillBatch,
+    row_g,
+    slot_g,
+    ident_g4,
+    budget_g,
+    *,
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Sample G first tokens from ``batch`` and start the samples in their slots.
+
+    Args:
+      state: decode state (donated by the caller's jit).
+      batch: the prefills the samples start from.
+      row_g: int32 [G] row of ``batch`` per sample.
+      slot_g: int32 [G] slot per sample; B (out of range) for padding entries.
+      ident_g4: int32 [G, 4] (seed, prompt_id, sample_index, token_index).
+      budget_g: int32 [G] tokens each may emit after its first one.
+
+    Returns:
+      (state, first token_g int32 [G], logp_g float32 [G]).
+    """
+    token_g, logp_g = sample_first(
+        batch.logits_nv[row_g], ident_g4, model_config=model_config, engine_config=engine_config
+    )
+    values = dict(
+        next_token_b=token_g,
+        next_logp_b=logp_g,
+        pos_b=batch.true_length_n[row_g],
+        token_index_b=ident_g4[:, 3] + 1,
+        seed_b=ident_g4[:, 0],
+        prompt_id_b=ident_g4[:, 1],
+        sample_index_b=ident_g4[:, 2],
+        length_b=jnp.ones_like(slot_g),
+        pending_b=jnp.zeros(slot_g.shape, bool),
+        budget_b=budget_g,
+    )
+    return _place(state, batch.cache, row_g, slot_g, values), token_g, logp_g
+
+
+def insert(state: DecodeState, prefix: Prefix, slot, emit, *, engine_config: EngineConfig):
+    """JetStream's insert: put ``prefix`` into ``slot``; ``emit`` marks it pending
+    (the next ``generate`` emits the prefill token). Budget: the cache's room only."""
+    one = jnp.zeros((1,), jnp.int32)
+    values = dict(
+        next_token_b=prefix.first_token[None],
+        next_logp_b=prefix.first_logp[None],
+        pos_b=prefix.true_length[None],
+        token_index_b=prefix.token_index[None] + 1,
+        seed_b=prefix.seed[None],
+        prompt_id_b=prefix.prompt_id[None],
+        sample_index_b=prefix.sample_index[None],
+        length_b=jnp.where(emit, 0, 1)[None],
+        pending_b=jnp.asarray(emit)[None],
+        budget_b=jnp.full((1,), engine_config.max_target_length, jnp.int32),
+    )
+    return _place(state, prefix.cache, one, jnp.asarray(slot, jnp.int32)[None], values)
+
+
+def _next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
+    """Feed every slot's last token at its position; sample the next one."""
+    h_b1d, cache = forward(
+        params, mc, state.next_token_b[:, None], state.pos_b[:, None], state.cache
+    )
+    logits_bv = logits_from_hidden(h_b1d[:, 0], unembed(params, mc))
+    keys_b2 = jax.vmap(sample_key)(
+        state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
+    )
+    token_b, logp_b = _sample(logits_bv, keys_b2, mc, ec)
+    return cache, token_b, logp_b
+
+
+def generate(params, state: DecodeState, *, model_config: ModelConfig, engine_config: EngineConfig):
+    """One decode step for every slot (JetStream's ``generate``).
+
+    A slot whose next token would not fit (position + 1 >= S) is invalid and does
+    not advance; a pending slot emits its prefill token and does not advance.
+
+    Returns:
+      (state, ResultTokens with int32 data [B, 4]: token, valid, emitted length,
+      logprob bits).
+    """
+    params = unstack_layers(params)
+    cache, token_b, logp_b = _next_tokens(params, state, model_config, engine_config)
+    room_b = state.pos_b + 1 < engine_config.max_target_length
+    pending_b = state.pending_b
+    advance_b = room_b & ~pending_b
+    valid_b = room_b | pending_b
+    out_token_b = jnp.where(pending_b, state.next_token_b, token_b)
+    out_logp_b = jnp.where(pending_b, state.next_logp_b, logp_b)
+    step_b = advance_b.astype(jnp.int32)
+    new_state = state.replace(
+        cache=cache,
+        next_token_b=jnp.where(advance_b, token_b, state.next_token_b),
+        next_logp_b=jnp.where(advance_b, logp_b, state.next_logp_b),
+        pos_b=state.pos_b + step_b,
+        token_index_b=state.token_index_b + step_b,
+        length_b=state.length_b + valid_b.astype(jnp.int32),
+        pending_b=jnp.zeros_like(pending_b),
+        budget_b=state.budget_b - step_b,
+    )
+    data_b4 = jnp.stack(
+        [
+            out_token_b,
+            valid_b.astype(jnp.int32),
+            new_state.length_b,
+            jax.lax.bitcast_convert_type(out_logp_b.astype(jnp.float32), jnp.int32),
+        ],
+        axis=1,
+    )
+    result = engine_api.ResultTokens(
+        data=data_b4, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+    )
+    return new_state, result
+
+
+def generate_block(
+    params,
+    state: DecodeState,
+    live_b,
+    stop_s,
+    *,
+    steps: int,
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+):
+    """Up to ``steps`` decode steps in one program (the slot loop's decode).
+
+    Slot b decodes while it is live: it starts live when ``live_b[b]``, and stops
+    after emitting a token in ``stop_s``, after emitting its last budgeted token
+    (``state.budget_b``), or when its next token would not fit in the cache. A
+    stopped slot does not advance (its later rows are not emitted). The loop ends
+    after ``steps`` steps or once no slot is live. Pending slots are not supported
+    (the slot loop starts samples with ``start``, which never sets pending).
+
+    Args:
+      params: model params.
+      state: decode state (donated by the caller's jit).
+      live_b: bool [B] slots holding a running sample.
+      stop_s: int32 [n_stop] stop token ids (pad with -1, never sampled).
+      steps: static maximum number of steps.
+
+    Returns:
+      (state, out_nb3 int32 [steps, B, 3] = (token, logprob bits, emitted),
+      live_n int32 [steps] live slots at the start of each step, steps run int32 []).
+    """
+    params = unstack_layers(params)
+    mc, ec = model_config, engine_config
+    batch = live_b.shape[0]
+
+    def cond(carry):
+        i, _, live_b, _, _ = carry
+        return (i < steps) & jnp.any(live_b)
+
+    def body(carry):
+        i, st, live_b, out_nb3, live_n = carry
+        cache, token_b, logp_b = _next_tokens(params, st, mc, ec)
+        room_b = st.pos_b + 1 < ec.max_target_length
+        emit_b = live_b & room_b
+        step_b = emit_b.astype(jnp.int32)
+        budget_b = st.budget_b - step_b
+        stop_b = jnp.any(token_b[:, None] == stop_s[None, :], axis=1)
+        done_b = ~room_b | (emit_b & (stop_b | (budget_b <= 0)))
+        st = st.replace(
             cache=cache,
-            next_token_b=put(state.next_token_b, prefix.first_token),
-            next_logp_b=put(state.next_logp_b, prefix.first_logp),
-            pos_b=put(state.pos_b, prefix.true_length),
-            token_index_b=put(state.token_index_b, prefix.token_index + 1),
-            seed_b=put(state.seed_b, prefix.seed),
-            prompt_id_b=put(state.prompt_id_b, prefix.prompt_id),
-            sample_index_b=put(state.sample_index_b, prefix.sample_index),
-            length_b=put(state.length_b, jnp.where(emit, 0, 1)),
-            pending_b=put(state.pending_b, emit),
+            next_token_b=jnp.where(emit_b, token_b, st.next_token_b),
+            next_logp_b=jnp.where(emit_b, logp_b, st.next_logp_b),
+            pos_b=st.pos_b + step_b,
+            token_index_b=st.token_index_b + step_b,
+            length_b=st.length_b + step_b,
+            budget_b=budget_b,
         )
-
-    def _generate_impl(self, params, state: DecodeState):
-        self.trace_counts["generate"] += 1
-        cfg, S = self.model_config, self.config.max_target_length
-        h_b1d, cache = forward(
-            params, cfg, state.next_token_b[:, None], state.pos_b[:, None], state.cache
-        )
-        logits_bv = logits_from_hidden(h_b1d[:, 0], unembed(params, cfg))
-        keys_b2 = jax.vmap(sample_key)(
-            state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
-        )
-        token_b, logp_b = self._sample(logits_bv, keys_b2)
-        room_b = state.pos_b + 1 < S
-        pending_b = state.pending_b
-        advance_b = room_b & ~pending_b
-        valid_b = room_b | pending_b
-        out_token_b = jnp.where(pending_b, state.next_token_b, token_b)
-        out_logp_b = jnp.where(pending_b, state.next_logp_b, logp_b)
-        step_b = advance_b.astype(jnp.int32)
-        new_state = state.replace(
-            cache=cache,
-            next_token_b=jnp.where(advance_b, token_b, state.next_token_b),
-            next_logp_b=jnp.where(advance_b, logp_b, state.next_logp_b),
-            pos_b=state.pos_b + step_b,
-            token_index_b=state.token_index_b + step_b,
-            length_b=state.length_b + valid_b.astype(jnp.int32),
-            pending_b=jnp.zeros_like(pending_b),
-        )
-        data_b4 = jnp.stack(
-            [
-                out_token_b,
-                valid_b.astype(jnp.int32),
-                new_state.length_b,
-                jax.lax.bitcast_convert_type(out_logp_b.astype(jnp.float32), jnp.int32),
-            ],
+        row_b3 = jnp.stack(
+            [token_b, jax.lax.bitcast_convert_type(logp_b.astype(jnp.float32), jnp.int32), step_b],
             axis=1,
         )
-        result = engine_api.ResultTokens(
-            data=data_b4, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
-        )
-        return new_state, result
+        out_nb3 = jax.lax.dynamic_update_index_in_dim(out_nb3, row_b3, i, axis=0)
+        live_n = live_n.at[i].set(jnp.sum(live_b.astype(jnp.int32)))
+        return i + 1, st, live_b & ~done_b, out_nb3, live_n
+
+    init = (
+        jnp.zeros((), jnp.int32),
+        state,
+        live_b,
+        jnp.zeros((steps, batch, 3), jnp.int32),
+        jnp.zeros((steps,), jnp.int32),
+    )
+    n, state, _, out_nb3, live_n = jax.lax.while_loop(cond, body, init)
+    return state, out_nb3, live_n, n

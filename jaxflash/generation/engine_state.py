@@ -1,8 +1,10 @@
 """Static configuration and device-state types of ``LlamaEngine``.
 
-``EngineConfig`` (slots, lengths, sampling), ``Prefix`` (a prefilled prompt),
-``DecodeState`` (all slots), their sharding on a generation mesh, and the
-layout of the ``ResultTokens`` that ``generate`` returns.
+``EngineConfig`` (slots, lengths, sampling), ``PrefillBatch`` / ``PromptPrefill``
+(prompts run together), ``SampleStart`` (where a sample starts), ``Prefix`` (a
+prefilled prompt for JetStream's insert), ``DecodeState`` (all slots), their
+sharding on a generation mesh, the layout of the ``ResultTokens`` that ``generate``
+returns and the ``BlockResult`` of ``generate_block``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jetstream.engine import engine_api
 
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KV_CACHE_LOGICAL_AXES, KVCache
+from jaxflash.models.kv_cache import (
+    LAYER_K_LOGICAL_AXES,
+    LAYER_V_LOGICAL_AXES,
+    LayerKVCache,
+    init_layer_kv_cache,
+)
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
 
@@ -37,6 +44,13 @@ class EngineConfig:
         ``jaxflash.algorithms.distributions``); fixed per engine.
       greedy: take the argmax instead of sampling (logprobs still under T/k/p).
       min_prefill_bucket: smallest prefill bucket in tokens.
+      prefill_rows: sequences per prefill program. Sequences of one bucket are
+        prefilled ``prefill_rows`` at a time (the last group padded), so a
+        sequence's cache and first token never depend on which others were
+        prefilled with it. 1 (the default) reproduces the single-prompt prefill
+        bit for bit; on CPU batching prompts does not speed the (compute-bound)
+        prefill up. On accelerators, 8-32 fills the matrix units better; XLA's
+        kernels then round a few results 1 ulp differently than with 1 row.
     """
 
     max_concurrent_decodes: int
@@ -47,9 +61,15 @@ class EngineConfig:
     top_p: float = 1.0
     greedy: bool = False
     min_prefill_bucket: int = 16
+    prefill_rows: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent_decodes", "max_prefill_length", "min_prefill_bucket"):
+        for name in (
+            "max_concurrent_decodes",
+            "max_prefill_length",
+            "min_prefill_bucket",
+            "prefill_rows",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.max_prefill_length < self.max_target_length:
@@ -70,12 +90,68 @@ class EngineConfig:
 
 
 @struct.dataclass
+class PrefillBatch:
+    """N sequences of one prefill bucket, run through the model together.
+
+    Attributes:
+      cache: LayerKVCache of N rows and length T (positions past a sequence's
+        length hold junk that is overwritten before any query can see it).
+      true_length_n: int32 [N] sequence lengths (padding rows repeat row 0).
+      logits_nv: float32 [N, V] raw logits at each sequence's last position.
+    """
+
+    cache: LayerKVCache
+    true_length_n: jax.Array
+    logits_nv: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptPrefill:
+    """One sequence of a ``PrefillBatch``, shareable by every sample of it.
+
+    Valid only under the params it was computed with (``LlamaEngine.prefill_prompt``
+    / ``prefill_many``).
+
+    Attributes:
+      batch: the batch it was run in.
+      row: its row in ``batch``.
+      true_length: P, its length in tokens.
+    """
+
+    batch: PrefillBatch
+    row: int
+    true_length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleStart:
+    """Where and how one sample starts (``LlamaEngine.start_samples``).
+
+    Attributes:
+      prefill: the sample's prompt (or prompt + prefix) prefill.
+      slot: decode slot in [0, B).
+      seed, prompt_id, sample_index: RNG identity (``sampling.sample_key``).
+      token_index: response index of the token drawn from the prefill's logits.
+      budget: tokens the sample may still emit after that one (>= 0); the decode
+        block stops the slot when it reaches 0.
+    """
+
+    prefill: PromptPrefill
+    slot: int
+    seed: int
+    prompt_id: int
+    sample_index: int
+    token_index: int
+    budget: int
+
+
+@struct.dataclass
 class Prefix:
     """A prefilled prompt (batch of one), ready to ``insert`` into a slot.
 
     Attributes:
-      cache: KVCache [L, 1, bucket, K, H] of the prompt (pad positions hold junk
-        that is overwritten before any query can see it).
+      cache: LayerKVCache of the prompt, batch 1, length bucket (pad positions hold
+        junk that is overwritten before any query can see it).
       true_length: int32 [] prompt length P.
       first_token: int32 [] response token sampled at position P-1.
       first_logp: float32 [] its log q.
@@ -85,7 +161,7 @@ class Prefix:
         (a recompute after a weight update).
     """
 
-    cache: KVCache
+    cache: LayerKVCache
     true_length: jax.Array
     first_token: jax.Array
     first_logp: jax.Array
@@ -96,28 +172,11 @@ class Prefix:
 
 
 @struct.dataclass
-class PromptPrefill:
-    """A prompt run once, shareable by every sample of it (``LlamaEngine.prefill_prompt``).
-
-    Valid only under the params it was computed with.
-
-    Attributes:
-      cache: KVCache [L, 1, bucket, K, H] of the sequence.
-      true_length: int32 [] sequence length P.
-      logits_1v: float32 [1, V] raw logits at position P-1 (the first token's).
-    """
-
-    cache: KVCache
-    true_length: jax.Array
-    logits_1v: jax.Array
-
-
-@struct.dataclass
 class DecodeState:
-    """Everything ``generate`` transforms; one row per slot.
+    """Everything ``generate`` / ``generate_block`` transform; one row per slot.
 
     Attributes:
-      cache: KVCache [L, B, S, K, H].
+      cache: LayerKVCache, batch B, length S (one buffer per layer, updated in place).
       next_token_b: int32 [B] last sampled token, fed at the next step.
       next_logp_b: float32 [B] its log q.
       pos_b: int32 [B] position ``next_token_b`` occupies.
@@ -125,9 +184,11 @@ class DecodeState:
       seed_b, prompt_id_b, sample_index_b: int32 [B] RNG identity per slot.
       length_b: int32 [B] tokens emitted through ResultTokens so far.
       pending_b: bool [B] the prefill token still has to be emitted.
+      budget_b: int32 [B] tokens the slot may still emit in ``generate_block``
+        (set by ``start_samples``; ``insert`` sets S, i.e. no limit but the cache).
     """
 
-    cache: KVCache
+    cache: LayerKVCache
     next_token_b: jax.Array
     next_logp_b: jax.Array
     pos_b: jax.Array
@@ -137,6 +198,27 @@ class DecodeState:
     sample_index_b: jax.Array
     length_b: jax.Array
     pending_b: jax.Array
+    budget_b: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockResult:
+    """Host copy of one ``generate_block``: up to ``steps`` decode steps for all slots.
+
+    Attributes:
+      tokens_nb: int32 [n, B] token emitted by slot b at step i (junk where not emitted).
+      logps_nb: float32 [n, B] its log q.
+      emitted_nb: bool [n, B] slot b emitted a token at step i.
+      live_n: int32 [n] slots still decoding at the start of step i.
+      steps: n, decode steps run (<= the requested number: the block ends early
+        once every slot has stopped).
+    """
+
+    tokens_nb: np.ndarray
+    logps_nb: np.ndarray
+    emitted_nb: np.ndarray
+    live_n: np.ndarray
+    steps: int
 
 
 def result_logprobs(result: engine_api.ResultTokens | np.ndarray) -> np.ndarray:
@@ -156,10 +238,10 @@ def state_shardings(
 ) -> tuple[DecodeState, Prefix]:
     """Shardings of the decode state and of a Prefix on ``mesh``.
 
-    KV caches follow ``rules`` through ``KV_CACHE_LOGICAL_AXES`` (e.g. kv heads
-    over "tensor" with ``GENERATOR_RULES``; dims that do not divide stay
-    replicated); per-slot vectors and scalars are replicated. Without rules
-    everything is replicated.
+    Each layer's cache buffers follow ``rules`` through ``LAYER_K_LOGICAL_AXES`` /
+    ``LAYER_V_LOGICAL_AXES`` (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
+    dims that do not divide stay replicated); per-slot vectors and scalars are
+    replicated. Without rules everything is replicated.
 
     Returns:
       (DecodeState of NamedShardings, Prefix of NamedShardings).
@@ -167,40 +249,38 @@ def state_shardings(
     rep = NamedSharding(mesh, PartitionSpec())
     c = model_config
 
-    def cache_sharding(batch: int, length: int) -> NamedSharding:
+    def cache_sharding(batch: int, length: int) -> LayerKVCache:
         if rules is None:
-            return rep
-        shape = (c.n_layers, batch, length, c.n_kv_heads, c.head_dim)
-        return NamedSharding(mesh, logical_to_spec(KV_CACHE_LOGICAL_AXES, mesh, rules, shape))
+            return LayerKVCache(k_bksh=(rep,) * c.n_layers, v_bkhs=(rep,) * c.n_layers)
+        k_shape = (batch, c.n_kv_heads, length, c.head_dim)
+        v_shape = (batch, c.n_kv_heads, c.head_dim, length)
+        k_sh = NamedSharding(mesh, logical_to_spec(LAYER_K_LOGICAL_AXES, mesh, rules, k_shape))
+        v_sh = NamedSharding(mesh, logical_to_spec(LAYER_V_LOGICAL_AXES, mesh, rules, v_shape))
+        return LayerKVCache(k_bksh=(k_sh,) * c.n_layers, v_bkhs=(v_sh,) * c.n_layers)
 
     big = cache_sharding(config.max_concurrent_decodes, config.max_target_length)
     one = cache_sharding(1, config.max_prefill_length)
     names = [f.name for f in dataclasses.fields(DecodeState) if f.name != "cache"]
-    decode = DecodeState(cache=KVCache(big, big), **{n: rep for n in names})
+    decode = DecodeState(cache=big, **{n: rep for n in names})
     names = [f.name for f in dataclasses.fields(Prefix) if f.name != "cache"]
-    prefix = Prefix(cache=KVCache(one, one), **{n: rep for n in names})
+    prefix = Prefix(cache=one, **{n: rep for n in names})
     return decode, prefix
 
 
 def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> DecodeState:
-    """All slots idle: zero cache [L, B, S, K, H] and zero per-slot vectors.
+    """All slots idle: zero caches (``init_layer_kv_cache``) and zero per-slot vectors.
 
     Call it under jit (``LlamaEngine.init_decode_state`` does) so that every
     field is its own buffer: ``generate`` and ``insert`` donate the state, and
     XLA refuses to donate one buffer twice.
     """
-    B, S = config.max_concurrent_decodes, config.max_target_length
-    c = model_config
-    shape = (c.n_layers, B, S, c.n_kv_heads, c.head_dim)
+    B = config.max_concurrent_decodes
 
     def zeros_b(dtype=jnp.int32):
         return jnp.zeros((B,), dtype)
 
     return DecodeState(
-        cache=KVCache(
-            k_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
-            v_lbskh=jnp.zeros(shape, c.jnp_compute_dtype),
-        ),
+        cache=init_layer_kv_cache(model_config, B, config.max_target_length),
         next_token_b=zeros_b(),
         next_logp_b=zeros_b(jnp.float32),
         pos_b=zeros_b(),
@@ -210,4 +290,5 @@ def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> Decod
         sample_index_b=zeros_b(),
         length_b=zeros_b(),
         pending_b=zeros_b(bool),
+        budget_b=zeros_b(),
     )

@@ -92,10 +92,37 @@ def sample_tokens(
         valid_vocab_size=valid_vocab_size,
     )
     if greedy:
-        # argmax of the raw logits over the kept (hence valid) ids; the max is always kept.
+        # argmax of the raw logits over the kept (hence valid) ids; the max is always
+        # kept, and argmax_first takes the first index among equal maxima like jnp.argmax.
         kept_bv = jnp.where(logq_bv > NEG_INF / 2, logits_bv.astype(jnp.float32), -jnp.inf)
-        token_b = jnp.argmax(kept_bv, axis=-1).astype(jnp.int32)
+        token_b = argmax_first(kept_bv)
     else:
-        token_b = jax.vmap(jax.random.categorical)(keys_b2, logq_bv).astype(jnp.int32)
+        # Exactly ``jax.random.categorical(key_b, logq_bv[b])`` per row (Gumbel-max:
+        # argmax of gumbel(key_b, [V]) + log q), written out so that the noise is
+        # materialised once and the argmax is two plain reductions: XLA on CPU runs
+        # the fused variadic argmax over [B, V] several times slower.
+        vocab = logq_bv.shape[-1]
+        noise_bv = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), logq_bv.dtype))(keys_b2)
+        token_b = argmax_first(noise_bv + logq_bv)
     logp_b = jnp.take_along_axis(logq_bv, token_b[:, None], axis=-1)[:, 0]
     return token_b, logp_b
+
+
+def argmax_first(x_bv: jax.Array) -> jax.Array:
+    """``jnp.argmax(x_bv, axis=-1)`` for non-NaN inputs, as max + first index of it.
+
+    Same result (the first index among equal maxima) as two single-output
+    reductions, which XLA on CPU vectorises; a row containing NaN gives index V - 1
+    instead of the NaN's index (NaN logits are a bug upstream either way).
+
+    Args:
+      x_bv: float [B, V].
+
+    Returns:
+      int32 [B].
+    """
+    vocab = x_bv.shape[-1]
+    max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
+    index_v = jnp.arange(vocab, dtype=jnp.int32)
+    first_b = jnp.min(jnp.where(x_bv == max_b1, index_v, vocab), axis=-1)
+    return jnp.minimum(first_b, vocab - 1)

@@ -5,10 +5,16 @@ RL rollouts drive the Engine API directly instead of JetStream's Driver (see
 token carries its behaviour logprob and policy version.
 
 ``SlotBatcher`` owns the decode state and B slots. ``add`` queues a request,
-``step`` fills every free slot (prefill + insert), runs one ``generate`` for all
-slots and returns the samples that finished (a stop id — any of ``stop_ids`` —
-gives EOS; ``max_new_tokens`` reached = LENGTH, truncated); a finished slot is
-refilled at the start of the next step.
+``step`` fills every free slot (one batched prefill per prompt bucket, then one
+``start_samples`` dispatch), runs one ``generate_block`` of up to ``decode_block``
+decode steps for all slots and returns the samples that finished (a stop id — any
+of ``stop_ids`` — gives EOS; ``max_new_tokens`` reached = LENGTH, truncated); a
+finished slot is refilled at the start of the next ``step``. Everything that
+changes the batch — new requests, aborts, new weights — applies between ``step``
+calls, i.e. at block boundaries: with ``decode_block=1`` (the default) that is
+every decode step, as before; a larger block syncs with the host once per block
+(fewer dispatches and host copies) at the price of a slot that finishes mid-block
+idling until the block ends. Tokens and logprobs are the same for every block size.
 ``set_params`` swaps weights between steps; in-flight samples then continue
 (keep their KV cache), restart (regenerate from scratch) or recompute (re-prefill
 prompt + generated prefix under the new weights, then continue), see
@@ -32,10 +38,9 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-import jax
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine, Prefix, PromptPrefill, result_logprobs
+from jaxflash.generation.engine import LlamaEngine, PromptPrefill, SampleStart
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
     RequestKey,
@@ -81,6 +86,11 @@ class SlotBatcher:
       share_prefix: fresh requests with equal prompt tokens share one prompt
         prefill (see the module docstring); False prefills every request alone.
         Either way the tokens and logprobs are bit-identical.
+      decode_block: decode steps per ``step`` call (one dispatch, one host copy);
+        see the module docstring. Results do not depend on it.
+
+    Raises:
+      ValueError: decode_block < 1, or not exactly one of stop_ids / eos_id.
     """
 
     def __init__(
@@ -92,7 +102,11 @@ class SlotBatcher:
         stop_ids: Collection[int] | None = None,
         eos_id: int | None = None,
         share_prefix: bool = True,
+        decode_block: int = 1,
     ):
+        if decode_block < 1:
+            raise ValueError(f"SlotBatcher: decode_block must be >= 1, got {decode_block}")
+        self.decode_block = int(decode_block)
         self.stop_ids = resolve_stop_ids(stop_ids, eos_id)
         self.engine = engine
         self.share_prefix = bool(share_prefix)
@@ -220,13 +234,14 @@ class SlotBatcher:
             self._queue.move_to_end(_key(run.request), last=False)
 
     def step(self, params: Any = None, policy_version: PolicyVersion | None = None) -> list[Sample]:
-        """Fill free slots, run one decode step, return the samples that finished.
+        """Fill free slots, run one block of decode steps, return the samples that finished.
 
         Args:
           params, policy_version: if given, ``set_params`` first.
 
         Returns:
-          Finished samples (EOS or LENGTH), in slot order; empty if none.
+          Finished samples (EOS or LENGTH), in the order they finished (by step,
+          then slot); empty if none.
         """
         if params is not None:
             if policy_version is None:
@@ -234,29 +249,46 @@ class SlotBatcher:
             self.set_params(params, policy_version)
         start = time.perf_counter()
         finished = self._fill()
-        live = [s for s, r in enumerate(self._slots) if r is not None]
-        if live:
-            self._state, result = self.engine.generate(self._params, self._state)
-            data = jax.device_get(result.data)  # one explicit device-to-host copy per step
-            logp_b = result_logprobs(data)
-            self.stats.steps += 1
-            self.stats.slot_steps += len(self._slots)
-            self.stats.live_slot_steps += len(live)
-            for slot in live:
-                run = self._slots[slot]
-                reason = self._append(run, int(data[slot, 0]), float(logp_b[slot]))
-                if reason is None and not data[slot, 1]:
-                    reason = FinishReason.LENGTH  # cache full (check_request prevents it)
-                if reason is not None:
-                    self._release(slot)
-                    finished.append(self._finish(run, reason))
+        live = np.asarray([r is not None for r in self._slots])
+        if live.any():
+            self._state, block = self.engine.generate_block(
+                self._params,
+                self._state,
+                steps=self.decode_block,
+                live=live,
+                stop_ids=sorted(self.stop_ids),
+            )
+            for i in range(block.steps):
+                self.stats.steps += 1
+                self.stats.slot_steps += len(self._slots)
+                self.stats.live_slot_steps += int(block.live_n[i])
+                for slot in map(int, np.flatnonzero(live)):
+                    run = self._slots[slot]
+                    if run is None:  # finished at an earlier step of this block
+                        continue
+                    if not block.emitted_nb[i, slot]:
+                        # Stopped by the engine without a host-side reason: only a
+                        # full cache does that (check_request prevents it).
+                        reason = FinishReason.LENGTH
+                    else:
+                        token, logp = block.tokens_nb[i, slot], block.logps_nb[i, slot]
+                        reason = self._append(run, int(token), float(logp))
+                    if reason is not None:
+                        self._release(slot)
+                        finished.append(self._finish(run, reason))
+            still = [s for s in np.flatnonzero(live) if self._slots[s] is not None]
+            if block.steps < self.decode_block and still:
+                raise RuntimeError(
+                    f"SlotBatcher: the engine stopped slots {still} that are still running "
+                    "(host and device stop conditions disagree)"
+                )
         self.stats.busy_s += time.perf_counter() - start
         return finished
 
     # -------------------------------------------------------------- internals
 
     def _fill(self) -> list[Sample]:
-        """Prefill + insert queued requests into free slots until either runs out."""
+        """Start queued requests in free slots until either runs out."""
         finished: list[Sample] = []
         while self._queue and None in self._slots:
             placed: list[tuple[int, _Running]] = []
@@ -267,18 +299,26 @@ class SlotBatcher:
                 if not run.tokens:
                     run.start_version = self._version
                 placed.append((slot, run))
-            prefixes = self._prefixes([run for _, run in placed])
-            started = []
-            for (slot, run), prefix in zip(placed, prefixes, strict=True):
-                self._state = self.engine.insert(
-                    prefix, self._state, slot, emit_prefill_token=False
+            prefills = self._prefills([run for _, run in placed])
+            starts = []
+            for (slot, run), prefill in zip(placed, prefills, strict=True):
+                r = run.request
+                starts.append(
+                    SampleStart(
+                        prefill=prefill,
+                        slot=slot,
+                        seed=r.seed,
+                        prompt_id=r.prompt_id,
+                        sample_index=r.sample_index,
+                        token_index=len(run.tokens),
+                        budget=r.sampling.max_new_tokens - len(run.tokens) - 1,
+                    )
                 )
+            # One dispatch per prefill batch, one host copy for all first tokens.
+            self._state, tokens, logps = self.engine.start_samples(self._state, starts)
+            for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
                 self.stats.slot_fills.append((self.stats.steps, slot, _key(run.request)))
-                started.append((slot, run, prefix.first_token, prefix.first_logp))
-            # One host sync for all first tokens of this round.
-            firsts = jax.device_get([(t, lp) for _, _, t, lp in started])
-            for (slot, run, _, _), (token, logp) in zip(started, firsts, strict=True):
                 reason = self._append(run, int(token), float(logp))
                 if reason is not None:  # done at its first token: free the slot again
                     self._release(slot)
@@ -286,49 +326,46 @@ class SlotBatcher:
         self._prune_shared()
         return finished
 
-    def _prefixes(self, runs: list[_Running]) -> list[Prefix]:
-        """One Prefix per run: fresh runs of one prompt share a prefill; a
+    def _prefills(self, runs: list[_Running]) -> list[PromptPrefill]:
+        """One prefill per run, all new ones in one ``prefill_many``: fresh runs of
+        one prompt share a prefill (also one kept from an earlier fill); a
         recompute (run with tokens) or ``share_prefix=False`` prefills alone."""
-        out: dict[int, Prefix] = {}
+        out: dict[int, PromptPrefill] = {}
+        todo: list[np.ndarray] = []  # sequences to prefill now
+        owners: list[list[int] | bytes] = []  # run indices, or the shared prompt key
         groups: dict[bytes, list[int]] = {}
         for i, run in enumerate(runs):
-            request = run.request
-            prompt = np.asarray(request.prompt_tokens, np.int32)
+            prompt = np.asarray(run.request.prompt_tokens, np.int32)
             if self.share_prefix and not run.tokens:
                 groups.setdefault(prompt.tobytes(), []).append(i)
                 continue
-            # A recompute re-prefills prompt + prefix; its next token has
-            # response index len(run.tokens), keyed as if never interrupted.
+            # A recompute re-prefills prompt + prefix; its next token has response
+            # index len(run.tokens), keyed as if never interrupted.
             tokens = np.concatenate([prompt, np.asarray(run.tokens, np.int32)])
             if run.tokens:
                 self.stats.recompute_tokens += tokens.shape[0]
-            out[i] = self.engine.prefill(
-                params=self._params,
-                padded_tokens=tokens,
-                true_length=tokens.shape[0],
-                seed=request.seed,
-                prompt_id=request.prompt_id,
-                sample_index=request.sample_index,
-                token_index=len(run.tokens),
-            )
-            self.stats.prefills += 1
+            todo.append(tokens)
+            owners.append([i])
         for key, members in groups.items():
             shared = self._shared.get(key)
             if shared is None:
-                prompt = np.frombuffer(key, np.int32)
-                shared = self.engine.prefill_prompt(
-                    params=self._params, padded_tokens=prompt, true_length=prompt.shape[0]
-                )
-                self._shared[key] = shared
-                self.stats.prefills += 1
+                todo.append(np.frombuffer(key, np.int32))
+                owners.append(key)
                 self.stats.shared_prefills += len(members) - 1
             else:
                 self.stats.shared_prefills += len(members)
-            ids = [
-                (r.seed, r.prompt_id, r.sample_index) for r in (runs[i].request for i in members)
-            ]
-            for i, prefix in zip(members, self.engine.first_tokens(shared, ids), strict=True):
-                out[i] = prefix
+                for i in members:
+                    out[i] = shared
+        if todo:
+            self.stats.prefills += len(todo)
+            for owner, prefill in zip(
+                owners, self.engine.prefill_many(self._params, todo), strict=True
+            ):
+                if isinstance(owner, bytes):
+                    self._shared[owner] = prefill
+                    owner = groups[owner]
+                for i in owner:
+                    out[i] = prefill
         return [out[i] for i in range(len(runs))]
 
     def _prune_shared(self) -> None:
@@ -389,6 +426,7 @@ def run_requests(
     eos_id: int | None = None,
     stats: SlotStats | None = None,
     share_prefix: bool = True,
+    decode_block: int = 8,
 ) -> list[Sample]:
     """Generate every request with continuous batching and fixed params.
 
@@ -401,6 +439,8 @@ def run_requests(
       stats: if given, updated in place with this run's counters (occupancy,
         tokens/s, slot fills).
       share_prefix: see ``SlotBatcher`` (same results either way; fewer prefills).
+      decode_block: decode steps per dispatch (see ``SlotBatcher``; same results
+        for every value).
 
     Returns:
       One Sample per request, in request order (finish_reason EOS or LENGTH).
@@ -417,6 +457,7 @@ def run_requests(
         stop_ids=stop_ids,
         eos_id=eos_id,
         share_prefix=share_prefix,
+        decode_block=decode_block,
     )
     if stats is not None:
         batcher.stats = stats

@@ -5,7 +5,10 @@ Layout per sequence (prompt p_0..p_{P-1}, response r_0..r_{R-1}):
     target_ids  p_1 .. r_0     r_1 .. r_{R-1} pad     pad ...
     loss_mask   0   .. 1       1   .. 1       0       0 ...
 Position t predicts target t (``target[t] == input[t + 1]``); the mask is 1 exactly
-on the R targets that are response tokens, i.e. t in [P-1, P+R-2]. Sequences are
+on the R targets that are response tokens, i.e. t in [P-1, P+R-2], times the
+sample's ``response_mask`` when it has one (multi-turn episodes: 0 on inserted
+observation / tool tokens, which stay in the input as context but carry no loss,
+advantage, behaviour logprob or version). Sequences are
 right-padded, so pads never precede (and never influence) real tokens under the
 causal mask. T is rounded up to a length bucket so the jitted step sees few shapes.
 """
@@ -63,7 +66,8 @@ def pack_batch(
 
     Args:
       samples: finished Samples (prompt + response tokens, behaviour logprobs,
-        token versions). Rewards are not read here: advantages carry them.
+        token versions, optional ``response_mask`` float [R] of 0/1). Rewards are
+        not read here: advantages carry them.
       advantages: float [B_real], one advantage per sample, broadcast over its
         response tokens.
       pad_id: token id written into padding (its targets are masked).
@@ -77,21 +81,13 @@ def pack_batch(
       B = num_sequences or len(samples).
 
     Raises:
-      ValueError: empty input, a sample with a ``response_mask`` (use
-        ``episode_batching.pack_episode_batch``), mismatched lengths, a sample with an empty
-        response, per-token arrays whose length differs from the response,
-        non-finite advantages, or a sequence longer than ``max_len`` (names the
-        sample).
+      ValueError: empty input, mismatched lengths, a sample with an empty
+        response, per-token arrays whose length differs from the response, a
+        response_mask that is not 0/1 of the response's length, non-finite
+        advantages, or a sequence longer than ``max_len`` (names the sample).
     """
     if len(samples) == 0:
         raise ValueError("pack_batch: samples is empty")
-    for s in samples:  # a multi-turn sample would train on its observation tokens
-        if s.response_mask is not None:
-            raise ValueError(
-                f"pack_batch: sample (prompt_id={s.prompt_id}, sample_index={s.sample_index}) "
-                "has a response_mask (a multi-turn episode); pack it with "
-                "learner.episode_batching.pack_episode_batch, which trains only sampled tokens"
-            )
     adv_b = np.asarray(advantages, dtype=np.float32)
     if adv_b.shape != (len(samples),):
         raise ValueError(
@@ -99,7 +95,7 @@ def pack_batch(
         )
     if not np.all(np.isfinite(adv_b)):
         raise ValueError(f"pack_batch: advantages contain non-finite values: {adv_b}")
-    lengths = []
+    lengths, response_masks = [], []
     for s in samples:
         resp = np.asarray(s.response_tokens)
         tag = f"sample (prompt_id={s.prompt_id}, sample_index={s.sample_index})"
@@ -113,6 +109,7 @@ def pack_batch(
                     f"pack_batch: {tag} has {len(getattr(s, name))} {name} for "
                     f"{len(resp)} response tokens"
                 )
+        response_masks.append(_response_mask(s, len(resp), tag))
         total = len(s.prompt_tokens) + len(resp)
         if max_len is not None and total > max_len:
             raise ValueError(f"pack_batch: {tag} has {total} tokens > max_len={max_len}")
@@ -138,10 +135,11 @@ def pack_batch(
         input_ids[b, : P + R] = full
         target_ids[b, : P + R - 1] = full[1:]
         span = slice(P - 1, P + R - 1)  # targets that are response tokens
-        mask[b, span] = 1.0
-        adv[b, span] = adv_b[b]
-        blogp[b, span] = np.asarray(s.behaviour_logprobs, np.float32)
-        versions[b, span] = np.asarray(s.token_versions, np.int32)
+        keep = response_masks[b] > 0
+        mask[b, span] = response_masks[b]
+        adv[b, span] = np.where(keep, adv_b[b], 0.0)
+        blogp[b, span] = np.where(keep, np.asarray(s.behaviour_logprobs, np.float32), 0.0)
+        versions[b, span] = np.where(keep, np.asarray(s.token_versions, np.int32), -1)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
     return TrainBatch(
         input_ids_bt=input_ids,
@@ -152,6 +150,19 @@ def pack_batch(
         behaviour_logp_bt=blogp,
         token_versions_bt=versions,
     )
+
+
+def _response_mask(sample: Sample, length: int, tag: str) -> np.ndarray:
+    """float32 [length]: the sample's ``response_mask`` (checked 0/1), or all ones."""
+    if sample.response_mask is None:
+        return np.ones(length, np.float32)
+    mask = np.asarray(sample.response_mask, np.float32).reshape(-1)
+    if mask.shape != (length,) or not np.all((mask == 0) | (mask == 1)):
+        raise ValueError(
+            f"pack_batch: {tag} response_mask must be 0/1 of length {length}, got shape "
+            f"{mask.shape} with values {np.unique(mask)[:4]}"
+        )
+    return mask
 
 
 def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:

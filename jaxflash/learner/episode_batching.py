@@ -1,10 +1,11 @@
-"""Pack multi-turn episode Samples: ``pack_batch`` plus response masks and per-token advantages.
+"""Pack multi-turn episode Samples: ``pack_batch`` plus per-token advantages.
 
 A multi-turn Sample (``envs.training.trajectory_to_sample``) carries
 ``response_mask`` [T_resp]: 1 on the tokens the policy sampled, 0 on the chat glue,
 observations and tool output between turns. ``pack_batch`` lays the sequences out
-(``types.TrainBatch``: target t of row b is response token j at t = P - 1 + j);
-this module then writes, on each row's response span,
+(``types.TrainBatch``: target t of row b is response token j at t = P - 1 + j)
+and applies the masks; with this module's per-token advantages, each row's
+response span reads
 
     loss_mask_bt      = response_mask (1 everywhere when it is None)
     advantages_bt     = per-token advantage * response_mask
@@ -17,7 +18,6 @@ version metrics, while still being attended to as context.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,22 +51,11 @@ def pack_episode_batch(
         raise ValueError(
             f"pack_episode_batch: {len(advantages)} advantages for {len(samples)} samples"
         )
-    # pack_batch lays the rows out (it refuses masked samples: it would train on every
-    # response token); the masks are applied below.
-    unmasked = [dataclasses.replace(s, response_mask=None) for s in samples]
-    batch = pack_batch(unmasked, np.zeros(len(samples), np.float32), **pack_kwargs)
+    # pack_batch applies each response_mask (loss mask, behaviour logprobs, versions).
+    batch = pack_batch(samples, np.zeros(len(samples), np.float32), **pack_kwargs)
     for b, (s, adv) in enumerate(zip(samples, advantages, strict=True)):
         tag = f"sample (prompt_id={s.prompt_id}, sample_index={s.sample_index})"
         P, R = len(s.prompt_tokens), len(s.response_tokens)
-        if s.response_mask is None:
-            mask = np.ones(R, np.float32)
-        else:
-            mask = np.asarray(s.response_mask, np.float32).reshape(-1)
-            if mask.shape != (R,) or not np.all((mask == 0) | (mask == 1)):
-                raise ValueError(
-                    f"pack_episode_batch: {tag} response_mask must be 0/1 of length {R}, "
-                    f"got shape {mask.shape}"
-                )
         adv_t = (
             np.broadcast_to(np.asarray(adv, np.float32), (R,))
             if np.ndim(adv) == 0
@@ -78,9 +67,5 @@ def pack_episode_batch(
                 f"shape {adv_t.shape}"
             )
         span = slice(P - 1, P + R - 1)
-        keep = mask > 0
-        batch.loss_mask_bt[b, span] = mask
-        batch.advantages_bt[b, span] = np.where(keep, adv_t, 0.0)
-        batch.behaviour_logp_bt[b, span] = np.where(keep, batch.behaviour_logp_bt[b, span], 0.0)
-        batch.token_versions_bt[b, span] = np.where(keep, batch.token_versions_bt[b, span], -1)
+        batch.advantages_bt[b, span] = np.where(batch.loss_mask_bt[b, span] > 0, adv_t, 0.0)
     return batch

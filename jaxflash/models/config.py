@@ -39,7 +39,11 @@ class ModelConfig:
       param_dtype: "float32" | "bfloat16" — storage dtype of the weights.
       compute_dtype: "float32" | "bfloat16" — dtype of the matmuls; softmax,
         RMSNorm, RoPE, the residual stream and logits stay float32.
-      remat: rematerialise each layer in the backward pass (jax.checkpoint).
+      remat: rematerialise each layer in the backward pass (``jax.checkpoint``) except
+        the outputs of its weight matmuls, which are saved
+        (``dots_with_no_batch_dims_saveable``): per token and layer the projections
+        and MLP activations (about 5 D + 2 F floats) stay alive, everything else is
+        recomputed.
       logits_chunk: tokens per chunk of the chunked log-softmax (see logprobs.py).
     """
 

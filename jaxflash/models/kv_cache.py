@@ -1,12 +1,19 @@
 """Key/value cache indexed by absolute position, one slot per batch row.
 
-Layout ``[L, B, S, K, H]``: layer, batch row (engine slot), cache position,
-key/value head, head dim. A forward pass with a cache writes each token's k/v at
-its row's absolute position ``positions_bt[b, t]`` (a per-row scatter), then
-every query at position p attends to cache entries j <= p. Entries past p are
-never read, so a slot is reused for a new sequence without clearing: writing the
-new prompt from position 0 overwrites everything a query can see. Rows of one
-batch may sit at different positions (continuous batching).
+Two layouts with the same semantics: ``KVCache`` stacks the layers into one
+``[L, B, S, K, H]`` array per k/v (layer, batch row = engine slot, cache position,
+key/value head, head dim) for the ``lax.scan`` forward; ``LayerKVCache`` keeps L
+separate buffers per k/v for the unrolled forward the engine decodes with, so each
+layer's buffer is updated in place (a donated stacked cache inside a scan is copied
+out of and back into the stack at every step), and stores them in the layouts the
+attention products read — keys ``[B, K, S, H]``, values ``[B, K, H, S]`` — so no
+step transposes the whole cache (XLA on CPU did, for both, at every layer and step:
+about 15 % of a decode step). A forward pass with a cache
+writes each token's k/v at its row's absolute position ``positions_bt[b, t]`` (a
+per-row scatter), then every query at position p attends to cache entries j <= p.
+Entries past p are never read, so a slot is reused for a new sequence without
+clearing: writing the new prompt from position 0 overwrites everything a query can
+see. Rows of one batch may sit at different positions (continuous batching).
 """
 
 from __future__ import annotations
@@ -39,6 +46,53 @@ class KVCache(NamedTuple):
         return self.k_lbskh.shape[2]
 
 
+class LayerKVCache(NamedTuple):
+    """Per-layer key/value cache: one buffer per layer and k/v (a pytree).
+
+    Attributes:
+      k_bksh: L arrays [B, K, S, H], keys after RoPE, compute dtype.
+      v_bkhs: L arrays [B, K, H, S], values, compute dtype.
+    """
+
+    k_bksh: tuple[jax.Array, ...]
+    v_bkhs: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        """S, number of positions each row can hold."""
+        return self.k_bksh[0].shape[2]
+
+
+LAYER_K_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+"""Logical axes of one layer's ``LayerKVCache.k_bksh`` buffer."""
+LAYER_V_LOGICAL_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
+"""Logical axes of one layer's ``LayerKVCache.v_bkhs`` buffer."""
+
+
+def _check_size(config: ModelConfig, batch: int, max_len: int, what: str) -> None:
+    if batch < 1:
+        raise ValueError(f"{what}: batch must be >= 1, got {batch}")
+    if not 1 <= max_len <= config.max_seq_len:
+        raise ValueError(
+            f"{what}: max_len must be in [1, max_seq_len={config.max_seq_len}], got {max_len}"
+        )
+
+
+def init_layer_kv_cache(config: ModelConfig, batch: int, max_len: int) -> LayerKVCache:
+    """A zero ``LayerKVCache``: L buffers [B, K, S, H] (keys) and [B, K, H, S] (values).
+
+    Raises:
+      ValueError: batch < 1, or max_len outside [1, config.max_seq_len].
+    """
+    _check_size(config, batch, max_len, "init_layer_kv_cache")
+    b, k, s, h = batch, config.n_kv_heads, max_len, config.head_dim
+    dtype = config.jnp_compute_dtype
+    return LayerKVCache(
+        k_bksh=tuple(jnp.zeros((b, k, s, h), dtype) for _ in range(config.n_layers)),
+        v_bkhs=tuple(jnp.zeros((b, k, h, s), dtype) for _ in range(config.n_layers)),
+    )
+
+
 def init_kv_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     """A zero cache for ``batch`` rows of ``max_len`` positions.
 
@@ -53,13 +107,7 @@ def init_kv_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     Raises:
       ValueError: batch < 1, or max_len outside [1, config.max_seq_len].
     """
-    if batch < 1:
-        raise ValueError(f"init_kv_cache: batch must be >= 1, got {batch}")
-    if not 1 <= max_len <= config.max_seq_len:
-        raise ValueError(
-            f"init_kv_cache: max_len must be in [1, max_seq_len={config.max_seq_len}], "
-            f"got {max_len}"
-        )
+    _check_size(config, batch, max_len, "init_kv_cache")
     shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
     zeros = jnp.zeros(shape, config.jnp_compute_dtype)
     return KVCache(k_lbskh=zeros, v_lbskh=zeros)
@@ -83,3 +131,25 @@ def write_rows(cache_bskh: jax.Array, new_btkh: jax.Array, positions_bt: jax.Arr
     pos_bt = jnp.where((positions_bt >= 0) & (positions_bt < seq), positions_bt, seq)
     rows_bt = jnp.broadcast_to(jnp.arange(batch)[:, None], pos_bt.shape)
     return cache_bskh.at[rows_bt, pos_bt].set(new_btkh.astype(cache_bskh.dtype), mode="drop")
+
+
+def write_layer_rows(
+    k_bksh: jax.Array, v_bkhs: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, positions_bt
+) -> tuple[jax.Array, jax.Array]:
+    """``write_rows`` for one layer of a ``LayerKVCache`` (keys [B, K, S, H], values
+    [B, K, H, S]); positions outside [0, S) are not written.
+
+    Returns:
+      (k_bksh, v_bkhs) updated (cache dtype).
+    """
+    batch, kv_heads, seq, head_dim = k_bksh.shape
+    pos_bt = jnp.where((positions_bt >= 0) & (positions_bt < seq), positions_bt, seq)
+    b_bt1 = jnp.broadcast_to(jnp.arange(batch)[:, None], pos_bt.shape)[..., None]
+    k_11k = jnp.arange(kv_heads)[None, None, :]
+    s_bt1 = pos_bt[..., None]
+    k_bksh = k_bksh.at[b_bt1, k_11k, s_bt1].set(k_btkh.astype(k_bksh.dtype), mode="drop")
+    h_111h = jnp.arange(head_dim)[None, None, None, :]
+    v_bkhs = v_bkhs.at[b_bt1[..., None], k_11k[..., None], h_111h, s_bt1[..., None]].set(
+        v_btkh.astype(v_bkhs.dtype), mode="drop"
+    )
+    return k_bksh, v_bkhs

@@ -5,7 +5,13 @@ K key/value heads, G = N/K queries per kv head, H head dim, F MLP width,
 L layers, S cache length.
 
 Parameters are stacked over layers (leading axis L) and the forward pass is a
-``jax.lax.scan`` over that axis, so 30 layers compile as one. The computation is
+``jax.lax.scan`` over that axis, so 30 layers compile as one (what the learner
+differentiates). ``unstack_layers`` turns ``params["layers"]`` into a tuple of L
+per-layer dicts; ``forward`` over that layout unrolls the layers in Python and, with a
+``LayerKVCache``, updates each layer's own cache buffer in place — what the engine
+decodes with, because XLA on CPU copies every layer's weights and the whole cache
+out of and back into the stacks at each scanned decode step (the same ops either
+way, so both layouts give bit-identical results). The computation is
 the pure function ``forward(params, config, ...)`` on a nested dict of arrays —
 what the learner differentiates, the engine decodes with and sync transfers; the
 ``Llama`` module only creates parameters (init, logical axes) and wraps
@@ -26,12 +32,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KVCache, write_rows
+from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.params import Params, get_params
+from jaxflash.models.swiglu import swiglu
 
 INIT_STD = 0.02  # normal init of every matrix (HF initializer_range default)
 _MASKED = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
+# remat keeps the outputs of the weight matmuls (projections, MLP) and recomputes
+# the rest of the layer (norms, RoPE, attention, SwiGLU's activation) in the
+# backward pass: recomputing the matmuls would add a third of the step's FLOPs,
+# while at RL sequence lengths the saved outputs are a small part of the memory.
+_REMAT_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 def logical_axes(config: ModelConfig) -> dict:
@@ -185,22 +197,31 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(q_btnh, k_bskh, v_bskh, visible_bts, config: ModelConfig):
-    """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype."""
+def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
+    """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype.
+
+    Keys come as [B, K, S, H] and values as [B, K, H, S]: the layouts XLA's CPU
+    batched products read, so a ``LayerKVCache`` is used as stored (other callers
+    pass transposed views, which XLA materialises as before).
+    """
     b, t, n, h = q_btnh.shape
     cd = config.jnp_compute_dtype
     q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
     scores_bkgts = jnp.einsum(
-        "btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(cd), preferred_element_type=jnp.float32
+        "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
     ) * (h**-0.5)
     scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, _MASKED)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(cd))
+    out_btkgh = jnp.einsum("bkgts,bkhs->btkgh", probs_bkgts, v_bkhs.astype(cd))
     return out_btkgh.reshape(b, t, n, h)
 
 
-def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_bskh):
-    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None))."""
+def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k, cache_v, layer_cache=False):
+    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None)).
+
+    The cache layer is [B, S, K, H] for both (a ``KVCache`` slice) or, with
+    ``layer_cache``, keys [B, K, S, H] and values [B, K, H, S] (``LayerKVCache``).
+    """
     cd = config.jnp_compute_dtype
 
     def w(name):
@@ -214,32 +235,49 @@ def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k_bskh, cache_v_b
         q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
     q_btnh = apply_rope(q_btnh, positions_bt, config.rope_theta)
     k_btkh = apply_rope(k_btkh, positions_bt, config.rope_theta).astype(cd)
-    if cache_k_bskh is None:
+    if cache_k is None:
         # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
         # so right-padding never leaks into earlier tokens.
         t = h_btd.shape[1]
         visible_bts = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
-        keys_bskh, values_bskh = k_btkh, v_btkh
+        keys_bksh, values_bkhs = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 3, 1)
+    elif layer_cache:
+        cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
+        visible_bts = jnp.arange(cache_k.shape[2])[None, None, :] <= positions_bt[:, :, None]
+        keys_bksh, values_bkhs = cache_k, cache_v
     else:
-        cache_k_bskh = write_rows(cache_k_bskh, k_btkh, positions_bt)
-        cache_v_bskh = write_rows(cache_v_bskh, v_btkh, positions_bt)
-        s = cache_k_bskh.shape[1]
-        visible_bts = jnp.arange(s)[None, None, :] <= positions_bt[:, :, None]
-        keys_bskh, values_bskh = cache_k_bskh, cache_v_bskh
-    attn_btnh = _attention(q_btnh, keys_bskh, values_bskh, visible_bts, config)
+        cache_k = write_rows(cache_k, k_btkh, positions_bt)
+        cache_v = write_rows(cache_v, v_btkh, positions_bt)
+        visible_bts = jnp.arange(cache_k.shape[1])[None, None, :] <= positions_bt[:, :, None]
+        keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
+    attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
     h_btd = h_btd + jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], config.rms_norm_eps).astype(cd)
-    gate_btf = jnp.einsum("btd,df->btf", x_btd, w("w_gate_ldf"))
-    up_btf = jnp.einsum("btd,df->btf", x_btd, w("w_up_ldf"))
-    h_btd = h_btd + jnp.einsum(
-        "btf,fd->btd",
-        jax.nn.silu(gate_btf) * up_btf,
-        w("w_down_lfd"),
-        preferred_element_type=jnp.float32,
-    )
-    return h_btd, (cache_k_bskh, cache_v_bskh)
+    h_btd = h_btd + swiglu(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
+    return h_btd, (cache_k, cache_v)
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same params with ``layers`` as a tuple of L per-layer dicts (no [L] axis).
+
+    ``forward`` over this layout unrolls the layers (see the module docstring).
+    Params already unstacked are returned unchanged.
+    """
+    layers = params["layers"]
+    if isinstance(layers, tuple | list):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n))}
+
+
+def stack_layers(params: Params) -> Params:
+    """Inverse of ``unstack_layers``: ``layers`` as one dict of [L, ...] arrays."""
+    layers = params["layers"]
+    if not isinstance(layers, tuple | list):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
 def forward(
@@ -247,8 +285,8 @@ def forward(
     config: ModelConfig,
     input_ids_bt: jax.Array,
     positions_bt: jax.Array,
-    kv_cache: KVCache | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+    kv_cache: KVCache | LayerKVCache | None = None,
+) -> tuple[jax.Array, KVCache | LayerKVCache | None]:
     """Pure forward pass: token ids -> final-normed hidden states.
 
     Without a cache, attention is causal over the T axis (token t sees tokens
@@ -258,39 +296,62 @@ def forward(
     entries beyond it are ignored, so slots are reused without clearing).
 
     Args:
-      params: nested dict per docs/CONTRACTS.md (``get_params`` / ``init_params``).
+      params: nested dict per docs/CONTRACTS.md (``get_params`` / ``init_params``),
+        layers stacked ([L, ...] arrays, run as a ``lax.scan``) or unstacked
+        (``unstack_layers``: a tuple of per-layer dicts, run unrolled).
       config: static model configuration (hashable; close over it under jit).
       input_ids_bt: int32 [B, T] token ids in [0, V).
       positions_bt: int32 [B, T] absolute 0-based positions; with a cache they
         must be < S (positions outside [0, S) are not written to the cache).
-      kv_cache: optional KVCache [L, B, S, K, H] with the same B.
+      kv_cache: optional cache with the same B: ``KVCache`` [L, B, S, K, H] for
+        stacked params, ``LayerKVCache`` (L x [B, S, K, H]) for unstacked ones.
 
     Returns:
-      (h_btd float32 [B, T, D], updated KVCache or None). Logits are
-      ``logits_from_hidden(h_btd, unembed(params, config))``.
+      (h_btd float32 [B, T, D], updated cache of the same type, or None). Logits
+      are ``logits_from_hidden(h_btd, unembed(params, config))``.
 
     Raises:
-      ValueError: if input and position shapes differ or the cache's batch differs.
+      ValueError: if input and position shapes differ, the cache's batch differs,
+        or the cache layout does not match the params layout.
     """
     if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
         raise ValueError(
             f"forward: input_ids_bt {input_ids_bt.shape} and positions_bt "
             f"{positions_bt.shape} must both be [B, T]"
         )
-    if kv_cache is not None and kv_cache.k_lbskh.shape[1] != input_ids_bt.shape[0]:
-        raise ValueError(
-            f"forward: kv_cache batch {kv_cache.k_lbskh.shape[1]} != input batch "
-            f"{input_ids_bt.shape[0]}"
-        )
+    unrolled = isinstance(params["layers"], tuple | list)
+    if kv_cache is not None:
+        want = LayerKVCache if unrolled else KVCache
+        if not isinstance(kv_cache, want):
+            raise ValueError(
+                f"forward: {'unstacked' if unrolled else 'stacked'} params need a "
+                f"{want.__name__}, got {type(kv_cache).__name__}"
+            )
+        batch = kv_cache[0][0].shape[0] if unrolled else kv_cache.k_lbskh.shape[1]
+        if batch != input_ids_bt.shape[0]:
+            raise ValueError(
+                f"forward: kv_cache batch {batch} != input batch {input_ids_bt.shape[0]}"
+            )
     h_btd = jnp.take(params["embed_vd"], input_ids_bt, axis=0).astype(jnp.float32)
 
     def body(h_btd, xs):
         lp, ck, cv = xs
-        return _layer(config, h_btd, lp, positions_bt, ck, cv)
+        return _layer(config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled)
 
     if config.remat:
-        body = jax.checkpoint(body)
-    ks, vs = (None, None) if kv_cache is None else kv_cache
-    h_btd, (ks, vs) = jax.lax.scan(body, h_btd, (params["layers"], ks, vs))
+        body = jax.checkpoint(body, policy=_REMAT_POLICY)
+    if unrolled:
+        n = len(params["layers"])
+        ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
+        new_k, new_v = [], []
+        for lp, ck, cv in zip(params["layers"], ks, vs, strict=True):
+            h_btd, (ck, cv) = body(h_btd, (lp, ck, cv))
+            new_k.append(ck)
+            new_v.append(cv)
+        cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
+    else:
+        ks, vs = (None, None) if kv_cache is None else kv_cache
+        h_btd, (ks, vs) = jax.lax.scan(body, h_btd, (params["layers"], ks, vs))
+        cache = None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs)
     h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps)
-    return h_btd, (None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs))
+    return h_btd, cache

@@ -6,17 +6,24 @@ full-vocabulary softmax unless sampling used it (importance ratios of an
 unchanged policy must be 1). KL terms use the tempered full-vocabulary softmax
 instead (``full_vocab=True``); see ``algorithms.distributions`` for both.
 Logits for a [B, T] batch of a 49k vocabulary would be [B, T, V] floats; we
-compute them ``chunk`` tokens at a time under
-``jax.checkpoint`` so neither the forward nor the backward pass holds more than
-[B, chunk, V] logits.
+compute them ``chunk`` tokens at a time, and the backward pass recomputes each
+chunk's logits (as ``jax.checkpoint`` would), so neither pass holds more than
+[B, chunk, V] logits. The backward is written by hand: the derivative of log
+q(target), of the entropy and (with ``full_vocab``) of the full-vocabulary log
+p(target) w.r.t. the logits in one elementwise pass, then the two products,
+instead of differentiating the log-softmax, the entropy and the target gather
+step by step (several more passes over [B, chunk, V] and a scatter).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxflash.algorithms.distributions import (
+    NEG_INF,
     entropy_from_logprobs,
     floor_logprobs,
     processed_log_softmax,
@@ -106,26 +113,11 @@ def target_logprobs(
     h_nbcd = h_pad.reshape(batch, n_chunks, chunk, -1).transpose(1, 0, 2, 3)
     ids_nbc = ids_pad.reshape(batch, n_chunks, chunk).transpose(1, 0, 2)
 
-    # checkpoint: the backward pass recomputes each chunk's logits instead of
-    # keeping all n chunks' [B, c, V] residuals alive at once.
-    @jax.checkpoint
     def one_chunk(args):
         h_bcd, ids_bc = args
-        logits_bcv = logits_from_hidden(h_bcd, unembed_dv)
-        logq_bcv = processed_log_softmax(
-            logits_bcv,
-            temperature=temp,
-            top_k=top_k,
-            top_p=top_p,
-            valid_vocab_size=valid_vocab_size,
+        return _chunk_logprobs(
+            top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, ids_bc, temp
         )
-        out = [_gather(logq_bcv, ids_bc), entropy_from_logprobs(logq_bcv)]
-        if full_vocab:
-            full_bcv = processed_log_softmax(
-                logits_bcv, temperature=temp, valid_vocab_size=valid_vocab_size
-            )
-            out.append(_gather(full_bcv, ids_bc))
-        return tuple(out)
 
     outs_nbc = jax.lax.map(one_chunk, (h_nbcd, ids_nbc))
     return tuple(x.transpose(1, 0, 2).reshape(batch, -1)[:, :time] for x in outs_nbc)
@@ -134,3 +126,77 @@ def target_logprobs(
 def _gather(logq_bcv: jax.Array, ids_bc: jax.Array) -> jax.Array:
     """log q(target), floored outside the support (see ``floor_logprobs``)."""
     return floor_logprobs(jnp.take_along_axis(logq_bcv, ids_bc[..., None], axis=-1)[..., 0])
+
+
+def _distributions(top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, temp):
+    """(log q [B, c, V], full-vocabulary log p [B, c, V] or None) of one chunk."""
+    logits_bcv = logits_from_hidden(h_bcd, unembed_dv)
+    logq_bcv = processed_log_softmax(
+        logits_bcv, temperature=temp, top_k=top_k, top_p=top_p, valid_vocab_size=valid_vocab_size
+    )
+    full_bcv = None
+    if full_vocab:
+        full_bcv = processed_log_softmax(
+            logits_bcv, temperature=temp, valid_vocab_size=valid_vocab_size
+        )
+    return logq_bcv, full_bcv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _chunk_logprobs(top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, ids_bc, temp):
+    """(log q(target) [B, c], entropy of q [B, c][, full log p(target) [B, c]]) of
+    one chunk; q per ``processed_log_softmax`` (temperature ``temp``: scalar or
+    [B, 1, 1]); targets outside a support read LOGPROB_FLOOR."""
+    logq_bcv, full_bcv = _distributions(
+        top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, temp
+    )
+    out = (_gather(logq_bcv, ids_bc), entropy_from_logprobs(logq_bcv))
+    return out + ((_gather(full_bcv, ids_bc),) if full_vocab else ())
+
+
+def _chunk_fwd(top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, ids_bc, temp):
+    out = _chunk_logprobs(
+        top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, ids_bc, temp
+    )
+    return out, (h_bcd, unembed_dv, ids_bc, temp, out[1])
+
+
+def _target_grad(logq_bcv, ids_bc, onehot_bcv, g_bc):
+    """d/dz of sum g * log q(target) for a softmax q over its kept set K (NEG_INF
+    outside): g (delta_tj - q_j) for j in K when the target t is in K, else 0 (a
+    floored target has zero gradient). Returns (dz [B, c, V], kept [B, c, V], q)."""
+    kept_bcv = logq_bcv > NEG_INF / 2
+    q_bcv = jnp.where(kept_bcv, jnp.exp(logq_bcv), 0.0)
+    kept_t_bc = jnp.take_along_axis(kept_bcv, ids_bc[..., None], axis=-1)[..., 0]
+    g_t_bc = jnp.where(kept_t_bc, g_bc, 0.0)[..., None]
+    return jnp.where(onehot_bcv, g_t_bc, 0.0) - q_bcv * g_t_bc, kept_bcv, q_bcv
+
+
+def _chunk_bwd(top_k, top_p, valid_vocab_size, full_vocab, res, cotangents):
+    """With z = logits / T and q the processed distribution over the kept set K:
+    d log q_t / dz_j = [t in K] (delta_tj - q_j) and dH / dz_j = -q_j (log q_j + H)
+    for j in K, 0 outside K (the kept set is piecewise constant in z); the same
+    for the full-vocabulary p over the valid ids."""
+    h_bcd, unembed_dv, ids_bc, temp, ent_bc = res
+    logq_bcv, full_bcv = _distributions(
+        top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, temp
+    )
+    onehot_bcv = jnp.arange(logq_bcv.shape[-1])[None, None, :] == ids_bc[..., None]
+    dz_bcv, kept_bcv, q_bcv = _target_grad(logq_bcv, ids_bc, onehot_bcv, cotangents[0])
+    log_term_bcv = jnp.where(kept_bcv, logq_bcv, 0.0) + ent_bc[..., None]
+    dz_bcv = dz_bcv - cotangents[1][..., None] * q_bcv * log_term_bcv
+    if full_vocab:
+        dz_bcv = dz_bcv + _target_grad(full_bcv, ids_bc, onehot_bcv, cotangents[2])[0]
+    dlogits_bcv = dz_bcv / temp
+    f32 = jnp.float32
+    dh_bcd = jnp.einsum("bcv,dv->bcd", dlogits_bcv, unembed_dv, preferred_element_type=f32)
+    dw_dv = jnp.einsum("bcd,bcv->dv", h_bcd, dlogits_bcv, preferred_element_type=f32)
+    return (
+        dh_bcd.astype(h_bcd.dtype),
+        dw_dv.astype(unembed_dv.dtype),
+        None,
+        jnp.zeros_like(temp),
+    )
+
+
+_chunk_logprobs.defvjp(_chunk_fwd, _chunk_bwd)

@@ -31,14 +31,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine import EngineConfig, LlamaEngine
+from jaxflash.generation.engine_params import engine_shardings
 from jaxflash.generation.engine_state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state
 from jaxflash.learner.step import batch_sharding, make_train_step
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, logical_axes
-from jaxflash.sharding.rules import Rules, logical_to_shardings
+from jaxflash.models.llama import abstract_params, unstack_layers
+from jaxflash.sharding.rules import Rules
 
 # dtypes of the device batch (types.TrainBatch): ids, positions and versions are
 # int32, masks / advantages / logprobs float32.
@@ -91,8 +92,8 @@ class ProgramMemory:
 def _lowerable(obj: Any, public: str, private: str) -> Any:
     """The jitted function behind a learner/engine callable.
 
-    ``TrainStep`` and ``LlamaEngine`` expose no AOT entry point yet; until they
-    do (``public``), use the attribute that holds their ``jax.jit`` (``private``).
+    ``LlamaEngine`` exposes ``prefill_jit`` / ``generate_jit``; ``TrainStep`` has no
+    AOT entry point yet (``public``), so its ``jax.jit`` attribute is used (``private``).
     Failing here, by name, is what an API change should do.
     """
     fn = getattr(obj, public, None) or getattr(obj, private, None)
@@ -142,21 +143,26 @@ def compile_train_step(
 def compile_engine(
     model_config: ModelConfig, engine_config: EngineConfig, mesh: Mesh, rules: Rules
 ) -> dict[str, Any]:
-    """Compile the engine's prefill (largest bucket) and generate for ``mesh``.
+    """Compile the engine's prefill (largest bucket, ``prefill_rows`` rows) and one
+    decode step (``generate``; the slot loop's ``generate_block`` adds only its
+    [steps, B, 3] output) for ``mesh``, with the engine's unstacked param layout.
 
     Returns:
       {"prefill": compiled, "generate": compiled}.
     """
     engine = LlamaEngine(model_config, engine_config, mesh=mesh, rules=rules)
-    shapes = abstract_params(model_config)
-    shardings = logical_to_shardings(logical_axes(model_config), mesh, rules, shapes=shapes)
+    # The engine decodes with its layers unstacked (one buffer per layer), as placed
+    # by ``LlamaEngine.place_params``.
+    shapes = jax.eval_shape(unstack_layers, abstract_params(model_config))
+    shardings = engine_shardings(model_config, mesh, rules)
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
     rep = NamedSharding(mesh, PartitionSpec())
+    rows = engine_config.prefill_rows
     bucket = engine.prefill_bucket(engine_config.max_prefill_length)
-    ids = jax.ShapeDtypeStruct((1, bucket), np.int32, sharding=rep)
-    length = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
+    ids = jax.ShapeDtypeStruct((rows, bucket), np.int32, sharding=rep)
+    length = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
     state_sh, _ = engine_state_shardings(model_config, engine_config, mesh, rules)
     state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -1,0 +1,133 @@
+"""The engine's jitted programs: ``engine_kernels`` bound to one engine's static
+configuration and shardings, with their compilations counted from outside.
+
+``Programs`` owns the ``jax.jit`` wrappers and a counter of traces per program and
+input shape (a trace is a compilation). ``LlamaEngine`` builds one and calls it;
+host-side preparation (padding, grouping, transfers) stays in the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxflash.generation import engine_kernels as kernels
+from jaxflash.generation.engine_state import (
+    DecodeState,
+    EngineConfig,
+    PrefillBatch,
+    Prefix,
+    empty_decode_state,
+)
+from jaxflash.models.config import ModelConfig
+
+
+class Programs:
+    """Jitted device programs of one engine (see ``engine_kernels`` for each).
+
+    Args:
+      model_config, engine_config: static configuration bound into every program.
+      state_shardings: DecodeState of NamedShardings (``state_shardings``).
+      prefix_shardings: Prefix of NamedShardings.
+      replicated: NamedSharding for everything replicated.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        state_shardings: DecodeState,
+        prefix_shardings: Prefix,
+        replicated: NamedSharding,
+    ):
+        self._mc, self._ec = model_config, engine_config
+        self.traces: collections.Counter[str] = collections.Counter()
+        rep, mc, ec = replicated, model_config, engine_config
+        self.prefill = jax.jit(
+            self._counted(
+                lambda p, ids, n: f"prefill_{ids.shape[0]}x{ids.shape[1]}",
+                functools.partial(kernels.prefill, model_config=mc),
+            ),
+            out_shardings=PrefillBatch(
+                cache=prefix_shardings.cache, true_length_n=rep, logits_nv=rep
+            ),
+        )
+
+        def first_of_row(logits_nv, row, ident_g4):
+            logits_gv = jnp.broadcast_to(logits_nv[row], (ident_g4.shape[0], logits_nv.shape[1]))
+            return kernels.sample_first(logits_gv, ident_g4, model_config=mc, engine_config=ec)
+
+        self.first_tokens = jax.jit(
+            self._counted(
+                lambda logits, row, ident: f"first_tokens_{ident.shape[0]}", first_of_row
+            ),
+            out_shardings=rep,
+        )
+        # A Prefix holds its own [1, bucket] cache (JetStream moves Prefixes around).
+        self.take_row = jax.jit(
+            lambda batch, row: (
+                jax.tree.map(lambda x: x[row][None], batch.cache),
+                batch.true_length_n[row],
+            )
+        )
+        self.start = jax.jit(
+            self._counted(
+                lambda st, b, row, *_: (
+                    f"start_{row.shape[0]}_{b.logits_nv.shape[0]}x{b.cache.max_len}"
+                ),
+                functools.partial(kernels.start, model_config=mc, engine_config=ec),
+            ),
+            donate_argnums=(0,),
+            out_shardings=(state_shardings, rep, rep),
+        )
+        self.insert = jax.jit(
+            self._counted(
+                lambda st, prefix, *_: f"insert_{prefix.cache.max_len}",
+                functools.partial(kernels.insert, engine_config=ec),
+            ),
+            donate_argnums=(0,),
+            out_shardings=state_shardings,
+        )
+        self.generate = jax.jit(
+            self._counted(
+                lambda *_: "generate",
+                functools.partial(kernels.generate, model_config=mc, engine_config=ec),
+            ),
+            donate_argnums=(1,),
+            out_shardings=(state_shardings, rep),
+        )
+        self._block_out = (state_shardings, rep, rep, rep)
+        self._blocks: dict[int, Callable] = {}
+        self.init_state = jax.jit(lambda: empty_decode_state(mc, ec), out_shardings=state_shardings)
+
+    def generate_block(self, steps: int) -> Callable:
+        """The ``generate_block`` program for ``steps`` (compiled on first use)."""
+        if steps not in self._blocks:
+            self._blocks[steps] = jax.jit(
+                self._counted(
+                    lambda *_: f"generate_block_{steps}",
+                    functools.partial(
+                        kernels.generate_block,
+                        steps=steps,
+                        model_config=self._mc,
+                        engine_config=self._ec,
+                    ),
+                ),
+                donate_argnums=(1,),
+                out_shardings=self._block_out,
+            )
+        return self._blocks[steps]
+
+    def _counted(self, name: Callable[..., str], fn: Callable) -> Callable:
+        """``fn`` that adds one to ``traces[name(*args)]`` each time jax traces it."""
+
+        def traced(*args, **kwargs):
+            self.traces[name(*args, **kwargs)] += 1
+            return fn(*args, **kwargs)
+
+        return traced
