@@ -1,6 +1,6 @@
 """What an agentic run adds around the one loop (``runtime.rlvr``): environments as data.
 
-With ``env.name`` set, ``rlvr.run`` takes its groups, batches and evaluations from an
+With ``env.name`` set, ``rlvr.run``'s workload (``runtime.workload``) is an
 ``EpisodeRollout`` instead of a prompt task and a reward pool:
 
 * groups: ``EnvGroupSource`` yields group ``g`` = environment seed ``g`` of the
@@ -173,6 +173,10 @@ class EpisodeRollout:
         """Groups in flight at the checkpoint: played again from scratch."""
         return tuple(source.group(g) for g in sorted(open_ids))
 
+    def reward_pool(self, clock: Any) -> None:
+        """No reward workers: the environments score the episodes."""
+        return None
+
     def settings(self) -> EpisodeSettings:
         return EpisodeSettings(
             make_env=self.make_train_env,
@@ -215,16 +219,26 @@ class EpisodeRollout:
         )
         return LearnerBatch(batch, samples, scalar)
 
+    @property
+    def eval_size(self) -> int:
+        """Held-out seeds (``env.eval_seeds``; 0: no evaluation)."""
+        return self.spec.eval_seeds
+
+    def describe_eval(self) -> str:
+        return f"{self.eval_size} seeds x {self.exp.eval.samples_per_prompt} episodes"
+
     def evaluate(
         self,
         engine: Any,
         params: Any,
+        reward_pool: None = None,
         *,
         version: int,
         progress: Callable[[int, int, int], None] | None = None,
     ) -> dict[str, float]:
         """Held-out success: ``env.eval_seeds`` eval-split seeds x ``eval.samples_per_prompt``
-        episodes with the engine at ``params`` (lockstep rounds of ``rollout.num_slots``)."""
+        episodes with the engine at ``params`` (lockstep rounds of ``rollout.num_slots``);
+        the environments score them (``reward_pool``: None, the ``Workload`` signature)."""
         from jaxflash.generation.slot_loop import run_requests  # noqa: PLC0415
 
         def generate(requests: Sequence[Any]) -> list[Sample]:

@@ -35,6 +35,12 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     return Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
 
 
+def describe_source(spec: ModelSpec) -> str:
+    """Where the weights come from, for the console: a path, the GGUF, or a preset."""
+    what = spec.path or {"gguf": "SmolLM2-135M-Instruct GGUF"}.get(spec.source, "")
+    return what or f"random-init preset {spec.preset}"
+
+
 def load_model(
     spec: ModelSpec, rollout: RolloutSpec, tokenizer: Tokenizer
 ) -> tuple[ModelConfig, dict[str, Any] | None]:

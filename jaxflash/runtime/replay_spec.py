@@ -222,6 +222,23 @@ def replay_active(replay: ReplaySpec, controller: ControllerSpec) -> bool:
     return replay.ratio > 0 or controller.kind != "none"
 
 
+def check_replay_learner(
+    replay: ReplaySpec, controller: ControllerSpec, *, multi_process: bool
+) -> None:
+    """Refuse replay on a learner of several processes (the replay cycle's ratio
+    statistics run a jitted forward on process 0 only).
+
+    Raises:
+      ConfigError: replay is active and ``multi_process`` (names replay.ratio and
+        controller.kind).
+    """
+    if multi_process and replay_active(replay, controller):
+        raise ConfigError(
+            "replay.ratio / controller.kind: replay is not wired for a multi-process "
+            "learner yet (run it with one learner process)"
+        )
+
+
 def check_replay_combination(
     replay: ReplaySpec, controller: ControllerSpec, *, learner_loss: str, async_ratio: int
 ) -> None:

@@ -90,6 +90,16 @@ def finished_step(workdir: str, total_steps: int) -> int | None:
     return step if step is not None and step >= total_steps else None
 
 
+def finished_note(workdir: str, step: int, total_steps: int) -> str:
+    """The console's answer to a run asked to continue past its finished last step."""
+    return (
+        f"{workdir} is finished: its last checkpoint is step {step} and total_steps="
+        f"{total_steps}. To train further, run the same command with "
+        f"--config.total_steps=<more than {step}> (it resumes from step {step}); "
+        "to start over, pass a new --workdir."
+    )
+
+
 def last_metrics(workdir: str) -> dict[str, Any]:
     """The last row of ``<workdir>/metrics.jsonl`` ({} if none)."""
     path = os.path.join(workdir, "metrics.jsonl")
@@ -103,3 +113,29 @@ def last_metrics(workdir: str) -> dict[str, Any]:
             except json.JSONDecodeError:  # a line cut short by a kill
                 continue
     return last
+
+
+def checkpoint_meta(
+    step: int,
+    snapshot: tuple[dict[str, Any], dict[str, int], int],
+    replay: dict[str, Any] | None = None,
+) -> CheckpointMeta:
+    """What a checkpoint at ``step`` keeps beside the learner state (what resuming reads).
+
+    Args:
+      step: the learner step, which is also the policy version.
+      snapshot: ``RolloutScheduler.snapshot()`` taken before the step's weights were
+        published: (the ledger's state, the counters, the data cursor); the ledger's
+        prompts in flight are generated again on resume.
+      replay: ``ReplayCycle.state_dict()`` (None without replay).
+
+    Returns:
+      ``CheckpointMeta`` with ``extra`` = {"ledger", "counters"[, "replay"]}.
+    """
+    ledger_state, counts, cursor = snapshot
+    extra: dict[str, Any] = {"ledger": ledger_state, "counters": counts}
+    if replay is not None:
+        extra["replay"] = replay
+    return CheckpointMeta(
+        step=step, data_cursor=cursor, policy_version=step, counters=counts, extra=extra
+    )

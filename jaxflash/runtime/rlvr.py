@@ -25,21 +25,14 @@ A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
 policy version still advances, with the weights unchanged, so the run goes on.
 
-Before the model loads, everything the config names is built or checked: the
-task (``runtime.task_setup``), its reward, the tokenizer and its stop set, and
-the prompt limits derived from the data (all in ``<workdir>/run_config.json``);
-a workdir that already reached ``total_steps`` is reported and left alone. The
-console (``runtime.console``) names every long phase while it runs.
+What it trains on, the workload (``runtime.workload``), is chosen once: a task's
+prompts scored by reward workers, or (``env.name`` set) groups of episodes sharing
+an environment seed (``runtime.agentic``). It is built before the model loads, so
+whatever the config names fails in seconds (``<workdir>/run_config.json`` records
+it). A finished workdir is reported and left alone; the console names long phases.
 
-Resume: the ledger, the counters and the data cursor are in the checkpoint;
-prompts in flight at the checkpoint are regenerated from scratch at the restored
-version (``prompts_regenerated_on_resume``), never trained twice.
-
-Agentic RL (``env.name`` set) runs through this same loop: a "prompt" is a group
-of episodes sharing an environment seed, played by the environment manager
-(``runtime.episode_dispatch``, each episode its own loop); ``runtime.agentic``
-supplies the groups, the masked learner batch, the held-out success rate and the
-episode metrics.
+Resume: the ledger, counters and data cursor are checkpointed; prompts in flight then
+are generated again from scratch, never trained twice (``prompts_regenerated_on_resume``).
 """
 
 from __future__ import annotations
@@ -51,46 +44,29 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.algorithms.advantages import get_advantage_estimator
-from jaxflash.checkpoint.checkpointer import CheckpointMeta
-from jaxflash.data.prompts import PromptSource
 from jaxflash.learner.step import make_logprob_fn
 from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime import records
-from jaxflash.runtime.agentic import EpisodeRollout, episode_metrics
+from jaxflash.runtime.agentic import episode_metrics
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
-from jaxflash.runtime.evaluation import evaluate
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.fleet import make_fleet
 from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.inbox import Inbox
-from jaxflash.runtime.learner_batch import empty_reason, learner_batch
+from jaxflash.runtime.learner_batch import empty_reason
 from jaxflash.runtime.learner_links import LeaderLinks
 from jaxflash.runtime.learner_program import LearnerProgram
-from jaxflash.runtime.model_setup import (
-    check_workdir_model,
-    load_model,
-    load_tokenizer,
-    make_reward,
-)
+from jaxflash.runtime.model_setup import check_workdir_model, describe_source, load_model
 from jaxflash.runtime.placement import carve
 from jaxflash.runtime.replay_cycle import make_replay_cycle
-from jaxflash.runtime.replay_spec import replay_active
-from jaxflash.runtime.resume import finished_step, last_metrics
-from jaxflash.runtime.reward_pool import RewardPool
+from jaxflash.runtime.replay_spec import check_replay_learner
+from jaxflash.runtime.resume import checkpoint_meta, finished_note, finished_step, last_metrics
 from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
-from jaxflash.runtime.specs import ConfigError
-from jaxflash.runtime.task_setup import (
-    build_task,
-    eval_prompts,
-    measure_prompts,
-    prompt_by_id,
-    prompt_lengths,
-)
+from jaxflash.runtime.workload import make_workload
 from jaxflash.sharding.distributed import advertised_host
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.transfer_sender import WeightSender
@@ -124,66 +100,36 @@ def run(
       The last step's metrics (a finished run: the last row of its metrics.jsonl).
 
     Raises:
-      ConfigError: the task, its data or the reward cannot run (naming the fields),
-        found before the model loads.
+      ConfigError: the task, its data, the reward or the environment cannot run
+        (naming the fields), found before the model loads.
       TimeoutError: no batch could be assembled in time (servers hung).
       RuntimeError: every generation server died.
       FloatingPointError: a non-finite loss, gradient norm or entropy.
     """
     clock = clock or RealClock()
     console = console or Console(None)
-    if learner_links is not None and replay_active(exp.replay, exp.controller):
-        # The replay cycle's ratio statistics run a jitted forward on process 0 only.
-        raise ConfigError(
-            "replay.ratio / controller.kind: replay is not wired for a multi-process "
-            "learner yet (run it with one learner process)"
-        )
+    check_replay_learner(exp.replay, exp.controller, multi_process=learner_links is not None)
     t_run = clock.now()
     done = finished_step(workdir, exp.total_steps)
     if done is not None:  # nothing to do: say so instead of resuming silently
-        console.line(
-            f"{workdir} is finished: its last checkpoint is step {done} and total_steps="
-            f"{exp.total_steps}. To train further, run the same command with "
-            f"--config.total_steps=<more than {done}> (it resumes from step {done}); "
-            "to start over, pass a new --workdir."
-        )
+        console.line(finished_note(workdir, done, exp.total_steps))
         return last_metrics(workdir)
 
-    # ------------------------------------------------------------ task, reward, tokenizer
+    # ------------------------------------------------------------ workload, tokenizer
     # Everything that can be wrong with the config fails here, before the slow model load.
     console.background("setting up")
     placement = carve(exp.mesh)
     console.line(f"devices: {placement.describe()}")
-    agentic: EpisodeRollout | None = None
-    if exp.env.name:  # agentic: an environment gives observations and rewards
-        with console.phase(f"building environment {exp.env.name}"):
-            tokenizer = load_tokenizer(exp.model)
-            agentic = EpisodeRollout(exp, tokenizer)
-        lengths_info = agentic.prompt_lengths()
-        console.line(agentic.describe())
-    else:
-        reward = make_reward(exp.reward)  # resolve a custom reward before the model load
-        with console.phase(f"building task {exp.data.task}"):
-            task = build_task(exp)
-            tokenizer = load_tokenizer(exp.model)
-        measured = {"rows": 0, "of": 0}
-        with console.phase(
-            "measuring prompt lengths",
-            lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
-        ):
-            lengths, every_row = measure_prompts(
-                task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)
-            )
-        exp, lengths_info = prompt_lengths(exp, lengths, every_row)
-        console.line(f"task {exp.data.task}, reward {exp.reward.fn}; {lengths_info.describe()}")
+    workload = make_workload(exp, console)  # a task and its reward, or an environment
+    exp, tokenizer = workload.exp, workload.tokenizer  # exp: with the prompt limits derived
+    console.line(workload.describe())
     stops = tokenizer.stop_set.describe(tokenizer.id_to_token)
     console.line(f"stop set (ids that end a response): {stops}")
     os.makedirs(workdir, exist_ok=True)  # only once the config is known to run
-    records.write_run_config(workdir, exp, tokenizer, lengths_info)
+    records.write_run_config(workdir, exp, tokenizer, workload.prompt_lengths())
 
     # ------------------------------------------------------------ model + learner (born sharded)
-    what = exp.model.path or {"gguf": "SmolLM2-135M-Instruct GGUF"}.get(exp.model.source, "")
-    what = what or f"random-init preset {exp.model.preset}"
+    what = describe_source(exp.model)
     with console.phase("loading the model", announce=f"loading the model ({what}) ..."):
         model_config, imported_params = load_model(exp.model, exp.rollout, tokenizer)
     log.debug("model: %s", model_config)
@@ -226,93 +172,41 @@ def run(
         extra=meta.extra,
     )
     B = cycle.fresh_prompts if cycle else B
-    if agentic is None:
-        train_rows = task.train
-        held_out = eval_prompts(task, tokenizer, exp.data.max_prompt_tokens)
-        source = PromptSource(
-            train_rows,
-            tokenizer,
-            max_prompt_tokens=exp.data.max_prompt_tokens,
-            start=meta.data_cursor,
-            cycle=not callable(train_rows),  # a file is read in epochs; ids keep growing
-        )
-        resume = tuple(prompt_by_id(train_rows, source, pid) for pid in sorted(ledger.open_ids))
-        reward_pool = RewardPool(
-            reward, num_workers=exp.reward.num_workers, timeout_s=exp.reward.timeout_s, clock=clock
-        )
-        batch_timeout_s = r.sample_deadline_s * (r.max_retries + 2) + 4 * exp.reward.timeout_s
-    else:  # groups of episodes; the environments score them
-        source = agentic.source(meta.data_cursor)
-        resume = agentic.resume(source, ledger.open_ids)
-        held_out, reward_pool = range(exp.env.eval_seeds), None
-        batch_timeout_s = agentic.batch_timeout_s()
+    source = workload.source(meta.data_cursor)
+    resume = workload.resume(source, ledger.open_ids)
+    reward_pool = workload.reward_pool(clock)  # None: the environments score episodes
+    episodes = workload.settings()  # the environment manager's (None: prompts)
     filter_knobs = r.group_filter_kwargs()
     group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
     truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
     inbox = Inbox()
     servers = fleet.servers(
-        gen_params,
-        version=version,
-        stop_ids=tokenizer.stop_ids,
-        partial_rollout=r.partial_rollout,
-        on_finished=inbox.generated,
-        clock=clock,
+        gen_params, version=version, stop_ids=tokenizer.stop_ids,
+        partial_rollout=r.partial_rollout, on_finished=inbox.generated, clock=clock,
         server_factory=server_factory,
-    )
+    )  # fmt: skip
     scheduler = RolloutScheduler(
-        servers,
-        inbox,
-        source,
-        ledger,
-        GroupBuffer(G, group_filter=group_filter),
-        reward_pool,
-        tokenizer=tokenizer,
-        batch_prompts=B,
-        group_size=G,
-        async_ratio=r.async_ratio,
-        sampling=r.sampling,
-        seed=exp.seed,
-        policy_version=version,
-        stale_policy=r.stale_policy,
-        sample_deadline_s=r.sample_deadline_s,
-        max_retries=r.max_retries,
-        truncation=truncation,
-        resume_prompts=resume,
-        counters=dict(meta.extra.get("counters", {})),
+        servers, inbox, source, ledger, GroupBuffer(G, group_filter=group_filter), reward_pool,
+        tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=r.async_ratio,
+        sampling=r.sampling, seed=exp.seed, policy_version=version, stale_policy=r.stale_policy,
+        sample_deadline_s=r.sample_deadline_s, max_retries=r.max_retries, truncation=truncation,
+        resume_prompts=resume, counters=dict(meta.extra.get("counters", {})), clock=clock,
         # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step);
         # so is a group of episodes whose environment kept failing.
-        refill_dropped=group_filter is not None or agentic is not None,
-        clock=clock,
-        episodes=None if agentic is None else agentic.settings(),
-    )
-    advantage_fn = get_advantage_estimator(exp.advantage)
+        refill_dropped=group_filter is not None or episodes is not None, episodes=episodes,
+    )  # fmt: skip
+    pack = dict(pad_id=tokenizer.pad_id, max_len=model_config.max_seq_len)  # batch rows
     compiled = {"engine": False, "learner": False}  # for the console's notes
 
     def run_eval(v: int) -> dict[str, float]:
-        if not held_out:
+        if not workload.eval_size:
             return {}
         t0, status = clock.now(), EvalStatus(clock.now)
         note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
-        what = "seeds" if agentic else "prompts"
-        announce = f"evaluating at step {v}: {len(held_out)} {what} x "
-        announce += f"{exp.eval.samples_per_prompt} {'episodes' if agentic else 'samples'}"
+        announce = f"evaluating at step {v}: {workload.describe_eval()}{note} ..."
         engine, params = fleet.eval_target(gen_params)
-        with console.phase("evaluating", status, announce=announce + f"{note} ..."):
-            if agentic is None:
-                out = evaluate(
-                    engine,
-                    params,
-                    held_out,
-                    samples_per_prompt=exp.eval.samples_per_prompt,
-                    sampling=r.sampling,
-                    seed=exp.seed,
-                    policy_version=v,
-                    tokenizer=tokenizer,
-                    reward_pool=reward_pool,
-                    progress=status.update,
-                )
-            else:  # held-out success rate, mean@n over eval-split seeds
-                out = agentic.evaluate(engine, params, version=v, progress=status.update)
+        with console.phase("evaluating", status, announce=announce):
+            out = workload.evaluate(engine, params, reward_pool, version=v, progress=status.update)
         compiled["engine"] = True
         return {**out, "eval_time_s": clock.now() - t0}
 
@@ -327,7 +221,7 @@ def run(
     metrics: dict[str, Any] = {}
     preempted = False
     try:
-        if version == 0 and held_out:
+        if version == 0 and workload.eval_size:
             console.background(f"step 0/{exp.total_steps}")
             metrics = run_eval(0)
             show(0, writer.write_step(0, {**metrics, **ledger.metrics()}))
@@ -341,27 +235,18 @@ def run(
             note = "" if compiled["engine"] else " (the first generation compiles the engine)"
             progress = GenerationStatus(scheduler, clock.now, samples=B * G)
             with console.phase(f"{step_label}: generating{note}", progress):
-                batch = scheduler.next_batch(version, timeout_s=batch_timeout_s)
+                batch = scheduler.next_batch(version, timeout_s=workload.batch_timeout_s())
             compiled["engine"] = True
             writer.write_rollouts(batch.rows)
 
-            # 5. Advantages per group; samples masked by truncation carry no loss.
-            pack = dict(pad_id=tokenizer.pad_id, max_len=model_config.max_seq_len)
-            if agentic is None:
-                lb = learner_batch(
-                    batch.groups, advantage_fn, truncation, num_sequences=B * G, **pack
-                )
-            else:  # per-token advantages; only the tokens the policy sampled carry loss
-                lb = agentic.learner_batch(batch.groups, num_sequences=B * G, **pack)
+            # 5. Advantages per group (per token for episodes), packed; samples masked by
+            # truncation, and the tokens an environment wrote, carry no loss.
+            lb = workload.learner_batch(batch.groups, num_sequences=B * G, **pack)
             stale = np.array([version - start_version_of(s) for s in lb.samples], np.int64)
             train_batch, replay_metrics = lb.batch, {}
             if cycle is not None:  # + the replay cycle at rho; ratio statistics per cycle
                 train_batch, replay_metrics = cycle.step_batch(
-                    lb,
-                    learner.params,
-                    learner_version=version,
-                    pad_id=tokenizer.pad_id,
-                    max_len=model_config.max_seq_len,
+                    lb, learner.params, learner_version=version, **pack
                 )
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
@@ -429,20 +314,8 @@ def run(
             # 9. Checkpoint (and stop here if preempted: every learner process agrees).
             preempted = learner.preempted(version)
             if version % exp.checkpoint.every == 0 or version == exp.total_steps or preempted:
-                ledger_state, counts, cursor = snapshot
-                learner.save(
-                    CheckpointMeta(
-                        step=version,
-                        data_cursor=cursor,
-                        policy_version=version,
-                        counters=counts,
-                        extra={
-                            "ledger": ledger_state,
-                            "counters": counts,
-                            **({"replay": cycle.state_dict()} if cycle else {}),
-                        },
-                    ),
-                )
+                replay = cycle.state_dict() if cycle else None
+                learner.save(checkpoint_meta(version, snapshot, replay))
             if preempted:
                 console.line(
                     f"preempted (SIGTERM): saved step {version}; run the same command to "
