@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxflash.runtime.specs import ConfigError, DataSpec, RewardSpec, RolloutSpec, check
+from jaxflash.runtime.rollout_spec import RolloutSpec
+from jaxflash.runtime.specs import ConfigError, DataSpec, RewardSpec, check
 from jaxflash.types import SamplingParams
 
 ADVANTAGE_LEVELS = ("trajectory", "step")

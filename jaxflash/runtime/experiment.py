@@ -23,6 +23,7 @@ from jaxflash.runtime.replay_spec import (
     check_replay_combination,
     replay_active,
 )
+from jaxflash.runtime.rollout_spec import RolloutSpec
 from jaxflash.runtime.specs import (
     FILE_TASKS,
     CheckpointSpec,
@@ -32,7 +33,6 @@ from jaxflash.runtime.specs import (
     MeshSpec,
     ModelSpec,
     RewardSpec,
-    RolloutSpec,
     unknown_key_message,
 )
 from jaxflash.runtime.specs import check as _check

@@ -20,8 +20,8 @@ from jaxflash.runtime.experiment import (
     ExperimentConfig,
     ModelSpec,
     RewardSpec,
-    RolloutSpec,
 )
+from jaxflash.runtime.rollout_spec import RolloutSpec
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
