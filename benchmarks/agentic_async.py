@@ -61,7 +61,7 @@ from jaxflash.models.tokenizer import Tokenizer  # noqa: E402
 from jaxflash.models.weights_gguf import smollm2_gguf_path  # noqa: E402
 from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
 from jaxflash.runtime.env_calls import thread_runner  # noqa: E402
-from jaxflash.runtime.episode_dispatch import EpisodeSettings  # noqa: E402
+from jaxflash.runtime.episode_groups import EpisodeSettings  # noqa: E402
 from jaxflash.runtime.inbox import Inbox  # noqa: E402
 from jaxflash.runtime.simulate.episodes import (  # noqa: E402
     VirtualEnvTime,

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from configs import agentic_frozenlake, agentic_smoke
-from jaxflash.runtime.episode_dispatch import EPISODE_ENDS
+from jaxflash.runtime.episode_groups import EPISODE_ENDS
 from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
 from tests.test_rlvr import _undocumented
 

@@ -37,7 +37,7 @@ from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
 from jaxflash.replay.group_buffer import DroppedGroup, Group
 from jaxflash.runtime.env_calls import close_env
-from jaxflash.runtime.episode_dispatch import EpisodeSettings
+from jaxflash.runtime.episode_groups import EpisodeSettings
 from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.learner_batch import LearnerBatch
 from jaxflash.runtime.task_setup import PromptLengths

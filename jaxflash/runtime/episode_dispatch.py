@@ -30,11 +30,7 @@ spare redundant episode covers it, else the episode is restarted with a fresh
 environment (``episodes_restarted``, up to ``max_env_restarts`` per group), and
 only then does the group fail (``FailureReason.ENV_FAILURE``).
 
-Every episode started ends exactly once (counters add up, across restarts too):
-
-    episodes_started == episodes_finished + episodes_env_failed
-                        + episodes_aborted_redundant + episodes_aborted
-                        + episodes_aborted_on_resume + episodes running
+Every episode started ends exactly once (``runtime.episode_groups.EPISODE_ENDS``).
 
 The scheduler (``runtime.scheduler.RolloutScheduler``) and ``BatchAssembler`` drive
 this object through the same methods as the RLVR ``Dispatcher``. Thread-free:
@@ -44,21 +40,24 @@ environment calls run on workers that only post to the ``Inbox``.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure
-from jaxflash.envs.base import EnvConfig, EnvFailure, EnvFailureReason, ResetOutcome, TextEnv
-from jaxflash.envs.chat import TurnRenderer
-from jaxflash.envs.episode import Episode, EpisodeEnd, split_turn_index
+from jaxflash.envs.base import EnvFailure, EnvFailureReason, ResetOutcome
+from jaxflash.envs.episode import EpisodeEnd, split_turn_index
 from jaxflash.envs.training import trajectory_to_sample
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.clock import Clock
-from jaxflash.runtime.env_calls import EnvCalls, Runner, close_env, thread_runner
+from jaxflash.runtime.env_calls import EnvCalls, close_env
+from jaxflash.runtime.episode_groups import (
+    EPISODE_ENDS,
+    EpisodeGroup,
+    EpisodeRun,
+    EpisodeSettings,
+)
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.routing import RequestRouter
@@ -66,69 +65,6 @@ from jaxflash.runtime.server_pool import ServerPool
 from jaxflash.types import FailureReason, Prompt, SamplingParams
 
 log = logging.getLogger(__name__)
-
-EPISODE_ENDS = (
-    "episodes_finished",
-    "episodes_env_failed",
-    "episodes_aborted_redundant",
-    "episodes_aborted",
-    "episodes_aborted_on_resume",
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EpisodeSettings:
-    """How the environment manager plays episodes.
-
-    Attributes:
-      make_env: a fresh environment of the training split (one per episode).
-      renderer: chat rendering of first prompts and between-turn deltas.
-      limits: the environment's ``EnvConfig`` (max_turns, max_tokens_per_turn,
-        step_timeout_s: the deadline of every reset and step).
-      max_context_tokens: prompt + response limit of an episode (tokens; the
-        engine's max_target_length).
-      redundancy: r >= 0 extra episodes per group (ROLL's group_size_redundancy).
-      max_env_restarts: episodes restarted per group after environment failures
-        before the group fails.
-      runner: how environment calls run (``runtime.env_calls``: a daemon thread
-        each; simulations and tests run them in virtual time).
-    """
-
-    make_env: Callable[[], TextEnv]
-    renderer: TurnRenderer
-    limits: EnvConfig
-    max_context_tokens: int
-    redundancy: int = 0
-    max_env_restarts: int = 2
-    runner: Runner = thread_runner
-
-    def __post_init__(self) -> None:
-        if self.redundancy < 0 or self.max_env_restarts < 0 or self.max_context_tokens < 2:
-            raise ValueError(
-                f"EpisodeSettings: need redundancy >= 0, max_env_restarts >= 0 and "
-                f"max_context_tokens >= 2; got {self.redundancy}, {self.max_env_restarts}, "
-                f"{self.max_context_tokens}"
-            )
-
-
-@dataclasses.dataclass
-class _Run:
-    """One episode in flight: its bookkeeping, its environment, its pending call."""
-
-    episode: Episode
-    env: TextEnv | None
-    call: int | None = None
-
-
-@dataclasses.dataclass
-class _Group:
-    """A group's episodes: those running and the start versions of those kept."""
-
-    prompt: Prompt
-    runs: dict[int, _Run] = dataclasses.field(default_factory=dict)
-    kept: list[int] = dataclasses.field(default_factory=list)
-    next_index: int = 0
-    restarts: int = 0
 
 
 class EpisodeDispatcher:
@@ -179,7 +115,7 @@ class EpisodeDispatcher:
             on_halt=self._halt,
         )
         self.calls = EnvCalls(inbox, clock, counters, runner=settings.runner)
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, EpisodeGroup] = {}
         # Episodes running at the checkpoint this run resumes from were lost with it.
         lost = counters["episodes_started"] - sum(counters[k] for k in EPISODE_ENDS)
         counters["episodes_aborted_on_resume"] += lost
@@ -236,8 +172,8 @@ class EpisodeDispatcher:
         """Start (or start again) the group of ``prompt``: G + r fresh episodes."""
         old = self.groups.pop(prompt.prompt_id, None)
         if old is not None:
-            self._cancel(old, "episodes_aborted")
-        group = self.groups[prompt.prompt_id] = _Group(prompt)
+            old.cancel(self.calls, self.counters, "episodes_aborted")
+        group = self.groups[prompt.prompt_id] = EpisodeGroup(prompt)
         for _ in range(self.G + self.settings.redundancy):
             self._start_episode(group)
 
@@ -246,7 +182,7 @@ class EpisodeDispatcher:
         self.router.abort_prompt(prompt_id)
         group = self.groups.pop(prompt_id, None)
         if group is not None:
-            self._cancel(group, "episodes_aborted")
+            group.cancel(self.calls, self.counters, "episodes_aborted")
 
     # ------------------------------------------------------------------ for the batch side
 
@@ -283,10 +219,7 @@ class EpisodeDispatcher:
         """The group's start version: the oldest of its kept and running episodes'
         (exact: an episode's start version is fixed when it starts)."""
         group = self.groups.get(prompt_id)
-        if group is None:
-            return float("inf")
-        starts = [*group.kept, *(r.episode.start_version for r in group.runs.values())]
-        return float(min(starts, default=float("inf")))
+        return float("inf") if group is None else group.start_version()
 
     def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
         """The group was trained, dropped or is regenerated: drop what is left of it."""
@@ -310,25 +243,15 @@ class EpisodeDispatcher:
 
     # ------------------------------------------------------------------ episodes
 
-    def _run(self, key: tuple[int, int]) -> _Run | None:
+    def _run(self, key: tuple[int, int]) -> EpisodeRun | None:
         group = self.groups.get(key[0])
         return None if group is None else group.runs.get(key[1])
 
-    def _start_episode(self, group: _Group) -> None:
-        pid, seed = group.prompt.prompt_id, int(group.prompt.meta["env_seed"])
-        index, group.next_index = group.next_index, group.next_index + 1
-        episode = Episode(
-            self.settings.renderer,
-            self.settings.limits,
-            prompt_id=pid,
-            episode_index=index,
-            env_seed=seed,
-            start_version=self.router.version,
-            max_context_tokens=self.settings.max_context_tokens,
-        )
-        run = group.runs[index] = _Run(episode, self.settings.make_env())
+    def _start_episode(self, group: EpisodeGroup) -> None:
+        index, run = group.new_run(self.settings, self.router.version)
         self.counters["episodes_started"] += 1
-        run.call = self.calls.reset((pid, index), run.env, seed)
+        seed = int(group.prompt.meta["env_seed"])
+        run.call = self.calls.reset((group.prompt.prompt_id, index), run.env, seed)
 
     def _on_turn(self, sample: Any) -> None:
         """A server finished one turn: record it, then step the environment on a worker."""
@@ -363,7 +286,7 @@ class EpisodeDispatcher:
         else:
             self.router.dispatch(episode.next_request(self.sampling, seed=self.seed))
 
-    def _finished(self, group: _Group, index: int) -> None:
+    def _finished(self, group: EpisodeGroup, index: int) -> None:
         """An episode ended: the first G to finish form the group; then the rest stop."""
         run = group.runs.pop(index)
         close_env(run.env, self.counters)
@@ -381,10 +304,10 @@ class EpisodeDispatcher:
         self.counters["episodes_finished"] += 1
         self.buffer.add(sample)
         if len(group.kept) == self.G and group.runs:
-            self._cancel(group, "episodes_aborted_redundant")
+            group.cancel(self.calls, self.counters, "episodes_aborted_redundant")
             self.router.abort_prompt(pid)
 
-    def _env_failed(self, group: _Group, index: int, failure: EnvFailure) -> None:
+    def _env_failed(self, group: EpisodeGroup, index: int, failure: EnvFailure) -> None:
         """Isolate a failed environment; a spare or restarted episode takes its place."""
         run = group.runs.pop(index)
         pid = group.prompt.prompt_id
@@ -413,17 +336,7 @@ class EpisodeDispatcher:
         self.router.abort_prompt(prompt_id)
         group = self.groups.get(prompt_id)
         if group is not None:
-            self._cancel(group, "episodes_aborted")
-
-    def _cancel(self, group: _Group, counter: str) -> None:
-        """Stop every running episode of a group (counted under ``counter``)."""
-        for run in group.runs.values():
-            self.counters[counter] += 1
-            if run.call is not None:
-                self.calls.cancel(run.call)  # closed when the call returns
-            elif run.env is not None:
-                close_env(run.env, self.counters)
-        group.runs.clear()
+            group.cancel(self.calls, self.counters, "episodes_aborted")
 
     def _halt(self) -> None:
         self.admission.halted = True

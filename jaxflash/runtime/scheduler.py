@@ -55,7 +55,8 @@ from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.dispatch import Dispatcher
-from jaxflash.runtime.episode_dispatch import EpisodeDispatcher, EpisodeSettings
+from jaxflash.runtime.episode_dispatch import EpisodeDispatcher
+from jaxflash.runtime.episode_groups import EpisodeSettings
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.scoring import Scorer, TruncationPolicy

@@ -19,7 +19,7 @@ from jaxflash.replay.group_buffer import Group
 from jaxflash.runtime.agentic import EpisodeRollout
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.console import Console
-from jaxflash.runtime.episode_dispatch import EpisodeSettings
+from jaxflash.runtime.episode_groups import EpisodeSettings
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.learner_batch import LearnerBatch
 from jaxflash.runtime.model_setup import load_tokenizer

@@ -30,7 +30,7 @@ import numpy as np
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.runtime.agentic import EnvGroupSource
 from jaxflash.runtime.clock import VirtualClock
-from jaxflash.runtime.episode_dispatch import EpisodeSettings
+from jaxflash.runtime.episode_groups import EpisodeSettings
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.scheduler import RolloutScheduler
