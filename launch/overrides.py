@@ -76,6 +76,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     Raises:
       SystemExit(2): a flag could not be parsed (the line says which and why).
     """
+    located = _config_file(argv)
+    if located is not None and not os.path.isfile(located[0]):
+        print(f"config error: --config {located[0]}: no such file", file=sys.stderr)
+        sys.exit(2)
     try:
         return flags.FLAGS(argv)
     except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as err:

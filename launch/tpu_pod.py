@@ -153,6 +153,11 @@ def main(argv: list[str]) -> None:
     if role == "learner" and not _DRY_RUN.value and not _WORKDIR.value:
         print("config error: --workdir is required (where the run is written)", file=sys.stderr)
         sys.exit(2)
+    if _WORKDIR.value and os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+        print(
+            f"config error: --workdir {_WORKDIR.value} is a file, not a directory", file=sys.stderr
+        )
+        sys.exit(2)
     _set_cpu_device_count(_devices(config, role))
     from jaxflash.runtime.console import Console
     from jaxflash.runtime.specs import ConfigError

@@ -169,6 +169,21 @@ def test_launcher_says_a_bad_override_in_one_line(tmp_path, override, message):
     assert not (tmp_path / "w").exists()
 
 
+def test_launcher_refuses_a_missing_config_file_and_a_file_as_workdir_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    launch = [sys.executable, os.path.join(REPO, "launch", "tpu_pod.py")]
+    run = dict(cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*launch, "--config", "configs/nosuch.py", "--workdir", "w"], **run)
+    assert proc.returncode == 2
+    assert proc.stderr == "config error: --config configs/nosuch.py: no such file\n"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    config = os.path.join(REPO, "configs", "smoke.py")
+    proc = subprocess.run([*launch, "--config", config, "--workdir", str(afile)], **run)
+    assert proc.returncode == 2
+    assert proc.stderr == f"config error: --workdir {afile} is a file, not a directory\n"
+
+
 def _exp(**overrides):
     c = rlvr_smollm2_arith.get_config()
     for key, value in overrides.items():
@@ -193,6 +208,8 @@ def _exp(**overrides):
         ({"data__task_options": "{oops"}, "data.task_options is not valid JSON"),
         ({"data__task_options": '{"path": "x"}'}, "data.task_options sets ['path']"),
         ({"data__max_prompt_tokens": 128, "rollout__max_prefill_length": 64}, "exceeds"),
+        ({"rollout__max_new_tokens": 0}, "rollout.max_new_tokens must be >= 1"),
+        ({"learner__lr": -1.0}, "learner.lr must be finite and >= 0"),
     ],
 )
 def test_every_name_valued_option_is_checked_before_the_model_loads(overrides, message):

@@ -122,6 +122,17 @@ def test_load_jsonl_with_aliases_and_gsm8k_marker(tmp_path):
     ]
 
 
+def test_numeric_answers_are_read_as_text(tmp_path):
+    # {"answer": 4} is common in real data; verifiers compare text ("4" == "4.0" is
+    # theirs to decide), a bool is not a label.
+    rows = [{"prompt": "3+1?", "answer": 4}, {"prompt": "half?", "answer": 0.5}]
+    path = _write_jsonl(tmp_path / "num.jsonl", [json.dumps(r) for r in rows])
+    assert [r["answer"] for r in load_rows(path)] == ["4", "0.5"]
+    path = _write_jsonl(tmp_path / "bool.jsonl", [json.dumps({"prompt": "p", "answer": True})])
+    with pytest.raises(DatasetError, match="must be a string, got bool"):
+        load_rows(path)
+
+
 def test_load_parquet_and_nested_keys(tmp_path):
     path = tmp_path / "dapo.parquet"
     table = pa.table(
@@ -141,8 +152,12 @@ def test_load_parquet_and_nested_keys(tmp_path):
         ('{"prompt": "x", "answer": ', "bad_line.jsonl:2: bad JSON"),
         ('{"prompt": "x"}', "bad_line.jsonl:2: missing key 'answer'"),
         (
-            '{"prompt": "x", "answer": 5}',
-            "bad_line.jsonl:2: 'answer' (the answer) must be a string, got int",
+            '{"prompt": "x", "answer": [5]}',
+            "bad_line.jsonl:2: 'answer' (the answer) must be a string, got list",
+        ),
+        (
+            '{"prompt": 7, "answer": "5"}',
+            "bad_line.jsonl:2: 'prompt' (the prompt) must be a string, got int",
         ),
         ("[1, 2]", "bad_line.jsonl:2: row is a list"),
     ],

@@ -222,3 +222,19 @@ def test_readme_documents_every_rollout_field(name):
     with open(README, encoding="utf-8") as f:
         text = f.read()
     assert re.search(rf"`{name}`", text), name
+
+
+@pytest.mark.parametrize(
+    "acc, err, shown",
+    [
+        (0.5, 0.1, "eval_accuracy 0.500 ± 0.100 (1 prompts)"),
+        (0.5, "nan", "eval_accuracy 0.500 (1 prompts)"),  # one prompt: no standard error
+        (0.5, float("nan"), "eval_accuracy 0.500 (1 prompts)"),
+        ("nan", "nan", "eval_accuracy n/a (1 prompts)"),  # nothing scored
+    ],
+)
+def test_step_line_eval_with_too_few_prompts_for_a_standard_error(acc, err, shown):
+    # metrics.jsonl rows carry non-finite values as strings; the console line must not
+    # crash on them (a held-out set of one prompt did).
+    row = {"eval_accuracy": acc, "eval_accuracy_stderr": err, "eval_prompts": 1}
+    assert records.step_line(0, 3, "1 s", row).endswith(shown)

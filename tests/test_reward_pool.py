@@ -1,6 +1,7 @@
 """Reward worker pool: deadlines, crashes, raises, order, recovery (spawned processes)."""
 
 import os
+import signal
 import sys
 import time
 
@@ -73,6 +74,23 @@ def test_dead_worker_is_replaced(pool):
     assert scored[0].failure == FailureReason.REWARD_CRASH
     assert scored[1] == Scored(RewardResult(score=1.0), None)
     assert pool.score_many([("6", "6", "after")])[0].result.score == 1.0
+
+
+def test_ctrl_c_does_not_kill_a_worker():
+    # Ctrl-C goes to the whole process group; the run's process closes the pool, so a
+    # worker must not die from it (it printed a KeyboardInterrupt traceback).
+    with RewardPool(echo_reward, num_workers=2, timeout_s=5.0) as p:
+        deadline = time.monotonic() + 60
+        while not all(w.ready for w in p._workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = list(p._workers)
+        for worker in workers:
+            os.kill(worker.process.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(w.process.is_alive() for w in workers)
+        scored = p.score_many([("2", "2", "a"), ("3", "3", "b")])
+        assert [s.result.score for s in scored] == [1.0, 1.0]
+        assert all(s.failure is None for s in scored) and p._workers == workers
 
 
 def test_submit_resolves_per_item(pool):

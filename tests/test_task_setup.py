@@ -96,6 +96,9 @@ def test_a_limit_the_user_set_is_checked_against_the_data(tmp_path, caplog):
     assert kept.data.max_prompt_tokens == kept.rollout.max_prefill_length == 128
     with pytest.raises(ConfigError, match="no prompt could be rendered"):
         prompt_lengths(_exp(data__task="file", data__path=path), [], True)
+    # Limits set or not, a dataset with no usable row is refused, quoting why.
+    with pytest.raises(ConfigError, match=r"2 rows failed, the first: row 0: bad answer"):
+        prompt_lengths(exp, [], True, ["row 0: bad answer", "row 1: bad answer"])
 
 
 def test_task_errors_name_the_data_fields(tmp_path):

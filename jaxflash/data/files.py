@@ -61,6 +61,8 @@ def _normalise(
             raise ValueError(
                 f"missing key {key!r} (the {name}); row has keys {sorted(record)}"
             ) from None
+        if name == "answer" and isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)  # numeric labels are common ({"answer": 4}); verifiers take text
         if not isinstance(value, str):
             raise ValueError(f"{key!r} (the {name}) must be a string, got {type(value).__name__}")
         out[name] = value

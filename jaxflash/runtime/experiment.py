@@ -227,8 +227,9 @@ class ExperimentConfig:
             return cls._from_dict(config)
         except ConfigError:
             raise
-        except ValueError as e:  # LearnerConfig / SamplingParams checks
-            raise ConfigError(str(e)) from None
+        except ValueError as e:  # LearnerConfig / SamplingParams checks, named as config fields
+            message = str(e).replace("SamplingParams.", "rollout.")
+            raise ConfigError(message.replace("LearnerConfig.", "learner.")) from None
 
     @classmethod
     def _from_dict(cls, config: Any) -> ExperimentConfig:

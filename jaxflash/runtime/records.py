@@ -231,10 +231,18 @@ def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]
         if isinstance(value, int | float) and not isinstance(value, bool):
             parts.append(f"{label} {fmt.format(int(value) if fmt == '{:d}' else value)}")
     if "eval_accuracy" in metrics:
-        acc, err = metrics["eval_accuracy"], metrics.get("eval_accuracy_stderr", float("nan"))
-        text = f"eval_accuracy {acc:.3f}" + (f" ± {err:.3f}" if np.isfinite(err) else "")
+        # metrics.jsonl writes a non-finite value as a string ("nan": no prompt scored,
+        # or < 2 prompts for a standard error), so both are checked before formatting.
+        acc, err = metrics["eval_accuracy"], metrics.get("eval_accuracy_stderr")
+        text = f"eval_accuracy {acc:.3f}" if _finite(acc) else "eval_accuracy n/a"
+        text += f" ± {err:.3f}" if _finite(acc) and _finite(err) else ""
         parts.append(f"{text} ({metrics.get('eval_prompts', 0)} prompts)")
     return " | ".join(parts)
+
+
+def _finite(value: Any) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and bool(np.isfinite(value))
 
 
 def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any) -> str:

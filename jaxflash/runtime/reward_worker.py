@@ -8,6 +8,7 @@ the parent gets a ``RewardResult`` back (score 0.0 and ``error`` set on failure)
 
 from __future__ import annotations
 
+import signal
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -32,6 +33,9 @@ def worker_main(conn: Connection, reward_spec: Any) -> None:
       conn: this worker's end of a duplex pipe to the pool.
       reward_spec: a registry name, {name: weight} or a picklable callable.
     """
+    # Ctrl-C reaches the whole process group; the run's process closes the pool (None,
+    # or the pipe's EOF), so a worker ignores it instead of dying with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         fn = as_reward_fn(reward_spec)
     except BaseException as e:  # report why the worker cannot start, then exit

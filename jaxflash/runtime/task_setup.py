@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure, PromptSource
@@ -96,11 +96,16 @@ def _rows_to_measure(task: TaskData) -> tuple[Iterator[Any], int, bool]:
 
 
 def measure_prompts(
-    task: TaskData, tokenizer: Any, *, on_row: Callable[[int, int], None] | None = None
+    task: TaskData,
+    tokenizer: Any,
+    *,
+    on_row: Callable[[int, int], None] | None = None,
+    failures: list[str] | None = None,
 ) -> tuple[list[int], bool]:
     """Rendered lengths of the task's prompts (malformed rows skipped), and whether
     every row was measured. ``on_row(done, total)`` reports progress (rows of a
-    procedural task are generated as they are measured)."""
+    procedural task are generated as they are measured); ``failures``, when given,
+    receives the reason of every row that could not be rendered."""
     rows, total, every_row = _rows_to_measure(task)
     source = PromptSource([], tokenizer, max_prompt_tokens=_UNLIMITED)
     lengths = []
@@ -110,30 +115,34 @@ def measure_prompts(
         prompt = source.render(i, row)
         if not isinstance(prompt, PromptFailure):
             lengths.append(len(prompt.prompt_tokens))
+        elif failures is not None:
+            failures.append(prompt.reason)
         if on_row is not None:
             on_row(i + 1, total)
     return lengths, every_row
 
 
 def prompt_lengths(
-    exp: ExperimentConfig, lengths: list[int], every_row: bool
+    exp: ExperimentConfig, lengths: list[int], every_row: bool, failures: Sequence[str] = ()
 ) -> tuple[ExperimentConfig, PromptLengths]:
     """The experiment with its prompt limits set (derived where 0), and what was measured.
 
+    Args:
+      failures: why rows could not be rendered (``measure_prompts``): the first is
+        quoted when no row could be.
+
     Raises:
-      ConfigError: no prompt could be measured and the limits are to be derived, or
+      ConfigError: no prompt could be rendered (every row malformed), or
         every measured prompt is longer than the limit (names ``data.max_prompt_tokens``
         and ``rollout.max_prefill_length``).
     """
     d, r = exp.data, exp.rollout
     limit = d.max_prompt_tokens or r.max_prefill_length
     derived = limit == 0
+    if not lengths:  # every row malformed: nothing could ever be trained
+        first = f"; {len(failures)} rows failed, the first: {failures[0]}" if failures else ""
+        raise ConfigError(f"data.task={d.task!r}: no prompt could be rendered from the data{first}")
     if derived:
-        if not lengths:
-            raise ConfigError(
-                f"data.task={d.task!r}: no prompt could be rendered to derive "
-                "data.max_prompt_tokens and rollout.max_prefill_length; set them"
-            )
         want = max(lengths) * (1.0 if every_row else PROCEDURAL_HEADROOM)
         limit = max(MIN_PROMPT_TOKENS, 1 << (math.ceil(want) - 1).bit_length())
     too_long = sum(n > limit for n in lengths)

@@ -85,10 +85,14 @@ class TaskWorkload:
             "measuring prompt lengths",
             lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
         ):
+            failures: list[str] = []
             lengths, every_row = measure_prompts(
-                task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n)
+                task,
+                tokenizer,
+                on_row=lambda i, n: measured.update(rows=i, of=n),
+                failures=failures,
             )
-        exp, info = prompt_lengths(exp, lengths, every_row)
+        exp, info = prompt_lengths(exp, lengths, every_row, failures)
         return cls(exp, task=task, reward=reward, tokenizer=tokenizer, lengths=info)
 
     def describe(self) -> str:
