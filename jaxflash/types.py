@@ -60,6 +60,11 @@ class FailureReason(enum.StrEnum):
     SHUTDOWN = "shutdown"  # still pending when the buffer was drained at shutdown
 
 
+class RunStoppedError(RuntimeError):
+    """A run that cannot make progress stops with this (the message says why and what
+    to check); the launcher prints it in one line."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How tokens are drawn; the learner rescores under the same distribution.

@@ -162,6 +162,7 @@ def main(argv: list[str]) -> None:
     from jaxflash.runtime.console import Console
     from jaxflash.runtime.specs import ConfigError
     from jaxflash.sharding.distributed import initialize_from_env
+    from jaxflash.types import RunStoppedError
 
     console = Console(sys.stdout, every_s=_PROGRESS.value)
     try:
@@ -193,6 +194,9 @@ def main(argv: list[str]) -> None:
     except ConfigError as err:  # a bad or silently-ignored setting: one line, naming fields
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RunStoppedError as err:  # e.g. every prompt failing step after step
+        print(f"run stopped: {err}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: run the same command again to resume {_WORKDIR.value} from its "

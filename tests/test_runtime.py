@@ -6,6 +6,7 @@ function that raises and one that hangs, a generation server that dies -- each
 counted under its own reason in the colocated and the disjoint placement alike.
 """
 
+import dataclasses
 import json
 import re
 
@@ -16,6 +17,7 @@ from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.rlvr import run
+from jaxflash.types import RunStoppedError
 
 
 def _rows(tmp_path):
@@ -87,6 +89,23 @@ def test_bad_input_is_counted_not_lost(tmp_path, caplog, colocated):
     assert "reward backend exploded" in out
     assert "timeout" in out
     assert metrics["policy_version"] == 2
+
+
+@pytest.mark.timeout(600)
+def test_a_run_whose_every_prompt_keeps_failing_stops(tmp_path):
+    # A reward that raises on every sample would otherwise skip step after step and
+    # finish "successfully" having trained nothing.
+    path = tmp_path / "raise.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": "raise"}) for i in range(4)]
+    path.write_text("\n".join(rows) + "\n")
+    exp = _config(tmp_path, total_steps=10, **{"rollout.prompts_per_step": 2})
+    exp = dataclasses.replace(exp, data=dataclasses.replace(exp.data, path=str(path)))
+    workdir = tmp_path / "run"
+    with pytest.raises(RunStoppedError, match=r"3 steps in a row had every prompt fail .*"
+                       r"'reward_error': 6"):  # fmt: skip
+        run(exp, workdir=str(workdir))
+    steps = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
+    assert [(r["step"], r["skipped"]) for r in steps] == [(k, "all_failed") for k in (1, 2, 3)]
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import numpy as np
 from jaxflash.learner.batching import pack_batch
 from jaxflash.replay.group_buffer import DroppedGroup, Group
 from jaxflash.runtime.scoring import TruncationPolicy
-from jaxflash.types import Sample, TrainBatch
+from jaxflash.types import RunStoppedError, Sample, TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,27 @@ def learner_batch(
         list(trained), advantages, pad_id=pad_id, max_len=max_len, num_sequences=num_sequences
     )
     return LearnerBatch(batch, trained, advantages)
+
+
+ALL_FAILED_STEPS_LIMIT = 3  # steps in a row in which every prompt failed: the run stops
+
+
+def check_failing_streak(streak: int, outcomes: dict[str, dict[str, int]]) -> None:
+    """Stops a run whose every prompt keeps failing (a broken reward or data).
+
+    Args:
+      streak: steps in a row skipped as "all_failed" (``empty_reason``).
+      outcomes: the ledger's outcome -> reason -> count, quoted in the message.
+
+    Raises:
+      RunStoppedError: ``streak`` reached ``ALL_FAILED_STEPS_LIMIT``.
+    """
+    if streak >= ALL_FAILED_STEPS_LIMIT:
+        reasons = dict(outcomes.get("failed", {}))
+        raise RunStoppedError(
+            f"{streak} steps in a row had every prompt fail (failed by reason so far: "
+            f"{reasons}); check reward.fn and the data; rollouts.jsonl names each failure"
+        )
 
 
 def empty_reason(groups: Sequence[Group], dropped: Sequence[DroppedGroup]) -> str:

@@ -56,7 +56,7 @@ from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.fleet import make_fleet
 from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.inbox import Inbox
-from jaxflash.runtime.learner_batch import empty_reason
+from jaxflash.runtime.learner_batch import check_failing_streak, empty_reason
 from jaxflash.runtime.learner_links import LeaderLinks
 from jaxflash.runtime.learner_program import LearnerProgram
 from jaxflash.runtime.model_setup import check_workdir_model, describe_source, load_model
@@ -219,7 +219,7 @@ def run(
     # ------------------------------------------------------------ the loop
     writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
-    preempted = False
+    preempted, failing = False, 0  # failing: steps in a row in which every prompt failed
     try:
         if version == 0 and workload.eval_size:
             console.background(f"step 0/{exp.total_steps}")
@@ -310,6 +310,8 @@ def run(
                 metrics.update(run_eval(version))
             records.check_finite(metrics, version)
             show(version, writer.write_step(version, metrics), compiled_now)
+            failing = failing + 1 if step_metrics.get("skipped") == "all_failed" else 0
+            check_failing_streak(failing, ledger.outcomes)  # a broken reward or data: stop
 
             # 9. Checkpoint (and stop here if preempted: every learner process agrees).
             preempted = learner.preempted(version)
