@@ -1,6 +1,7 @@
 """One definition of each rollout row field and step metric, and the learner batch."""
 
 import dataclasses
+import json
 import os
 import re
 
@@ -238,3 +239,50 @@ def test_step_line_eval_with_too_few_prompts_for_a_standard_error(acc, err, show
     # crash on them (a held-out set of one prompt did).
     row = {"eval_accuracy": acc, "eval_accuracy_stderr": err, "eval_prompts": 1}
     assert records.step_line(0, 3, "1 s", row).endswith(shown)
+
+
+class _Stops:
+    ids = frozenset({2})
+    sources = {2: ("eos",)}
+
+    def describe(self, id_to_token):
+        return "2 (</s>)"
+
+
+class _Tok:
+    stop_set = _Stops()
+
+    def id_to_token(self, i):
+        return "</s>"
+
+
+@dataclasses.dataclass
+class _Section:
+    lr: float = 1e-3
+    total_steps: int = 3
+
+
+@dataclasses.dataclass
+class _Exp:
+    total_steps: int = 3
+    learner: _Section = dataclasses.field(default_factory=_Section)
+
+
+@dataclasses.dataclass
+class _Lengths:
+    longest: int = 9
+
+
+def test_run_config_keeps_the_previous_settings_when_a_resume_changes_them(tmp_path, caplog):
+    w = str(tmp_path)
+    records.write_run_config(w, _Exp(), _Tok(), _Lengths())
+    # Training further (total_steps) is the documented resume: no warning, no copy.
+    records.write_run_config(
+        w, _Exp(total_steps=6, learner=_Section(total_steps=6)), _Tok(), _Lengths()
+    )
+    assert sorted(os.listdir(w)) == ["run_config.json"] and not caplog.records
+    records.write_run_config(w, _Exp(learner=_Section(lr=0.5)), _Tok(), _Lengths())
+    assert sorted(os.listdir(w)) == ["run_config.1.json", "run_config.json"]
+    assert "learner.lr: 0.001 -> 0.5" in caplog.text and "run_config.1.json" in caplog.text
+    kept = json.load(open(os.path.join(w, "run_config.1.json")))["experiment"]
+    assert kept["learner"]["lr"] == 0.001 and kept["total_steps"] == 6

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from jaxflash.replay.group_buffer import Group
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.scoring import TruncationPolicy, correctness
 from jaxflash.types import FailureReason, Prompt, Sample
+
+log = logging.getLogger(__name__)
 
 ROLLOUT_FIELDS = (
     "learner_step",
@@ -252,7 +255,9 @@ def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any
     limits measured from the data), the prompt lengths measured, and the
     tokenizer's stop set: every id that ends a response, its token and the
     sources that named it (eos, generation_config.json, GGUF eot, the template).
-    Rewritten at every start, so it describes the latest launch.
+    Rewritten at every start, so it describes the latest launch; when a resumed
+    launch changes a setting other than ``total_steps``, the previous file is kept as
+    ``run_config.<n>.json`` and a warning names every changed field.
 
     Returns:
       The file's path.
@@ -269,9 +274,42 @@ def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any
         },
     }
     path = os.path.join(workdir, "run_config.json")
+    info = json.loads(json.dumps(info, default=str))  # as it reads back
+    changed = _changed_settings(path, info["experiment"])
+    if changed:
+        n = 1
+        while os.path.exists(os.path.join(workdir, f"run_config.{n}.json")):
+            n += 1
+        os.replace(path, os.path.join(workdir, f"run_config.{n}.json"))
+        log.warning(
+            "this launch changes settings of the run in %s: %s (the previous settings are "
+            "kept in run_config.%d.json)", workdir, "; ".join(changed), n
+        )  # fmt: skip
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=1, default=str)
+        json.dump(info, f, indent=1)
     return path
+
+
+def _changed_settings(path: str, new: dict[str, Any]) -> list[str]:
+    """ "field: old -> new" for each setting that differs from ``path``'s (total_steps,
+    the documented way to train further, excepted); [] when there is no earlier file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)["experiment"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+    def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            out: dict[str, Any] = {}
+            for k, v in tree.items():
+                out.update(leaves(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: tree}
+
+    a, b = leaves(old), leaves(new)
+    keys = sorted((set(a) | set(b)) - {"total_steps", "learner.total_steps"})
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
 def describe_model(config: Any) -> str:
