@@ -88,6 +88,8 @@ def test_status_lines_count_from_their_start():
     status = GenerationStatus(sched, lambda: now[0], samples=32)
     sched.generated, sched.scored, sched.tokens, now[0] = 16, 12, 500, 20.0
     assert status() == "10/32 samples generated, 7 scored, 400 tokens at 40.0 tokens/s"
+    sched.tokens = 900.0  # a generation process's stats come as JSON floats
+    assert status() == "10/32 samples generated, 7 scored, 800 tokens at 80.0 tokens/s"
     ev = EvalStatus(lambda: now[0])
     ev.update(3, 200, 90)
     now[0] = 23.0

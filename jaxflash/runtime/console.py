@@ -173,7 +173,8 @@ class GenerationStatus:
 
     def _counts(self) -> tuple[int, int, int]:
         stats = self._scheduler.stats()
-        tokens = sum(s.get("generated_tokens", 0) for s in self._scheduler.server_stats())
+        # Remote servers' stats arrive as JSON numbers (floats): counts are shown as ints.
+        tokens = int(sum(s.get("generated_tokens", 0) for s in self._scheduler.server_stats()))
         return stats.get("samples_generated", 0), stats.get("samples_scored", 0), tokens
 
     def __call__(self) -> str:
