@@ -79,7 +79,7 @@ def main() -> None:
     print(
         f"SmolLM2-135M, {len(prompts)} prompts x G={args.group} = {len(requests)} requests, "
         f"prompt lengths {lengths[0]}-{lengths[-1]} tokens (bucket "
-        f"{engine.prefill_bucket(lengths[-1])}), max_new_tokens {args.max_new_tokens}, "
+        f"{engine.prefiller.prefill_bucket(lengths[-1])}), max_new_tokens {args.max_new_tokens}, "
         f"{args.slots} slots, T={args.temperature}"
     )
 

@@ -344,10 +344,10 @@ def test_real_smollm2_behaviour_logprobs_match_learner(name):
 def test_prefill_buckets_are_powers_of_two_capped_at_the_limit():
     cfg = EngineConfig(max_concurrent_decodes=1, max_prefill_length=48, max_target_length=64)
     engine = LlamaEngine(CFG, cfg)  # nothing compiles until first use
-    got = {n: engine.prefill_bucket(n) for n in (1, 16, 17, 32, 33, 48)}
+    got = {n: engine.prefiller.prefill_bucket(n) for n in (1, 16, 17, 32, 33, 48)}
     assert got == {1: 16, 16: 16, 17: 32, 32: 32, 33: 48, 48: 48}
     with pytest.raises(ValueError, match="at least 1 token"):
-        engine.prefill_bucket(0)
+        engine.prefiller.prefill_bucket(0)
 
 
 @pytest.mark.parametrize("in_flight", ["continue", "restart"])

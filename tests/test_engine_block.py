@@ -123,7 +123,7 @@ def test_block_ends_early_once_every_slot_stopped(engine, params):
 
 
 def test_start_samples_validates_slots(engine, params):
-    (prefill,) = engine.prefill_many(params, [np.arange(4)])
+    (prefill,) = engine.prefiller.prefill_many(params, [np.arange(4)])
     start = SampleStart(
         prefill=prefill, slot=3, seed=0, prompt_id=0, sample_index=0, token_index=0, budget=1
     )

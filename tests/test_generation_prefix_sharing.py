@@ -118,6 +118,8 @@ def test_recompute_prefills_each_running_sample_alone(engine, params):
 
 
 def test_first_tokens_needs_identities(engine, params):
-    shared = engine.prefill_prompt(params=params, padded_tokens=np.arange(3), true_length=3)
+    shared = engine.prefiller.prefill_prompt(
+        params=params, padded_tokens=np.arange(3), true_length=3
+    )
     with pytest.raises(ValueError, match="identities is empty"):
-        engine.first_tokens(shared, [])
+        engine.prefiller.first_tokens(shared, [])

@@ -109,7 +109,7 @@ class PrefillBatch:
 class PromptPrefill:
     """One sequence of a ``PrefillBatch``, shareable by every sample of it.
 
-    Valid only under the params it was computed with (``LlamaEngine.prefill_prompt``
+    Valid only under the params it was computed with (``Prefiller.prefill_prompt``
     / ``prefill_many``).
 
     Attributes:

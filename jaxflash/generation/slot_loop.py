@@ -23,7 +23,7 @@ prompt + generated prefix under the new weights, then continue), see
 layer owns any threads.
 
 Prefix sharing (``share_prefix=True``, the default): fresh requests with the same
-prompt tokens reuse one prompt prefill (``LlamaEngine.prefill_prompt``) and each
+prompt tokens reuse one prompt prefill (``Prefiller.prefill_prompt``) and each
 draws its own first token from it (``first_tokens``), so a prompt replicated G
 times is prefilled once, not G times, with bit-identical tokens and logprobs.
 A prefill is kept for later fills while queued requests still need it, and
@@ -359,7 +359,7 @@ class SlotBatcher:
         if todo:
             self.stats.prefills += len(todo)
             for owner, prefill in zip(
-                owners, self.engine.prefill_many(self._params, todo), strict=True
+                owners, self.engine.prefiller.prefill_many(self._params, todo), strict=True
             ):
                 if isinstance(owner, bytes):
                     self._shared[owner] = prefill

@@ -116,7 +116,7 @@ def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
             f"shape {tokens.shape} dtype {tokens.dtype}"
         )
     try:
-        engine.prefill_bucket(tokens.shape[0])
+        engine.prefiller.prefill_bucket(tokens.shape[0])
     except ValueError as err:
         raise ValueError(f"{who}: {err}") from None
     total = tokens.shape[0] + request.sampling.max_new_tokens

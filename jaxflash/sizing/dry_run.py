@@ -160,7 +160,7 @@ def compile_engine(
     )
     rep = NamedSharding(mesh, PartitionSpec())
     rows = engine_config.prefill_rows
-    bucket = engine.prefill_bucket(engine_config.max_prefill_length)
+    bucket = engine.prefiller.prefill_bucket(engine_config.max_prefill_length)
     ids = jax.ShapeDtypeStruct((rows, bucket), np.int32, sharding=rep)
     length = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
     state_sh, _ = engine_state_shardings(model_config, engine_config, mesh, rules)
