@@ -172,7 +172,7 @@ class Setup:
     def groups(self, length: int, first: int):
         import numpy as np
 
-        from jaxflash.replay.group_buffer import Group
+        from jaxflash.replay.groups import Group
         from jaxflash.types import FinishReason, Sample
 
         out = []

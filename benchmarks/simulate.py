@@ -52,7 +52,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxflash.replay.group_buffer import GroupFilter  # noqa: E402
+from jaxflash.replay.groups import GroupFilter  # noqa: E402
 from jaxflash.runtime.simulate import CostModel, LogNormal, SimConfig, Workload, simulate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

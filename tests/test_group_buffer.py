@@ -6,7 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import GroupFilter
 from jaxflash.types import FailureReason, FinishReason, PromptOutcome, Sample
 
 G = 4

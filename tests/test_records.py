@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxflash.algorithms.advantages import get_advantage_estimator
-from jaxflash.replay.group_buffer import DroppedGroup, Group
+from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime import records
 from jaxflash.runtime.learner_batch import empty_reason, learner_batch
 from jaxflash.runtime.scoring import TruncationPolicy, correctness

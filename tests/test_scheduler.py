@@ -13,7 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import GroupFilter
 from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.ledger import PromptLedger
 from jaxflash.runtime.reward_pool import Scored

@@ -565,7 +565,7 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
     """Filter thresholds act at alpha = 0 on one server (the colocated shape) too; a
     filtered prompt is replaced at once, at most B times per step, so a run whose
     every group is filtered cannot read its whole dataset in one step."""
-    from jaxflash.replay.group_buffer import GroupFilter
+    from jaxflash.replay.groups import GroupFilter
 
     clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
     servers = [VirtualServer(inbox.generated, clock, latency_s=0.1)]

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxflash.replay.group_buffer import GroupFilter
+from jaxflash.replay.groups import GroupFilter
 from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.simulate import (

@@ -35,7 +35,7 @@ from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.registry import env_config, make_env
 from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
-from jaxflash.replay.group_buffer import DroppedGroup, Group
+from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.env_calls import close_env
 from jaxflash.runtime.episode_groups import EpisodeSettings
 from jaxflash.runtime.experiment import ConfigError, ExperimentConfig

@@ -21,7 +21,8 @@ import dataclasses
 import logging
 from typing import Any
 
-from jaxflash.replay.group_buffer import DroppedGroup, Group, GroupBuffer
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.dispatch import Dispatcher
 from jaxflash.runtime.ledger import PromptLedger

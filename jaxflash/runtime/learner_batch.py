@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash.learner.batching import pack_batch
-from jaxflash.replay.group_buffer import DroppedGroup, Group
+from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.scoring import TruncationPolicy
 from jaxflash.types import RunStoppedError, Sample, TrainBatch
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.replay.group_buffer import Group
+from jaxflash.replay.groups import Group
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.scoring import TruncationPolicy, correctness
 from jaxflash.types import FailureReason, Prompt, Sample

@@ -46,7 +46,8 @@ import numpy as np
 
 from jaxflash.learner.step import make_logprob_fn
 from jaxflash.metrics.writer import MetricsWriter
-from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime import records
 from jaxflash.runtime.agentic import episode_metrics

@@ -50,7 +50,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure
-from jaxflash.replay.group_buffer import Group, GroupBuffer
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import Group
 from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.clock import Clock, RealClock

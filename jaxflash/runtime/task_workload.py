@@ -19,7 +19,7 @@ from typing import Any
 from jaxflash.algorithms.advantages import get_advantage_estimator
 from jaxflash.data.prompts import PromptFailure, PromptSource
 from jaxflash.data.tasks import TaskData
-from jaxflash.replay.group_buffer import Group
+from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.evaluation import evaluate

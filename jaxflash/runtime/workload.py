@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from jaxflash.replay.group_buffer import Group
+from jaxflash.replay.groups import Group
 from jaxflash.runtime.agentic import EpisodeRollout
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.console import Console

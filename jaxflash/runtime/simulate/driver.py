@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.replay.group_buffer import GroupBuffer, GroupFilter
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.inbox import Inbox
