@@ -39,7 +39,8 @@ def main() -> None:
     from jaxflash.data.arithmetic import ArithmeticTask
     from jaxflash.data.prompts import PromptFailure, PromptSource
     from jaxflash.generation.engine import EngineConfig, LlamaEngine
-    from jaxflash.generation.slot_loop import SlotStats, run_requests
+    from jaxflash.generation.slot_loop import run_requests
+    from jaxflash.generation.slot_types import SlotStats
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.types import GenerationRequest, SamplingParams

@@ -10,7 +10,8 @@ import pytest
 
 from jaxflash.generation.engine import EngineConfig, LlamaEngine, result_logprobs
 from jaxflash.generation.sampling import sample_key, sample_tokens
-from jaxflash.generation.slot_loop import SlotBatcher, SlotStats, check_request, run_requests
+from jaxflash.generation.slot_loop import SlotBatcher, run_requests
+from jaxflash.generation.slot_types import SlotStats, check_request
 from jaxflash.models.config import get_preset
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs

@@ -10,7 +10,8 @@ import pytest
 
 from jaxflash.generation.engine import EngineConfig, LlamaEngine, SampleStart
 from jaxflash.generation.sampling import argmax_first, sample_key, sample_tokens
-from jaxflash.generation.slot_loop import SlotBatcher, SlotStats, run_requests
+from jaxflash.generation.slot_loop import SlotBatcher, run_requests
+from jaxflash.generation.slot_types import SlotStats
 from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params, stack_layers, unstack_layers
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxflash.generation.engine import EngineConfig, LlamaEngine
-from jaxflash.generation.slot_loop import SlotBatcher, SlotStats, run_requests
+from jaxflash.generation.slot_loop import SlotBatcher, run_requests
+from jaxflash.generation.slot_types import SlotStats
 from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
 from jaxflash.types import GenerationRequest, SamplingParams

@@ -22,12 +22,9 @@ prompt + generated prefix under the new weights, then continue), see
 ``run_requests`` is a thin loop over it. Single-threaded by design: the runtime
 layer owns any threads.
 
-Prefix sharing (``share_prefix=True``, the default): fresh requests with the same
-prompt tokens reuse one prompt prefill (``Prefiller.prefill_prompt``) and each
-draws its own first token from it (``first_tokens``), so a prompt replicated G
-times is prefilled once, not G times, with bit-identical tokens and logprobs.
-A prefill is kept for later fills while queued requests still need it, and
-dropped at every ``set_params`` (valid only under the params it ran with).
+Prefix sharing (``share_prefix=True``, the default): fresh requests of one prompt
+share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
+``set_params``.
 """
 
 from __future__ import annotations
@@ -40,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine, PromptPrefill, SampleStart
+from jaxflash.generation.engine import LlamaEngine, SampleStart
+from jaxflash.generation.prefill_sharing import SharedPrefills
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
     RequestKey,
@@ -49,16 +47,6 @@ from jaxflash.generation.slot_types import (
     resolve_stop_ids,
 )
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
-
-__all__ = [
-    "IN_FLIGHT_POLICIES",
-    "RequestKey",
-    "SlotBatcher",
-    "SlotStats",
-    "check_request",
-    "resolve_stop_ids",
-    "run_requests",
-]
 
 
 @dataclasses.dataclass
@@ -109,10 +97,9 @@ class SlotBatcher:
         self.decode_block = int(decode_block)
         self.stop_ids = resolve_stop_ids(stop_ids, eos_id)
         self.engine = engine
-        self.share_prefix = bool(share_prefix)
-        # prompt tokens (bytes) -> its prefill under the current params; at most
-        # B entries, cleared by set_params, pruned when no queued request needs it.
-        self._shared: dict[bytes, PromptPrefill] = {}
+        self._prefills = SharedPrefills(
+            engine.prefiller, share_prefix=share_prefix, capacity=engine.max_concurrent_decodes
+        )
         self.stats = SlotStats()
         self._params = engine.place_params(params)
         self._version = int(policy_version)
@@ -213,7 +200,7 @@ class SlotBatcher:
             )
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
-        self._shared.clear()  # a shared prefill is valid only under its params
+        self._prefills.clear()  # a shared prefill is valid only under its params
         if in_flight == "continue":
             return
         limit = self.engine.max_prefill_length
@@ -299,7 +286,11 @@ class SlotBatcher:
                 if not run.tokens:
                     run.start_version = self._version
                 placed.append((slot, run))
-            prefills = self._prefills([run for _, run in placed])
+            prefills = self._prefills.prefills(
+                self._params,
+                [(run.request.prompt_tokens, run.tokens) for _, run in placed],
+                self.stats,
+            )
             starts = []
             for (slot, run), prefill in zip(placed, prefills, strict=True):
                 r = run.request
@@ -323,64 +314,10 @@ class SlotBatcher:
                 if reason is not None:  # done at its first token: free the slot again
                     self._release(slot)
                     finished.append(self._finish(run, reason))
-        self._prune_shared()
+        self._prefills.keep_only(
+            r.request.prompt_tokens for r in self._queue.values() if not r.tokens
+        )
         return finished
-
-    def _prefills(self, runs: list[_Running]) -> list[PromptPrefill]:
-        """One prefill per run, all new ones in one ``prefill_many``: fresh runs of
-        one prompt share a prefill (also one kept from an earlier fill); a
-        recompute (run with tokens) or ``share_prefix=False`` prefills alone."""
-        out: dict[int, PromptPrefill] = {}
-        todo: list[np.ndarray] = []  # sequences to prefill now
-        owners: list[list[int] | bytes] = []  # run indices, or the shared prompt key
-        groups: dict[bytes, list[int]] = {}
-        for i, run in enumerate(runs):
-            prompt = np.asarray(run.request.prompt_tokens, np.int32)
-            if self.share_prefix and not run.tokens:
-                groups.setdefault(prompt.tobytes(), []).append(i)
-                continue
-            # A recompute re-prefills prompt + prefix; its next token has response
-            # index len(run.tokens), keyed as if never interrupted.
-            tokens = np.concatenate([prompt, np.asarray(run.tokens, np.int32)])
-            if run.tokens:
-                self.stats.recompute_tokens += tokens.shape[0]
-            todo.append(tokens)
-            owners.append([i])
-        for key, members in groups.items():
-            shared = self._shared.get(key)
-            if shared is None:
-                todo.append(np.frombuffer(key, np.int32))
-                owners.append(key)
-                self.stats.shared_prefills += len(members) - 1
-            else:
-                self.stats.shared_prefills += len(members)
-                for i in members:
-                    out[i] = shared
-        if todo:
-            self.stats.prefills += len(todo)
-            for owner, prefill in zip(
-                owners, self.engine.prefiller.prefill_many(self._params, todo), strict=True
-            ):
-                if isinstance(owner, bytes):
-                    self._shared[owner] = prefill
-                    owner = groups[owner]
-                for i in owner:
-                    out[i] = prefill
-        return [out[i] for i in range(len(runs))]
-
-    def _prune_shared(self) -> None:
-        """Keep only prefills that queued fresh requests still need (at most B)."""
-        if not self._shared:
-            return
-        wanted = {
-            np.asarray(r.request.prompt_tokens, np.int32).tobytes()
-            for r in self._queue.values()
-            if not r.tokens
-        }
-        for key in [k for k in self._shared if k not in wanted]:
-            del self._shared[key]
-        while len(self._shared) > len(self._slots):
-            del self._shared[next(iter(self._shared))]  # oldest first
 
     def _release(self, slot: int) -> None:
         run = self._slots[slot]

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.slot_loop import SlotBatcher, check_request
+from jaxflash.generation.slot_loop import SlotBatcher
+from jaxflash.generation.slot_types import check_request
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.runtime.scoring import TruncationPolicy, apply_score, correctness, response_text
 from jaxflash.types import GenerationRequest, Prompt, SamplingParams

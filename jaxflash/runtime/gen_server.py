@@ -33,7 +33,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.slot_loop import IN_FLIGHT_POLICIES, SlotBatcher, check_request
+from jaxflash.generation.slot_loop import SlotBatcher
+from jaxflash.generation.slot_types import IN_FLIGHT_POLICIES, check_request
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 
