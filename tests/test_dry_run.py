@@ -5,7 +5,7 @@ import math
 import jax
 import pytest
 
-from jaxflash.generation.engine import EngineConfig
+from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import get_preset
 from jaxflash.models.llama import abstract_params

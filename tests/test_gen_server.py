@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import EngineConfig, LlamaEngine
+from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
 from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params

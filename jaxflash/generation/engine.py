@@ -57,32 +57,17 @@ from jaxflash.generation.engine_params import engine_shardings, place
 from jaxflash.generation.engine_prefill import Prefiller
 from jaxflash.generation.engine_programs import Programs
 from jaxflash.generation.engine_state import (
-    LOGP_COLUMN,
     BlockResult,
     DecodeState,
     EngineConfig,
     Prefix,
-    PromptPrefill,
     SampleStart,
-    result_logprobs,
     state_shardings,
 )
 from jaxflash.generation.jetstream_compat import JetStreamTokenizer
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
-
-__all__ = [
-    "LOGP_COLUMN",
-    "BlockResult",
-    "DecodeState",
-    "EngineConfig",
-    "LlamaEngine",
-    "Prefix",
-    "PromptPrefill",
-    "SampleStart",
-    "result_logprobs",
-]
 
 
 class LlamaEngine(engine_api.Engine):

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine, SampleStart
+from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.engine_state import SampleStart
 from jaxflash.generation.prefill_sharing import SharedPrefills
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,

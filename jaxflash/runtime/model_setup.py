@@ -149,7 +149,7 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
 def engine_config(exp: ExperimentConfig):
     """The ``EngineConfig`` of every rollout engine of ``exp`` (a generation program in
     another process builds its engine from this, sent as JSON)."""
-    from jaxflash.generation.engine import EngineConfig
+    from jaxflash.generation.engine_state import EngineConfig
 
     sampling = exp.rollout.sampling
     target = exp.rollout.max_prefill_length + sampling.max_new_tokens

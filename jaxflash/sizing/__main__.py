@@ -54,7 +54,7 @@ def main() -> None:
 
     import jax
 
-    from jaxflash.generation.engine import EngineConfig
+    from jaxflash.generation.engine_state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.config import get_preset
     from jaxflash.sharding.mesh import make_mesh

@@ -30,8 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine import EngineConfig, LlamaEngine
+from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_params import engine_shardings
+from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.engine_state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
