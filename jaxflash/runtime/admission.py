@@ -16,7 +16,7 @@ Thread-free: the scheduler serialises access.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure
@@ -139,3 +139,25 @@ class Admission:
         again = [self._active[p] for p in self._regenerate_at_release if p in self._active]
         self._regenerate_at_release = []
         return [p for p in again if isinstance(p, Prompt)]
+
+
+def admit_all(
+    admission: Admission, ledger: Any, buffer: Any, dispatch_prompt: Callable[[Prompt], None]
+) -> int:
+    """Admits prompts while ``admission`` has capacity; how many were admitted.
+
+    A prompt new from the source is taken in ``ledger``; a row that did not become a
+    prompt (``PromptFailure``) is failed in ``buffer`` with its reason; every other
+    prompt goes to ``dispatch_prompt`` (G requests, or a group of episodes).
+    """
+    n = 0
+    while (nxt := admission.next()) is not None:
+        n += 1
+        item, from_source = nxt
+        if from_source:
+            ledger.take(item.prompt_id)
+        if isinstance(item, PromptFailure):
+            buffer.fail(item.prompt_id, item.failure, item.reason)
+            continue
+        dispatch_prompt(item)
+    return n

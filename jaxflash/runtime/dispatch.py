@@ -20,9 +20,8 @@ import collections
 import logging
 from typing import Any
 
-from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import GroupBuffer
-from jaxflash.runtime.admission import Admission
+from jaxflash.runtime.admission import Admission, admit_all
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.inbox import Inbox
 from jaxflash.runtime.ledger import PromptLedger
@@ -130,17 +129,7 @@ class Dispatcher:
 
     def admit(self) -> int:
         """Admit prompts while capacity allows (each becomes G requests); how many."""
-        n = 0
-        while (nxt := self.admission.next()) is not None:
-            n += 1
-            item, from_source = nxt
-            if from_source:
-                self.ledger.take(item.prompt_id)
-            if isinstance(item, PromptFailure):
-                self.buffer.fail(item.prompt_id, item.failure, item.reason)
-                continue
-            self.dispatch_prompt(item)
-        return n
+        return admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
 
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Send all G samples of ``prompt`` (stops at the first that fails)."""

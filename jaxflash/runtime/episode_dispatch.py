@@ -43,13 +43,12 @@ import collections
 import logging
 from typing import Any
 
-from jaxflash.data.prompts import PromptFailure
 from jaxflash.envs.base import EnvFailure, EnvFailureReason, ResetOutcome
 from jaxflash.envs.episode import EpisodeEnd, split_turn_index
 from jaxflash.envs.training import trajectory_to_sample
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.staleness import start_version_of
-from jaxflash.runtime.admission import Admission
+from jaxflash.runtime.admission import Admission, admit_all
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.env_calls import EnvCalls, close_env
 from jaxflash.runtime.episode_groups import (
@@ -156,17 +155,7 @@ class EpisodeDispatcher:
 
     def admit(self) -> int:
         """Admit groups while capacity allows (each starts G + r episodes); how many."""
-        n = 0
-        while (nxt := self.admission.next()) is not None:
-            n += 1
-            item, from_source = nxt
-            if from_source:
-                self.ledger.take(item.prompt_id)
-            if isinstance(item, PromptFailure):
-                self.buffer.fail(item.prompt_id, item.failure, item.reason)
-                continue
-            self.dispatch_prompt(item)
-        return n
+        return admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
 
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Start (or start again) the group of ``prompt``: G + r fresh episodes."""
