@@ -86,6 +86,7 @@ def test_train_envs_of_one_group_draw_their_own_latencies():
     assert len(set(waits)) == 3, waits
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_agentic_smoke_runs_end_to_end_from_the_launcher(tmp_path):
     """``python launch/tpu_pod.py --config configs/agentic_smoke.py``: two steps of

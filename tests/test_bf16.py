@@ -73,6 +73,7 @@ def _engine_gap(config, params):
     return samples, _gap(config, params, samples)
 
 
+@pytest.mark.slow
 def test_bf16_engine_matches_bf16_learner_and_stays_near_fp32():
     fp32 = get_preset("tiny")
     bf16 = fp32.replace(compute_dtype="bfloat16")
@@ -93,6 +94,7 @@ def test_bf16_engine_matches_bf16_learner_and_stays_near_fp32():
         assert not np.array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
 
 
+@pytest.mark.slow
 def test_bf16_learner_step_updates_fp32_master_weights_like_fp32():
     fp32 = get_preset("tiny")
     bf16 = fp32.replace(compute_dtype="bfloat16")

@@ -27,6 +27,7 @@ def _rows(path):
     return [json.loads(x) for x in open(path)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_replay_smoke_adaptive_end_to_end(tmp_path):
     c = replay_smoke.get_config()

@@ -54,7 +54,11 @@ def _config(tmp_path, total_steps=2, **overrides):
     return ExperimentConfig.from_config_dict(c)
 
 
-@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "disjoint"])
+@pytest.mark.parametrize(
+    "colocated",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["colocated", "disjoint"],
+)
 @pytest.mark.timeout(600)
 def test_bad_input_is_counted_not_lost(tmp_path, caplog, colocated):
     workdir = tmp_path / "run"
