@@ -71,6 +71,7 @@ def _smoke(**overrides):
             ("rollout.filter_min_mean", "rollout.filter_max_mean"),
         ),
         ({"reward.format_weight": 0.5}, ("reward.format_weight", "reward.fn")),
+        ({"rollout.decode_block": 0}, ("rollout.decode_block must be >= 1",)),
     ],
 )
 def test_silently_ignored_settings_are_refused_naming_the_fields(overrides, fields):

@@ -21,6 +21,7 @@ import pytest
 from configs import smoke, smoke_async
 from jaxflash.runtime import rlvr
 from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.gen_server import GenerationServer
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
@@ -49,14 +50,24 @@ def _undocumented(metrics_rows):
     return missing
 
 
+@pytest.mark.parametrize("decode_block", [1, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.timeout(900)
-def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path):
+def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path, decode_block):
     with open(GOLDEN) as f:
         golden = json.load(f)
     c = smoke.get_config()  # colocated: learner on 8 devices, one server on device 0
     c.total_steps = 3
     c.data.eval_size = 0
-    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    # Decoding 4 steps per dispatch changes when the host sees tokens, not which.
+    c.rollout.decode_block = decode_block
+    servers = []
+
+    def factory(*args, **kwargs):
+        servers.append(GenerationServer(*args, **kwargs))
+        return servers[-1]
+
+    rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path), server_factory=factory)
+    assert [s._batcher.decode_block for s in servers] == [decode_block]
     rows = _rows(tmp_path / "rollouts.jsonl")
     metrics = _rows(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]

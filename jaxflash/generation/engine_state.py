@@ -51,6 +51,10 @@ class EngineConfig:
         bit for bit; on CPU batching prompts does not speed the (compute-bound)
         prefill up. On accelerators, 8-32 fills the matrix units better; XLA's
         kernels then round a few results 1 ulp differently than with 1 row.
+      decode_block: decode steps per dispatch of a ``SlotBatcher`` driving this
+        engine (one compiled block program per size). Tokens and logprobs do not
+        depend on it; admissions, aborts and weight updates take effect at block
+        boundaries, so a larger block trades that latency for fewer host round trips.
     """
 
     max_concurrent_decodes: int
@@ -62,6 +66,7 @@ class EngineConfig:
     greedy: bool = False
     min_prefill_bucket: int = 16
     prefill_rows: int = 1
+    decode_block: int = 1
 
     def __post_init__(self) -> None:
         for name in (

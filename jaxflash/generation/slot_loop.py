@@ -76,7 +76,8 @@ class SlotBatcher:
         prefill (see the module docstring); False prefills every request alone.
         Either way the tokens and logprobs are bit-identical.
       decode_block: decode steps per ``step`` call (one dispatch, one host copy);
-        see the module docstring. Results do not depend on it.
+        see the module docstring. Results do not depend on it. None = the
+        engine's ``EngineConfig.decode_block``.
 
     Raises:
       ValueError: decode_block < 1, or not exactly one of stop_ids / eos_id.
@@ -91,8 +92,10 @@ class SlotBatcher:
         stop_ids: Collection[int] | None = None,
         eos_id: int | None = None,
         share_prefix: bool = True,
-        decode_block: int = 1,
+        decode_block: int | None = None,
     ):
+        if decode_block is None:
+            decode_block = engine.config.decode_block
         if decode_block < 1:
             raise ValueError(f"SlotBatcher: decode_block must be >= 1, got {decode_block}")
         self.decode_block = int(decode_block)

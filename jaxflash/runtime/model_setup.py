@@ -162,6 +162,7 @@ def engine_config(exp: ExperimentConfig):
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
+        decode_block=exp.rollout.decode_block,
     )
 
 

@@ -42,6 +42,9 @@ class RolloutSpec:
     # Agentic (env.name set): extra episodes per group; the first group_size to finish
     # are kept, the rest aborted (ROLL's group_size_redundancy).
     group_redundancy: int = 0
+    # Decode steps per engine dispatch: fewer host round trips per token; admissions,
+    # aborts and weight updates wait for the block's end. Tokens do not depend on it.
+    decode_block: int = 1
 
     def __post_init__(self) -> None:
         check(
@@ -78,6 +81,7 @@ class RolloutSpec:
             self.group_redundancy >= 0,
             f"rollout.group_redundancy must be >= 0, got {self.group_redundancy}",
         )
+        check(self.decode_block >= 1, f"rollout.decode_block must be >= 1, got {self.decode_block}")
         # Settings that would be silently ignored are refused, naming the fields.
         if self.async_ratio == 0:
             for name, value, default in (
