@@ -62,10 +62,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.name = "frozenlake"  # frozenlake | sokoban | tool_use (jaxflash.envs.registry)
     # The environment's own fields (JSON): map size, slipperiness, turn limits.
     c.env.options = (
-        '{"size": 4, "p_frozen": 0.8, "is_slippery": false, "max_turns": 6, '
-        '"max_tokens_per_turn": 48}'
+        '{"size": 3, "p_frozen": 0.8, "is_slippery": false, "max_turns": 8, '
+        '"max_tokens_per_turn": 8, "action_format": "first_word"}'
     )
-    c.env.max_context_tokens = 768  # prompt + every turn and observation of an episode
+    # prompt (~90 tokens) + 8 x (<= 8 sampled + ~40 of observation and glue)
+    c.env.max_context_tokens = 512
     c.env.system_prompt = ""  # "" = the chat template's default
     c.env.advantage_level = "trajectory"  # trajectory (episode return) | step (return-to-go)
     c.env.gamma = 1.0
@@ -81,7 +82,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.prompts_per_step = 4  # B: groups (maps) per learner step
     c.rollout.group_size = 4  # G: episodes kept per group
     c.rollout.group_redundancy = 0  # r: extra episodes per group; the first G to end are kept
-    c.rollout.temperature = 1.0
+    # SmolLM2-135M at T = 1 writes mostly gibberish (no move at all); 0.7 is the
+    # training and evaluation temperature the calibration used.
+    c.rollout.temperature = 0.7
     c.rollout.top_k = 0
     c.rollout.top_p = 1.0
     c.rollout.num_slots = 16  # decode slots per engine (turns of many episodes at once)
@@ -109,7 +112,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 5
-    c.eval.temperature = 1.0
+    c.eval.temperature = 0.7  # = rollout.temperature (base success is measured there)
     c.eval.samples_per_prompt = 2  # success rate is mean@2 over env.eval_seeds maps
 
     c.checkpoint = ml_collections.ConfigDict()
