@@ -105,8 +105,10 @@ def main() -> None:
             dump.write(json.dumps(record) + "\n")
             dump.flush()
         if args.show:
-            print(f"=== seed {traj.env_seed} episode {traj.episode_index}: {traj.end}, "
-                  f"success {traj.success}")
+            print(
+                f"=== seed {traj.env_seed} episode {traj.episode_index}: {traj.end}, "
+                f"success {traj.success}"
+            )
             for m in traj.messages:
                 print(f"--- {m['role']}:\n{m['content']}")
             for t in record["turns"]:

@@ -110,4 +110,6 @@ def parse_action(text: str, choices: Sequence[str], action_format: ActionFormat)
         return parse_choice(text, choices)
     if action_format == "first_word":
         return parse_first_word(text, choices)
-    raise ValueError(f"parse_action: action_format must be one of {ACTION_FORMATS}, got {action_format!r}")
+    raise ValueError(
+        f"parse_action: action_format must be one of {ACTION_FORMATS}, got {action_format!r}"
+    )

@@ -13,7 +13,8 @@ Text (as in ROLL, arXiv 2510.11345): one row per line, cells separated by spaces
 the goal, ``X`` the player in a hole, ``√`` the player on the goal. Actions
 (``action_format``): ``<answer>Left|Down|Right|Up</answer>`` (ROLL's), or the
 reply's first word ``Left|Down|Right|Up`` (for models too small to keep the tag
-format; every state is followed by the question ``_FIRST_WORD_QUESTION``). Reward 1.0 on reaching the goal, else 0; an invalid action costs
+format; every state is followed by the question "Answer with one word: Left, Down,
+Right or Up."). Reward 1.0 on reaching the goal, else 0; an invalid action costs
 ``invalid_action_penalty`` (-0.01) and does not move.
 """
 
