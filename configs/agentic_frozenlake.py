@@ -44,8 +44,13 @@ valid *and* purposeful moves. Expect held-out success to stay within 2 SE of 0 i
 one-hour run on 2 cores; the invalid-action rate (metrics ``invalid_action_rate``)
 is the signal to watch.
 
-Cost on 2 CPU cores: see the note / README (a learner step plays 4 maps x 4
-episodes of <= 8 turns of <= 8 tokens).
+Cost on 2 CPU cores shared with other work (load average ~6): a trial of the main
+command with total_steps=2, env.eval_seeds=4, eval.samples_per_prompt=1 took 20 min:
+start-up ~1 min, step-0 evaluation 2 min (4 episodes, compiling the engine), step 1
+7.2 min (430 s, compiling the learner step), step 2 6.2 min (373 s, 371 s of it
+training 16 episodes of ~380 tokens on the 1-device learner; staleness 1: the next
+episodes were generated meanwhile), final evaluation 4.2 min; ~14 GB resident. So
+the defaults (10 steps, 8 held-out maps x 2 at steps 0 and 10) take about 70 min.
 """
 
 import ml_collections
@@ -54,7 +59,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # keys the environment seeds' order, sampling RNG (per turn) and init
-    c.total_steps = 20  # learner steps (policy versions)
+    c.total_steps = 10  # learner steps (policy versions); ~6 min each on 2 shared cores
 
     c.mesh = ml_collections.ConfigDict()
     # As configs/rlvr_smollm2_arith.py: colocated (sync, α = 0) on 2 CPU devices, or
@@ -88,7 +93,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.advantage_level = "trajectory"  # trajectory (episode return) | step (return-to-go)
     c.env.gamma = 1.0
     c.env.max_env_restarts = 2  # episodes restarted per group after env failures
-    c.env.eval_seeds = 32  # held-out maps (eval split) at each evaluation
+    # Held-out maps (eval split) at each evaluation: 8 x eval.samples_per_prompt 2 = 16
+    # episodes, ~4 min on one generation slice (the calibration used 32 x 2).
+    c.env.eval_seeds = 8
     # Extra latency per environment step, N(mean, std) truncated at 0 (benchmarks).
     c.env.latency_mean_s = 0.0
     c.env.latency_std_s = 0.0
@@ -128,7 +135,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.entropy_coef = 0.0
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.every = 5
+    c.eval.every = 10  # with total_steps 10: at step 0 and at the last step only
     c.eval.temperature = 0.7  # = rollout.temperature (base success is measured there)
     c.eval.samples_per_prompt = 2  # success rate is mean@2 over env.eval_seeds maps
 
