@@ -35,6 +35,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="episodes played in lockstep")
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument(
+        "--dump",
+        default="",
+        help="write every episode (messages, per-turn finish reason, tokens, reward, "
+        "invalid flag) as JSON lines to this file",
+    )
+    ap.add_argument(
+        "--show", action="store_true", help="print every episode's transcript as it ends"
+    )
     args = ap.parse_args()
 
     from jaxflash.envs.calibration import calibrate_success
@@ -72,6 +81,39 @@ def main() -> None:
             engine, params, list(requests), policy_version=0, stop_ids=tokenizer.stop_ids
         )
 
+    dump = open(args.dump, "w") if args.dump else None  # noqa: SIM115 (closed below)
+
+    def on_trajectory(traj) -> None:
+        record = {
+            "seed": traj.env_seed,
+            "episode": traj.episode_index,
+            "end": str(traj.end),
+            "success": traj.success,
+            "messages": list(traj.messages),
+            "turns": [
+                {
+                    "finish": str(t.finish_reason),
+                    "tokens": t.num_sampled,
+                    "reward": t.reward,
+                    "invalid": t.invalid_action,
+                    "action": t.info.get("action"),
+                }
+                for t in traj.turns
+            ],
+        }
+        if dump is not None:
+            dump.write(json.dumps(record) + "\n")
+            dump.flush()
+        if args.show:
+            print(
+                f"=== seed {traj.env_seed} episode {traj.episode_index}: {traj.end}, "
+                f"success {traj.success}"
+            )
+            for m in traj.messages:
+                print(f"--- {m['role']}:\n{m['content']}")
+            for t in record["turns"]:
+                print(f"    turn: {t}")
+
     t0 = time.monotonic()
     res = calibrate_success(
         lambda: make_env(args.env, **options),
@@ -83,7 +125,10 @@ def main() -> None:
         max_context_tokens=args.max_context,
         episodes_per_batch=args.batch,
         sampling_seed=args.seed,
+        on_trajectory=on_trajectory,
     )
+    if dump is not None:
+        dump.close()
     elapsed = time.monotonic() - t0
     print(
         f"env {args.env} {options} ({limits}); {args.seeds} held-out seeds x n={args.n}, "

@@ -29,8 +29,8 @@ def _exp(config, **overrides):
 
 def test_agentic_configs_derive_the_engine_lengths_from_the_environment():
     exp = _exp(agentic_frozenlake)
-    assert exp.env.name == "frozenlake" and exp.env.options["max_turns"] == 6
-    assert exp.rollout.sampling.max_new_tokens == 48  # env.options.max_tokens_per_turn
+    assert exp.env.name == "frozenlake" and exp.env.options["max_turns"] == 8
+    assert exp.rollout.sampling.max_new_tokens == 8  # env.options.max_tokens_per_turn
     assert exp.rollout.max_prefill_length == exp.env.max_context_tokens - 1
     assert _exp(agentic_smoke).rollout.group_redundancy == 1
 
@@ -40,10 +40,10 @@ def test_agentic_configs_derive_the_engine_lengths_from_the_environment():
     [
         ({"reward.fn": "uppercase_fraction"}, "reward.fn"),
         ({"rollout.truncation": "penalty"}, "rollout.truncation"),
-        ({"rollout.max_new_tokens": 17}, "max_tokens_per_turn=48"),
+        ({"rollout.max_new_tokens": 17}, "max_tokens_per_turn=8"),
         ({"env.options": '{"split": "eval"}'}, "env.options.split"),
         ({"env.options": '{"max_turns": 3, "board": 4}'}, "board"),
-        ({"env.max_context_tokens": 40}, "env.max_context_tokens=40"),
+        ({"env.max_context_tokens": 8}, "env.max_context_tokens=8"),
         ({"env.advantage_level": "token"}, "env.advantage_level"),
         ({"rollout.group_redundancy": -1}, "rollout.group_redundancy"),
         ({"replay.ratio": 0.5}, "replay.ratio / controller.kind with env.name"),

@@ -7,7 +7,7 @@ import gymnasium
 import numpy as np
 import pytest
 
-from jaxflash.envs.actions import parse_answer, parse_choice
+from jaxflash.envs.actions import parse_action, parse_answer, parse_choice, parse_first_word
 from jaxflash.envs.base import EnvConfig, StepResult
 from jaxflash.envs.calibration import calibrate_success
 from jaxflash.envs.chat import TurnRenderer
@@ -33,6 +33,55 @@ def test_parse_answer_takes_the_last_complete_tag():
     assert parse_answer("<answer>Left") is None and parse_answer("Left") is None
     assert parse_choice("<answer> rIGHT </answer>", ("Left", "Right")) == 1
     assert parse_choice("<answer>Rightwards</answer>", ("Left", "Right")) is None
+
+
+FL_ACTIONS = ("Left", "Down", "Right", "Up")
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("Down", "Down"),
+        ("down.", "Down"),
+        ("  UP\n", "Up"),
+        ("**Right**", "Right"),
+        ('"Left"', "Left"),
+        ("Right-ish", "Right"),  # the word ends at the hyphen
+        ("Down\n\nThe way to win is to go left", "Down"),  # the first word commits
+        ("Left, Down, Right or Up", "Left"),  # a listing is judged by its first word
+    ],
+)
+def test_parse_first_word_accepts_the_move_as_first_word(text, want):
+    assert parse_first_word(text, FL_ACTIONS) == FL_ACTIONS.index(want)
+    assert parse_action(text, FL_ACTIONS, "first_word") == FL_ACTIONS.index(want)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "Leftmost",  # a longer word is not the action
+        "Left2",
+        "The answer is Up",  # prose before the move
+        "You cannot move to either Down or Up",
+        "1. Left",  # a number is a first word
+        "_ _ G\nP O _",  # a grid
+        "<answer>Down</answer>",  # the tag format is not this format
+        "Jump",
+    ],
+)
+def test_parse_first_word_rejects_anything_else(text):
+    assert parse_first_word(text, FL_ACTIONS) is None
+
+
+def test_parse_action_dispatches_and_refuses_unknown_formats():
+    assert parse_action("<answer>up</answer>", FL_ACTIONS, "answer_tag") == 3
+    assert parse_action("Up", FL_ACTIONS, "answer_tag") is None
+    with pytest.raises(ValueError, match="action_format"):
+        parse_action("Up", FL_ACTIONS, "last_word")
+    with pytest.raises(TypeError, match="text"):
+        parse_first_word(None, FL_ACTIONS)
 
 
 # ---------------------------------------------------------------------------- FrozenLake
@@ -69,6 +118,25 @@ def test_frozenlake_invalid_action_penalty_and_no_step():
         assert (env.gym_env.unwrapped.s, env.gym_env._elapsed_steps) == before
     r = env.step("<answer>down</answer>")
     assert not r.info["invalid_action"] and env.gym_env._elapsed_steps == 1
+
+
+def test_frozenlake_first_word_format_asks_and_parses_one_word():
+    env = FrozenLakeEnv(FrozenLakeConfig(size=3, action_format="first_word"))
+    obs = env.reset(1)
+    question = "Answer with one word: Left, Down, Right or Up."
+    assert obs.endswith(render_frozenlake(env.gym_env) + "\n" + question)
+    assert "<answer>" not in obs
+    before = (env.gym_env.unwrapped.s, env.gym_env._elapsed_steps)
+    for text in ("<answer>Down</answer>", "I go down", "Downwards"):
+        r = env.step(text)
+        assert r.reward == -0.01 and r.info["invalid_action"] and not r.terminated
+        assert "first word" in r.observation and r.observation.endswith(question)
+        assert (env.gym_env.unwrapped.s, env.gym_env._elapsed_steps) == before
+    r = env.step("right. Because")
+    assert r.info["action"] == "Right" and env.gym_env._elapsed_steps == 1
+    assert r.observation.startswith("You moved Right.") and r.observation.endswith(question)
+    with pytest.raises(ValueError, match="action_format"):
+        FrozenLakeConfig(action_format="tags")
 
 
 def shortest_moves(grid_rows):

@@ -19,7 +19,7 @@ import numpy as np
 from jaxflash.envs.base import TextEnv
 from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.driver import GenerateBatch, run_episodes
-from jaxflash.envs.episode import Episode, EpisodeEnd
+from jaxflash.envs.episode import Episode, EpisodeEnd, Trajectory
 from jaxflash.types import SamplingParams
 
 
@@ -60,6 +60,7 @@ def calibrate_success(
     episodes_per_batch: int = 32,
     sampling_seed: int = 0,
     progress: Callable[[int, int, int], None] | None = None,
+    on_trajectory: Callable[[Trajectory], None] | None = None,
 ) -> CalibrationResult:
     """Play every seed ``n`` times with ``generate`` and report mean@n success.
 
@@ -75,6 +76,8 @@ def calibrate_success(
       sampling_seed: seed of every request.
       progress: called after each batch with (episodes played, episodes in all,
         tokens sampled so far).
+      on_trajectory: called with every finished trajectory (failed ones included),
+        e.g. to dump transcripts for inspection.
 
     Raises:
       ValueError: no seeds, n < 1, or episodes_per_batch < 1.
@@ -105,6 +108,8 @@ def calibrate_success(
         for (s, _), traj in zip(
             chunk, run_episodes(envs, episodes, generate, sampling, seed=sampling_seed), strict=True
         ):
+            if on_trajectory is not None:
+                on_trajectory(traj)
             if traj.end == EpisodeEnd.ENV_FAILURE:
                 failures += 1
                 continue

@@ -10,9 +10,12 @@ gymnasium's transition RNG, so a slippery episode is reproducible.
 
 Text (as in ROLL, arXiv 2510.11345): one row per line, cells separated by spaces,
 ``P`` the player, ``_`` frozen ice (the start cell included), ``O`` a hole, ``G``
-the goal, ``X`` the player in a hole, ``√`` the player on the goal. Actions:
-``<answer>Left|Down|Right|Up</answer>``. Reward 1.0 on reaching the goal, else 0;
-an invalid action costs ``invalid_action_penalty`` (-0.01) and does not move.
+the goal, ``X`` the player in a hole, ``√`` the player on the goal. Actions
+(``action_format``): ``<answer>Left|Down|Right|Up</answer>`` (ROLL's), or the
+reply's first word ``Left|Down|Right|Up`` (for models too small to keep the tag
+format; every state is followed by the question "Answer with one word: Left, Down,
+Right or Up."). Reward 1.0 on reaching the goal, else 0; an invalid action costs
+``invalid_action_penalty`` (-0.01) and does not move.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Literal
 import gymnasium
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
+from jaxflash.envs.actions import ACTION_FORMATS, ActionFormat
 from jaxflash.envs.base import EnvConfig
 from jaxflash.envs.gym_adapter import GymTextEnv
 
@@ -44,6 +48,8 @@ class FrozenLakeConfig(EnvConfig):
       split: "train" or "eval" map set.
       eval_fraction: share of the map space held out for eval, in (0, 1).
       invalid_action_penalty: ROLL's -0.01.
+      action_format: "answer_tag" (ROLL's ``<answer>Right</answer>``) or "first_word"
+        (the reply's first word; see ``envs.actions``).
     """
 
     max_turns: int = 8
@@ -54,9 +60,15 @@ class FrozenLakeConfig(EnvConfig):
     is_slippery: bool = False
     split: Literal["train", "eval"] = "train"
     eval_fraction: float = 0.2
+    action_format: ActionFormat = "answer_tag"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.action_format not in ACTION_FORMATS:
+            raise ValueError(
+                f"FrozenLakeConfig.action_format must be one of {ACTION_FORMATS}, "
+                f"got {self.action_format!r}"
+            )
         if self.size < 2:
             raise ValueError(f"FrozenLakeConfig.size must be >= 2, got {self.size}")
         if not 0.0 < self.p_frozen <= 1.0:
@@ -126,12 +138,23 @@ def render_frozenlake(env: gymnasium.Env) -> str:
     return "\n".join(rows)
 
 
+# Asked after every state in the first_word format: SmolLM2-135M-Instruct answers a
+# direct one-word question with a word far more often than it writes a tag format
+# (calibration in configs/agentic_frozenlake.py).
+_FIRST_WORD_QUESTION = "Answer with one word: Left, Down, Right or Up."
+
+
 def _instructions(config: FrozenLakeConfig) -> str:
     slip = (
         " The ice is slippery: you may slide to a side instead of where you meant to go."
         if config.is_slippery
         else ""
     )
+    if config.action_format == "first_word":
+        return (
+            "Move P to the goal G on this grid without stepping on a hole O "
+            f"(_ is safe ice). Each turn you move one cell.{slip}"
+        )
     return (
         "You are on a frozen lake. Walk from your position P to the goal G without "
         "falling into a hole O. Symbols: P you, _ frozen ice, O hole, G goal. Each turn "
@@ -163,4 +186,6 @@ class FrozenLakeEnv(GymTextEnv):
             render=render_frozenlake,
             instructions=_instructions(config),
             is_success=lambda env, reward, terminated: terminated and reward > 0,
+            action_format=config.action_format,
+            state_suffix=_FIRST_WORD_QUESTION if config.action_format == "first_word" else "",
         )
