@@ -9,15 +9,14 @@ cycle (``replay_spec.replay_active``) and calls, per learner step:
 1. ``mix`` with the fresh samples that carry loss and their advantages: draws the
    replay cycle at this step's rho *before* storing the fresh samples (a sample
    is never replayed in the step it is trained fresh), packs fresh rows first,
-   then replayed ones, padded to a fixed row count (one compiled step), and
-   returns the row labels (0 fresh, 1 replay). Replayed samples keep their stored
-   behaviour logprobs and per-token versions, so the learner's ratios for them
-   are taken against the policy that generated them.
-2. ``ratio_metrics`` before the update: importance ratios w = pi_theta / mu of
-   every row under the params the update starts from (those its loss sees),
-   aggregated per cycle with Kish's ESS (``algorithms.importance``). It costs
-   one extra forward pass of the batch per step.
-3. ``control`` after the update: the controller's inputs (generation and
+   then replayed ones, padded to a fixed row count (one compiled step), with
+   each row's cycle in ``TrainBatch.cycle_bt`` (0 fresh, 1 replay). Replayed
+   samples keep their stored behaviour logprobs and per-token versions, so the
+   learner's ratios for them are taken against the policy that generated them.
+   The learner step (``learner.cycles``) applies the fresh loss to fresh rows and
+   ``replay.correction`` to replayed ones, and reports importance ratios
+   w = pi_theta / mu and ESS per cycle from its own forward pass.
+2. ``control`` after the update: the controller's inputs (generation and
    training rates, queue depth, staleness, replay ESS) and decision, as
    ``ctl_*`` metrics; the decision's rho is used from the next step on.
 
@@ -32,12 +31,11 @@ the one without replay.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxflash.algorithms.importance import per_sample_ratio_stats, ratio_metrics_by_cycle
 from jaxflash.learner.batching import pack_batch
 from jaxflash.replay.controller import (
     AdaptiveController,
@@ -56,8 +54,6 @@ from jaxflash.replay.replay_buffer import ReplayBuffer
 from jaxflash.runtime.learner_batch import LearnerBatch
 from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, replay_active
 from jaxflash.types import Sample, TrainBatch
-
-LogprobFn = Callable[[Any, TrainBatch], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +83,6 @@ class ReplayCycle:
       async_ratio: the run's alpha (the adaptive controller's maximum).
       learner_devices, generation_devices: the role split, as the controller sees it.
       seed: seeds the buffer's sampler.
-      logprob_fn: ``learner.step.make_logprob_fn``'s function, for ratio statistics.
       state: a ``state_dict`` from a checkpoint (None: a fresh buffer).
 
     Raises:
@@ -105,7 +100,6 @@ class ReplayCycle:
         learner_devices: int,
         generation_devices: int,
         seed: int,
-        logprob_fn: LogprobFn,
         state: dict[str, Any] | None = None,
         samples_generated: int = 0,
     ):
@@ -125,7 +119,6 @@ class ReplayCycle:
             buffer,
             DualCycleConfig(advantages=replay.advantages, estimator=replay.advantage_estimator),
         )
-        self._logprob_fn = logprob_fn
         batch_samples = batch_prompts * group_size
         self._decision = Decision(
             replay_ratio=replay.ratio,
@@ -171,17 +164,16 @@ class ReplayCycle:
 
     # ------------------------------------------------------------------ the batch
     def step_batch(
-        self, lb: LearnerBatch, params: Any, *, learner_version: int, pad_id: int, max_len: int
+        self, lb: LearnerBatch, *, learner_version: int, pad_id: int, max_len: int
     ) -> tuple[TrainBatch | None, dict[str, Any]]:
-        """The learner batch of a step: ``mix``, then ``ratio_metrics`` (pre-update params).
+        """The learner batch of a step: the fresh cycle plus the replay cycle (``mix``).
 
         Args:
           lb: the fresh cycle (``learner_batch``): samples with loss, advantages.
-          params: the learner params the update starts from.
 
         Returns:
-          (TrainBatch [rows, T] or None when nothing carries loss, the composer's and
-          the ratio metrics).
+          (TrainBatch [rows, T] with ``cycle_bt``, or None when nothing carries
+          loss; the composer's metrics).
         """
         mixed = self.mix(
             lb.samples,
@@ -190,12 +182,7 @@ class ReplayCycle:
             pad_id=pad_id,
             max_len=max_len,
         )
-        if mixed.batch is None:
-            return None, mixed.metrics
-        return mixed.batch, {
-            **mixed.metrics,
-            **self.ratio_metrics(params, mixed.batch, mixed.cycle_b),
-        }
+        return mixed.batch, mixed.metrics
 
     def mix(
         self,
@@ -231,24 +218,11 @@ class ReplayCycle:
             pad_id=pad_id,
             max_len=max_len,
             num_sequences=self.rows,
+            cycle_b=mixed.cycle_b,
         )
         cycle_b = np.zeros((self.rows,), np.int8)
         cycle_b[: len(mixed.cycle_b)] = mixed.cycle_b
         return MixedStep(batch, mixed.samples, cycle_b, mixed.metrics)
-
-    def ratio_metrics(self, params: Any, batch: TrainBatch, cycle_b: np.ndarray) -> dict:
-        """Importance-ratio statistics and ESS per cycle under ``params`` (pre-update).
-
-        Returns:
-          ``fresh_*`` / ``replay_*``: ratio_mean, ratio_max, ratio_min, ess_token,
-          ess_seq (cycles with tokens), ratio_tokens, sequences
-          (``importance.ratio_metrics_by_cycle``).
-        """
-        logp_bt, _ = self._logprob_fn(params, batch)
-        log_ratio_bt = logp_bt - np.asarray(batch.behaviour_logp_bt, np.float32)
-        stats = per_sample_ratio_stats(log_ratio_bt, np.asarray(batch.loss_mask_bt))
-        stats = {k: np.asarray(v) for k, v in stats.items()}
-        return ratio_metrics_by_cycle(stats, cycle_b)
 
     # ------------------------------------------------------------------ the controller
     def control(
@@ -322,7 +296,6 @@ def make_replay_cycle(
     *,
     learner_mesh: Any,
     generation_meshes: Sequence[Any],
-    logprob_fn: LogprobFn,
     extra: dict[str, Any],
 ) -> ReplayCycle | None:
     """The run's ReplayCycle, or None when the config has no replay cycle.
@@ -330,7 +303,6 @@ def make_replay_cycle(
     Args:
       exp: the ``ExperimentConfig``.
       learner_mesh, generation_meshes: the placement (the controller's role split).
-      logprob_fn: ``make_logprob_fn`` for the learner mesh.
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start): its
         "replay" entry restores the buffer, and its "counters" the generation count.
     """
@@ -345,7 +317,6 @@ def make_replay_cycle(
         learner_devices=int(learner_mesh.devices.size),
         generation_devices=sum(int(m.devices.size) for m in generation_meshes),
         seed=exp.seed,
-        logprob_fn=logprob_fn,
         state=extra.get("replay"),
         samples_generated=int(extra.get("counters", {}).get("samples_generated", 0)),
     )

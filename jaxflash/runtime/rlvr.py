@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.learner.step import make_logprob_fn
 from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import GroupFilter
@@ -69,7 +68,6 @@ from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
 from jaxflash.runtime.workload import make_workload
 from jaxflash.sharding.distributed import advertised_host
-from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.transfer_sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -169,7 +167,6 @@ def run(
         exp,
         learner_mesh=placement.learner,
         generation_meshes=placement.generation,
-        logprob_fn=make_logprob_fn(model_config, exp.learner, placement.learner, LEARNER_RULES),
         extra=meta.extra,
     )
     B = cycle.fresh_prompts if cycle else B
@@ -245,10 +242,8 @@ def run(
             lb = workload.learner_batch(batch.groups, num_sequences=B * G, **pack)
             stale = np.array([version - start_version_of(s) for s in lb.samples], np.int64)
             train_batch, replay_metrics = lb.batch, {}
-            if cycle is not None:  # + the replay cycle at rho; ratio statistics per cycle
-                train_batch, replay_metrics = cycle.step_batch(
-                    lb, learner.params, learner_version=version, **pack
-                )
+            if cycle is not None:  # + the replay cycle at rho, rows labelled by cycle
+                train_batch, replay_metrics = cycle.step_batch(lb, learner_version=version, **pack)
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
