@@ -213,9 +213,9 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
     ]
     logged = [cycle.control_from(r, next_version=s + 1) for s, r in enumerate(rows)]
     assert all(json.dumps(m) for m in logged)  # metrics.jsonl-able
-    # The same inputs fed to the phase-1 controller give the same decisions.
+    # The same inputs fed to a controller told what was applied give the same decisions.
     ref = AdaptiveController(
-        spec.controller_config(batch_samples=8, max_async_ratio=0),
+        spec.controller_config(batch_samples=8, max_async_ratio=0, group_size=2),
         Decision(
             replay_ratio=0.25,
             async_ratio=0,
@@ -230,13 +230,17 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
         )
         d = ref.update(inputs)
         assert m["ctl_replay_ratio"] == d.replay_ratio
-        assert m["ctl_generation_devices"] == d.generation_devices
-    # Documented direction: gen-bound raises rho and gives generation a device;
-    # train-bound lowers rho and moves it back.
+        assert m["ctl_requests_in_flight"] == d.requests_in_flight
+        assert m["ctl_proposed_generation_devices"] == d.generation_devices
+        ref.applied(dataclasses.replace(d, learner_devices=6, generation_devices=2))
+    # Documented direction: gen-bound raises rho and proposes a device for generation;
+    # train-bound lowers rho and proposes one for the learner. Devices do not move in a
+    # live run: the split in force stays 6 / 2.
     rho = [m["ctl_replay_ratio"] for m in logged]
-    gen = [m["ctl_generation_devices"] for m in logged]
+    proposed = [m["ctl_proposed_generation_devices"] for m in logged]
     assert rho[:3] == [0.375, 0.5, 0.625] and rho[3:] == [0.5, 0.375, 0.25]
-    assert gen[1] == 3 and gen[-1] == 2
+    assert proposed == [2, 3, 2, 2, 1, 2]
+    assert all((m["ctl_learner_devices"], m["ctl_generation_devices"]) == (6, 2) for m in logged)
     assert logged[0]["ctl_in_gen_rate"] == pytest.approx(2.0)  # 102 - 100 in 1 s
     assert cycle.replay_ratio == rho[-1]  # the next step's rho
     # A skipped step (nothing trained) measures no training rate: no update, no row.

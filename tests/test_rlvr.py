@@ -37,6 +37,7 @@ def _undocumented(metrics_rows):
     patterns = [
         (r"^gen\d+_", "gen{i}_"),
         (r"^(samples_dropped|buffer_dropped|steps_skipped)_.+$", r"\1_<reason>"),
+        (r"^(fresh|replay)_pg_.+$", r"\1_pg_<name>"),
     ]
     missing = set()
     for row in metrics_rows:

@@ -1,4 +1,4 @@
-"""The dual replay cycle inside the RLVR loop: buffer, composer, controller, ratio statistics.
+"""The dual replay cycle inside the RLVR loop: buffer, composer, controller and its decisions.
 
 ReFlow (arXiv 2610.21640) mixes every learner batch from a fresh cycle (samples
 from the generation servers, trained once: the alpha-bounded path) and a replay
@@ -18,7 +18,12 @@ cycle (``replay_spec.replay_active``) and calls, per learner step:
    w = pi_theta / mu and ESS per cycle from its own forward pass.
 2. ``control`` after the update: the controller's inputs (generation and
    training rates, queue depth, staleness, replay ESS) and decision, as
-   ``ctl_*`` metrics; the decision's rho is used from the next step on.
+   ``ctl_*`` metrics. The decision is in force from the next step on: its rho
+   sets the fresh groups (round((1 - rho) B)) and the replayed samples of the
+   step, and the loop hands its alpha and requests in flight to the scheduler
+   (``scheduler_settings`` -> ``RolloutScheduler.reconfigure``: staleness bound
+   and admission capacity). A change of role split is only proposed
+   (``ctl_proposed_*``): devices do not change role in a live run yet.
 
 ``state_dict`` (buffer contents, counters, the sampler's RNG, the controller's
 state and current decision) goes into the checkpoint's metadata; a
@@ -103,12 +108,10 @@ class ReplayCycle:
         state: dict[str, Any] | None = None,
         samples_generated: int = 0,
     ):
-        self.group_size = group_size
-        # Fresh groups per step: the learner batch of B groups minus the replayed share.
-        self.fresh_prompts = fresh_groups_needed(batch_prompts, replay.ratio)
-        n_fresh = self.fresh_prompts * group_size
-        # Rows of every packed batch: the fresh samples plus the most any step replays.
-        self.rows = n_fresh + replay_count(n_fresh, controller.max_ratio(replay))
+        self.group_size, self.batch_prompts = group_size, batch_prompts
+        self._per_prompt = replay.sampler == "per_prompt"
+        # Rows of every packed batch (one compiled step): the most any step's rho gives.
+        self.rows = max(self._rows_at(rho) for rho in controller.ratios(replay))
         buffer_config = replay.buffer_config(seed=seed)
         buffer = (
             ReplayBuffer.from_state_dict(buffer_config, state["buffer"])
@@ -123,14 +126,14 @@ class ReplayCycle:
         self._decision = Decision(
             replay_ratio=replay.ratio,
             async_ratio=async_ratio,
-            requests_in_flight=in_flight_for(async_ratio, replay.ratio, batch_samples),
+            requests_in_flight=in_flight_for(async_ratio, replay.ratio, batch_samples, group_size),
             learner_devices=learner_devices,
             generation_devices=generation_devices,
         )
         self._controller: AdaptiveController | FixedSchedule | None = None
         if controller.kind == "adaptive":
             config = controller.controller_config(
-                batch_samples=batch_samples, max_async_ratio=async_ratio
+                batch_samples=batch_samples, max_async_ratio=async_ratio, group_size=group_size
             )
             self._controller = AdaptiveController(config, self._decision)
             if state and state.get("controller"):
@@ -143,7 +146,9 @@ class ReplayCycle:
                         dataclasses.replace(
                             self._decision,
                             replay_ratio=r,
-                            requests_in_flight=in_flight_for(async_ratio, r, batch_samples),
+                            requests_in_flight=in_flight_for(
+                                async_ratio, r, batch_samples, group_size
+                            ),
                         ),
                     )
                     for s, r in controller.schedule()
@@ -153,9 +158,37 @@ class ReplayCycle:
             self._decision = Decision(**state["decision"])
         self._generated_before = int(samples_generated)  # the scheduler's counter at start
 
+    def _rows_at(self, rho: float) -> int:
+        """Fresh plus replayed samples of a full step at ``rho`` (per-prompt draws
+        round per group of G, buffer-wide ones over the step)."""
+        fresh = fresh_groups_needed(self.batch_prompts, rho) * self.group_size
+        if self._per_prompt:
+            return fresh + fresh // self.group_size * replay_count(self.group_size, rho)
+        return fresh + replay_count(fresh, rho)
+
     @property
     def buffer(self) -> ReplayBuffer:
         return self._composer.buffer
+
+    @property
+    def decision(self) -> Decision:
+        """The settings in force for the next step (the controller's, as applied)."""
+        return self._decision
+
+    @property
+    def fresh_prompts(self) -> int:
+        """Fresh groups of the next step: the B groups of the batch minus rho's share."""
+        return fresh_groups_needed(self.batch_prompts, self._decision.replay_ratio)
+
+    def scheduler_settings(self) -> dict[str, int]:
+        """The next step's ``RolloutScheduler.reconfigure`` arguments: fresh groups,
+        alpha, and the requests in flight as whole prompts (ceil(requests / G))."""
+        d, G = self._decision, self.group_size
+        return {
+            "batch_prompts": self.fresh_prompts,
+            "async_ratio": d.async_ratio,
+            "prompts_in_flight": max(self.fresh_prompts, -(-d.requests_in_flight // G)),
+        }
 
     @property
     def replay_ratio(self) -> float:
@@ -237,7 +270,11 @@ class ReplayCycle:
         staleness_mean: float,
         replay_ess: float | None,
     ) -> dict[str, Any]:
-        """Feed the controller this step's measurements; its decision sets the next rho.
+        """Feed the controller this step's measurements; its decision is the next step's.
+
+        rho, alpha and the requests in flight are put in force (``decision``,
+        ``scheduler_settings``; the loop hands them to the scheduler); a proposed
+        role split is logged (``ctl_proposed_*``) and not applied.
 
         Args:
           next_version: learner version the next step trains at (the decision's step).
@@ -257,6 +294,7 @@ class ReplayCycle:
         if self._controller is None or trained_samples < 1:
             return {}
         generated = samples_generated - before
+        kept = self._decision  # its role split stays: devices do not move in a live run yet
         inputs = ControllerInputs(
             step=next_version,
             gen_rate=max(generated, 0) / max(step_s, 1e-9),
@@ -265,7 +303,14 @@ class ReplayCycle:
             staleness_mean=float(staleness_mean),
             ess=None if replay_ess is None else min(max(replay_ess, 1e-12), 1.0),
         )
-        self._decision = self._controller.update(inputs)
+        proposed = self._controller.update(inputs)
+        self._decision = dataclasses.replace(
+            proposed,
+            learner_devices=kept.learner_devices,
+            generation_devices=kept.generation_devices,
+        )
+        if isinstance(self._controller, AdaptiveController):
+            self._controller.applied(self._decision)
         return self._controller.metrics()
 
     def control_from(self, metrics: dict[str, Any], *, next_version: int) -> dict[str, Any]:

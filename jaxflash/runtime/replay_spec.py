@@ -178,9 +178,11 @@ class ControllerSpec:
         ``replay.controller.ControllerConfig``. Its alpha stays within
         rollout.async_ratio (the user's maximum).
 
-    Applied in the live loop: the replay ratio. The adaptive controller's alpha,
-    requests in flight and role split are logged (``ctl_*``) but not applied yet:
-    the scheduler's alpha and the device roles are fixed for a run.
+    Applied in the live loop at the next step boundary (``runtime.replay_cycle``):
+    the replay ratio (fresh groups per step and replayed samples), alpha (the
+    staleness bound, within rollout.async_ratio) and the requests in flight (the
+    scheduler's admission capacity). The role split is only proposed
+    (``ctl_proposed_*``): devices do not change role in a live run yet.
     """
 
     kind: str = "none"
@@ -245,11 +247,14 @@ class ControllerSpec:
         check(not bad, f"controller.replay_schedule ratios must be in [0, 1), got {bad}")
         return pairs
 
-    def controller_config(self, *, batch_samples: int, max_async_ratio: int) -> ControllerConfig:
-        """The ``AdaptiveController``'s config for a run's batch and alpha maximum."""
+    def controller_config(
+        self, *, batch_samples: int, max_async_ratio: int, group_size: int = 1
+    ) -> ControllerConfig:
+        """The ``AdaptiveController``'s config for a run's batch, alpha maximum and G."""
         return ControllerConfig(
             batch_samples=batch_samples,
             max_async_ratio=max_async_ratio,
+            group_size=group_size,
             max_replay_ratio=self.max_replay_ratio,
             replay_step=self.replay_step,
             ess_min=self.ess_min,
@@ -261,12 +266,32 @@ class ControllerSpec:
         )
 
     def max_ratio(self, replay: ReplaySpec) -> float:
-        """The largest rho any step of the run can use (sizes the learner batch)."""
-        if self.kind == "adaptive":
-            return max(replay.ratio, self.max_replay_ratio)
+        """The largest rho any step of the run can use."""
+        return max(self.ratios(replay))
+
+    def ratios(self, replay: ReplaySpec) -> list[float]:
+        """Every rho a step of the run can use, ascending (sizes the learner batch).
+
+        "none": replay.ratio; "fixed": the schedule's; "adaptive": the values the
+        controller reaches from replay.ratio in steps of ``replay_step`` clipped to
+        [0, max_replay_ratio] (``AdaptiveController.update``'s arithmetic, so the
+        same floats).
+        """
         if self.kind == "fixed":
-            return max(r for _, r in self.schedule())
-        return replay.ratio
+            return sorted({r for _, r in self.schedule()})
+        if self.kind != "adaptive":
+            return [replay.ratio]
+        seen, todo = set(), [replay.ratio]
+        while todo and len(seen) < 10_000:  # a finite set; the bound only guards floats
+            r = todo.pop()
+            if r in seen:
+                continue
+            seen.add(r)
+            todo += [
+                min(self.max_replay_ratio, r + self.replay_step),
+                max(0.0, r - self.replay_step),
+            ]
+        return sorted(seen)
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -169,7 +169,9 @@ def run(
         generation_meshes=placement.generation,
         extra=meta.extra,
     )
-    B = cycle.fresh_prompts if cycle else B
+    # Fresh groups per step and alpha: the replay cycle's decision in force (its rho
+    # takes a share of the B groups; a resumed run continues the checkpointed one).
+    B, alpha = (cycle.fresh_prompts, cycle.decision.async_ratio) if cycle else (B, r.async_ratio)
     source = workload.source(meta.data_cursor)
     resume = workload.resume(source, ledger.open_ids)
     reward_pool = workload.reward_pool(clock)  # None: the environments score episodes
@@ -185,7 +187,7 @@ def run(
     )  # fmt: skip
     scheduler = RolloutScheduler(
         servers, inbox, source, ledger, GroupBuffer(G, group_filter=group_filter), reward_pool,
-        tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=r.async_ratio,
+        tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=alpha,
         sampling=r.sampling, seed=exp.seed, policy_version=version, stale_policy=r.stale_policy,
         sample_deadline_s=r.sample_deadline_s, max_retries=r.max_retries, truncation=truncation,
         resume_prompts=resume, counters=dict(meta.extra.get("counters", {})), clock=clock,
@@ -299,8 +301,12 @@ def run(
                 **sched_stats,
                 "prompt_outcomes": ledger.outcomes,
             }
-            if cycle is not None:  # the controller's inputs and decision (rho of the next step)
+            if cycle is not None:  # the controller's inputs and decision, in force from
+                # the next step: rho (fresh groups, replayed samples), alpha and the
+                # requests in flight (staleness bound, admission capacity)
                 metrics.update(cycle.control_from(metrics, next_version=version))
+                scheduler.reconfigure(**cycle.scheduler_settings())
+                B = cycle.fresh_prompts
             # 8. Evaluate.
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
