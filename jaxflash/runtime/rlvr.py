@@ -81,6 +81,7 @@ def run(
     clock: Clock | None = None,
     console: Console | None = None,
     learner_links: LeaderLinks | None = None,
+    stop_after: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) an RLVR experiment in ``workdir``.
 
@@ -94,6 +95,9 @@ def run(
       console: step lines and progress during long phases (default: silent).
       learner_links: on process 0 of a multi-process learner, the links to the
         other learner processes (they run ``learner_program.follow``).
+      stop_after: called with each step's metrics (before its evaluation); True
+        ends the run after that step, evaluated and checkpointed like a last step
+        (budgets in generated samples or wall time: ``benchmarks/replay.py``).
 
     Returns:
       The last step's metrics (a finished run: the last row of its metrics.jsonl).
@@ -307,8 +311,9 @@ def run(
                 metrics.update(cycle.control_from(metrics, next_version=version))
                 scheduler.reconfigure(**cycle.scheduler_settings())
                 B = cycle.fresh_prompts
+            stopping = stop_after is not None and bool(stop_after(metrics))
             # 8. Evaluate.
-            if version % exp.eval.every == 0 or version == exp.total_steps:
+            if version % exp.eval.every == 0 or version == exp.total_steps or stopping:
                 metrics.update(run_eval(version))
             records.check_finite(metrics, version)
             show(version, writer.write_step(version, metrics), compiled_now)
@@ -317,7 +322,8 @@ def run(
 
             # 9. Checkpoint (and stop here if preempted: every learner process agrees).
             preempted = learner.preempted(version)
-            if version % exp.checkpoint.every == 0 or version == exp.total_steps or preempted:
+            last = version == exp.total_steps or preempted or stopping
+            if version % exp.checkpoint.every == 0 or last:
                 replay = cycle.state_dict() if cycle else None
                 learner.save(checkpoint_meta(version, snapshot, replay))
             if preempted:
@@ -325,6 +331,9 @@ def run(
                     f"preempted (SIGTERM): saved step {version}; run the same command to "
                     f"resume {workdir} from it"
                 )
+                break
+            if stopping:
+                console.line(f"stopped after step {version} (stop_after)")
                 break
     finally:
         console.background("shutting down: stopping the servers, writing the last checkpoint")
