@@ -38,10 +38,12 @@ time to target (mean +- std over seeds), its ratio to sync and to async (per see
 mean +- std), the generated samples to target, the final accuracy, and the load
 average. ``--out`` keeps everything as JSON.
 
-Cost (real model, 2 shared CPU cores, from metrics of earlier real-model runs:
-1.5-3 min a learner step, 1.5-2 min an evaluation of 100 prompts): with the
-defaults about 1 h per configuration, 4-5 h per seed, 12-15 h for 3 seeds;
-``--budget_minutes`` caps each run.
+Cost (real model, 2 shared CPU cores, estimated from earlier real-model runs: 1.5-3
+min a learner step of 32 rows, 1.5-2 min an evaluation of 100 prompts; not run at this
+size yet): with the defaults 40-100 min per configuration (sync 20 steps, async about
+18, replay and adaptive about 40 smaller-generation steps), 3-5 h for one seed, 9-15 h
+for three; ``--budget_minutes`` caps each run. The tiny model (``--model tiny``, budget
+64) takes about 5 min with the simulator part.
 
 Part 2 (``benchmarks/replay_sim.py``): the same four configurations through the
 simulator at 64-1,024 generation slots.
