@@ -56,7 +56,8 @@ def make_policy_term(lc: LearnerConfig) -> PolicyTerm:
       logp_bt: log pi_theta of the targets (differentiated).
       mu_bt: the batch's behaviour logprobs (stored ones for replayed rows).
       adv_bt, mask_bt: advantages and loss mask.
-      cycle_bt: int32 [b, T], 0 fresh / 1 replayed, constant along a row.
+      cycle_bt: int32 [b, T], 0 fresh / 1 replayed, constant along a row (may be
+        None without ``lc.replay_loss``; required with it).
 
     Returns:
       pg_bt: the per-token policy loss (0 behind the mask); metrics: the loss's
@@ -83,6 +84,8 @@ def make_policy_term(lc: LearnerConfig) -> PolicyTerm:
     )
 
     def dual(logp_bt, mu_bt, adv_bt, mask_bt, cycle_bt):
+        if cycle_bt is None:
+            raise ValueError("a learner with replay_loss needs the batch's cycle_bt")
         replay_bt = cycle_bt != 0
         old_bt = jnp.where(
             replay_bt,

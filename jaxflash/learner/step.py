@@ -99,7 +99,8 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         valid_bt = mask_bt > 0
         logp_bt, ent_bt, *full_bt = _logprobs(params, mb, mc, lc, full_vocab=lc.uses_reference)
         mu_bt = mb["behaviour_logp_bt"]
-        pg_bt, m = policy_term(logp_bt, mu_bt, mb["advantages_bt"], mask_bt, mb["cycle_bt"])
+        cycle_bt = mb.get("cycle_bt")  # read only with a replay loss (a dict may lack it)
+        pg_bt, m = policy_term(logp_bt, mu_bt, mb["advantages_bt"], mask_bt, cycle_bt)
         pg_loss = agg(pg_bt, mask_bt, num_tokens, num_sequences)
         loss = pg_loss
         if lc.entropy_coef > 0:
@@ -131,7 +132,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         }
         if lc.dual_cycle:  # per-cycle loss metrics and ratio stats, from this forward pass
             aux.update(cycles.loss_aux(m))
-            aux.update(cycles.importance_sums(logp_bt, mu_bt, mask_bt, mb["cycle_bt"]))
+            aux.update(cycles.importance_sums(logp_bt, mu_bt, mask_bt, cycle_bt))
         return loss, aux
 
     return loss_fn
