@@ -1,265 +1,341 @@
 """Replay (ReFlow) vs sync vs async at the same generation budget: time to a target accuracy.
 
-    python benchmarks/replay.py --sim-only                 # simulator part only, ~1 min
-    python benchmarks/replay.py --seeds 1 --budget 64      # + real runs, smoke model (minutes)
-    python benchmarks/replay.py --config configs/rlvr_smollm2_arith.py --seeds 3 --budget 4096
+    # the real model (SmolLM2-135M-Instruct GGUF) on the default arithmetic task:
+    python benchmarks/replay.py --model real --seeds 1
+    python benchmarks/replay.py --model real --seeds 3 --budget_minutes 90
+    # the tiny random model (plumbing only: its "accuracy" is a toy reward's), minutes:
+    python benchmarks/replay.py --model tiny --seeds 1 --no_sim
+    python benchmarks/replay.py --sim_only          # the simulator part alone, ~1 min
 
-A SKELETON: it runs end to end, but no result from it is reported yet (no run at a
-size where accuracy moves has been made; the smoke model is random and rewarded by
-a toy reward, so its "accuracy" checks plumbing, not learning).
+Real runs (``runtime.rlvr.run`` in this process, one workdir each), four
+configurations, each spending the same generation budget (``--budget`` samples
+generated, the scheduler's ``samples_generated``; default 640 = the 20 steps of
+8 prompts x 4 samples of the README's real-model result) with the same seed(s):
 
-Part 1, real runs (``runtime.rlvr.run`` in this process, one workdir each). Four
-configurations with the same generation budget (``--budget`` generated samples)
-and the same seed(s):
+* ``sync``: colocated, alpha = 0 (the config's own colocated mesh);
+* ``async``: disjoint generation slices, alpha = 2;
+* ``replay``: async + a replay cycle at fixed rho (``--rho``, correction
+  ``--correction``): round((1 - rho) B) fresh groups a step, so the budget buys
+  about 1 / (1 - rho) times as many updates;
+* ``adaptive``: as ``replay`` with ``controller.kind=adaptive`` (rho, alpha <= 2 and
+  the requests in flight follow the measured rates). Elastic role changes are not
+  in the live loop (the controller only proposes them), so "+ elastic" is not
+  measured.
 
-* ``sync``: colocated, alpha = 0;
-* ``async``: disjoint slices, alpha = 2;
-* ``replay``: async + a replay cycle at fixed rho (``--rho``): fresh groups per step
-  round((1 - rho) B), so the budget buys 1 / (1 - rho) times as many updates;
-* ``adaptive``: as ``replay`` with ``controller.kind=adaptive`` (rho moves with the
-  measured rates; its alpha / role-split decisions are only logged: elastic role
-  changes are not wired into the live loop yet, so "+ elastic" is not measured).
+A run stops (``rlvr.run(stop_after=...)``, evaluated and checkpointed) at the step
+where its generated samples reach the budget, or after ``--budget_minutes`` of
+wall time (then it is marked "cut" and spent less than the budget). Async servers
+generate ahead, so they stop after fewer learner steps than sync: the generation
+spent, not the steps, is what is equal. Evaluation every ``--eval_samples``
+generated samples' worth of steps (at the start rho). Time is ``trained_at_s``
+(from the first generation request) minus the evaluation time spent before it;
+servers keep generating during an asynchronous run's evaluations, which this
+leaves in (a small advantage to the async modes). Target accuracy: the sync
+runs' final held-out accuracy (mean over seeds) x ``--target_frac``; time to
+target is the first evaluated step reaching it (never: inf). Printed: each run's
+curve (accuracy vs seconds and vs generated samples), then per configuration the
+time to target (mean +- std over seeds), its ratio to sync and to async (per seed,
+mean +- std), the generated samples to target, the final accuracy, and the load
+average. ``--out`` keeps everything as JSON.
 
-Evaluation runs every ``--eval-samples`` generated samples in every configuration
-(so every configuration evaluates at the same points of the budget). Time is
-``trained_at_s`` minus the evaluation time spent before it (the evaluations are
-the same in every configuration but are not training). The target is the sync
-run's final held-out accuracy (mean over seeds) times ``--target-frac``; time to
-target is the first evaluated step whose accuracy reaches it (inf if never).
-Printed: per configuration, time to target (mean +- std over seeds), its ratio to
-sync and to async ("n/a" when never reached), accuracy at the end of the budget,
-and the load average. The budget counts fresh samples trained; async servers
-generate up to alpha steps ahead, and ``samples_generated`` (printed per run)
-includes that extra work.
+Cost (real model, 2 shared CPU cores, estimated from earlier real-model runs: 1.5-3
+min a learner step of 32 rows, 1.5-2 min an evaluation of 100 prompts; not run at this
+size yet): with the defaults 40-100 min per configuration (sync 20 steps, async about
+18, replay and adaptive about 40 smaller-generation steps), 3-5 h for one seed, 9-15 h
+for three; ``--budget_minutes`` caps each run. The tiny model (``--model tiny``, budget
+64) takes about 5 min with the simulator part.
 
-Part 2, the simulator (``jaxflash.runtime.simulate``: the real scheduler under a
-virtual clock) at 64-1,024 generation slots, the same four configurations at the
-same device budget, cost model ``--costs``. The simulator has no accuracy: it
-predicts the time to spend a generation budget and how many learner updates (and
-trained samples, replayed included) that budget buys; whether replayed updates are
-worth as much as fresh ones is what Part 1 measures. Its replay rows train
-round((1 - rho) B) fresh groups + rho / (1 - rho) replayed samples per fresh one,
-as the runtime does.
+Part 2 (``benchmarks/replay_sim.py``): the same four configurations through the
+simulator at 64-1,024 generation slots.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import sys
 import tempfile
+import time
+from typing import Any
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, HERE)
+
+from replay_sim import run_simulator  # noqa: E402
 
 from jaxflash.replay.dual_cycle import fresh_groups_needed  # noqa: E402
-from jaxflash.runtime.simulate import (  # noqa: E402
-    CostModel,
-    LogNormal,
-    SimConfig,
-    Workload,
-    simulate,
-)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("sync", "async", "replay", "adaptive")
+CONFIGS = {
+    "real": os.path.join(REPO_ROOT, "configs", "rlvr_smollm2_arith.py"),
+    "tiny": os.path.join(REPO_ROOT, "configs", "smoke.py"),
+}
+DEFAULT_BUDGET = {"real": 640, "tiny": 64}
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _load(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def make_config(
+    path: str,
+    mode: str,
+    *,
+    seed: int,
+    budget: int,
+    rho: float,
+    eval_samples: int,
+    correction: str | None = None,
+    eval_prompts: int | None = None,
+) -> Any:
+    """The ExperimentConfig of one configuration.
+
+    ``total_steps`` is an upper bound (the budget at the fewest fresh samples a step
+    can take); the run stops at the budget through ``stop_after``. ``eval.every``
+    puts an evaluation every ``eval_samples`` fresh samples at the start rho.
+    """
+    from jaxflash.runtime.experiment import ExperimentConfig
+
+    c = _load(path)
+    c.seed = seed
+    c.mesh.colocated = mode == "sync"  # the config's device counts follow it
+    c.rollout.async_ratio = 0 if mode == "sync" else 2
+    if eval_prompts is not None:
+        c.data.eval_size = eval_prompts
+    B, G = c.rollout.prompts_per_step, c.rollout.group_size
+    fresh, fewest = B, B
+    if mode in ("replay", "adaptive"):
+        c.replay.ratio = rho
+        c.replay.max_age = 4  # > alpha: samples arriving 2 versions old can be replayed
+        if correction:
+            c.replay.correction = correction
+        fresh = fewest = fresh_groups_needed(B, rho)
+    if mode == "adaptive":
+        c.controller.kind = "adaptive"
+        c.controller.max_replay_ratio = max(rho, c.controller.max_replay_ratio)
+        fewest = fresh_groups_needed(B, c.controller.max_replay_ratio)
+    c.total_steps = max(1, math.ceil(budget / (fewest * G)))
+    c.eval.every = max(1, round(eval_samples / (fresh * G)))
+    c.checkpoint.every = c.total_steps
+    return ExperimentConfig.from_config_dict(c)
+
+
+def budget_stop(budget: int, minutes: float | None, clock=time.monotonic):
+    """``stop_after`` for ``rlvr.run``: True once ``samples_generated`` reaches
+    ``budget`` or ``minutes`` of wall time passed since this call (None: no cap)."""
+    t0 = clock()
+
+    def stop(metrics: dict[str, Any]) -> bool:
+        if int(metrics.get("samples_generated", 0)) >= budget:
+            return True
+        return minutes is not None and clock() - t0 >= 60.0 * minutes
+
+    return stop
+
+
+# ----------------------------------------------------------------------------- curves
+
+
+def read_curve(workdir: str) -> list[dict[str, float]]:
+    """Evaluated steps of a run: step, seconds (without evaluation), samples generated,
+    fresh samples trained, replayed samples trained, accuracy and its stderr.
+
+    Step 0 (before any generation) is included at 0 s; its evaluation happens
+    before the first generation request, so it is not subtracted from later times.
+    """
+    out, eval_s, fresh, replayed = [], 0.0, 0, 0
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            m = json.loads(line)
+            fresh += int(m.get("num_samples", 0))
+            replayed += int(m.get("cycle_replay_samples", 0))
+            if "eval_accuracy" in m:
+                step = int(m["step"])
+                out.append(
+                    {
+                        "step": step,
+                        "seconds": m["trained_at_s"] - eval_s if step else 0.0,
+                        "generated": int(m.get("samples_generated", 0)),
+                        "trained": fresh,
+                        "replayed": replayed,
+                        "accuracy": float(m["eval_accuracy"]),
+                        "stderr": float(m.get("eval_accuracy_stderr", float("nan"))),
+                    }
+                )
+            if int(m["step"]):
+                eval_s += float(m.get("eval_time_s", 0.0))
+    return out
+
+
+def first_reaching(curve: list[dict[str, float]], target: float, key: str) -> float:
+    """``key`` ("seconds" or "generated") at the first evaluated step (after step 0)
+    whose accuracy reaches ``target`` (inf if none)."""
+    return next((p[key] for p in curve if p["step"] and p["accuracy"] >= target), math.inf)
+
+
+def mean_std(xs: list[float], unit: str = "") -> str:
+    """'mean +- std unit' (sample std), or how many never got there."""
+    never = sum(not math.isfinite(x) for x in xs)
+    if never:
+        return f"undefined in {never}/{len(xs)}"
+    mean = sum(xs) / len(xs)
+    std = (sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1)) ** 0.5
+    return f"{mean:.2f} +- {std:.2f}{unit}"
 
 
 # ----------------------------------------------------------------------------- real runs
 
 
-def _config(path: str, mode: str, *, seed: int, budget: int, rho: float, eval_samples: int):
-    """The experiment of one mode: same budget, same evaluation points in samples."""
-    import importlib.util
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (seed, mode) run; their curves and run facts."""
+    from jaxflash.runtime import rlvr
 
-    from jaxflash.runtime.experiment import ExperimentConfig
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
+    root = args.workdir or tempfile.mkdtemp(prefix="replay_bench_")
+    for seed in range(args.seeds):
+        for mode in args.modes:
+            exp = make_config(
+                args.config, mode, seed=seed, budget=args.budget, rho=args.rho,
+                eval_samples=args.eval_samples, correction=args.correction,
+                eval_prompts=args.eval_prompts,
+            )  # fmt: skip
+            workdir = os.path.join(root, f"{mode}_seed{seed}")
+            t0 = time.monotonic()
+            last = rlvr.run(
+                exp, workdir=workdir, stop_after=budget_stop(args.budget, args.budget_minutes)
+            )
+            curve = read_curve(workdir)
+            generated = int(last.get("samples_generated", 0))
+            runs[mode].append(
+                {
+                    "seed": seed,
+                    "workdir": workdir,
+                    "wall_s": time.monotonic() - t0,
+                    "steps": int(last.get("policy_version", 0)),
+                    "generated": generated,
+                    "cut": generated < args.budget,
+                    "curve": curve,
+                    "load": os.getloadavg(),
+                }
+            )
+            r = runs[mode][-1]
+            cut = " (cut by --budget_minutes)" if r["cut"] else ""
+            print(
+                f"{mode} seed {seed}: {r['steps']} steps, {generated} samples generated{cut}, "
+                f"{r['wall_s'] / 60:.1f} min; load {tuple(round(x, 1) for x in r['load'])}"
+            )
+            for p in curve:
+                print(
+                    f"    step {p['step']:>3}  {p['seconds']:>8.1f} s  {p['generated']:>6} gen  "
+                    f"{p['trained']:>6} fresh + {p['replayed']:>5} replayed trained  "
+                    f"acc {p['accuracy']:.3f} +- {p['stderr']:.3f}"
+                )
+            sys.stdout.flush()
+    return runs
 
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
-    c.seed = seed
-    c.mesh.num_cpu_devices = 8
-    B, G = c.rollout.prompts_per_step, c.rollout.group_size
-    fresh_groups = B
-    if mode != "sync":
-        c.mesh.colocated = False
-        c.mesh.num_generation_slices = 2
-        c.mesh.learner = {"fsdp": 3, "tensor": 2}
-        c.rollout.async_ratio = 2
-    if mode in ("replay", "adaptive"):
-        c.replay.ratio = rho
-        c.replay.drop_uniform_groups = False
-        fresh_groups = fresh_groups_needed(B, rho)
-    if mode == "adaptive":
-        c.controller.kind = "adaptive"
-        c.controller.max_replay_ratio = max(rho, c.controller.max_replay_ratio)
-    per_step = fresh_groups * G
-    c.total_steps = max(1, budget // per_step)
-    c.eval.every = max(1, eval_samples // per_step)
-    c.checkpoint.every = c.total_steps
-    return ExperimentConfig.from_config_dict(c)
 
-
-def _curve(workdir: str) -> list[tuple[float, int, float]]:
-    """(seconds without evaluation, samples generated, eval accuracy) per evaluated step."""
-    out, eval_s = [], 0.0
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            m = json.loads(line)
-            if "eval_accuracy" in m and m["step"] > 0:
-                t = m["trained_at_s"] - eval_s
-                out.append((t, int(m.get("samples_generated", 0)), float(m["eval_accuracy"])))
-            eval_s += float(m.get("eval_time_s", 0.0))
+def summarize(runs: dict[str, list[dict[str, Any]]], target_frac: float) -> dict[str, Any]:
+    """Target from the sync runs, then each mode's time / samples to it and ratios."""
+    finals = [r["curve"][-1]["accuracy"] for r in runs.get("sync", []) if r["curve"]]
+    if not finals:
+        raise ValueError("the target accuracy is set from the sync runs: include mode sync")
+    target = target_frac * sum(finals) / len(finals)
+    out: dict[str, Any] = {"target": target, "modes": {}}
+    for mode, rs in runs.items():
+        t = [first_reaching(r["curve"], target, "seconds") for r in rs]
+        g = [first_reaching(r["curve"], target, "generated") for r in rs]
+        out["modes"][mode] = {
+            "time_to_target_s": t,
+            "samples_to_target": g,
+            "final_accuracy": [r["curve"][-1]["accuracy"] for r in rs],
+            "cut": [r["cut"] for r in rs],
+        }
+    for m in out["modes"].values():  # per-seed ratios: baseline time / this time
+        for base in ("sync", "async"):
+            if base in out["modes"]:
+                base_t = out["modes"][base]["time_to_target_s"]
+                pairs = zip(base_t, m["time_to_target_s"], strict=True)
+                m[f"speedup_vs_{base}"] = [_ratio(b, x) for b, x in pairs]
     return out
 
 
-def time_to_target(curve: list[tuple[float, int, float]], target: float) -> float:
-    """First time whose accuracy reaches ``target`` (inf if none)."""
-    return next((t for t, _, acc in curve if acc >= target), math.inf)
+def _ratio(base: float, this: float) -> float:
+    """base / this; 0 when this run never reached the target, NaN when the baseline never did."""
+    if not math.isfinite(base):
+        return math.nan
+    return base / this if math.isfinite(this) else 0.0
 
 
-def _mean_std(xs: list[float]) -> str:
-    finite = [x for x in xs if math.isfinite(x)]
-    if len(finite) < len(xs):
-        return f"inf ({len(xs) - len(finite)}/{len(xs)} never)"
-    mean = sum(xs) / len(xs)
-    std = (sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1)) ** 0.5
-    return f"{mean:.1f} +- {std:.1f} s"
-
-
-def part1(args: argparse.Namespace) -> None:
-    from jaxflash.runtime import rlvr
-
-    curves: dict[str, list] = {m: [] for m in MODES}
-    for seed in range(args.seeds):
-        for mode in MODES:
-            exp = _config(
-                args.config,
-                mode,
-                seed=seed,
-                budget=args.budget,
-                rho=args.rho,
-                eval_samples=args.eval_samples,
-            )
-            with tempfile.TemporaryDirectory() as workdir:
-                rlvr.run(exp, workdir=workdir)
-                curves[mode].append(_curve(workdir))
-            print(f"  {mode} seed {seed}: {curves[mode][-1][-1:]}  load {os.getloadavg()}")
-    finals = [c[-1][2] for c in curves["sync"] if c]
-    target = args.target_frac * sum(finals) / max(len(finals), 1)
-    print(f"\ntarget accuracy {target:.3f} (sync final mean x {args.target_frac})")
-    ttt = {m: [time_to_target(c, target) for c in curves[m]] for m in MODES}
-    mean = {m: sum(v) / len(v) for m, v in ttt.items()}
-    print(f"{'mode':<10}{'time to target':>26}{'x sync':>8}{'x async':>9}{'final acc':>11}")
-    for m in MODES:
-        final = sum(c[-1][2] for c in curves[m]) / len(curves[m])
-        vs_sync, vs_async = (
-            f"{mean[base] / mean[m]:.2f}" if math.isfinite(mean[m]) else "n/a"
-            for base in ("sync", "async")
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"\ntarget accuracy {s['target']:.3f} (sync final mean x target_frac)")
+    head = f"{'mode':<10}{'time to target':>24}{'x sync':>16}{'x async':>16}"
+    print(head + f"{'samples to target':>24}{'final acc':>11}{'cut':>5}")
+    for mode, m in s["modes"].items():
+        final = sum(m["final_accuracy"]) / len(m["final_accuracy"])
+        ratios = [
+            mean_std(m[f"speedup_vs_{b}"]) if f"speedup_vs_{b}" in m else "n/a"
+            for b in ("sync", "async")
+        ]
+        print(
+            f"{mode:<10}{mean_std(m['time_to_target_s'], ' s'):>24}{ratios[0]:>16}"
+            f"{ratios[1]:>16}{mean_std(m['samples_to_target']):>24}{final:>11.3f}"
+            f"{sum(m['cut']):>5}"
         )
-        print(f"{m:<10}{_mean_std(ttt[m]):>26}{vs_sync:>8}{vs_async:>9}{final:>11.3f}")
-    print(f"load average (1, 5, 15 min): {os.getloadavg()}")
-
-
-# ----------------------------------------------------------------------------- simulator
-
-
-def _workload(seed: int = 0) -> Workload:
-    return Workload(
-        lengths=LogNormal(median=1500, sigma=1.0),
-        max_tokens=16384,
-        prompt_tokens=(200, 350, 500),
-        prompt_sigma=0.5,
-        pass_alpha=0.6,
-        pass_beta=0.6,
-        seed=seed,
+    print(
+        "(x sync / x async: per seed, the baseline's time to target / this one's; 0: this "
+        "run never reached it; undefined: the baseline never did)"
     )
-
-
-def sim_config(mode: str, *, slots: int, slots_per_server: int, rho: float) -> SimConfig:
-    """One mode at ``slots`` generation slots (sync: all devices generate, then train;
-    async: a quarter of the devices train, the rest generate)."""
-    devices = max(2, slots // slots_per_server)
-    B, G = max(1, slots // 16), 16  # N = B * G = the sync slots
-    common = dict(slots_per_server=slots_per_server, group_size=G)
-    if mode == "sync":
-        return SimConfig(
-            placement="colocated",
-            servers=devices,
-            learner_devices=devices,
-            batch_prompts=B,
-            warmup_steps=1,
-            steps=3,
-            **common,
-        )
-    train = max(1, devices // 4)
-    fresh = fresh_groups_needed(B, rho) if mode != "async" else B
-    return SimConfig(
-        placement="disjoint",
-        async_ratio=2,
-        servers=devices - train,
-        learner_devices=train,
-        batch_prompts=fresh,
-        replay_ratio=0.0 if mode == "async" else rho / (1 - rho),
-        warmup_steps=3,
-        steps=6,
-        **common,
-    )
-
-
-def part2(args: argparse.Namespace) -> None:
-    costs = CostModel.load(args.costs)
-    print(f"\nsimulator: {os.path.basename(args.costs)}; rho = {args.rho}; adaptive = fixed")
-    print("rho here (the simulator has no controller: its predictions equal 'replay')")
-    head = f"{'slots':>6}{'mode':>10}{'fresh/s':>10}{'updates/s':>11}{'x sync':>8}{'x async':>9}"
-    print(head + f"{'stale':>7}{'L idle':>8}{'G idle':>8}")
-    for slots in args.sim_slots:
-        base: dict[str, float] = {}
-        for mode in MODES:
-            cfg = sim_config(
-                mode if mode != "adaptive" else "replay",
-                slots=slots,
-                slots_per_server=args.slots_per_server,
-                rho=args.rho,
-            )
-            res = simulate(cfg, costs, _workload())
-            # Same generation budget: time to spend it ~ 1 / fresh samples per second;
-            # updates per second of that time = 1 / step_s.
-            fresh_per_s = res.samples_per_s
-            updates_per_s = 1.0 / max(res.step_s, 1e-12)
-            base.setdefault(mode, updates_per_s)
-            print(
-                f"{slots:>6}{mode:>10}{fresh_per_s:>10.2f}{updates_per_s:>11.4f}"
-                f"{updates_per_s / base['sync']:>8.2f}"
-                f"{updates_per_s / base.get('async', updates_per_s):>9.2f}"
-                f"{res.staleness_mean:>7.2f}{res.learner_idle:>8.2f}{res.gen_idle:>8.2f}"
-            )
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=os.path.join(REPO_ROOT, "configs", "smoke.py"))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--budget", type=int, default=64, help="generated samples per run")
-    p.add_argument("--eval-samples", type=int, default=16, help="generated samples per eval")
+    p.add_argument("--model", choices=sorted(CONFIGS), default="real")
+    p.add_argument("--config", default="", help="a configs/*.py (default: --model's)")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--budget", type=int, default=0, help="samples generated per run (0: model's)")
+    p.add_argument("--budget_minutes", type=float, default=None, help="wall-time cap per run")
+    p.add_argument("--eval_samples", type=int, default=0, help="fresh samples between evals")
+    p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts per eval")
     p.add_argument("--rho", type=float, default=0.5)
-    p.add_argument("--target-frac", type=float, default=1.0)
-    p.add_argument("--sim-only", action="store_true")
-    p.add_argument("--sim-slots", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--slots-per-server", type=int, default=32)
+    p.add_argument("--correction", default=None, help="replay.correction (default: the loss)")
+    p.add_argument("--target_frac", type=float, default=1.0)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
+    p.add_argument("--out", default="", help="write curves and summary as JSON here")
+    p.add_argument("--sim_only", action="store_true")
+    p.add_argument("--no_sim", action="store_true")
+    p.add_argument("--sim_slots", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--slots_per_server", type=int, default=32)
     p.add_argument("--costs", default=os.path.join(HERE, "sim_costs", "h800_qwen3_8b.json"))
     args = p.parse_args()
+    args.config = args.config or CONFIGS[args.model]
+    args.budget = args.budget or DEFAULT_BUDGET[args.model]
+    args.eval_samples = args.eval_samples or max(1, args.budget // 4)
     print(f"load average at start (1, 5, 15 min): {os.getloadavg()}")
     if not args.sim_only:
-        part1(args)
-    part2(args)
+        runs = run_all(args)
+        summary = summarize(runs, args.target_frac)
+        print_summary(summary)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump({"args": vars(args), "runs": runs, "summary": summary}, f, indent=1)
+    if not args.no_sim:
+        run_simulator(args)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.replay.drop_uniform_groups = True  # do not store groups with equal rewards
     c.replay.advantages = "fixed"  # fixed (at ingestion) | joint | split (per_prompt only)
     c.replay.advantage_estimator = placeholder(str)  # joint/split: estimator (grpo)
-    c.replay.correction = placeholder(str)  # replayed rows' loss; unset = learner.loss
+    # Replayed rows' loss (off-policy correction; fresh rows keep learner.loss), applied
+    # per row in the same update: decoupled_ppo | tis (vs the proximal policy) | m2po |
+    # cispo | ppo (vs the stored behaviour logprobs); unset = learner.loss for both.
+    c.replay.correction = placeholder(str)
+    c.replay.correction_kwargs = ml_collections.ConfigDict()  # e.g. {"tis_cap": 2.0}
 
     c.controller = ml_collections.ConfigDict()
     c.controller.kind = "none"  # none (replay.ratio) | fixed (replay_schedule) | adaptive

@@ -189,6 +189,10 @@ class TrainBatch:
       advantages_bt: float32 [B, T] (per-sequence advantage broadcast over tokens).
       behaviour_logp_bt: float32 [B, T] engine logprobs of the targets (0 where masked).
       token_versions_bt: int32 [B, T] version that sampled each target (-1 where masked).
+      cycle_bt: int32 [B, T], the row's replay cycle, constant along the row: 0 fresh
+        (from the generation servers), 1 replayed from the buffer (ReFlow's dual
+        cycle); broadcast over tokens like the advantages so every field shares one
+        layout. None means every row is fresh.
     """
 
     input_ids_bt: Any
@@ -198,3 +202,4 @@ class TrainBatch:
     advantages_bt: Any
     behaviour_logp_bt: Any
     token_versions_bt: Any
+    cycle_bt: Any = None

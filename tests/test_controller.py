@@ -1,5 +1,6 @@
 """Adaptive controller: synthetic rate measurements move alpha, rho and the split as documented."""
 
+import dataclasses
 import json
 
 import pytest
@@ -133,3 +134,30 @@ def test_bad_inputs_are_named():
         ControllerConfig(batch_samples=8, max_async_ratio=1, max_replay_ratio=1.0)
     with pytest.raises(ValueError, match="async_ratio 1 outside"):
         AdaptiveController(ControllerConfig(batch_samples=8, max_async_ratio=0), START)
+
+
+def test_in_flight_counts_whole_groups():
+    # 12 samples = 3 groups of 4 at rho 0.5: round(1.5) = 2 fresh groups = 8 samples,
+    # alpha = 2 -> 3 * 8 = 24 requests; per sample (G = 1) it would be 3 * 6 = 18.
+    assert in_flight_for(2, 0.5, 12, 4) == 24
+    assert in_flight_for(2, 0.5, 12) == 18
+    with pytest.raises(ValueError, match="group_size"):
+        ControllerConfig(batch_samples=12, max_async_ratio=1, group_size=5)
+
+
+def test_an_unapplied_move_is_logged_as_proposed_and_keeps_the_rates():
+    ctl = _ctl(move_patience=1)
+    d = _feed(ctl, 1, gen_rate=2.0)[0]  # generation-bound: proposes a device to generation
+    assert (d.learner_devices, d.generation_devices) == (3, 5)
+    kept = dataclasses.replace(d, learner_devices=4, generation_devices=4)
+    ctl.applied(kept)  # the runtime could not move it
+    m = ctl.metrics()
+    assert (m["ctl_generation_devices"], m["ctl_proposed_generation_devices"]) == (4, 5)
+    assert (m["ctl_learner_devices"], m["ctl_proposed_learner_devices"]) == (4, 3)
+    assert ctl.decision == kept and ctl.state_dict()["decision"]["generation_devices"] == 4
+    # Nothing moved, so the rate averages go on: gen 0.5 * 9 + 0.5 * 2 = 5.5 at rho 0.375
+    # (an applied move restarts them: supply would be 9 / 6.25).
+    _feed(ctl, 1, start=1, gen_rate=9.0)
+    assert ctl.metrics()["ctl_supply_ratio"] == pytest.approx(5.5 / (10.0 * (1 - 0.375)))
+    with pytest.raises(ValueError, match="changes more than the split"):
+        ctl.applied(dataclasses.replace(ctl.decision, replay_ratio=0.0))

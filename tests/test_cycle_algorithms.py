@@ -98,8 +98,8 @@ def test_cycle_loss_is_each_cycles_loss_on_its_rows():
     )
     np.testing.assert_allclose(loss, np.where(rows, r_loss, f_loss), rtol=1e-6)
     assert float(m["num_tokens"]) == float(mask.sum())
-    assert float(m["replay_masked_frac"]) == pytest.approx(float(r_m["masked_frac"]))
-    assert float(m["replay_masked_frac"]) > 0  # M2PO saw the replay rows' log-ratios only
+    assert float(m["replay_pg_masked_frac"]) == pytest.approx(float(r_m["masked_frac"]))
+    assert float(m["replay_pg_masked_frac"]) > 0  # M2PO saw the replay rows' log-ratios only
     want = (r_m["masked_frac"] * r_m["num_tokens"]) / mask.sum()
     assert float(m["masked_frac"]) == pytest.approx(float(want), rel=1e-6)
     assert float(m["ratio_max"]) == pytest.approx(

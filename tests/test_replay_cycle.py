@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from configs import replay_smoke, smoke
-from jaxflash.algorithms.importance import ratio_metrics_by_cycle
 from jaxflash.replay.controller import AdaptiveController, ControllerInputs, Decision
 from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.learner_batch import LearnerBatch
@@ -35,10 +34,19 @@ def _exp(**overrides):
         ({"replay__sampler": "recency", "replay__capacity": 8}, ["replay.capacity"]),
         ({"replay__ratio": 1.0}, ["replay.ratio"]),
         ({"replay__ratio": 0.5, "replay__correction": "no_such_loss"}, ["replay.correction"]),
-        (  # a per-cycle loss is not wired into the learner step: refused, not ignored
-            {"replay__ratio": 0.5, "replay__correction": "m2po"},
-            ["replay.correction", "learner.loss"],
+        (  # kwargs of no correction would be ignored
+            {"replay__ratio": 0.5, "replay__correction_kwargs": {"tis_cap": 2.0}},
+            ["replay.correction_kwargs"],
         ),
+        (  # a kwarg the correction does not take
+            {
+                "replay__ratio": 0.5,
+                "replay__correction": "m2po",
+                "replay__correction_kwargs": {"tis_cap": 2.0},
+            },
+            ["replay.correction_kwargs", "m2_threshold"],
+        ),
+        ({"learner__replay_loss": "tis"}, ["learner.replay_loss"]),  # set from replay.*
         ({"replay__ratio": 0.5, "replay__advantages": "joint"}, ["replay.sampler"]),
         ({"replay__ratio": 0.5, "replay__freshness_tau": 2.0}, ["freshness_tau"]),
         ({"replay__ratio": 0.5, "replay__advantage_estimator": "rloo"}, ["advantage_estimator"]),
@@ -95,14 +103,30 @@ def test_accepted_configs():
     _exp(controller__kind="adaptive", replay__max_age=2)
 
 
+@pytest.mark.parametrize(
+    "correction, kwargs, against",
+    [("m2po", {"m2_threshold": 0.02}, "behaviour"), ("cispo", {}, "behaviour"),
+     ("tis", {"tis_cap": 1.5}, "proximal"), ("decoupled_ppo", {}, "proximal")],
+)  # fmt: skip
+def test_replay_correction_sets_the_learners_replay_loss(correction, kwargs, against):
+    exp = _exp(replay__ratio=0.5, replay__correction=correction, replay__correction_kwargs=kwargs)
+    lc = exp.learner
+    assert (lc.replay_loss, dict(lc.replay_loss_kwargs), lc.replay_ratio_against) == (
+        correction,
+        kwargs,
+        against,
+    )
+    assert lc.loss == "ppo" and lc.dual_cycle  # the fresh rows keep learner.loss
+    # No correction: the replayed rows take the learner's own loss (still per cycle).
+    own = _exp(replay__ratio=0.5).learner
+    assert own.replay_loss == own.loss and own.replay_ratio_against == own.ratio_against
+    assert _exp().learner.replay_loss is None and not _exp().learner.dual_cycle
+    # Derived again whenever the experiment is rebuilt (no stale replay loss survives).
+    plain = dataclasses.replace(exp, replay=ReplaySpec(), controller=ControllerSpec())
+    assert plain.learner.replay_loss is None
+
+
 # ----------------------------------------------------------------------------- the batch
-
-
-def _logprob_fn_zero_gap(params, batch):
-    """pi_theta = mu on fresh rows (v0 samples), log pi = log mu + 0.5 on the others."""
-    logp = np.asarray(batch.behaviour_logp_bt, np.float32).copy()
-    logp[np.asarray(batch.token_versions_bt) != params["version"]] += 0.5
-    return logp, np.zeros_like(logp)
 
 
 def _cycle(replay=None, controller=None, state=None, **kw):
@@ -115,7 +139,6 @@ def _cycle(replay=None, controller=None, state=None, **kw):
         learner_devices=6,
         generation_devices=2,
         seed=0,
-        logprob_fn=_logprob_fn_zero_gap,
         state=state,
         **kw,
     )
@@ -131,10 +154,10 @@ def _fresh(step: int) -> LearnerBatch:
 def test_mixed_batch_rows_labels_and_stored_behaviour_logprobs():
     cycle = _cycle()
     assert cycle.fresh_prompts == 2 and cycle.rows == 8  # B=4 groups: 2 fresh + 4 replayed
-    first, m1 = cycle.step_batch(_fresh(0), {"version": 0}, learner_version=0, pad_id=0, max_len=64)
+    first, m1 = cycle.step_batch(_fresh(0), learner_version=0, pad_id=0, max_len=64)
     assert m1["cycle_replay_samples"] == 0 and m1["cycle_replay_shortfall"] == 4
     assert first.input_ids_bt.shape[0] == 8  # padded to the fixed row count
-    batch, m = cycle.step_batch(_fresh(1), {"version": 1}, learner_version=1, pad_id=0, max_len=64)
+    batch, m = cycle.step_batch(_fresh(1), learner_version=1, pad_id=0, max_len=64)
     assert m["cycle_fresh_samples"] == 4 and m["cycle_replay_samples"] == 4
     assert m["replay_age_hist"] == [0, 4, 0] and m["replay_reuse_hist"] == [0, 4]
     # Replayed rows (4..7) carry the stored samples' behaviour logprobs and versions.
@@ -145,29 +168,15 @@ def test_mixed_batch_rows_labels_and_stored_behaviour_logprobs():
         assert set(versions.tolist()) == {0}
         mu = np.asarray(batch.behaviour_logp_bt)[row][mask[row]]
         assert any(np.array_equal(mu, s.behaviour_logprobs) for s in stored.values())
-    # Ratios per cycle: fresh rows w = 1 (ESS 1), replayed rows w = e^0.5 on every token.
-    assert m["fresh_ratio_mean"] == pytest.approx(1.0)
-    assert m["replay_ratio_mean"] == pytest.approx(np.exp(0.5), rel=1e-6)
-    assert m["replay_ess_token"] == pytest.approx(1.0) and m["replay_sequences"] == 4
-    # The replay labels are what the ratio statistics were split by.
-    redo = ratio_metrics_by_cycle(
-        {
-            "tokens": mask.sum(1),
-            "sum_w": mask.sum(1) * 1.0,
-            "sum_w2": mask.sum(1) * 1.0,
-            "max_w": np.ones(8),
-            "min_w": np.ones(8),
-            "seq_log_w": np.zeros(8),
-        },
-        np.array([0] * 4 + [1] * 4),
-    )
-    assert redo["replay_sequences"] == m["replay_sequences"]
+    # Each row's cycle label rides in the batch (the learner picks the loss by it).
+    np.testing.assert_array_equal(batch.cycle_bt[:, 0], [0] * 4 + [1] * 4)
+    assert np.all(batch.cycle_bt == batch.cycle_bt[:, :1])  # constant along each row
+    assert not np.any(first.cycle_bt)  # nothing replayed at step 0
 
 
 def test_no_fresh_samples_no_batch():
     batch, m = _cycle().step_batch(
         LearnerBatch(None, (), np.zeros(0, np.float32)),
-        {"version": 0},
         learner_version=0,
         pad_id=0,
         max_len=64,
@@ -204,9 +213,9 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
     ]
     logged = [cycle.control_from(r, next_version=s + 1) for s, r in enumerate(rows)]
     assert all(json.dumps(m) for m in logged)  # metrics.jsonl-able
-    # The same inputs fed to the phase-1 controller give the same decisions.
+    # The same inputs fed to a controller told what was applied give the same decisions.
     ref = AdaptiveController(
-        spec.controller_config(batch_samples=8, max_async_ratio=0),
+        spec.controller_config(batch_samples=8, max_async_ratio=0, group_size=2),
         Decision(
             replay_ratio=0.25,
             async_ratio=0,
@@ -221,13 +230,17 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
         )
         d = ref.update(inputs)
         assert m["ctl_replay_ratio"] == d.replay_ratio
-        assert m["ctl_generation_devices"] == d.generation_devices
-    # Documented direction: gen-bound raises rho and gives generation a device;
-    # train-bound lowers rho and moves it back.
+        assert m["ctl_requests_in_flight"] == d.requests_in_flight
+        assert m["ctl_proposed_generation_devices"] == d.generation_devices
+        ref.applied(dataclasses.replace(d, learner_devices=6, generation_devices=2))
+    # Documented direction: gen-bound raises rho and proposes a device for generation;
+    # train-bound lowers rho and proposes one for the learner. Devices do not move in a
+    # live run: the split in force stays 6 / 2.
     rho = [m["ctl_replay_ratio"] for m in logged]
-    gen = [m["ctl_generation_devices"] for m in logged]
+    proposed = [m["ctl_proposed_generation_devices"] for m in logged]
     assert rho[:3] == [0.375, 0.5, 0.625] and rho[3:] == [0.5, 0.375, 0.25]
-    assert gen[1] == 3 and gen[-1] == 2
+    assert proposed == [2, 3, 2, 2, 1, 2]
+    assert all((m["ctl_learner_devices"], m["ctl_generation_devices"]) == (6, 2) for m in logged)
     assert logged[0]["ctl_in_gen_rate"] == pytest.approx(2.0)  # 102 - 100 in 1 s
     assert cycle.replay_ratio == rho[-1]  # the next step's rho
     # A skipped step (nothing trained) measures no training rate: no update, no row.
@@ -246,17 +259,11 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
 def test_restored_cycle_draws_the_same_replay_batches():
     cycle = _cycle()
     for step in range(2):
-        cycle.step_batch(
-            _fresh(step), {"version": step}, learner_version=step, pad_id=0, max_len=64
-        )
+        cycle.step_batch(_fresh(step), learner_version=step, pad_id=0, max_len=64)
     restored = _cycle(state=json.loads(json.dumps(cycle.state_dict())))
     for step in range(2, 5):
-        a, ma = cycle.step_batch(
-            _fresh(step), {"version": step}, learner_version=step, pad_id=0, max_len=64
-        )
-        b, mb = restored.step_batch(
-            _fresh(step), {"version": step}, learner_version=step, pad_id=0, max_len=64
-        )
+        a, ma = cycle.step_batch(_fresh(step), learner_version=step, pad_id=0, max_len=64)
+        b, mb = restored.step_batch(_fresh(step), learner_version=step, pad_id=0, max_len=64)
         assert ma == mb
         for f in dataclasses.fields(a):
             np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))

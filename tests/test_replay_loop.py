@@ -13,11 +13,13 @@
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from configs import replay_smoke
 from jaxflash.replay.controller import AdaptiveController, ControllerInputs, Decision
+from jaxflash.replay.dual_cycle import fresh_groups_needed
 from jaxflash.runtime import rlvr
 from jaxflash.runtime.experiment import ExperimentConfig
 from tests.test_rlvr import _undocumented
@@ -41,8 +43,10 @@ def test_replay_smoke_adaptive_end_to_end(tmp_path):
     replayed_any = False
     for m in metrics:
         step = m["step"]
-        # Fresh cycle: 2 groups of 2 (B = 4 groups at rho = 0.5); + the replay cycle.
-        assert m["cycle_fresh_samples"] == m["num_samples"] == 4, step
+        # Fresh cycle: round((1 - rho) 4) groups of 2 at the step's rho; + the replay cycle.
+        fresh_groups = fresh_groups_needed(4, m["cycle_replay_ratio_target"])
+        assert m["sched_batch_prompts"] == fresh_groups, step
+        assert m["cycle_fresh_samples"] == m["num_samples"] == 2 * fresh_groups, step
         assert m["sequences"] == m["cycle_fresh_samples"] + m["cycle_replay_samples"], step
         assert m["tokens"] == m["fresh_ratio_tokens"] + m["replay_ratio_tokens"], step
         # Caps: ages <= max_age (2), replays per sample <= max_reuse (2).
@@ -67,7 +71,7 @@ def test_replay_smoke_adaptive_end_to_end(tmp_path):
 
     # Controller: decisions as the phase-1 controller makes them from the logged inputs.
     ref = AdaptiveController(
-        exp.controller.controller_config(batch_samples=8, max_async_ratio=0),
+        exp.controller.controller_config(batch_samples=8, max_async_ratio=0, group_size=2),
         Decision(
             replay_ratio=0.5,
             async_ratio=0,
@@ -81,10 +85,14 @@ def test_replay_smoke_adaptive_end_to_end(tmp_path):
         assert inputs["step"] == m["step"] and inputs["queue_depth"] >= 0
         d = ref.update(ControllerInputs(**inputs))
         assert (m["ctl_replay_ratio"], m["ctl_async_ratio"]) == (d.replay_ratio, d.async_ratio)
-        assert m["ctl_generation_devices"] == d.generation_devices
+        assert m["ctl_proposed_generation_devices"] == d.generation_devices
+        assert (m["ctl_learner_devices"], m["ctl_generation_devices"]) == (8, 1)  # not moved
+        ref.applied(replace(d, learner_devices=8, generation_devices=1))
         assert m["ctl_async_ratio"] == 0  # within the user's maximum (rollout.async_ratio)
-        if prev is not None:  # the decision sets the next step's rho
+        if prev is not None:  # the decision is in force at the next step
             assert m["cycle_replay_ratio_target"] == prev["ctl_replay_ratio"]
+            assert m["sched_async_ratio"] == prev["ctl_async_ratio"]
+            assert m["sched_prompts_capacity"] == prev["ctl_requests_in_flight"] // 2
     assert not _undocumented(metrics)
 
 

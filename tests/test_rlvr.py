@@ -38,6 +38,7 @@ def _undocumented(metrics_rows):
     patterns = [
         (r"^gen\d+_", "gen{i}_"),
         (r"^(samples_dropped|buffer_dropped|steps_skipped)_.+$", r"\1_<reason>"),
+        (r"^(fresh|replay)_pg_.+$", r"\1_pg_<name>"),
     ]
     missing = set()
     for row in metrics_rows:
@@ -224,3 +225,23 @@ def test_all_truncated_batches_are_skipped_and_the_run_goes_on(tmp_path, placeme
     taken = [r for r in rows if r["outcome"] == "filtered"]
     assert len(taken) == 2 * 4 * 2
     assert all(r["loss_masked"] and r["reason"] == "all_truncated" for r in taken)
+
+
+@pytest.mark.timeout(600)
+def test_stop_after_ends_the_run_evaluated_and_checkpointed(tmp_path):
+    # benchmarks/replay.py stops runs at a generation budget: the predicate sees each
+    # step's metrics; the step it accepts is evaluated and saved like a last step.
+    c = smoke.get_config()
+    c.total_steps, c.eval.every, c.checkpoint.every = 6, 5, 5
+    seen = []
+
+    def stop(m):
+        seen.append(m["samples_generated"])
+        return m["samples_generated"] >= 16  # 2 steps of 4 prompts x 2 samples
+
+    last = rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path), stop_after=stop)
+    metrics = _rows(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2] and seen == [8, 16]
+    assert "eval_accuracy" in metrics[-1] and "eval_accuracy" not in metrics[1]
+    assert last["policy_version"] == 2
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]

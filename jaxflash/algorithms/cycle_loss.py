@@ -11,7 +11,11 @@ behind its mask the two per-token losses simply add.
 
 The result has the registered-loss signature plus ``replay_b``; its metrics are
 the combined ones a learner reads (token-weighted means, max / min, sums) plus
-every per-cycle metric prefixed ``fresh_`` / ``replay_``.
+every per-cycle metric prefixed ``fresh_pg_`` / ``replay_pg_`` ("pg": the policy
+loss's own statistics, e.g. the ratio it clipped; the importance ratios against
+the behaviour policy are ``algorithms.importance``'s, named ``fresh_ratio_*``).
+The learner step (``learner.cycles``) calls it with a per-row ``old_logp_bt``
+already chosen per cycle (the proximal policy or the stored behaviour logprobs).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def make_cycle_loss(
     Returns:
       A function taking the registered-loss arguments (float32 [B, T]) plus
       ``replay_b`` ([B], nonzero for replayed rows) and returning (loss_bt,
-      metrics): loss_bt = fresh loss on fresh rows + replay loss on replayed rows.
+      metrics): loss_bt = fresh loss on fresh rows + replay loss on replayed rows;
+      metrics as the registered losses' plus ``{fresh,replay}_pg_<name>`` per cycle.
 
     Raises:
       ValueError: unknown loss names (from ``get_policy_loss``).
@@ -87,7 +92,7 @@ def make_cycle_loss(
             weighted = f.get(k, 0.0) * f["num_tokens"] + r.get(k, 0.0) * r["num_tokens"]
             combined[k] = weighted / jnp.maximum(n, 1.0)
         for name, m in parts.items():
-            combined.update({f"{name}_{k}": v for k, v in m.items()})
+            combined.update({f"{name}_pg_{k}": v for k, v in m.items()})
         return total, combined
 
     return loss

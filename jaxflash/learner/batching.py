@@ -29,6 +29,12 @@ TRAIN_BATCH_FIELDS = (
     "advantages_bt",
     "behaviour_logp_bt",
     "token_versions_bt",
+    "cycle_bt",
+)
+# dtypes of the device batch (types.TrainBatch): ids, positions, versions and the
+# cycle label are int32; masks / advantages / logprobs float32.
+INT_FIELDS = frozenset(
+    {"input_ids_bt", "positions_bt", "target_ids_bt", "token_versions_bt", "cycle_bt"}
 )
 
 
@@ -61,6 +67,7 @@ def pack_batch(
     power_of_two: bool = False,
     max_len: int | None = None,
     num_sequences: int | None = None,
+    cycle_b: Sequence[int] | np.ndarray | None = None,
 ) -> TrainBatch:
     """Pack samples and their per-sample advantages into a padded TrainBatch.
 
@@ -75,6 +82,8 @@ def pack_batch(
       max_len: if set, T may not exceed it (the model's max_seq_len).
       num_sequences: if set, pad the batch with empty (all-masked) rows to this
         many sequences so the batch shape is fixed; must be >= len(samples).
+      cycle_b: int [B_real], each sample's replay cycle (0 fresh, 1 replayed);
+        None: all fresh. Padding rows are fresh (they carry no tokens).
 
     Returns:
       TrainBatch of numpy arrays [B, T] (dtypes as in ``types.TrainBatch``);
@@ -84,10 +93,17 @@ def pack_batch(
       ValueError: empty input, mismatched lengths, a sample with an empty
         response, per-token arrays whose length differs from the response, a
         response_mask that is not 0/1 of the response's length, non-finite
-        advantages, or a sequence longer than ``max_len`` (names the sample).
+        advantages, a sequence longer than ``max_len`` (names the sample), or a
+      ``cycle_b`` that is not 0/1 per sample.
     """
     if len(samples) == 0:
         raise ValueError("pack_batch: samples is empty")
+    cycle = np.zeros(len(samples), np.int32) if cycle_b is None else np.asarray(cycle_b)
+    if cycle.shape != (len(samples),) or not np.all((cycle == 0) | (cycle == 1)):
+        raise ValueError(
+            f"pack_batch: cycle_b must be 0/1 per sample, shape ({len(samples)},); got "
+            f"shape {cycle.shape}"
+        )
     adv_b = np.asarray(advantages, dtype=np.float32)
     if adv_b.shape != (len(samples),):
         raise ValueError(
@@ -141,6 +157,8 @@ def pack_batch(
         blogp[b, span] = np.where(keep, np.asarray(s.behaviour_logprobs, np.float32), 0.0)
         versions[b, span] = np.where(keep, np.asarray(s.token_versions, np.int32), -1)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
+    cycle_bt = np.zeros((B, T), np.int32)
+    cycle_bt[: len(samples)] = cycle.astype(np.int32)[:, None]
     return TrainBatch(
         input_ids_bt=input_ids,
         positions_bt=positions,
@@ -149,6 +167,7 @@ def pack_batch(
         advantages_bt=adv,
         behaviour_logp_bt=blogp,
         token_versions_bt=versions,
+        cycle_bt=cycle_bt,
     )
 
 
@@ -172,11 +191,11 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
     (mask 0, versions -1), which add nothing to the loss or its normalisers.
 
     Args:
-      batch: TrainBatch of numpy arrays [B, T].
+      batch: TrainBatch of numpy arrays [B, T] (``cycle_bt`` None: all fresh).
       micro_batch_size: sequences per micro-batch (b >= 1).
 
     Returns:
-      TrainBatch of numpy arrays [M, b, T], M = ceil(B / b).
+      TrainBatch of numpy arrays [M, b, T], M = ceil(B / b), every field set.
 
     Raises:
       ValueError: micro_batch_size < 1 or fields with inconsistent shapes.
@@ -191,7 +210,8 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
     extra = M * micro_batch_size - B
     out = {}
     for name in TRAIN_BATCH_FIELDS:
-        x = np.asarray(getattr(batch, name))
+        x = getattr(batch, name)
+        x = np.zeros((B, T), np.int32) if x is None else np.asarray(x)  # cycle_bt: all fresh
         if x.shape != (B, T):
             raise ValueError(f"split_micro_batches: {name} has shape {x.shape}, expected {(B, T)}")
         if extra:

@@ -20,6 +20,42 @@ SCHEDULES = ("constant", "cosine")
 RATIO_AGAINST = ("behaviour", "proximal")
 
 
+def _check_loss(field: str, loss: str, kwargs: Any, ratio_against: str) -> None:
+    """Checks a loss name, its keyword hyper-parameters and its pi_old (naming ``field``).
+
+    Raises:
+      ValueError: an unknown loss or ratio_against, kwargs the loss does not take,
+        or decoupled_ppo / tis without ratio_against="proximal".
+    """
+    against = "ratio_against" if field == "loss" else f"{field.removesuffix('_loss')}_ratio_against"
+    if loss not in POLICY_LOSSES:
+        raise ValueError(
+            f"LearnerConfig.{field} must be one of {sorted(POLICY_LOSSES)}, got {loss!r}"
+        )
+    if ratio_against not in RATIO_AGAINST:
+        raise ValueError(
+            f"LearnerConfig.{against} must be one of {RATIO_AGAINST}, got {ratio_against!r}"
+        )
+    if loss in ("decoupled_ppo", "tis") and ratio_against != "proximal":
+        # Against mu itself the behaviour weight pi_prox/mu is identically 1:
+        # the off-policy correction would silently vanish.
+        raise ValueError(
+            f"LearnerConfig.{field}={loss!r} needs {against}='proximal', got {ratio_against!r}"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"LearnerConfig.{field}_kwargs must be a mapping, got {type(kwargs)}")
+    params = inspect.signature(POLICY_LOSSES[loss]).parameters
+    accepted = {
+        n for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n != "behaviour_logp_bt"
+    }
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"LearnerConfig.{field}_kwargs has keys {unknown} that loss {loss!r} does not "
+            f"take; it takes {sorted(accepted)}"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
     """How the learner turns a TrainBatch into a parameter update.
@@ -58,6 +94,18 @@ class LearnerConfig:
         learner rescores under the same processed distribution.
       logprob_chunk: tokens per chunk of the chunked log-softmax (bounds the
         [b, chunk, V] logits alive at once).
+      replay_loss: the dual replay cycle (ReFlow; ``learner.cycles``): the
+        ``POLICY_LOSSES`` name applied to rows labelled replayed
+        (``TrainBatch.cycle_bt == 1``) while ``loss`` applies to fresh rows, in the
+        same jitted step; the step then also reports importance-ratio statistics
+        and ESS per cycle. None (default): batches have no replayed rows (one with
+        any is refused) and one loss applies to every row. Runs set it from
+        ``replay.*`` (``runtime.replay_spec``).
+      replay_loss_kwargs: hyper-parameters of ``replay_loss``.
+      replay_ratio_against: pi_old of the replayed rows, as ``ratio_against``
+        ("proximal" for "decoupled_ppo" / "tis": AReaL's decoupled objective with
+        the stored behaviour logprobs as mu; "behaviour": clip or weight against the
+        stored behaviour logprobs themselves, as RePO / CISPO / M2PO do).
     """
 
     lr: float = 1e-6
@@ -80,6 +128,9 @@ class LearnerConfig:
     entropy_coef: float = 0.0
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     logprob_chunk: int = 256
+    replay_loss: str | None = None
+    replay_loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    replay_ratio_against: str = "behaviour"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -115,22 +166,22 @@ class LearnerConfig:
             raise ValueError(
                 f"LearnerConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}"
             )
-        if self.loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"LearnerConfig.loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}"
+        _check_loss("loss", self.loss, self.loss_kwargs, self.ratio_against)
+        if self.replay_loss is not None:
+            _check_loss(
+                "replay_loss", self.replay_loss, self.replay_loss_kwargs, self.replay_ratio_against
             )
-        if self.ratio_against not in RATIO_AGAINST:
-            raise ValueError(
-                f"LearnerConfig.ratio_against must be one of {RATIO_AGAINST}, "
-                f"got {self.ratio_against!r}"
-            )
-        if self.loss in ("decoupled_ppo", "tis") and self.ratio_against != "proximal":
-            # Against mu itself the behaviour weight pi_prox/mu is identically 1:
-            # the off-policy correction would silently vanish.
-            raise ValueError(
-                f"LearnerConfig.loss={self.loss!r} needs ratio_against='proximal', "
-                f"got {self.ratio_against!r}"
-            )
+        else:
+            ignored = [
+                f"LearnerConfig.{f}"
+                for f, default in (
+                    ("replay_loss_kwargs", {}),
+                    ("replay_ratio_against", "behaviour"),
+                )
+                if getattr(self, f) != default
+            ]
+            if ignored:
+                raise ValueError(f"{ignored} would be ignored without LearnerConfig.replay_loss")
         if self.aggregation not in AGGREGATION_MODES:
             raise ValueError(
                 f"LearnerConfig.aggregation must be one of {AGGREGATION_MODES}, "
@@ -143,20 +194,6 @@ class LearnerConfig:
                 "LearnerConfig.aggregation_max_tokens must be >= 1 for "
                 f"'seq-mean-token-sum-norm', got {self.aggregation_max_tokens}"
             )
-        if not isinstance(self.loss_kwargs, Mapping):
-            raise ValueError(
-                f"LearnerConfig.loss_kwargs must be a mapping, got {type(self.loss_kwargs)}"
-            )
-        params = inspect.signature(POLICY_LOSSES[self.loss]).parameters
-        accepted = {
-            n for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n != "behaviour_logp_bt"
-        }
-        unknown = sorted(set(self.loss_kwargs) - accepted)
-        if unknown:
-            raise ValueError(
-                f"LearnerConfig.loss_kwargs has keys {unknown} that loss {self.loss!r} does not "
-                f"take; it takes {sorted(accepted)}"
-            )
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -167,6 +204,11 @@ class LearnerConfig:
             )
         if self.logprob_chunk < 1:
             raise ValueError(f"LearnerConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
+
+    @property
+    def dual_cycle(self) -> bool:
+        """Whether batches may carry replayed rows (a loss per cycle, per-cycle stats)."""
+        return self.replay_loss is not None
 
     @property
     def uses_reference(self) -> bool:

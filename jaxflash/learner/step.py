@@ -12,6 +12,12 @@ under the sampling distribution (temperature / top-k / top-p, the same q the
 engine sampled from) -> policy loss (``POLICY_LOSSES``) + optional entropy bonus
 + optional k3 KL to reference params.
 
+Dual replay cycle (``LearnerConfig.replay_loss``, ``learner.cycles``): the batch's
+``cycle_bt`` labels rows fresh or replayed; the fresh rows take ``loss`` and the
+replayed rows ``replay_loss`` in the same compiled step (masks, no branch per
+batch), and the same forward pass gives the importance ratios pi_theta / mu and
+ESS per cycle (``fresh_*`` / ``replay_*``).
+
 Parity metric: ``logprob_gap_max`` = max |log pi_theta - log mu| over masked
 tokens, computed in the forward passes of this step, i.e. under the params
 *before* the update. For tokens sampled by the current version it measures
@@ -33,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
 from jaxflash.algorithms.kl import kl_k3
-from jaxflash.algorithms.policy_loss import get_policy_loss
+from jaxflash.learner import cycles
 from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
@@ -76,7 +82,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
       holds sums / maxima that ``train_step`` combines into metrics.
     """
     mc, lc = model_config, learner_config
-    policy_loss = get_policy_loss(lc.loss, **dict(lc.loss_kwargs))
+    policy_term = cycles.make_policy_term(lc)
 
     def agg(x_bt, mask_bt, n_tok, n_seq):
         return aggregate(
@@ -93,13 +99,8 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         valid_bt = mask_bt > 0
         logp_bt, ent_bt, *full_bt = _logprobs(params, mb, mc, lc, full_vocab=lc.uses_reference)
         mu_bt = mb["behaviour_logp_bt"]
-        if lc.ratio_against == "proximal":
-            old_bt, behaviour = jax.lax.stop_gradient(logp_bt), mu_bt
-        else:
-            old_bt, behaviour = mu_bt, None
-        pg_bt, m = policy_loss(
-            logp_bt, old_bt, mb["advantages_bt"], mask_bt, behaviour_logp_bt=behaviour
-        )
+        cycle_bt = mb.get("cycle_bt")  # read only with a replay loss (a dict may lack it)
+        pg_bt, m = policy_term(logp_bt, mu_bt, mb["advantages_bt"], mask_bt, cycle_bt)
         pg_loss = agg(pg_bt, mask_bt, num_tokens, num_sequences)
         loss = pg_loss
         if lc.entropy_coef > 0:
@@ -129,9 +130,26 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             "nonfinite_count": m["nonfinite_count"],
             **{f"{k}_sum": m[k] * n for k in _MEAN_METRICS if k in m},
         }
+        if lc.dual_cycle:  # per-cycle loss metrics and ratio stats, from this forward pass
+            aux.update(cycles.loss_aux(m))
+            aux.update(cycles.importance_sums(logp_bt, mu_bt, mask_bt, cycle_bt))
         return loss, aux
 
     return loss_fn
+
+
+def _combine(key: str) -> Callable:
+    """How a micro-batch aux entry folds into the batch's: by its name."""
+    if key.endswith("_lse"):
+        return jnp.logaddexp  # log of a sum over rows of all micro-batches
+    return jnp.maximum if "_max" in key else jnp.minimum if "_min" in key else jnp.add
+
+
+def _identity(key: str) -> float:
+    """The neutral start of ``_combine(key)``."""
+    if key.endswith("_lse"):
+        return -jnp.inf
+    return -jnp.inf if "_max" in key else jnp.inf if "_min" in key else 0.0
 
 
 def make_grad_fn(
@@ -161,24 +179,14 @@ def make_grad_fn(
                 params, ref_params, mb, num_tokens, num_sequences, version
             )
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-            aux_acc = {
-                k: (jnp.maximum if "_max" in k else jnp.minimum if "_min" in k else jnp.add)(
-                    aux_acc[k], v
-                )
-                for k, v in aux.items()
-            }
+            aux_acc = {k: _combine(k)(aux_acc[k], v) for k, v in aux.items()}
             return (loss_acc + loss, grads_acc, aux_acc), None
 
         first = jax.tree.map(lambda x: x[0], batch)
         aux_shape = jax.eval_shape(
             lambda: loss_fn(params, ref_params, first, num_tokens, num_sequences, version)[1]
         )
-        aux0 = {
-            k: jnp.full(
-                s.shape, -jnp.inf if "_max" in k else jnp.inf if "_min" in k else 0.0, s.dtype
-            )
-            for k, s in aux_shape.items()
-        }
+        aux0 = {k: jnp.full(s.shape, _identity(k), s.dtype) for k, s in aux_shape.items()}
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         if grad_shardings is not None:
             grads0 = jax.lax.with_sharding_constraint(grads0, grad_shardings)
@@ -203,6 +211,9 @@ def make_grad_fn(
             "sequences": num_sequences,
             **{k: aux[f"{k}_sum"] / denom for k in _MEAN_METRICS if f"{k}_sum" in aux},
         }
+        if learner_config.dual_cycle:
+            metrics.update(cycles.loss_metrics(aux))
+            metrics.update(cycles.importance_metrics(aux))
         return loss, grads, metrics
 
     return grad_fn
@@ -214,11 +225,25 @@ def batch_sharding(mesh: Mesh, rules: Rules, micro_batch_size: int) -> NamedShar
     return NamedSharding(mesh, spec)
 
 
-def _to_device_batch(batch: TrainBatch, micro_batch_size: int, sharding: NamedSharding) -> Batch:
-    """Host TrainBatch [B, T] or [M, b, T] -> dict of device arrays [M, b, T]."""
+def _to_device_batch(
+    batch: TrainBatch, micro_batch_size: int, sharding: NamedSharding, *, dual_cycle: bool
+) -> Batch:
+    """Host TrainBatch [B, T] or [M, b, T] -> dict of device arrays [M, b, T].
+
+    Raises:
+      ValueError: inconsistent shapes, or replayed rows (``cycle_bt`` != 0) for a
+        step built without ``replay_loss`` (they would silently take the fresh loss).
+    """
     if np.ndim(batch.input_ids_bt) == 2:
         batch = split_micro_batches(batch, micro_batch_size)
     arrays = {k: getattr(batch, k) for k in TRAIN_BATCH_FIELDS}
+    if arrays["cycle_bt"] is None:  # all fresh
+        arrays["cycle_bt"] = np.zeros(np.shape(arrays["input_ids_bt"]), np.int32)
+    elif not dual_cycle and np.any(np.asarray(arrays["cycle_bt"]) != 0):
+        raise ValueError(
+            "train batch has replayed rows (cycle_bt != 0) but the learner was built "
+            "without LearnerConfig.replay_loss (one loss for every row)"
+        )
     shape = np.shape(arrays["input_ids_bt"])
     if len(shape) != 3 or shape[1] != micro_batch_size:
         raise ValueError(
@@ -233,14 +258,20 @@ def _to_device_batch(batch: TrainBatch, micro_batch_size: int, sharding: NamedSh
 class TrainStep:
     """Callable ``train_step(state, batch) -> (state, metrics)`` (see ``make_train_step``)."""
 
-    def __init__(self, jitted: Callable, micro_batch_size: int, sharding: NamedSharding):
+    def __init__(
+        self, jitted: Callable, micro_batch_size: int, sharding: NamedSharding, dual_cycle: bool
+    ):
         self._jitted = jitted
         self._mbs = micro_batch_size
         self._sharding = sharding
+        self._dual_cycle = dual_cycle
         self.trace_count = 0  # incremented at trace time: a test asserts it stays 1
 
     def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-        return self._jitted(state, _to_device_batch(batch, self._mbs, self._sharding))
+        device_batch = _to_device_batch(
+            batch, self._mbs, self._sharding, dual_cycle=self._dual_cycle
+        )
+        return self._jitted(state, device_batch)
 
 
 def make_train_step(
@@ -260,7 +291,12 @@ def make_train_step(
       metrics (float32 scalars, replicated): loss, pg_loss, grad_norm (before
       clipping), lr (used for this update), entropy and kl (token means), clip_frac
       (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
-      logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences.
+      logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences;
+      with ``replay_loss`` also, per cycle c in fresh / replay, c_ratio_mean / _max /
+      _min, c_ess_token, c_ess_seq, c_ratio_tokens, c_sequences (importance ratios
+      pi_theta / mu, ``learner.cycles.importance_metrics``) and c_pg_<name> (each
+      cycle's own loss metrics). Compiles once whatever the mix of fresh and
+      replayed rows.
 
     Raises:
       ValueError: (at call time) a batch whose shapes are inconsistent.
@@ -296,7 +332,9 @@ def make_train_step(
         out_shardings=(s_shard, replicated),
         donate_argnums=(0,),
     )
-    step_obj = TrainStep(jitted, learner_config.micro_batch_size, b_shard)
+    step_obj = TrainStep(
+        jitted, learner_config.micro_batch_size, b_shard, learner_config.dual_cycle
+    )
     return step_obj
 
 
@@ -324,7 +362,8 @@ def make_logprob_fn(
 
     def logprob_fn(params: Any, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
         B, T = np.shape(batch.input_ids_bt)
-        logp_mbt, ent_mbt = jitted(params, _to_device_batch(batch, lc.micro_batch_size, b_shard))
+        device_batch = _to_device_batch(batch, lc.micro_batch_size, b_shard, dual_cycle=True)
+        logp_mbt, ent_mbt = jitted(params, device_batch)
         logp_mbt, ent_mbt = jax.device_get((logp_mbt, ent_mbt))
         logp = np.asarray(logp_mbt).reshape(-1, T)[:B]
         ent = np.asarray(ent_mbt).reshape(-1, T)[:B]

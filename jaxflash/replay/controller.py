@@ -27,8 +27,10 @@ Rules (each step, one increment at most per knob):
   stale_high.
 - generation devices (steps of ``device_quantum``, within the floors): up after
   ``move_patience`` consecutive gen-bound steps, down after as many train-bound.
-- requests in flight = ceil((alpha + 1) * fresh per step), fresh per step =
-  max(1, round((1 - rho) * batch_samples)): up with alpha, down with rho.
+- requests in flight = (alpha + 1) * fresh per step, fresh per step =
+  G * max(1, round((1 - rho) * batch_samples / G)) (whole groups of G =
+  ``group_size``, as ``replay.dual_cycle.fresh_groups_needed``): up with alpha,
+  down with rho.
 
 So, input by input: a higher generation rate (relative to training) lowers rho,
 alpha and the generation share; a higher training rate or a shorter queue raises
@@ -36,6 +38,12 @@ them; a longer queue lowers them; higher staleness lowers alpha; lower ESS lower
 rho and alpha. Devices move at least ``move_patience`` steps apart, and only
 after that many consecutive steps bound the same way (hysteresis). A
 ``FixedSchedule`` has the same interface for ablations.
+
+Applied vs proposed: the runtime applies rho, alpha and the requests in flight at
+the next step boundary (``runtime.replay_cycle``); it cannot move devices between
+roles in a live run yet, so it reports the split it kept through ``applied``: the
+controller then keeps that split (a proposed move does not reset its rate
+averages, since nothing moved), and logs its proposal as ``ctl_proposed_*``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+from jaxflash.replay.dual_cycle import fresh_groups_needed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +134,8 @@ class ControllerConfig:
     Attributes:
       batch_samples: learner batch size in samples (B * G).
       max_async_ratio: the user's maximum alpha.
+      group_size: G, samples per prompt (fresh samples come in whole groups);
+        must divide batch_samples.
       max_replay_ratio: largest rho, < 1. replay_step: rho increment.
       ess_min: replay-cycle ESS below which rho and alpha go down.
       staleness_target: mean staleness above which alpha goes down (None: off).
@@ -138,6 +150,7 @@ class ControllerConfig:
 
     batch_samples: int
     max_async_ratio: int
+    group_size: int = 1
     max_replay_ratio: float = 0.75
     replay_step: float = 0.125
     ess_min: float = 0.5
@@ -153,6 +166,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         checks = {
             "batch_samples": self.batch_samples >= 1,
+            "group_size": self.group_size >= 1 and self.batch_samples % self.group_size == 0,
             "max_async_ratio": self.max_async_ratio >= 0,
             "max_replay_ratio": 0 <= self.max_replay_ratio < 1,
             "replay_step": 0 < self.replay_step <= 1,
@@ -172,10 +186,16 @@ class ControllerConfig:
             )
 
 
-def in_flight_for(async_ratio: int, replay_ratio: float, batch_samples: int) -> int:
-    """ceil((alpha + 1) * fresh per step), fresh per step = max(1, round((1 - rho) * batch))."""
-    fresh = max(1, int(round((1.0 - replay_ratio) * batch_samples)))
-    return int(math.ceil((async_ratio + 1) * fresh))
+def in_flight_for(
+    async_ratio: int, replay_ratio: float, batch_samples: int, group_size: int = 1
+) -> int:
+    """Requests to keep outstanding: (alpha + 1) * fresh samples per step.
+
+    Fresh samples per step = G * fresh_groups_needed(batch_samples / G, rho), G =
+    ``group_size`` (= max(1, round((1 - rho) * batch)) for G = 1).
+    """
+    groups = fresh_groups_needed(batch_samples // group_size, replay_ratio)
+    return (async_ratio + 1) * groups * group_size
 
 
 class AdaptiveController:
@@ -212,9 +232,11 @@ class AdaptiveController:
         self._decision = dataclasses.replace(
             initial,
             requests_in_flight=in_flight_for(
-                initial.async_ratio, initial.replay_ratio, c.batch_samples
+                initial.async_ratio, initial.replay_ratio, c.batch_samples, c.group_size
             ),
         )
+        self._proposed = self._decision
+        self._unmoved: tuple[Any, ...] | None = None  # state before a proposed move
         self._gen_rate: float | None = None
         self._train_rate: float | None = None
         self._streak = 0  # > 0: consecutive generation-bound steps, < 0: training-bound
@@ -276,18 +298,21 @@ class AdaptiveController:
             and gen - c.device_quantum >= c.min_generation_devices
         ):
             moved = -c.device_quantum  # generation -> learner
+        self._unmoved = None
         if moved:
             learner, gen = learner - moved, gen + moved
+            self._unmoved = (self._gen_rate, self._train_rate, self._last_move)
             self._last_move, self._streak = inputs.step, 0
             self._gen_rate = self._train_rate = None  # measured on the old layout
 
         self._decision = Decision(
             replay_ratio=rho,
             async_ratio=alpha,
-            requests_in_flight=in_flight_for(alpha, rho, c.batch_samples),
+            requests_in_flight=in_flight_for(alpha, rho, c.batch_samples, c.group_size),
             learner_devices=learner,
             generation_devices=gen,
         )
+        self._proposed = self._decision
         self._inputs = inputs
         self._flags = {
             "ctl_supply_ratio": supply,
@@ -299,9 +324,42 @@ class AdaptiveController:
         }
         return self._decision
 
+    def applied(self, decision: Decision) -> None:
+        """What the runtime put in force after the last ``update`` (its role split may
+        be the old one: devices cannot change role in a live run yet).
+
+        The controller continues from ``decision``. A proposed move that was not
+        applied does not count as a move: the rate averages and the time of the
+        last move are restored (the streak stays reset, so the proposal comes back
+        after ``move_patience`` more steps bound the same way).
+
+        Raises:
+          ValueError: rho, alpha or requests in flight other than proposed (only
+            the role split may differ).
+        """
+        p = self._proposed
+        kept = ("replay_ratio", "async_ratio", "requests_in_flight")
+        if any(getattr(decision, k) != getattr(p, k) for k in kept):
+            raise ValueError(f"applied decision {decision} changes more than the split of {p}")
+        split = (decision.learner_devices, decision.generation_devices)
+        if self._unmoved is not None and split != (p.learner_devices, p.generation_devices):
+            self._gen_rate, self._train_rate, self._last_move = self._unmoved
+        self._unmoved = None
+        self._decision = decision
+
     def metrics(self) -> dict[str, Any]:
-        """The last update's inputs (``ctl_in_*``), flags and decision (``ctl_*``)."""
-        return {**_inputs_metrics(self._inputs), **self._flags, **_decision_metrics(self._decision)}
+        """The last update's inputs (``ctl_in_*``), flags, the decision in force (``ctl_*``)
+        and the proposed role split (``ctl_proposed_learner_devices`` /
+        ``ctl_proposed_generation_devices``; differs from ``ctl_*`` when a move was not
+        applied)."""
+        p = self._proposed
+        return {
+            **_inputs_metrics(self._inputs),
+            **self._flags,
+            **_decision_metrics(self._decision),
+            "ctl_proposed_learner_devices": p.learner_devices,
+            "ctl_proposed_generation_devices": p.generation_devices,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state; ``load_state_dict`` resumes the same decisions."""
@@ -314,7 +372,7 @@ class AdaptiveController:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._decision = Decision(**state["decision"])
+        self._decision = self._proposed = Decision(**state["decision"])
         self._gen_rate, self._train_rate = state["gen_rate"], state["train_rate"]
         self._streak, self._last_move = int(state["streak"]), state["last_move"]
 

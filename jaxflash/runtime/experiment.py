@@ -163,12 +163,16 @@ class ExperimentConfig:
             f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "
             "group-relative advantage of one sample is always 0 (use group_size >= 2)",
         )
-        check_replay_combination(
-            self.replay,
-            self.controller,
-            learner_loss=self.learner.loss,
-            async_ratio=self.rollout.async_ratio,
-        )
+        check_replay_combination(self.replay, self.controller, async_ratio=self.rollout.async_ratio)
+        # The replayed rows' loss (learner.replay_*) is derived from replay.*, never set
+        # apart: a step with a replay cycle takes a loss per cycle (learner.cycles).
+        if replay_active(self.replay, self.controller):
+            learner = self.replay.learner_fields(self.learner)
+        else:
+            learner = self.learner.replace(
+                replay_loss=None, replay_loss_kwargs={}, replay_ratio_against="behaviour"
+            )
+        object.__setattr__(self, "learner", learner)
         m = self.mesh
         if m.colocated:
             _check(
@@ -246,6 +250,7 @@ class ExperimentConfig:
                 f
                 for f in _fields(LearnerConfig)
                 if f not in ("total_steps", "sampling", "logprob_chunk")
+                and not f.startswith("replay_")  # set from replay.* (ReplaySpec.learner_fields)
             ]
             + ["advantage"],
             "eval": _fields(EvalSpec),

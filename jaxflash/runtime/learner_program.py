@@ -130,7 +130,11 @@ class LearnerProgram:
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One jitted learner step on a host batch; its metrics as floats."""
-        arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+        arrays = {
+            f.name: np.asarray(getattr(batch, f.name))
+            for f in dataclasses.fields(batch)
+            if getattr(batch, f.name) is not None  # cycle_bt None: all fresh
+        }
         self._post("train", arrays)
         self.state, metrics = self._train_step(self.state, batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxflash.learner.cycles import drop_empty_cycles
 from jaxflash.replay.groups import Group
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.scoring import TruncationPolicy, correctness
@@ -153,9 +154,10 @@ def learner_metrics(train: dict[str, float]) -> dict[str, float]:
     learner's current version (engine/learner numerical agreement: float rounding);
     ``logprob_gap_off_policy_max``: the same over tokens of older versions (policy
     change plus rounding; 0 when there are none); ``on_policy_tokens`` counts the
-    former.
+    former. A dual-cycle step's per-cycle ratio statistics are left out for a cycle
+    that had no tokens (``learner.cycles.drop_empty_cycles``).
     """
-    out = dict(train)
+    out = drop_empty_cycles(train)  # no ratio statistics for a cycle without tokens
     out.pop("logprob_gap_max", None)  # the max over both kinds: reported split below
     out["logprob_gap_on_policy_max"] = out.pop("logprob_gap_max_current")
     out["logprob_gap_off_policy_max"] = out.pop("logprob_gap_max_off_policy")

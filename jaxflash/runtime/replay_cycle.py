@@ -1,4 +1,4 @@
-"""The dual replay cycle inside the RLVR loop: buffer, composer, controller, ratio statistics.
+"""The dual replay cycle inside the RLVR loop: buffer, composer, controller and its decisions.
 
 ReFlow (arXiv 2610.21640) mixes every learner batch from a fresh cycle (samples
 from the generation servers, trained once: the alpha-bounded path) and a replay
@@ -9,17 +9,21 @@ cycle (``replay_spec.replay_active``) and calls, per learner step:
 1. ``mix`` with the fresh samples that carry loss and their advantages: draws the
    replay cycle at this step's rho *before* storing the fresh samples (a sample
    is never replayed in the step it is trained fresh), packs fresh rows first,
-   then replayed ones, padded to a fixed row count (one compiled step), and
-   returns the row labels (0 fresh, 1 replay). Replayed samples keep their stored
-   behaviour logprobs and per-token versions, so the learner's ratios for them
-   are taken against the policy that generated them.
-2. ``ratio_metrics`` before the update: importance ratios w = pi_theta / mu of
-   every row under the params the update starts from (those its loss sees),
-   aggregated per cycle with Kish's ESS (``algorithms.importance``). It costs
-   one extra forward pass of the batch per step.
-3. ``control`` after the update: the controller's inputs (generation and
+   then replayed ones, padded to a fixed row count (one compiled step), with
+   each row's cycle in ``TrainBatch.cycle_bt`` (0 fresh, 1 replay). Replayed
+   samples keep their stored behaviour logprobs and per-token versions, so the
+   learner's ratios for them are taken against the policy that generated them.
+   The learner step (``learner.cycles``) applies the fresh loss to fresh rows and
+   ``replay.correction`` to replayed ones, and reports importance ratios
+   w = pi_theta / mu and ESS per cycle from its own forward pass.
+2. ``control`` after the update: the controller's inputs (generation and
    training rates, queue depth, staleness, replay ESS) and decision, as
-   ``ctl_*`` metrics; the decision's rho is used from the next step on.
+   ``ctl_*`` metrics. The decision is in force from the next step on: its rho
+   sets the fresh groups (round((1 - rho) B)) and the replayed samples of the
+   step, and the loop hands its alpha and requests in flight to the scheduler
+   (``scheduler_settings`` -> ``RolloutScheduler.reconfigure``: staleness bound
+   and admission capacity). A change of role split is only proposed
+   (``ctl_proposed_*``): devices do not change role in a live run yet.
 
 ``state_dict`` (buffer contents, counters, the sampler's RNG, the controller's
 state and current decision) goes into the checkpoint's metadata; a
@@ -32,12 +36,11 @@ the one without replay.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxflash.algorithms.importance import per_sample_ratio_stats, ratio_metrics_by_cycle
 from jaxflash.learner.batching import pack_batch
 from jaxflash.replay.controller import (
     AdaptiveController,
@@ -56,8 +59,6 @@ from jaxflash.replay.replay_buffer import ReplayBuffer
 from jaxflash.runtime.learner_batch import LearnerBatch
 from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, replay_active
 from jaxflash.types import Sample, TrainBatch
-
-LogprobFn = Callable[[Any, TrainBatch], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,6 @@ class ReplayCycle:
       async_ratio: the run's alpha (the adaptive controller's maximum).
       learner_devices, generation_devices: the role split, as the controller sees it.
       seed: seeds the buffer's sampler.
-      logprob_fn: ``learner.step.make_logprob_fn``'s function, for ratio statistics.
       state: a ``state_dict`` from a checkpoint (None: a fresh buffer).
 
     Raises:
@@ -105,16 +105,13 @@ class ReplayCycle:
         learner_devices: int,
         generation_devices: int,
         seed: int,
-        logprob_fn: LogprobFn,
         state: dict[str, Any] | None = None,
         samples_generated: int = 0,
     ):
-        self.group_size = group_size
-        # Fresh groups per step: the learner batch of B groups minus the replayed share.
-        self.fresh_prompts = fresh_groups_needed(batch_prompts, replay.ratio)
-        n_fresh = self.fresh_prompts * group_size
-        # Rows of every packed batch: the fresh samples plus the most any step replays.
-        self.rows = n_fresh + replay_count(n_fresh, controller.max_ratio(replay))
+        self.group_size, self.batch_prompts = group_size, batch_prompts
+        self._per_prompt = replay.sampler == "per_prompt"
+        # Rows of every packed batch (one compiled step): the most any step's rho gives.
+        self.rows = max(self._rows_at(rho) for rho in controller.ratios(replay))
         buffer_config = replay.buffer_config(seed=seed)
         buffer = (
             ReplayBuffer.from_state_dict(buffer_config, state["buffer"])
@@ -125,19 +122,18 @@ class ReplayCycle:
             buffer,
             DualCycleConfig(advantages=replay.advantages, estimator=replay.advantage_estimator),
         )
-        self._logprob_fn = logprob_fn
         batch_samples = batch_prompts * group_size
         self._decision = Decision(
             replay_ratio=replay.ratio,
             async_ratio=async_ratio,
-            requests_in_flight=in_flight_for(async_ratio, replay.ratio, batch_samples),
+            requests_in_flight=in_flight_for(async_ratio, replay.ratio, batch_samples, group_size),
             learner_devices=learner_devices,
             generation_devices=generation_devices,
         )
         self._controller: AdaptiveController | FixedSchedule | None = None
         if controller.kind == "adaptive":
             config = controller.controller_config(
-                batch_samples=batch_samples, max_async_ratio=async_ratio
+                batch_samples=batch_samples, max_async_ratio=async_ratio, group_size=group_size
             )
             self._controller = AdaptiveController(config, self._decision)
             if state and state.get("controller"):
@@ -150,7 +146,9 @@ class ReplayCycle:
                         dataclasses.replace(
                             self._decision,
                             replay_ratio=r,
-                            requests_in_flight=in_flight_for(async_ratio, r, batch_samples),
+                            requests_in_flight=in_flight_for(
+                                async_ratio, r, batch_samples, group_size
+                            ),
                         ),
                     )
                     for s, r in controller.schedule()
@@ -160,9 +158,37 @@ class ReplayCycle:
             self._decision = Decision(**state["decision"])
         self._generated_before = int(samples_generated)  # the scheduler's counter at start
 
+    def _rows_at(self, rho: float) -> int:
+        """Fresh plus replayed samples of a full step at ``rho`` (per-prompt draws
+        round per group of G, buffer-wide ones over the step)."""
+        fresh = fresh_groups_needed(self.batch_prompts, rho) * self.group_size
+        if self._per_prompt:
+            return fresh + fresh // self.group_size * replay_count(self.group_size, rho)
+        return fresh + replay_count(fresh, rho)
+
     @property
     def buffer(self) -> ReplayBuffer:
         return self._composer.buffer
+
+    @property
+    def decision(self) -> Decision:
+        """The settings in force for the next step (the controller's, as applied)."""
+        return self._decision
+
+    @property
+    def fresh_prompts(self) -> int:
+        """Fresh groups of the next step: the B groups of the batch minus rho's share."""
+        return fresh_groups_needed(self.batch_prompts, self._decision.replay_ratio)
+
+    def scheduler_settings(self) -> dict[str, int]:
+        """The next step's ``RolloutScheduler.reconfigure`` arguments: fresh groups,
+        alpha, and the requests in flight as whole prompts (ceil(requests / G))."""
+        d, G = self._decision, self.group_size
+        return {
+            "batch_prompts": self.fresh_prompts,
+            "async_ratio": d.async_ratio,
+            "prompts_in_flight": max(self.fresh_prompts, -(-d.requests_in_flight // G)),
+        }
 
     @property
     def replay_ratio(self) -> float:
@@ -171,17 +197,16 @@ class ReplayCycle:
 
     # ------------------------------------------------------------------ the batch
     def step_batch(
-        self, lb: LearnerBatch, params: Any, *, learner_version: int, pad_id: int, max_len: int
+        self, lb: LearnerBatch, *, learner_version: int, pad_id: int, max_len: int
     ) -> tuple[TrainBatch | None, dict[str, Any]]:
-        """The learner batch of a step: ``mix``, then ``ratio_metrics`` (pre-update params).
+        """The learner batch of a step: the fresh cycle plus the replay cycle (``mix``).
 
         Args:
           lb: the fresh cycle (``learner_batch``): samples with loss, advantages.
-          params: the learner params the update starts from.
 
         Returns:
-          (TrainBatch [rows, T] or None when nothing carries loss, the composer's and
-          the ratio metrics).
+          (TrainBatch [rows, T] with ``cycle_bt``, or None when nothing carries
+          loss; the composer's metrics).
         """
         mixed = self.mix(
             lb.samples,
@@ -190,12 +215,7 @@ class ReplayCycle:
             pad_id=pad_id,
             max_len=max_len,
         )
-        if mixed.batch is None:
-            return None, mixed.metrics
-        return mixed.batch, {
-            **mixed.metrics,
-            **self.ratio_metrics(params, mixed.batch, mixed.cycle_b),
-        }
+        return mixed.batch, mixed.metrics
 
     def mix(
         self,
@@ -231,24 +251,11 @@ class ReplayCycle:
             pad_id=pad_id,
             max_len=max_len,
             num_sequences=self.rows,
+            cycle_b=mixed.cycle_b,
         )
         cycle_b = np.zeros((self.rows,), np.int8)
         cycle_b[: len(mixed.cycle_b)] = mixed.cycle_b
         return MixedStep(batch, mixed.samples, cycle_b, mixed.metrics)
-
-    def ratio_metrics(self, params: Any, batch: TrainBatch, cycle_b: np.ndarray) -> dict:
-        """Importance-ratio statistics and ESS per cycle under ``params`` (pre-update).
-
-        Returns:
-          ``fresh_*`` / ``replay_*``: ratio_mean, ratio_max, ratio_min, ess_token,
-          ess_seq (cycles with tokens), ratio_tokens, sequences
-          (``importance.ratio_metrics_by_cycle``).
-        """
-        logp_bt, _ = self._logprob_fn(params, batch)
-        log_ratio_bt = logp_bt - np.asarray(batch.behaviour_logp_bt, np.float32)
-        stats = per_sample_ratio_stats(log_ratio_bt, np.asarray(batch.loss_mask_bt))
-        stats = {k: np.asarray(v) for k, v in stats.items()}
-        return ratio_metrics_by_cycle(stats, cycle_b)
 
     # ------------------------------------------------------------------ the controller
     def control(
@@ -263,7 +270,11 @@ class ReplayCycle:
         staleness_mean: float,
         replay_ess: float | None,
     ) -> dict[str, Any]:
-        """Feed the controller this step's measurements; its decision sets the next rho.
+        """Feed the controller this step's measurements; its decision is the next step's.
+
+        rho, alpha and the requests in flight are put in force (``decision``,
+        ``scheduler_settings``; the loop hands them to the scheduler); a proposed
+        role split is logged (``ctl_proposed_*``) and not applied.
 
         Args:
           next_version: learner version the next step trains at (the decision's step).
@@ -283,6 +294,7 @@ class ReplayCycle:
         if self._controller is None or trained_samples < 1:
             return {}
         generated = samples_generated - before
+        kept = self._decision  # its role split stays: devices do not move in a live run yet
         inputs = ControllerInputs(
             step=next_version,
             gen_rate=max(generated, 0) / max(step_s, 1e-9),
@@ -291,7 +303,14 @@ class ReplayCycle:
             staleness_mean=float(staleness_mean),
             ess=None if replay_ess is None else min(max(replay_ess, 1e-12), 1.0),
         )
-        self._decision = self._controller.update(inputs)
+        proposed = self._controller.update(inputs)
+        self._decision = dataclasses.replace(
+            proposed,
+            learner_devices=kept.learner_devices,
+            generation_devices=kept.generation_devices,
+        )
+        if isinstance(self._controller, AdaptiveController):
+            self._controller.applied(self._decision)
         return self._controller.metrics()
 
     def control_from(self, metrics: dict[str, Any], *, next_version: int) -> dict[str, Any]:
@@ -322,7 +341,6 @@ def make_replay_cycle(
     *,
     learner_mesh: Any,
     generation_meshes: Sequence[Any],
-    logprob_fn: LogprobFn,
     extra: dict[str, Any],
 ) -> ReplayCycle | None:
     """The run's ReplayCycle, or None when the config has no replay cycle.
@@ -330,7 +348,6 @@ def make_replay_cycle(
     Args:
       exp: the ``ExperimentConfig``.
       learner_mesh, generation_meshes: the placement (the controller's role split).
-      logprob_fn: ``make_logprob_fn`` for the learner mesh.
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start): its
         "replay" entry restores the buffer, and its "counters" the generation count.
     """
@@ -345,7 +362,6 @@ def make_replay_cycle(
         learner_devices=int(learner_mesh.devices.size),
         generation_devices=sum(int(m.devices.size) for m in generation_meshes),
         seed=exp.seed,
-        logprob_fn=logprob_fn,
         state=extra.get("replay"),
         samples_generated=int(extra.get("counters", {}).get("samples_generated", 0)),
     )

@@ -15,15 +15,20 @@ are documented in ``replay.controller``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES
+from jaxflash.learner.config import LearnerConfig
 from jaxflash.replay.controller import ControllerConfig
 from jaxflash.replay.dual_cycle import ADVANTAGE_MODES
 from jaxflash.replay.replay_config import ReplayConfig
 from jaxflash.runtime.specs import ConfigError, check
 
 CONTROLLER_KINDS = ("none", "fixed", "adaptive")
+# Corrections that weight by pi_prox / mu: their pi_old is the proximal policy.
+PROXIMAL_LOSSES = ("decoupled_ppo", "tis")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,10 +49,18 @@ class ReplaySpec:
       advantage_estimator: estimator "joint"/"split" recompute with (None there
         means "grpo"); must stay None with "fixed".
       correction: off-policy correction of the replayed rows, a ``POLICY_LOSSES``
-        name; None = the learner's own ``learner.loss`` (which takes its ratio
-        against the stored behaviour logprobs, or the proximal policy per
-        ``learner.ratio_against``). A different loss per cycle is not wired into
-        the learner step yet and is refused.
+        name: "decoupled_ppo" (PPO clipped against the proximal policy, weighted
+        by pi_prox / mu; AReaL arXiv 2505.24298), "tis" (the same weight
+        truncated), "m2po" (second-moment mask, arXiv 2510.01161), "cispo"
+        (clipped, detached weight pi / mu; MiniMax-M1 arXiv 2506.13585) or "ppo"
+        (clipped against mu, RePO arXiv 2506.09340). mu is always the behaviour
+        logprobs stored with the trajectory; pi_old is the proximal policy for
+        decoupled_ppo / tis and mu for the others. The fresh rows keep
+        ``learner.loss``; both apply in the same jitted step
+        (``learner.cycles``). None = ``learner.loss`` (and its ratio_against and
+        kwargs) for the replayed rows too.
+      correction_kwargs: hyper-parameters of ``correction`` (e.g. {"tis_cap": 2.0});
+        only with a correction.
     """
 
     ratio: float = 0.0
@@ -63,6 +76,7 @@ class ReplaySpec:
     advantages: str = "fixed"
     advantage_estimator: str | None = None
     correction: str | None = None
+    correction_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check(0.0 <= self.ratio < 1.0, f"replay.ratio must be in [0, 1), got {self.ratio}")
@@ -91,10 +105,48 @@ class ReplaySpec:
             f"replay.correction must be one of {sorted(POLICY_LOSSES)} (or unset = "
             f"learner.loss), got {self.correction!r}",
         )
+        check(
+            self.correction is not None or not self.correction_kwargs,
+            f"replay.correction_kwargs={dict(self.correction_kwargs)} would be ignored without "
+            "replay.correction",
+        )
+        if self.correction is not None:
+            try:
+                self.learner_fields(LearnerConfig())
+            except ValueError as e:
+                raise ConfigError(
+                    str(e)
+                    .replace("LearnerConfig.replay_loss_kwargs", "replay.correction_kwargs")
+                    .replace("LearnerConfig.replay_loss", "replay.correction")
+                ) from None
         try:
             self.buffer_config(seed=0)
         except ValueError as e:
             raise ConfigError(str(e).replace("ReplayConfig.", "replay.")) from None
+
+    def learner_fields(self, learner: LearnerConfig) -> LearnerConfig:
+        """``learner`` with the replayed rows' loss set from ``correction`` (or its own).
+
+        Returns:
+          A LearnerConfig with ``replay_loss``, ``replay_loss_kwargs`` and
+          ``replay_ratio_against``: the correction's (pi_old = the proximal policy
+          for decoupled_ppo / tis, the stored behaviour logprobs otherwise), or,
+          without a correction, the learner's own loss, kwargs and ratio_against.
+
+        Raises:
+          ValueError: kwargs the correction does not take (``LearnerConfig``).
+        """
+        if self.correction is None:
+            return learner.replace(
+                replay_loss=learner.loss,
+                replay_loss_kwargs=dict(learner.loss_kwargs),
+                replay_ratio_against=learner.ratio_against,
+            )
+        return learner.replace(
+            replay_loss=self.correction,
+            replay_loss_kwargs=dict(self.correction_kwargs),
+            replay_ratio_against="proximal" if self.correction in PROXIMAL_LOSSES else "behaviour",
+        )
 
     def buffer_config(self, *, seed: int) -> ReplayConfig:
         """The buffer's ``ReplayConfig`` (its RNG seeded with ``seed``)."""
@@ -126,9 +178,11 @@ class ControllerSpec:
         ``replay.controller.ControllerConfig``. Its alpha stays within
         rollout.async_ratio (the user's maximum).
 
-    Applied in the live loop: the replay ratio. The adaptive controller's alpha,
-    requests in flight and role split are logged (``ctl_*``) but not applied yet:
-    the scheduler's alpha and the device roles are fixed for a run.
+    Applied in the live loop at the next step boundary (``runtime.replay_cycle``):
+    the replay ratio (fresh groups per step and replayed samples), alpha (the
+    staleness bound, within rollout.async_ratio) and the requests in flight (the
+    scheduler's admission capacity). The role split is only proposed
+    (``ctl_proposed_*``): devices do not change role in a live run yet.
     """
 
     kind: str = "none"
@@ -193,11 +247,14 @@ class ControllerSpec:
         check(not bad, f"controller.replay_schedule ratios must be in [0, 1), got {bad}")
         return pairs
 
-    def controller_config(self, *, batch_samples: int, max_async_ratio: int) -> ControllerConfig:
-        """The ``AdaptiveController``'s config for a run's batch and alpha maximum."""
+    def controller_config(
+        self, *, batch_samples: int, max_async_ratio: int, group_size: int = 1
+    ) -> ControllerConfig:
+        """The ``AdaptiveController``'s config for a run's batch, alpha maximum and G."""
         return ControllerConfig(
             batch_samples=batch_samples,
             max_async_ratio=max_async_ratio,
+            group_size=group_size,
             max_replay_ratio=self.max_replay_ratio,
             replay_step=self.replay_step,
             ess_min=self.ess_min,
@@ -209,12 +266,37 @@ class ControllerSpec:
         )
 
     def max_ratio(self, replay: ReplaySpec) -> float:
-        """The largest rho any step of the run can use (sizes the learner batch)."""
-        if self.kind == "adaptive":
-            return max(replay.ratio, self.max_replay_ratio)
+        """The largest rho any step of the run can use."""
+        return max(self.ratios(replay))
+
+    def ratios(self, replay: ReplaySpec) -> list[float]:
+        """Every rho a step of the run can use, ascending (sizes the learner batch).
+
+        "none": replay.ratio; "fixed": the schedule's; "adaptive": the values the
+        controller reaches from replay.ratio in steps of ``replay_step`` clipped to
+        [0, max_replay_ratio] (``AdaptiveController.update``'s arithmetic, so the
+        same floats).
+        """
         if self.kind == "fixed":
-            return max(r for _, r in self.schedule())
-        return replay.ratio
+            return sorted({r for _, r in self.schedule()})
+        if self.kind != "adaptive":
+            return [replay.ratio]
+        seen, todo = set(), [replay.ratio]
+        while todo and len(seen) < 10_000:  # a finite set; the bound only guards floats
+            r = todo.pop()
+            if r in seen:
+                continue
+            seen.add(r)
+            todo += [
+                min(self.max_replay_ratio, r + self.replay_step),
+                max(0.0, r - self.replay_step),
+            ]
+        return sorted(seen)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default value (calling its default_factory)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def replay_active(replay: ReplaySpec, controller: ControllerSpec) -> bool:
@@ -225,8 +307,9 @@ def replay_active(replay: ReplaySpec, controller: ControllerSpec) -> bool:
 def check_replay_learner(
     replay: ReplaySpec, controller: ControllerSpec, *, multi_process: bool
 ) -> None:
-    """Refuse replay on a learner of several processes (the replay cycle's ratio
-    statistics run a jitted forward on process 0 only).
+    """Refuse replay on a learner of several processes (not tested there: the batch
+    with its ``cycle_bt`` is posted to every process, but no multi-process run with
+    replay has been made).
 
     Raises:
       ConfigError: replay is active and ``multi_process`` (names replay.ratio and
@@ -240,24 +323,23 @@ def check_replay_learner(
 
 
 def check_replay_combination(
-    replay: ReplaySpec, controller: ControllerSpec, *, learner_loss: str, async_ratio: int
+    replay: ReplaySpec, controller: ControllerSpec, *, async_ratio: int
 ) -> None:
     """Refuse settings that the other sections would make ignored (naming the fields).
 
     Raises:
       ConfigError: replay.* set while no replay happens (ratio 0, no controller);
         a fixed schedule whose first ratio is not replay.ratio; an adaptive
-        controller whose max_replay_ratio is below replay.ratio; a replay
-        correction other than the learner's loss (per-cycle losses are not wired
-        into the learner step); replay.max_age <= rollout.async_ratio (fresh samples
-        arrive up to alpha versions old and are replayed at least one version later,
-        so in steady state every one would be rejected for age and nothing replayed).
+        controller whose max_replay_ratio is below replay.ratio; replay.max_age <=
+        rollout.async_ratio (fresh samples arrive up to alpha versions old and are
+        replayed at least one version later, so in steady state every one would be
+        rejected for age and nothing replayed).
     """
     if not replay_active(replay, controller):
         ignored = [
             f"replay.{f.name}"
             for f in dataclasses.fields(replay)
-            if getattr(replay, f.name) != f.default
+            if getattr(replay, f.name) != _default(f)
         ]
         check(
             not ignored,
@@ -289,10 +371,3 @@ def check_replay_combination(
             f"replay.ratio={replay.ratio} exceeds controller.max_replay_ratio="
             f"{controller.max_replay_ratio}",
         )
-    check(
-        replay.correction is None or replay.correction == learner_loss,
-        f"replay.correction={replay.correction!r} differs from learner.loss={learner_loss!r}: "
-        "one loss per cycle is not wired into the learner step yet (algorithms.cycle_loss "
-        "exists; the step takes one loss); leave replay.correction unset or equal to "
-        "learner.loss",
-    )

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.learner.step import make_logprob_fn
 from jaxflash.metrics.writer import MetricsWriter
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import GroupFilter
@@ -69,7 +68,6 @@ from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.runtime.scoring import TruncationPolicy
 from jaxflash.runtime.workload import make_workload
 from jaxflash.sharding.distributed import advertised_host
-from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.transfer_sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -83,6 +81,7 @@ def run(
     clock: Clock | None = None,
     console: Console | None = None,
     learner_links: LeaderLinks | None = None,
+    stop_after: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
     """Runs (or resumes) an RLVR experiment in ``workdir``.
 
@@ -96,6 +95,9 @@ def run(
       console: step lines and progress during long phases (default: silent).
       learner_links: on process 0 of a multi-process learner, the links to the
         other learner processes (they run ``learner_program.follow``).
+      stop_after: called with each step's metrics (before its evaluation); True
+        ends the run after that step, evaluated and checkpointed like a last step
+        (budgets in generated samples or wall time: ``benchmarks/replay.py``).
 
     Returns:
       The last step's metrics (a finished run: the last row of its metrics.jsonl).
@@ -169,10 +171,11 @@ def run(
         exp,
         learner_mesh=placement.learner,
         generation_meshes=placement.generation,
-        logprob_fn=make_logprob_fn(model_config, exp.learner, placement.learner, LEARNER_RULES),
         extra=meta.extra,
     )
-    B = cycle.fresh_prompts if cycle else B
+    # Fresh groups per step and alpha: the replay cycle's decision in force (its rho
+    # takes a share of the B groups; a resumed run continues the checkpointed one).
+    B, alpha = (cycle.fresh_prompts, cycle.decision.async_ratio) if cycle else (B, r.async_ratio)
     source = workload.source(meta.data_cursor)
     resume = workload.resume(source, ledger.open_ids)
     reward_pool = workload.reward_pool(clock)  # None: the environments score episodes
@@ -188,7 +191,7 @@ def run(
     )  # fmt: skip
     scheduler = RolloutScheduler(
         servers, inbox, source, ledger, GroupBuffer(G, group_filter=group_filter), reward_pool,
-        tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=r.async_ratio,
+        tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=alpha,
         sampling=r.sampling, seed=exp.seed, policy_version=version, stale_policy=r.stale_policy,
         sample_deadline_s=r.sample_deadline_s, max_retries=r.max_retries, truncation=truncation,
         resume_prompts=resume, counters=dict(meta.extra.get("counters", {})), clock=clock,
@@ -245,10 +248,8 @@ def run(
             lb = workload.learner_batch(batch.groups, num_sequences=B * G, **pack)
             stale = np.array([version - start_version_of(s) for s in lb.samples], np.int64)
             train_batch, replay_metrics = lb.batch, {}
-            if cycle is not None:  # + the replay cycle at rho; ratio statistics per cycle
-                train_batch, replay_metrics = cycle.step_batch(
-                    lb, learner.params, learner_version=version, **pack
-                )
+            if cycle is not None:  # + the replay cycle at rho, rows labelled by cycle
+                train_batch, replay_metrics = cycle.step_batch(lb, learner_version=version, **pack)
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
@@ -304,10 +305,15 @@ def run(
                 **sched_stats,
                 "prompt_outcomes": ledger.outcomes,
             }
-            if cycle is not None:  # the controller's inputs and decision (rho of the next step)
+            if cycle is not None:  # the controller's inputs and decision, in force from
+                # the next step: rho (fresh groups, replayed samples), alpha and the
+                # requests in flight (staleness bound, admission capacity)
                 metrics.update(cycle.control_from(metrics, next_version=version))
+                scheduler.reconfigure(**cycle.scheduler_settings())
+                B = cycle.fresh_prompts
+            stopping = stop_after is not None and bool(stop_after(metrics))
             # 8. Evaluate.
-            if version % exp.eval.every == 0 or version == exp.total_steps:
+            if version % exp.eval.every == 0 or version == exp.total_steps or stopping:
                 metrics.update(run_eval(version))
             records.check_finite(metrics, version)
             show(version, writer.write_step(version, metrics), compiled_now)
@@ -316,7 +322,8 @@ def run(
 
             # 9. Checkpoint (and stop here if preempted: every learner process agrees).
             preempted = learner.preempted(version)
-            if version % exp.checkpoint.every == 0 or version == exp.total_steps or preempted:
+            last = version == exp.total_steps or preempted or stopping
+            if version % exp.checkpoint.every == 0 or last:
                 replay = cycle.state_dict() if cycle else None
                 learner.save(checkpoint_meta(version, snapshot, replay))
             if preempted:
@@ -324,6 +331,9 @@ def run(
                     f"preempted (SIGTERM): saved step {version}; run the same command to "
                     f"resume {workdir} from it"
                 )
+                break
+            if stopping:
+                console.line(f"stopped after step {version} (stop_after)")
                 break
     finally:
         console.background("shutting down: stopping the servers, writing the last checkpoint")

@@ -221,6 +221,37 @@ class RolloutScheduler:
                 self._changed.notify_all()
             return batch
 
+    def reconfigure(self, *, batch_prompts: int, async_ratio: int, prompts_in_flight: int) -> None:
+        """Step boundary: new B, α and admission capacity (a controller's decision).
+
+        Call between ``next_batch`` calls (after a batch was returned). The next
+        batch takes ``batch_prompts`` groups with staleness <= ``async_ratio``;
+        at most ``prompts_in_flight`` prompts are admitted and not yet released. A
+        lower capacity admits nothing new until enough prompts are released (the
+        ones admitted finish; none is aborted); a lower α drops groups that are now
+        too stale at the next batch, counted as usual (``samples_dropped_stale``).
+        With dynamic sampling the refill budget follows B.
+
+        Raises:
+          ValueError: batch_prompts < 1, async_ratio < 0, or prompts_in_flight <
+            batch_prompts (no batch could ever be completed).
+          RuntimeError: a batch is being assembled (not a step boundary).
+        """
+        if batch_prompts < 1 or async_ratio < 0 or prompts_in_flight < batch_prompts:
+            raise ValueError(
+                f"reconfigure needs batch_prompts >= 1, async_ratio >= 0 and prompts_in_flight "
+                f">= batch_prompts; got {batch_prompts}, {async_ratio}, {prompts_in_flight}"
+            )
+        with self._changed:
+            if self.assembler.forming is not None:
+                raise RuntimeError("reconfigure between batches only (a batch is being assembled)")
+            self.B = self.assembler.B = batch_prompts
+            self.assembler.alpha = async_ratio
+            self.admission.capacity = prompts_in_flight
+            if self.admission.refill_budget:
+                self.admission.refill_budget = batch_prompts
+            self._changed.notify_all()
+
     def count(self, *names: str) -> None:
         """Add 1 to each named counter (the loop's own counts live with the scheduler's)."""
         with self._lock:
@@ -329,6 +360,9 @@ class RolloutScheduler:
             out = {k: int(v) for k, v in sorted(self.counters.items())}
             out.update(
                 prompts_active=len(self.admission),
+                sched_batch_prompts=self.B,
+                sched_async_ratio=self.assembler.alpha,
+                sched_prompts_capacity=self.admission.capacity,
                 **self.dispatcher.stats(),
                 **{f"buffer_{k}": v for k, v in self.buffer.counts().items()},
                 **self.ledger.metrics(),

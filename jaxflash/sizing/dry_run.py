@@ -34,17 +34,13 @@ from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_params import engine_shardings
 from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.engine_state import state_shardings as engine_state_shardings
-from jaxflash.learner.batching import TRAIN_BATCH_FIELDS
+from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state
 from jaxflash.learner.step import batch_sharding, make_train_step
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, unstack_layers
 from jaxflash.sharding.rules import Rules
-
-# dtypes of the device batch (types.TrainBatch): ids, positions and versions are
-# int32, masks / advantages / logprobs float32.
-_INT_FIELDS = {"input_ids_bt", "positions_bt", "target_ids_bt", "token_versions_bt"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,7 +130,7 @@ def compile_train_step(
     shape = (batch_size // b, b, seq_len)
     batch = {
         k: jax.ShapeDtypeStruct(
-            shape, np.int32 if k in _INT_FIELDS else np.float32, sharding=sharding
+            shape, np.int32 if k in INT_FIELDS else np.float32, sharding=sharding
         )
         for k in TRAIN_BATCH_FIELDS
     }
