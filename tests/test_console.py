@@ -90,6 +90,12 @@ def test_status_lines_count_from_their_start():
     assert status() == "10/32 samples generated, 7 scored, 400 tokens at 40.0 tokens/s"
     sched.tokens = 900.0  # a generation process's stats come as JSON floats
     assert status() == "10/32 samples generated, 7 scored, 800 tokens at 80.0 tokens/s"
+    # Agentic: every turn is a generated sample; the target counts finished episodes.
+    sched.stats = lambda: {"samples_generated": 96, "episodes_finished": 3}
+    turns = GenerationStatus(sched, lambda: now[0], samples=16, episodes=True)
+    sched.stats = lambda: {"samples_generated": 183, "episodes_finished": 8}
+    now[0] = 30.0
+    assert turns() == "87 turns generated, 5/16 episodes finished, 0 tokens at 0.0 tokens/s"
     ev = EvalStatus(lambda: now[0])
     ev.update(3, 200, 90)
     now[0] = 23.0

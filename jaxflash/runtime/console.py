@@ -157,17 +157,22 @@ class GenerationStatus:
 
     ``status()``: "20/32 samples generated, 16 scored, 2345 tokens at 45.0
     tokens/s" since this object was made (with α > 0, samples for later steps
-    count too).
+    count too). In an agentic run every turn is a generated sample, so the line
+    reads "87 turns generated, 5/16 episodes finished, ...".
 
     Args:
-      scheduler: ``stats()`` (samples_generated, samples_scored; locked) and
-        ``server_stats()`` (each server's generated_tokens).
+      scheduler: ``stats()`` (samples_generated, samples_scored, episodes_finished;
+        locked) and ``server_stats()`` (each server's generated_tokens).
       now: the run's clock (seconds).
-      samples: the step's target (B·G).
+      samples: the step's target (B·G samples, or B·G episodes with ``episodes``).
+      episodes: an agentic run (the target counts episodes, not samples).
     """
 
-    def __init__(self, scheduler: Any, now: Callable[[], float], *, samples: int):
+    def __init__(
+        self, scheduler: Any, now: Callable[[], float], *, samples: int, episodes: bool = False
+    ):
         self._scheduler, self._now, self._target = scheduler, now, samples
+        self._episodes = episodes
         self._t0 = now()
         self._before = self._counts()
 
@@ -175,15 +180,17 @@ class GenerationStatus:
         stats = self._scheduler.stats()
         # Remote servers' stats arrive as JSON numbers (floats): counts are shown as ints.
         tokens = int(sum(s.get("generated_tokens", 0) for s in self._scheduler.server_stats()))
-        return stats.get("samples_generated", 0), stats.get("samples_scored", 0), tokens
+        done = "episodes_finished" if self._episodes else "samples_scored"
+        return stats.get("samples_generated", 0), stats.get(done, 0), tokens
 
     def __call__(self) -> str:
         (g0, s0, t0), (g1, s1, t1) = self._before, self._counts()
         rate = (t1 - t0) / max(self._now() - self._t0, 1e-9)
-        return (
-            f"{g1 - g0}/{self._target} samples generated, {s1 - s0} scored, "
-            f"{t1 - t0} tokens at {rate:.1f} tokens/s"
-        )
+        if self._episodes:
+            head = f"{g1 - g0} turns generated, {s1 - s0}/{self._target} episodes finished"
+        else:
+            head = f"{g1 - g0}/{self._target} samples generated, {s1 - s0} scored"
+        return f"{head}, {t1 - t0} tokens at {rate:.1f} tokens/s"
 
 
 class EvalStatus:

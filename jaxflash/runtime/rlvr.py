@@ -237,7 +237,9 @@ def run(
             console.background(step_label)
             # 1-4. Sample, generate, score, group: B groups with staleness <= alpha.
             note = "" if compiled["engine"] else " (the first generation compiles the engine)"
-            progress = GenerationStatus(scheduler, clock.now, samples=B * G)
+            progress = GenerationStatus(
+                scheduler, clock.now, samples=B * G, episodes=episodes is not None
+            )
             with console.phase(f"{step_label}: generating{note}", progress):
                 batch = scheduler.next_batch(version, timeout_s=workload.batch_timeout_s())
             compiled["engine"] = True
