@@ -96,6 +96,7 @@ def test_status_lines_count_from_their_start():
     sched.stats = lambda: {"samples_generated": 183, "episodes_finished": 8}
     now[0] = 30.0
     assert turns() == "87 turns generated, 5/16 episodes finished, 0 tokens at 0.0 tokens/s"
+    now[0] = 20.0
     ev = EvalStatus(lambda: now[0])
     ev.update(3, 200, 90)
     now[0] = 23.0
