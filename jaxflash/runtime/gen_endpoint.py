@@ -33,10 +33,11 @@ from jaxflash.runtime import rpc_wire
 from jaxflash.runtime.rpc_wire import Status
 
 # Variables that would make a generation program join the learner's jax.distributed
-# job (or think it is a learner) if inherited.
+# job (or think it is a learner) if inherited; and the controller's failpoint.
 _LEARNER_ENV = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXFLASH_DISTRIBUTED",
     "JAXFLASH_ROLE", "JAXFLASH_PROGRAM", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS",
+    "JAXFLASH_FAILPOINT",
 )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxflash import failpoints
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.learner.state import state_shardings
 from jaxflash.learner.step import make_train_step
@@ -133,6 +134,7 @@ class LearnerProgram:
         arrays = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
         self._post("train", arrays)
         self.state, metrics = self._train_step(self.state, batch)
+        failpoints.reach("learner_step")
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def skip(self) -> None:

@@ -1,0 +1,275 @@
+"""A seeded SIGKILL campaign: kill one job again and again, restart it, check its books.
+
+One workdir; the job (``launch/tpu_pod.py``, its own session so that its reward
+workers and generation programs are found by session id) is started, killed at
+the next point of a seeded plan, and started again with the same command, until
+the plan is used up; a last start runs it to the end. A kill is either
+
+* a failpoint (``jaxflash.failpoints``): ``JAXFLASH_FAILPOINT=<point>:<n>`` makes
+  the job's process SIGKILL itself the n-th time it reaches ``point`` (its
+  children must then exit on their own), or
+* a time kill: SIGKILL to the whole session (every process of the job at once,
+  as when a machine dies) after a seeded delay, for the places nobody named.
+
+After every kill: the process died of SIGKILL at that point, and no process of
+its session outlives it (a generation program or reward worker left behind is
+an orphan). After every start that trained a step: it said it resumed from the
+last checkpoint committed before it started. Restarts reuse XLA's persistent
+compilation cache (``JAX_COMPILATION_CACHE_DIR``), so each costs the imports, the
+tokenizer and the model set-up, not the compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIME = "time"  # the plan's name for a kill after a delay instead of at a failpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """One kill of the plan: at the n-th arrival at a failpoint, or after delay_s."""
+
+    point: str
+    n: int = 0
+    delay_s: float = 0.0
+
+    def describe(self) -> str:
+        return f"time {self.delay_s:.1f}s" if self.point == TIME else f"{self.point}:{self.n}"
+
+
+def draw_plan(
+    seed: int, caps: dict[str, int], *, kills: int, time_kills: int, time_window_s: tuple
+) -> list[Kill]:
+    """A seeded plan: every failpoint of ``caps`` at least twice, the rest drawn at random.
+
+    Args:
+      caps: failpoint -> the largest arrival n drawn for it (n is uniform in [1, cap]).
+      kills: failpoint kills; time_kills: time kills (delay uniform in time_window_s).
+    """
+    rng = random.Random(seed)
+    points = sorted(caps) * 2
+    points += [rng.choice(sorted(caps)) for _ in range(max(0, kills - len(points)))]
+    plan = [Kill(p, rng.randint(1, caps[p])) for p in points]
+    plan += [Kill(TIME, delay_s=round(rng.uniform(*time_window_s), 2)) for _ in range(time_kills)]
+    rng.shuffle(plan)
+    return plan
+
+
+def committed_steps(workdir: str) -> list[int]:
+    """Steps with a committed checkpoint (Orbax renames ``<step>.orbax-checkpoint-tmp``)."""
+    directory = os.path.join(workdir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
+            out.append(int(name))
+    return out
+
+
+@dataclasses.dataclass
+class Attempt:
+    kill: Kill | None
+    start_step: int  # last committed step when it started
+    end_step: int  # last committed step after it ended
+    returncode: int
+    wall_s: float
+    log: str
+
+
+class Job:
+    """One job command, started again and again with the same workdir.
+
+    Args:
+      config: config file under configs/; args: its overrides.
+      workdir: the run directory every start shares.
+      cache_dir: XLA's persistent compilation cache, shared with the reference run.
+      limit_s: a start that runs longer is a hang (the campaign fails).
+    """
+
+    def __init__(self, config: str, args: list[str], workdir: str, cache_dir: str, limit_s=600):
+        self.workdir, self.limit_s = workdir, limit_s
+        self.argv = [
+            sys.executable, os.path.join(REPO, "launch", "tpu_pod.py"),
+            "--config", os.path.join(REPO, "configs", config), "--workdir", workdir, *args,
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXFLASH_FAILPOINT")}
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+        self.env = env
+        self.attempts: list[Attempt] = []
+
+    def start(self, kill: Kill | None = None) -> Attempt:
+        """Run once (killed by ``kill``, or to the end); the ``Attempt`` it made."""
+        env = dict(self.env)
+        if kill is not None and kill.point != TIME:
+            env["JAXFLASH_FAILPOINT"] = f"{kill.point}:{kill.n}"
+        start_step = max(committed_steps(self.workdir), default=0)
+        os.makedirs(os.path.dirname(self.workdir), exist_ok=True)
+        log_path = os.path.join(os.path.dirname(self.workdir), f"attempt{len(self.attempts)}.log")
+        t0 = time.monotonic()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                self.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                wait_s = kill.delay_s if kill is not None and kill.point == TIME else self.limit_s
+                try:
+                    proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    if kill is None or kill.point != TIME:
+                        raise
+                    os.killpg(proc.pid, signal.SIGKILL)  # the whole job at once
+                    proc.wait(60)
+                orphans = _wait_gone(proc.pid, 60.0)
+            finally:
+                if proc.poll() is None or session_processes(proc.pid):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        with open(log_path) as f:
+            text = f.read()
+        attempt = Attempt(
+            kill, start_step, max(committed_steps(self.workdir), default=0),
+            proc.returncode, time.monotonic() - t0, text,
+        )  # fmt: skip
+        self.attempts.append(attempt)
+        assert not orphans, f"processes {orphans} outlived the job ({describe(attempt)})"
+        check_resumed(attempt)
+        return attempt
+
+
+def _wait_gone(sid: int, timeout_s: float) -> list[int]:
+    end = time.monotonic() + timeout_s
+    while (left := session_processes(sid)) and time.monotonic() < end:
+        time.sleep(0.2)
+    return left
+
+
+def describe(a: Attempt) -> str:
+    what = "to the end" if a.kill is None else f"kill at {a.kill.describe()}"
+    return (
+        f"{what}: rc {a.returncode}, steps {a.start_step} -> {a.end_step}, {a.wall_s:.0f}s; "
+        f"log ends:\n{a.log[-3000:]}"
+    )
+
+
+def check_resumed(a: Attempt) -> None:
+    """A start that trained a step said it resumed from the last committed step."""
+    if "step " not in a.log or " | elapsed" not in a.log:
+        return  # killed before it trained anything
+    line = f"resumed from step {a.start_step} of"
+    if a.start_step:
+        assert line in a.log, f"expected {line!r}: {describe(a)}"
+    else:
+        assert "resumed from step" not in a.log, describe(a)
+
+
+def run_campaign(job: Job, plan: list[Kill], total_steps: int, arrivals) -> list[Attempt]:
+    """Kill ``job`` at every point of ``plan`` in turn, then run it to the end.
+
+    Args:
+      arrivals: (point, remaining steps) -> how many arrivals at ``point`` a start
+        with that many steps left surely makes before its last checkpoint
+        commits; a drawn n above it is lowered to it (so every kill happens), and
+        a point with none left (or a time kill with < 2 steps left) is replaced
+        by ``learner_step`` at n = 1.
+
+    Returns:
+      Every attempt, the last one the run to the end.
+    """
+    for kill in plan:
+        remaining = total_steps - max(committed_steps(job.workdir), default=0)
+        assert remaining >= 1, f"the run finished before its plan did: {job.attempts}"
+        if kill.point == TIME and remaining < 2:
+            kill = Kill("learner_step", 1)
+        elif kill.point != TIME:
+            n = min(kill.n, arrivals(kill.point, remaining))
+            kill = Kill(kill.point, n) if n >= 1 else Kill("learner_step", 1)
+        a = job.start(kill)
+        assert a.returncode == -signal.SIGKILL, f"not killed: {describe(a)}"
+        if kill.point != TIME:
+            assert f"failpoint {kill.point}:{kill.n}: SIGKILL" in a.log, describe(a)
+        assert a.end_step >= a.start_step, describe(a)  # a kill never loses a commit
+    a = job.start(None)
+    assert a.returncode == 0 and f"finished {total_steps}/{total_steps} steps" in a.log, describe(a)
+    return job.attempts
+
+
+def rows(path: str) -> list[dict]:
+    """Every JSON line of a file (a line that does not parse fails the test)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def summary(attempts: list[Attempt]) -> str:
+    """One line per attempt, for the test's output."""
+    return "\n".join(
+        f"{i:2d} {('run to the end' if a.kill is None else a.kill.describe()):26s} "
+        f"steps {a.start_step}->{a.end_step} {a.wall_s:5.1f}s"
+        for i, a in enumerate(attempts)
+    )
+
+
+def final_ledger(workdir: str, step: int) -> dict:
+    """The prompt ledger saved in the checkpoint of ``step``."""
+    with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+        return json.load(f)["extra"]["ledger"]
+
+
+def check_books(workdir: str, total_steps: int, group_size: int) -> dict:
+    """Nothing trained twice, nothing lost; returns the last metrics row.
+
+    * metrics.jsonl has one row per step 1..total_steps, in order;
+    * rollouts.jsonl has each (prompt, sample) at most once, each prompt at one
+      learner step only, and every sample of every trained prompt;
+    * the ledger of the last checkpoint balances: every prompt id below
+      ``taken`` is trained (seen in rollouts.jsonl), in flight, or counted as
+      filtered / stale / failed, and the metrics' counters say the same.
+    """
+    metrics = [r for r in rows(os.path.join(workdir, "metrics.jsonl")) if r["step"] > 0]
+    assert [r["step"] for r in metrics] == list(range(1, total_steps + 1))
+    last = metrics[-1]
+    rollouts = rows(os.path.join(workdir, "rollouts.jsonl"))
+    keys = [(r["prompt_id"], r["sample_index"]) for r in rollouts]
+    assert len(keys) == len(set(keys)), "a sample was written twice"
+    step_of: dict[int, int] = {}
+    for r in rollouts:
+        assert step_of.setdefault(r["prompt_id"], r["learner_step"]) == r["learner_step"], r
+    trained = {r["prompt_id"] for r in rollouts if r["outcome"] == "trained"}
+    for pid in trained:
+        got = sorted(i for p, i in keys if p == pid)
+        assert got == list(range(group_size)), (pid, got)
+
+    ledger = final_ledger(workdir, total_steps)
+    counted = {kind: sum(v.values()) for kind, v in ledger["outcomes"].items()}
+    open_ids = set(ledger["open_ids"])
+    assert counted["trained"] == len(trained) and not trained & open_ids
+    assert trained | open_ids <= set(range(ledger["taken"]))
+    assert ledger["taken"] == sum(counted.values()) + len(open_ids)
+    assert last["prompts_taken"] == ledger["taken"]
+    assert last["prompt_outcomes"] == ledger["outcomes"]
+    for kind in ("trained", "filtered", "stale", "failed"):
+        assert last[f"prompts_{kind}"] == counted[kind], kind
+    return last
