@@ -9,7 +9,8 @@ the plan is used up; a last start runs it to the end. A kill is either
   the job's process SIGKILL itself the n-th time it reaches ``point`` (its
   children must then exit on their own), or
 * a time kill: SIGKILL to the whole session (every process of the job at once,
-  as when a machine dies) after a seeded delay, for the places nobody named.
+  as when a machine dies) a seeded delay after the start (imports, restore, set-up)
+  or after the first step line (somewhere in the loop), for the places nobody named.
 
 After every kill: the process died of SIGKILL at that point, and no process of
 its session outlives it (a generation program or reward worker left behind is
@@ -36,32 +37,55 @@ TIME = "time"  # the plan's name for a kill after a delay instead of at a failpo
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
-    """One kill of the plan: at the n-th arrival at a failpoint, or after delay_s."""
+    """One kill of the plan: at the n-th arrival at a failpoint, or ``delay_s`` after
+    the start (``after_step`` False) or after the start's first step line."""
 
     point: str
     n: int = 0
     delay_s: float = 0.0
+    after_step: bool = False
 
     def describe(self) -> str:
-        return f"time {self.delay_s:.1f}s" if self.point == TIME else f"{self.point}:{self.n}"
+        if self.point != TIME:
+            return f"{self.point}:{self.n}"
+        return f"time {self.delay_s:.1f}s after {'a step' if self.after_step else 'start'}"
+
+
+FIRST = ("rollouts_write", "metrics_written", "checkpoint_commit")
+"""Failpoints that at n = 1 leave records of step 1 on disk and no checkpoint."""
 
 
 def draw_plan(
-    seed: int, caps: dict[str, int], *, kills: int, time_kills: int, time_window_s: tuple
+    seed: int,
+    caps: dict[str, int],
+    *,
+    kills: int,
+    time_kills: int,
+    time_window_s: tuple[float, float],
+    step_window_s: tuple[float, float],
+    each: int = 2,
 ) -> list[Kill]:
-    """A seeded plan: every failpoint of ``caps`` at least twice, the rest drawn at random.
+    """A seeded plan: every failpoint of ``caps`` ``each`` times, the rest drawn at random.
+
+    The first kill is one of ``FIRST`` at n = 1: a fresh workdir holding rows of a
+    start that never committed a checkpoint is a case of its own.
 
     Args:
       caps: failpoint -> the largest arrival n drawn for it (n is uniform in [1, cap]).
-      kills: failpoint kills; time_kills: time kills (delay uniform in time_window_s).
+      kills: failpoint kills (the first included); time_kills: time kills, half
+        after a delay uniform in ``time_window_s`` from the start, half uniform in
+        ``step_window_s`` after the first step line.
     """
     rng = random.Random(seed)
-    points = sorted(caps) * 2
-    points += [rng.choice(sorted(caps)) for _ in range(max(0, kills - len(points)))]
+    points = sorted(caps) * each
+    points += [rng.choice(sorted(caps)) for _ in range(max(0, kills - 1 - len(points)))]
     plan = [Kill(p, rng.randint(1, caps[p])) for p in points]
-    plan += [Kill(TIME, delay_s=round(rng.uniform(*time_window_s), 2)) for _ in range(time_kills)]
+    for i in range(time_kills):
+        window = step_window_s if i % 2 else time_window_s
+        plan.append(Kill(TIME, delay_s=round(rng.uniform(*window), 2), after_step=bool(i % 2)))
     rng.shuffle(plan)
-    return plan
+    first = [p for p in FIRST if p in caps]
+    return [Kill(rng.choice(first), 1), *plan] if first else plan
 
 
 def committed_steps(workdir: str) -> list[int]:
@@ -136,18 +160,18 @@ class Job:
                 start_new_session=True,
             )  # fmt: skip
             try:
-                wait_s = kill.delay_s if kill is not None and kill.point == TIME else self.limit_s
-                try:
-                    proc.wait(wait_s)
-                except subprocess.TimeoutExpired:
-                    if kill is None or kill.point != TIME:
-                        raise
-                    os.killpg(proc.pid, signal.SIGKILL)  # the whole job at once
-                    proc.wait(60)
+                if kill is not None and kill.point == TIME:
+                    if kill.after_step:
+                        _wait_for_step_line(log_path, proc, self.limit_s)
+                    try:
+                        proc.wait(kill.delay_s)
+                    except subprocess.TimeoutExpired:
+                        _kill_session(proc.pid)  # the whole job at once
+                proc.wait(self.limit_s)
                 orphans = _wait_gone(proc.pid, 60.0)
-            finally:
+            finally:  # a hang or a failed check: take the whole job down
                 if proc.poll() is None or session_processes(proc.pid):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    _kill_session(proc.pid)
         with open(log_path) as f:
             text = f.read()
         attempt = Attempt(
@@ -158,6 +182,22 @@ class Job:
         assert not orphans, f"processes {orphans} outlived the job ({describe(attempt)})"
         check_resumed(attempt)
         return attempt
+
+
+def _kill_session(sid: int) -> None:
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_for_step_line(log_path: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < end:
+        with open(log_path) as f:
+            if any(line.startswith("step ") and " | elapsed" in line for line in f):
+                return
+        time.sleep(0.05)
 
 
 def _wait_gone(sid: int, timeout_s: float) -> list[int]:
@@ -202,8 +242,8 @@ def run_campaign(job: Job, plan: list[Kill], total_steps: int, arrivals) -> list
     for kill in plan:
         remaining = total_steps - max(committed_steps(job.workdir), default=0)
         assert remaining >= 1, f"the run finished before its plan did: {job.attempts}"
-        if kill.point == TIME and remaining < 2:
-            kill = Kill("learner_step", 1)
+        if kill.point == TIME and remaining < (4 if kill.after_step else 2):
+            kill = Kill("learner_step", 1)  # it could come after the run finished
         elif kill.point != TIME:
             n = min(kill.n, arrivals(kill.point, remaining))
             kill = Kill(kill.point, n) if n >= 1 else Kill("learner_step", 1)

@@ -43,7 +43,7 @@ def test_sigkill_at_the_nth_arrival_of_the_armed_point_only():
     out = _child(ARRIVE_5_TIMES, "learner_step:3")
     assert out.returncode == -signal.SIGKILL
     assert out.stdout.split("\n") == ["before 1", "before 2", "before 3", "last words", ""]
-    assert f"failpoint learner_step:3: SIGKILL (pid " in out.stderr
+    assert "failpoint learner_step:3: SIGKILL (pid " in out.stderr
 
 
 @pytest.mark.parametrize("spec", [None, "", "learner_step:6", "checkpoint_commit:1"])
@@ -68,7 +68,8 @@ def test_parse_and_armed():
 
 
 def test_a_misspelt_point_fails_when_armed():
-    out = _child("from jaxflash import failpoints\nfailpoints.reach('learner_stpe')", "learner_step:1")
+    code = "from jaxflash import failpoints\nfailpoints.reach('learner_stpe')"
+    out = _child(code, "learner_step:1")
     assert out.returncode == 1 and "unknown point 'learner_stpe'" in out.stderr
 
 
