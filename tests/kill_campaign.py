@@ -291,7 +291,11 @@ def check_books(workdir: str, total_steps: int, group_size: int) -> dict:
     metrics = [r for r in rows(os.path.join(workdir, "metrics.jsonl")) if r["step"] > 0]
     assert [r["step"] for r in metrics] == list(range(1, total_steps + 1))
     last = metrics[-1]
-    rollouts = rows(os.path.join(workdir, "rollouts.jsonl"))
+    # A stale group regenerated (stale_policy="regenerate") is written once as
+    # "regenerated" and again when its new samples are used: count the latter only.
+    rollouts = [
+        r for r in rows(os.path.join(workdir, "rollouts.jsonl")) if r["outcome"] != "regenerated"
+    ]
     keys = [(r["prompt_id"], r["sample_index"]) for r in rollouts]
     assert len(keys) == len(set(keys)), "a sample was written twice"
     step_of: dict[int, int] = {}

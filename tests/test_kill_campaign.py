@@ -61,7 +61,7 @@ def _compare(run: str, reference: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_sigkill_at_21_seeded_points_colocated_resumes_exactly(tmp_path):
-    steps = 12
+    steps = 10
     # The largest n drawn per point; a kill at n commits about n - 1 steps first, so
     # small caps keep the kills spread over the run instead of piled at its end.
     caps = {
@@ -89,3 +89,31 @@ def test_sigkill_at_21_seeded_points_colocated_resumes_exactly(tmp_path):
     _compare(job.workdir, reference.workdir)
     last = check_books(job.workdir, steps, G)
     assert last["prompts_trained"] == steps * B and last["prompts_in_flight"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sigkill_campaign_with_generation_processes_loses_nothing(tmp_path):
+    steps = 6
+    caps = {"weight_send": 4, "checkpoint_commit": 2, "rollout_scored": 12}
+    args = [
+        f"--config.total_steps={steps}", "--config.data.eval_size=0",
+        "--config.rollout.async_ratio=1", "--config.mesh.generation_processes=True",
+    ]  # fmt: skip
+    job = Job("smoke_async.py", args, str(tmp_path / "campaign" / "run"), str(tmp_path / "cache"))
+    plan = draw_plan(
+        SEED + 1, caps, kills=4, time_kills=2, time_window_s=(2.0, 25.0),
+        step_window_s=(0.0, 3.0), each=1,
+    )  # fmt: skip
+    attempts = run_campaign(job, plan, steps, _arrivals)
+    print(summary(attempts))
+    kills = [a.kill for a in attempts if a.kill is not None]
+    assert {k.point for k in kills} >= set(caps) | {TIME}, "a failpoint never fired"
+    check_books(job.workdir, steps, G)
+    regenerated = [
+        int(line.split("; ")[1].split()[0])
+        for a in attempts
+        for line in a.log.splitlines()
+        if line.startswith("resumed from step")
+    ]
+    print("prompts in flight at each resume:", regenerated)
