@@ -117,3 +117,4 @@ def test_sigkill_campaign_with_generation_processes_loses_nothing(tmp_path):
         if line.startswith("resumed from step")
     ]
     print("prompts in flight at each resume:", regenerated)
+    assert any(regenerated), "no resume had prompts in flight to generate again"
