@@ -278,7 +278,7 @@ def final_ledger(workdir: str, step: int) -> dict:
         return json.load(f)["extra"]["ledger"]
 
 
-def check_books(workdir: str, total_steps: int, group_size: int) -> dict:
+def check_books(workdir: str, total_steps: int, group_size: int, max_in_flight: int) -> dict:
     """Nothing trained twice, nothing lost; returns the last metrics row.
 
     * metrics.jsonl has one row per step 1..total_steps, in order;
@@ -286,7 +286,10 @@ def check_books(workdir: str, total_steps: int, group_size: int) -> dict:
       learner step only, and every sample of every trained prompt;
     * the ledger of the last checkpoint balances: every prompt id below
       ``taken`` is trained (seen in rollouts.jsonl), in flight, or counted as
-      filtered / stale / failed, and the metrics' counters say the same.
+      filtered / stale / failed, and the metrics' counters say the same;
+    * at most ``max_in_flight`` prompts are in flight at the end (the admission's
+      capacity, (α + 1)·B): a prompt left open by a resume that forgot it would
+      stay "in flight" for ever and pile up here.
     """
     metrics = [r for r in rows(os.path.join(workdir, "metrics.jsonl")) if r["step"] > 0]
     assert [r["step"] for r in metrics] == list(range(1, total_steps + 1))
@@ -312,6 +315,7 @@ def check_books(workdir: str, total_steps: int, group_size: int) -> dict:
     assert counted["trained"] == len(trained) and not trained & open_ids
     assert trained | open_ids <= set(range(ledger["taken"]))
     assert ledger["taken"] == sum(counted.values()) + len(open_ids)
+    assert len(open_ids) <= max_in_flight, sorted(open_ids)
     assert last["prompts_taken"] == ledger["taken"]
     assert last["prompt_outcomes"] == ledger["outcomes"]
     for kind in ("trained", "filtered", "stale", "failed"):
