@@ -168,7 +168,7 @@ class Job:
                     except subprocess.TimeoutExpired:
                         _kill_session(proc.pid)  # the whole job at once
                 proc.wait(self.limit_s)
-                orphans = _wait_gone(proc.pid, 60.0)
+                orphans = wait_gone(proc.pid, 60.0)
             finally:  # a hang or a failed check: take the whole job down
                 if proc.poll() is None or session_processes(proc.pid):
                     _kill_session(proc.pid)
@@ -185,10 +185,13 @@ class Job:
 
 
 def _kill_session(sid: int) -> None:
-    try:
-        os.killpg(sid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL every process of the session (generation programs run in process
+    groups of their own, so a killpg of the job's group would miss them)."""
+    for pid in [sid, *session_processes(sid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait_for_step_line(log_path: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -200,10 +203,14 @@ def _wait_for_step_line(log_path: str, proc: subprocess.Popen, timeout_s: float)
         time.sleep(0.05)
 
 
-def _wait_gone(sid: int, timeout_s: float) -> list[int]:
+def wait_gone(sid: int, timeout_s: float, *, kill: bool = False) -> list[int]:
+    """Wait up to ``timeout_s`` for session ``sid`` to empty; the processes still there
+    (SIGKILLed when ``kill``, so that a failed test leaves nothing running)."""
     end = time.monotonic() + timeout_s
     while (left := session_processes(sid)) and time.monotonic() < end:
         time.sleep(0.2)
+    if left and kill:
+        _kill_session(sid)
     return left
 
 

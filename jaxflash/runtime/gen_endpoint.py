@@ -78,6 +78,9 @@ class LocalProgram:
                 [sys.executable, "-m", "jaxflash.runtime.gen_program", "--host", self.host,
                  "--port", "0", "--parent_pid", str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground
+                # group) reaches the controller only, which shuts the program down.
+                process_group=0,
             )  # fmt: skip
 
     @property

@@ -57,6 +57,7 @@ from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.fleet import make_fleet
 from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.inbox import Inbox
+from jaxflash.runtime.interrupt import DeferredInterrupt
 from jaxflash.runtime.learner_batch import check_failing_streak, empty_reason
 from jaxflash.runtime.learner_links import LeaderLinks
 from jaxflash.runtime.learner_program import LearnerProgram
@@ -221,6 +222,8 @@ def run(
     writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
     preempted, failing = False, 0  # failing: steps in a row in which every prompt failed
+    interrupt = DeferredInterrupt()  # Ctrl-C: raised at the checks below, not anywhere
+    interrupt.install()
     try:
         if version == 0 and workload.eval_size:
             console.background(f"step 0/{exp.total_steps}")
@@ -229,6 +232,7 @@ def run(
         scheduler.start()
         servers_before = scheduler.server_stats()
         while version < exp.total_steps:
+            interrupt.check()
             t_step = clock.now()
             step_label = f"step {version + 1}/{exp.total_steps}"
             console.background(step_label)
@@ -236,7 +240,9 @@ def run(
             note = "" if compiled["engine"] else " (the first generation compiles the engine)"
             progress = GenerationStatus(scheduler, clock.now, samples=B * G)
             with console.phase(f"{step_label}: generating{note}", progress):
-                batch = scheduler.next_batch(version, timeout_s=workload.batch_timeout_s())
+                batch = scheduler.next_batch(
+                    version, timeout_s=workload.batch_timeout_s(), stop=interrupt.check
+                )
             compiled["engine"] = True
             writer.write_rollouts(batch.rows)
 
@@ -266,6 +272,7 @@ def run(
                 learner.skip()
                 step_metrics = {"skipped": skipped}
             train_s = clock.now() - t_train
+            interrupt.check()  # (the step is lost: nothing of it was published or written)
             trained_at_s = clock.now() - (scheduler.first_request_at or t_step)
             scheduler.mark_trained(batch.groups)
             # Books as of now, before publish frees capacity: the checkpoint's in-flight
@@ -307,6 +314,7 @@ def run(
             if cycle is not None:  # the controller's inputs and decision (rho of the next step)
                 metrics.update(cycle.control_from(metrics, next_version=version))
             # 8. Evaluate.
+            interrupt.check()
             if version % exp.eval.every == 0 or version == exp.total_steps:
                 metrics.update(run_eval(version))
             records.check_finite(metrics, version)
@@ -326,6 +334,7 @@ def run(
                 )
                 break
     finally:
+        interrupt.restore()  # a Ctrl-C while shutting down interrupts at once
         console.background("shutting down: stopping the servers, writing the last checkpoint")
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
         fleet.close()
