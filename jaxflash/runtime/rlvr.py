@@ -19,7 +19,8 @@ Placements (``runtime.placement``):
 * generation programs (``mesh.generation_processes``): each slice its own JAX
   program behind the same server protocol (``runtime.fleet``); the learner
   offers each version and the programs pull it. SIGTERM: the step in progress
-  is saved and the run stops (``LearnerProgram.preempted``).
+  is saved and the run stops (``LearnerProgram.preempted``). Ctrl-C: the loop
+  stops at its next safe point, the step in progress unsaved (``runtime.interrupt``).
 
 A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
