@@ -145,8 +145,10 @@ def test_ctrl_c_stops_promptly_and_quietly_and_resumes_exactly(tmp_path, referen
     proc = _launch(run, cache_dir, every_step, session=True)
     _wait_for_a_step(run, proc)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+    t0 = time.monotonic()
     try:
         out, _ = proc.communicate(timeout=HANG_S)
+        print(f"exited {time.monotonic() - t0:.1f}s after Ctrl-C")
     except subprocess.TimeoutExpired:
         wait_gone(proc.pid, 0.0, kill=True)
         raise AssertionError(f"still running {HANG_S}s after Ctrl-C: hung") from None
