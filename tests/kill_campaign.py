@@ -113,6 +113,8 @@ def session_processes(sid: int) -> list[int]:
 
 @dataclasses.dataclass
 class Attempt:
+    """One start of the job: how it was meant to end and how it did."""
+
     kill: Kill | None
     start_step: int  # last committed step when it started
     end_step: int  # last committed step after it ended
@@ -131,7 +133,9 @@ class Job:
       limit_s: a start that runs longer is a hang (the campaign fails).
     """
 
-    def __init__(self, config: str, args: list[str], workdir: str, cache_dir: str, limit_s=600):
+    def __init__(
+        self, config: str, args: list[str], workdir: str, cache_dir: str, limit_s: float = 600
+    ):
         self.workdir, self.limit_s = workdir, limit_s
         self.argv = [
             sys.executable, os.path.join(REPO, "launch", "tpu_pod.py"),
@@ -185,9 +189,10 @@ class Job:
 
 
 def _kill_session(sid: int) -> None:
-    """SIGKILL every process of the session (generation programs run in process
-    groups of their own, so a killpg of the job's group would miss them)."""
-    for pid in [sid, *session_processes(sid)]:
+    """SIGKILL every live process of the session, its leader (the job) included
+    (generation programs run in process groups of their own, so a killpg of the
+    job's group would miss them)."""
+    for pid in session_processes(sid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
