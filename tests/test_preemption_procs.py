@@ -1,11 +1,18 @@
-"""SIGTERM (preemption) to a learner whose generation servers are separate processes.
+"""SIGTERM (preemption) and SIGINT (Ctrl-C) to a learner whose generation servers are
+separate processes.
 
 The whole job runs as on a pod host: ``launch/tpu_pod.py`` is the learner program
-(controller in its process) and starts one generation program per slice. The
-learner gets SIGTERM after its first step: it finishes the step it is in, saves
-it, shuts the generation programs down and exits 0. Run again with the same
-workdir, it resumes from that step, and with α = 0 the resumed run equals a run
-that was never interrupted: same prompts, same sampled tokens, same losses.
+(controller in its process) and starts one generation program per slice.
+
+* SIGTERM after the first step: it finishes the step it is in, saves it, shuts the
+  generation programs down and exits 0.
+* SIGINT to the job's process group after the first step (what a terminal's Ctrl-C
+  does): it stops at its next safe point and exits 130 within a generous bound (a
+  hang detector), without a traceback or gRPC errors, and leaves no process behind.
+
+Run again with the same workdir, each resumes from its last checkpoint, and with
+α = 0 the resumed run equals a run that was never interrupted (one reference run
+for both): same prompts, same sampled tokens, same losses.
 """
 
 import json
@@ -17,12 +24,24 @@ import time
 
 import pytest
 
+from tests.kill_campaign import wait_gone
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
+HANG_S = 120  # far above a clean Ctrl-C (seconds); below it, the job is hung
 
 
-def _launch(workdir: str) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    """XLA's persistent compilation cache, shared by every start in this module."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _launch(workdir: str, cache_dir: str, *extra: str, session: bool = False) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     return subprocess.Popen(
         [
             sys.executable, os.path.join(REPO, "launch", "tpu_pod.py"),
@@ -33,9 +52,20 @@ def _launch(workdir: str) -> subprocess.Popen:
             "--config.rollout.async_ratio=0",  # deterministic: comparable to a reference run
             "--config.checkpoint.every=100",  # the only mid-run checkpoint is the preemption's
             "--config.mesh.generation_processes=True",
+            *extra,
         ],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=session,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir) -> str:
+    """An uninterrupted run of the same command."""
+    workdir = str(tmp_path_factory.mktemp("reference") / "run")
+    out, _ = _launch(workdir, cache_dir).communicate(timeout=900)
+    assert "finished 4/4 steps" in out, out
+    return workdir
 
 
 def _rows(path):
@@ -62,18 +92,10 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_sigterm_saves_the_step_exits_cleanly_and_resumes_exactly(tmp_path):
-    reference = str(tmp_path / "reference")
-    out, _ = _launch(reference).communicate(timeout=900)
-    assert "finished 4/4 steps" in out, out
-
+def test_sigterm_saves_the_step_exits_cleanly_and_resumes_exactly(tmp_path, reference, cache_dir):
     run = str(tmp_path / "run")
-    proc = _launch(run)
-    metrics = os.path.join(run, "metrics.jsonl")
-    end = time.monotonic() + 600
-    while time.monotonic() < end and not (os.path.exists(metrics) and _rows(metrics)):
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
+    proc = _launch(run, cache_dir)
+    metrics = _wait_for_a_step(run, proc)
     steps_done = max(r["step"] for r in _rows(metrics))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
@@ -91,10 +113,54 @@ def test_sigterm_saves_the_step_exits_cleanly_and_resumes_exactly(tmp_path):
     }
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
 
-    out, _ = _launch(run).communicate(timeout=900)
+    out, _ = _launch(run, cache_dir).communicate(timeout=900)
     assert f"resumed from step {saved[0]}" in out and "finished 4/4 steps" in out, out
-    rows, ref = _rows(metrics), _rows(os.path.join(reference, "metrics.jsonl"))
+    _assert_same_run(run, reference)
+
+
+def _wait_for_a_step(run: str, proc: subprocess.Popen) -> str:
+    """Wait until metrics.jsonl has a row; returns its path."""
+    metrics = os.path.join(run, "metrics.jsonl")
+    end = time.monotonic() + 600
+    while time.monotonic() < end and not (os.path.exists(metrics) and _rows(metrics)):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    return metrics
+
+
+def _assert_same_run(run: str, reference: str) -> None:
+    rows = _rows(os.path.join(run, "metrics.jsonl"))
+    ref = _rows(os.path.join(reference, "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for key in ("prompts_taken", "prompts_trained", "prompts_failed", "loss", "grad_norm"):
         assert [r.get(key) for r in rows] == [r.get(key) for r in ref], key
     assert _rollouts(run) == _rollouts(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_ctrl_c_stops_promptly_and_quietly_and_resumes_exactly(tmp_path, reference, cache_dir):
+    run = str(tmp_path / "run")
+    every_step = "--config.checkpoint.every=1"  # so that the resume starts mid-run
+    proc = _launch(run, cache_dir, every_step, session=True)
+    _wait_for_a_step(run, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=HANG_S)
+        print(f"exited {time.monotonic() - t0:.1f}s after Ctrl-C")
+    except subprocess.TimeoutExpired:
+        wait_gone(proc.pid, 0.0, kill=True)
+        raise AssertionError(f"still running {HANG_S}s after Ctrl-C: hung") from None
+    assert proc.returncode == 130, out
+    assert "interrupted: run the same command again" in out, out
+    for noise in ("Traceback", "StatusCode", "is down", "died", "Error"):
+        assert noise not in out, out  # quiet: a Ctrl-C is not a failure
+    left = wait_gone(proc.pid, 30.0, kill=True)
+    assert not left, f"processes {left} outlived the job"
+
+    saved = sorted(int(n) for n in os.listdir(os.path.join(run, "checkpoints")) if n.isdigit())
+    out, _ = _launch(run, cache_dir, every_step).communicate(timeout=900)
+    assert "finished 4/4 steps" in out, out
+    assert not saved or f"resumed from step {saved[-1]} of" in out, out
+    _assert_same_run(run, reference)

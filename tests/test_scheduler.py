@@ -289,6 +289,23 @@ def test_next_batch_times_out_loudly_when_everything_is_dead():
         sched.close()
 
 
+def test_next_batch_calls_stop_every_wait_slice_and_its_raise_ends_the_wait():
+    sched, _ = _scheduler(_servers({"dead": True}), B=1, G=1, alpha=0, sample_deadline_s=100)
+    calls = []
+
+    def stop():  # the loop's Ctrl-C check (runtime.interrupt)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sched.next_batch(0, timeout_s=60, stop=stop)
+        assert len(calls) == 3  # polled while waiting; the wait ended at the raise
+    finally:
+        sched.close()
+
+
 def test_server_that_dies_is_routed_around():
     inbox, servers = _servers({"delay_s": 0.3}, {"delay_s": 0.3})
     sched, ledger = _scheduler((inbox, servers), B=2, G=2, alpha=0, sample_deadline_s=100)

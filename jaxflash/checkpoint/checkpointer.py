@@ -36,10 +36,26 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxflash import failpoints
 from jaxflash.checkpoint.storage import CheckpointWriteError, StorageFault, diagnose
 
 log = logging.getLogger(__name__)
 _STATE, _META = "state", "meta"
+
+
+class _FailpointRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's atomic-rename commit with the ``checkpoint_commit`` failpoint before the
+    step directory's rename (every byte written) and ``checkpoint_committed`` after it."""
+
+    async def finalize(self, *args: Any, **kwargs: Any) -> None:
+        # Orbax renames each item ("state", "meta") inside the step's temporary
+        # directory first; the step directory ("<step>") is the commit that counts.
+        step_dir = self.get_final().name.isdigit()
+        if step_dir:
+            failpoints.reach("checkpoint_commit")
+        await super().finalize(*args, **kwargs)
+        if step_dir:
+            failpoints.reach("checkpoint_committed")
 
 
 @dataclasses.dataclass
@@ -165,6 +181,9 @@ class Checkpointer:
                 # left threads waiting 20 minutes for its completion signal
                 # (orbax-checkpoint 0.12.8), and the process could not exit.
                 async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+                # Orbax's own commit (atomic rename on local disks), with the commit
+                # failpoints around it -- only when a failpoint is armed (a test).
+                temporary_path_class=_FailpointRename if failpoints.armed() else None,
             ),
             item_names=(_STATE, _META),
         )
@@ -216,6 +235,7 @@ class Checkpointer:
                 continue
             self.stats.saves += int(started)
             self._pending = (step, need) if started else None
+            failpoints.reach("checkpoint_write")  # the background write is running
             return started
         raise AssertionError("unreachable")
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from jaxflash import failpoints
+
 
 def _jsonable(value: Any) -> Any:
     """Converts numpy/jax scalars and arrays to JSON types; NaN/Inf become strings."""
@@ -86,6 +88,7 @@ class MetricsWriter:
         row = {"step": int(step), **_jsonable(dict(metrics))}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        failpoints.reach("metrics_written")
         if self._tb is None:
             self._tb = SummaryWriter(os.path.join(self._workdir, "tensorboard"))
         for name, value in row.items():
@@ -98,8 +101,18 @@ class MetricsWriter:
 
     def write_rollouts(self, rows: list[Mapping[str, Any]]) -> None:
         """Appends one JSON line per sample (prompt, response, reward, versions, ...)."""
-        for row in rows:
-            self._rollouts.write(json.dumps(_jsonable(dict(row))) + "\n")
+        lines = [json.dumps(_jsonable(dict(row))) + "\n" for row in rows]
+        half = len(lines) // 2
+        self._rollouts.writelines(lines[:half])
+        failpoints.reach("rollouts_write", before_kill=lambda: self._torn(lines[half:]))
+        self._rollouts.writelines(lines[half:])
+        self._rollouts.flush()
+
+    def _torn(self, rest: list[str]) -> None:
+        # What a SIGKILL here can leave on disk: the buffered writer flushes whenever its
+        # buffer fills, so any prefix of the bytes written so far, a cut line included.
+        if rest:
+            self._rollouts.write(rest[0][: len(rest[0]) // 2])
         self._rollouts.flush()
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import collections
 import logging
 from typing import Any
 
+from jaxflash import failpoints
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.runtime.admission import Admission, admit_all
 from jaxflash.runtime.clock import Clock
@@ -252,3 +253,4 @@ class Dispatcher:
         failure = apply_score(sample, scored, self.truncation)
         self.counters["samples_scored"] += 1
         self.buffer.add(sample, failure=failure)
+        failpoints.reach("rollout_scored")

@@ -33,10 +33,11 @@ from jaxflash.runtime import rpc_wire
 from jaxflash.runtime.rpc_wire import Status
 
 # Variables that would make a generation program join the learner's jax.distributed
-# job (or think it is a learner) if inherited.
+# job (or think it is a learner) if inherited; and the controller's failpoint.
 _LEARNER_ENV = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXFLASH_DISTRIBUTED",
     "JAXFLASH_ROLE", "JAXFLASH_PROGRAM", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS",
+    "JAXFLASH_FAILPOINT",
 )  # fmt: skip
 
 
@@ -77,6 +78,9 @@ class LocalProgram:
                 [sys.executable, "-m", "jaxflash.runtime.gen_program", "--host", self.host,
                  "--port", "0", "--parent_pid", str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground
+                # group) reaches the controller only, which shuts the program down.
+                process_group=0,
             )  # fmt: skip
 
     @property

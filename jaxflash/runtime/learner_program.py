@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxflash import failpoints
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.learner.state import state_shardings
 from jaxflash.learner.step import make_train_step
@@ -137,6 +138,7 @@ class LearnerProgram:
         }
         self._post("train", arrays)
         self.state, metrics = self._train_step(self.state, batch)
+        failpoints.reach("learner_step")
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     def skip(self) -> None:

@@ -40,7 +40,9 @@ def init_or_restore_learner(
     ``learner_mesh`` (Orbax ignores half-written ones); rows of metrics.jsonl and
     rollouts.jsonl written after it belong to lost work and are dropped. Otherwise
     the state is created born sharded: from ``imported_params`` (GGUF / HF), or
-    randomly initialised when that is None. ``records=False`` leaves metrics.jsonl
+    randomly initialised when that is None; rows left by an earlier start that was
+    killed before its first checkpoint are all lost work, and dropped (a cut last
+    line included). ``records=False`` leaves metrics.jsonl
     and rollouts.jsonl alone (the other processes of a multi-process learner:
     process 0 owns them).
 
@@ -65,6 +67,13 @@ def init_or_restore_learner(
             truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
             truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
         return state, meta, ledger, checkpointer
+    if records:  # nothing committed: whatever an earlier start wrote is lost work
+        dropped = truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", -1)
+        dropped += truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", -1)
+        if dropped:
+            log.warning(
+                "%s has no checkpoint: dropped %d rows of an earlier start", workdir, dropped
+            )
     if imported_params is None:
         state = create_train_state(
             model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed

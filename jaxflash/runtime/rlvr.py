@@ -19,7 +19,8 @@ Placements (``runtime.placement``):
 * generation programs (``mesh.generation_processes``): each slice its own JAX
   program behind the same server protocol (``runtime.fleet``); the learner
   offers each version and the programs pull it. SIGTERM: the step in progress
-  is saved and the run stops (``LearnerProgram.preempted``).
+  is saved and the run stops (``LearnerProgram.preempted``). Ctrl-C: the loop
+  stops at its next safe point, the step in progress unsaved (``runtime.interrupt``).
 
 A step with nothing to train (every sample masked, every group filtered, failed
 or stale) is skipped with a counted reason (``steps_skipped_<reason>``): the
@@ -56,6 +57,7 @@ from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.fleet import make_fleet
 from jaxflash.runtime.gen_server import GenerationServer
 from jaxflash.runtime.inbox import Inbox
+from jaxflash.runtime.interrupt import DeferredInterrupt
 from jaxflash.runtime.learner_batch import check_failing_streak, empty_reason
 from jaxflash.runtime.learner_links import LeaderLinks
 from jaxflash.runtime.learner_program import LearnerProgram
@@ -224,6 +226,8 @@ def run(
     writer = MetricsWriter(workdir)
     metrics: dict[str, Any] = {}
     preempted, failing = False, 0  # failing: steps in a row in which every prompt failed
+    interrupt = DeferredInterrupt()  # Ctrl-C: raised at the checks below, not anywhere
+    interrupt.install()
     try:
         if version == 0 and workload.eval_size:
             console.background(f"step 0/{exp.total_steps}")
@@ -232,6 +236,7 @@ def run(
         scheduler.start()
         servers_before = scheduler.server_stats()
         while version < exp.total_steps:
+            interrupt.check()
             t_step = clock.now()
             step_label = f"step {version + 1}/{exp.total_steps}"
             console.background(step_label)
@@ -241,7 +246,9 @@ def run(
                 scheduler, clock.now, samples=B * G, episodes=episodes is not None
             )
             with console.phase(f"{step_label}: generating{note}", progress):
-                batch = scheduler.next_batch(version, timeout_s=workload.batch_timeout_s())
+                batch = scheduler.next_batch(
+                    version, timeout_s=workload.batch_timeout_s(), stop=interrupt.check
+                )
             compiled["engine"] = True
             writer.write_rollouts(batch.rows)
 
@@ -269,6 +276,7 @@ def run(
                 learner.skip()
                 step_metrics = {"skipped": skipped}
             train_s = clock.now() - t_train
+            interrupt.check()  # (the step is lost: nothing of it was published or written)
             trained_at_s = clock.now() - (scheduler.first_request_at or t_step)
             scheduler.mark_trained(batch.groups)
             # Books as of now, before publish frees capacity: the checkpoint's in-flight
@@ -315,6 +323,7 @@ def run(
                 B = cycle.fresh_prompts
             stopping = stop_after is not None and bool(stop_after(metrics))
             # 8. Evaluate.
+            interrupt.check()
             if version % exp.eval.every == 0 or version == exp.total_steps or stopping:
                 metrics.update(run_eval(version))
             records.check_finite(metrics, version)
@@ -338,6 +347,7 @@ def run(
                 console.line(f"stopped after step {version} (stop_after)")
                 break
     finally:
+        interrupt.restore()  # a Ctrl-C while shutting down interrupts at once
         console.background("shutting down: stopping the servers, writing the last checkpoint")
         scheduler.close()  # outstanding requests aborted (counted), servers stopped
         fleet.close()

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxflash.data.prompts import PromptFailure
@@ -302,8 +302,17 @@ class RolloutScheduler:
         self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
         self._thread.start()
 
-    def next_batch(self, learner_version: int, timeout_s: float = 3600.0) -> Batch:
+    def next_batch(
+        self,
+        learner_version: int,
+        timeout_s: float = 3600.0,
+        stop: Callable[[], None] | None = None,
+    ) -> Batch:
         """``try_batch`` until it returns, waiting for the pump in between.
+
+        Args:
+          stop: called before every wait slice (<= 0.5 s); what it raises ends the
+            wait (the loop's Ctrl-C, ``runtime.interrupt``).
 
         Raises:
           TimeoutError: no batch within ``timeout_s`` (naming the counts).
@@ -312,6 +321,8 @@ class RolloutScheduler:
         t0 = self.clock.now()
         with self._changed:
             while True:
+                if stop is not None:
+                    stop()
                 if self._error is not None:
                     raise RuntimeError(f"rollout scheduler failed: {self._error!r}")
                 batch = self.try_batch(learner_version)

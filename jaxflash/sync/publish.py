@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxflash import failpoints
 from jaxflash.types import PolicyVersion
 
 
@@ -141,6 +142,7 @@ def publish(
     check_version(version, previous_version)
     _check_targets(params, target_shardings)
     staged = _reshard(params, _on_source_mesh(params, target_shardings))
+    failpoints.reach("weight_transfer")
     src_ids = {id(x) for x in jax.tree.leaves(params)}
     if any(id(x) in src_ids for x in jax.tree.leaves(staged)):
         # Never hand the generator the learner's own buffers: the train step

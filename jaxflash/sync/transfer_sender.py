@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxflash import failpoints
 from jaxflash.sync.publish import check_version
 from jaxflash.sync.transfer_layout import Index, TreeLayout, layout_of, normalize_index
 from jaxflash.sync.transfer_wire import (
@@ -281,6 +282,7 @@ class WeightSender:
             self.stats.pulls_registered += 1
             self.stats.shards_sent += len(shards)
             send_message(conn, {"type": "ready", "uuid": uuid, "count": len(shards)})
+            failpoints.reach("weight_send")  # the receiver is pulling now
         elif method == "stream":
             send_message(conn, {"type": "stream", "count": len(shards)})
             self._stream(conn, shards)
@@ -294,6 +296,8 @@ class WeightSender:
         for i, shard in enumerate(shards):
             if i + 1 < len(shards):  # overlap the next device->host copy with this send
                 shards[i + 1].copy_to_host_async()
+            if i == len(shards) // 2:
+                failpoints.reach("weight_send")  # the first half of the shards is sent
             host = np.ascontiguousarray(jax.device_get(shard))
             payload = host.reshape(-1).view(np.uint8)
             send_message(conn, {"type": "shard", "i": i, "nbytes": payload.size}, payload)

@@ -1,0 +1,65 @@
+"""Ctrl-C for the RL loop: the first SIGINT stops the run at its next safe point.
+
+Python's default turns SIGINT into a ``KeyboardInterrupt`` wherever the main
+thread happens to be, e.g. inside a library holding a lock (tensorboardX's event
+queue, taken in ``add_scalar``, stayed locked and its ``close`` then waited for
+ever). While the loop runs, ``DeferredInterrupt`` only records the first SIGINT
+and says so on stderr; the loop calls ``check`` where stopping is safe (between
+its phases and every wait slice of ``RolloutScheduler.next_batch``), which raises
+``KeyboardInterrupt`` there. The loop's ``finally`` then shuts everything down
+in order and the launcher exits with status 130. A second SIGINT interrupts at
+once (Python's default again), for a shutdown that itself hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+
+class DeferredInterrupt:
+    """SIGINT recorded by a handler, raised as KeyboardInterrupt by ``check``.
+
+    ``install`` puts the handler in place (main thread only; elsewhere nothing is
+    installed and ``check`` never raises); ``restore`` puts the previous one back.
+    """
+
+    def __init__(self) -> None:
+        self._requested = threading.Event()
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        """Handle SIGINT here from now on (a no-op outside the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+
+    def restore(self) -> None:
+        """Put the previous SIGINT handler back (idempotent)."""
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    @property
+    def requested(self) -> bool:
+        """Whether a SIGINT arrived."""
+        return self._requested.is_set()
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` if a SIGINT arrived (call where stopping is safe).
+
+        Raises:
+          KeyboardInterrupt: a SIGINT arrived since the handler was installed.
+        """
+        if self._requested.is_set():
+            raise KeyboardInterrupt
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        del signum, frame
+        self._requested.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second one: at once
+        # os.write, not print: the interrupted code may hold the stderr buffer's lock.
+        os.write(2, b"\nCtrl-C: stopping at the next safe point (Ctrl-C again: at once)\n")
