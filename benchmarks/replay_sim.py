@@ -16,21 +16,9 @@ import argparse
 import os
 
 from jaxflash.replay.dual_cycle import fresh_groups_needed
-from jaxflash.runtime.simulate import CostModel, LogNormal, SimConfig, Workload, simulate
+from jaxflash.runtime.simulate import CostModel, SimConfig, reasoning_workload, simulate
 
 MODES = ("sync", "async", "replay", "adaptive")
-
-
-def _workload(seed: int = 0) -> Workload:
-    return Workload(
-        lengths=LogNormal(median=1500, sigma=1.0),
-        max_tokens=16384,
-        prompt_tokens=(200, 350, 500),
-        prompt_sigma=0.5,
-        pass_alpha=0.6,
-        pass_beta=0.6,
-        seed=seed,
-    )
 
 
 def sim_config(mode: str, *, slots: int, slots_per_server: int, rho: float) -> SimConfig:
@@ -80,7 +68,7 @@ def run_simulator(args: argparse.Namespace) -> None:
                 slots_per_server=args.slots_per_server,
                 rho=args.rho,
             )
-            res = simulate(cfg, costs, _workload())
+            res = simulate(cfg, costs, reasoning_workload())
             # Same generation budget: time to spend it ~ 1 / fresh samples per second;
             # updates per second of that time = 1 / step_s.
             fresh_per_s = res.samples_per_s

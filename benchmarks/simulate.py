@@ -53,7 +53,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxflash.replay.groups import GroupFilter  # noqa: E402
-from jaxflash.runtime.simulate import CostModel, LogNormal, SimConfig, Workload, simulate  # noqa: E402
+from jaxflash.runtime.simulate import (  # noqa: E402
+    CostModel,
+    LogNormal,
+    SimConfig,
+    Workload,
+    reasoning_workload,
+    simulate,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALPHAS = (1, 2, 4, 8)
@@ -111,18 +118,6 @@ SCALES = [
     Scale(16, 32, 32, 16),
     Scale(32, 32, 64, 16),
 ]
-
-
-def reasoning_workload(seed: int = 0) -> Workload:
-    return Workload(
-        lengths=LogNormal(median=1500, sigma=1.0),
-        max_tokens=16384,
-        prompt_tokens=(200, 350, 500),
-        prompt_sigma=0.5,
-        pass_alpha=0.6,
-        pass_beta=0.6,
-        seed=seed,
-    )
 
 
 def paper_workload(seed: int = 0) -> Workload:

@@ -45,6 +45,7 @@ from jaxflash.runtime.simulate.workload import (
     Turn,
     Workload,
     multi_turn,
+    reasoning_workload,
 )
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "Turn",
     "Workload",
     "multi_turn",
+    "reasoning_workload",
     "roll_flash_bound",
     "simulate",
 ]
