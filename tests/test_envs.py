@@ -48,7 +48,7 @@ FL_ACTIONS = ("Left", "Down", "Right", "Up")
         ('"Left"', "Left"),
         ("Right-ish", "Right"),  # the word ends at the hyphen
         ("Down\n\nThe way to win is to go left", "Down"),  # the first word commits
-        ("Left, Down, Right or Up", "Left"),  # a listing is judged by its first word
+        ("Right. Right is the way", "Right"),  # the same move named twice
     ],
 )
 def test_parse_first_word_accepts_the_move_as_first_word(text, want):
@@ -69,6 +69,9 @@ def test_parse_first_word_accepts_the_move_as_first_word(text, want):
         "_ _ G\nP O _",  # a grid
         "<answer>Down</answer>",  # the tag format is not this format
         "Jump",
+        "Left, Down, Right or Up",  # the options echoed back: no move chosen
+        "LEFT, Down, Up",
+        "Up or down",
     ],
 )
 def test_parse_first_word_rejects_anything_else(text):

@@ -11,9 +11,10 @@ Two formats, chosen per environment (``ActionFormat``):
   a tag format (SmolLM2-135M-Instruct almost never writes ``<answer>`` tags, but
   answers a one-word question with a word). The *first* word, not any or the last
   action word: an autoregressive policy commits to its move first, and a response
-  that lists the options ("Left, Down, Right or Up") or drifts into free text after
-  its move must not be credited with whichever word a lenient search finds; a
-  response that starts with anything else (prose, a grid, "Leftmost") is invalid.
+  that drifts into free text after its move must not be credited with whichever
+  word a lenient search finds; a response that starts with anything else (prose, a
+  grid, "Leftmost") is invalid, and so is a first line that names several moves
+  (the options listed back, "Left, Down, Right or Up").
 
 Matching of the action vocabulary ignores case and surrounding whitespace.
 """
@@ -78,7 +79,10 @@ def parse_first_word(text: str, choices: Sequence[str]) -> int | None:
     The first word is the first run of letters after any leading whitespace,
     punctuation or markup (``"**Down**"``, ``" down."``, ``"Down\\nbecause..."`` ->
     Down); it must end at a non-letter/digit (``"Leftmost"``, ``"Left2"`` are not
-    Left). Compared case-insensitively.
+    Left). Compared case-insensitively. A first line that names more than one of
+    the choices (``"Left, Down, Right"``: the options echoed back) is not a move:
+    under GRPO a policy learned to list the options to avoid the invalid-action
+    penalty when a listing counted as its first word.
 
     Args:
       text: one turn's response text.
@@ -97,7 +101,11 @@ def parse_first_word(text: str, choices: Sequence[str]) -> int | None:
         return None
     word = match.group(1).lower()
     lowered = [c.lower() for c in choices]
-    return lowered.index(word) if word in lowered else None
+    if word not in lowered:
+        return None
+    first_line = text.strip().split("\n", 1)[0].lower()
+    named = {w for w in re.findall(r"[^\W\d_]+", first_line) if w in lowered}
+    return lowered.index(word) if len(named) == 1 else None
 
 
 def parse_action(text: str, choices: Sequence[str], action_format: ActionFormat) -> int | None:
