@@ -112,6 +112,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_k = 0
     c.rollout.top_p = 1.0
     c.rollout.num_slots = 16  # decode slots per engine (turns of many episodes at once)
+    # Decode steps per engine dispatch (fewer host round trips; same tokens). Weight
+    # updates and aborts wait for the block's end.
+    c.rollout.decode_block = 1
     c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
     c.rollout.truncation = "none"  # an episode ends by its environment or its turn limit
     c.rollout.partial_rollout = "continue"

@@ -87,6 +87,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0  # 1.0 = off
     c.rollout.max_new_tokens = 24
     c.rollout.num_slots = 32  # decode slots (continuous batching) per engine
+    # Decode steps per engine dispatch (fewer host round trips; same tokens). Weight
+    # updates and aborts wait for the block's end.
+    c.rollout.decode_block = 1
     c.rollout.max_prefill_length = 0  # the engine's prompt limit; 0 = data.max_prompt_tokens
     c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
     c.rollout.truncation = "penalty"  # penalty | mask | none: what a truncated response gets

@@ -24,6 +24,19 @@ def test_configs_convert(module):
     assert exp.learner.sampling == exp.rollout.sampling
 
 
+@pytest.mark.parametrize(
+    "name", ["rlvr_smollm2_arith", "smoke", "smoke_async", "agentic_frozenlake", "replay_smoke"]
+)
+def test_decode_block_can_be_set_from_the_command_line_of_every_config(name):
+    # --config.x.y=v overrides only keys the config file defines.
+    import importlib
+
+    c = importlib.import_module(f"configs.{name}").get_config()
+    assert c.rollout.decode_block == 1
+    c.rollout.decode_block = 4
+    assert ExperimentConfig.from_config_dict(c).rollout.decode_block == 4
+
+
 def test_config_errors_name_the_field():
     c = smoke.get_config()
     c.rollout.group_size = 0
