@@ -121,14 +121,12 @@ SCALES = [
 
 
 def paper_workload(seed: int = 0) -> Workload:
-    return Workload(
+    """The reasoning workload with ROLL Flash's longer responses and prompts."""
+    return dataclasses.replace(
+        reasoning_workload(seed),
         lengths=LogNormal(median=4000, sigma=1.0),
         max_tokens=32768,
         prompt_tokens=(300, 500, 700),
-        prompt_sigma=0.5,
-        pass_alpha=0.6,
-        pass_beta=0.6,
-        seed=seed,
     )
 
 
