@@ -101,6 +101,7 @@ def make_config(
     eval_samples: int,
     correction: str | None = None,
     eval_prompts: int | None = None,
+    overrides: list[str] | None = None,
 ) -> Any:
     """The ExperimentConfig of one configuration.
 
@@ -111,6 +112,8 @@ def make_config(
     from jaxflash.runtime.experiment import ExperimentConfig
 
     c = _load(path)
+    for item in overrides or ():
+        apply_override(c, item)
     c.seed = seed
     c.mesh.colocated = mode == "sync"  # the config's device counts follow it
     c.rollout.async_ratio = 0 if mode == "sync" else 2
@@ -132,6 +135,35 @@ def make_config(
     c.eval.every = max(1, round(eval_samples / (fresh * G)))
     c.checkpoint.every = c.total_steps
     return ExperimentConfig.from_config_dict(c)
+
+
+def apply_override(c: Any, item: str) -> None:
+    """Set one ``KEY=VALUE`` (dotted key, Python-literal value, else a string) on the
+    ConfigDict ``c``, for every configuration alike (e.g. ``learner.lr=2e-5``).
+
+    Raises:
+      ValueError: no ``=``, or a key the config does not define.
+    """
+    import ast
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. learner.lr=2e-5")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    *parents, leaf = key.split(".")
+    node = c
+    for name in parents:
+        if name not in node:
+            raise ValueError(f"--set {item!r}: the config has no field {key!r}")
+        node = node[name]
+    if leaf not in node:
+        raise ValueError(f"--set {item!r}: the config has no field {key!r}")
+    if isinstance(node[leaf], float) and isinstance(value, int):
+        value = float(value)
+    node[leaf] = value
 
 
 def budget_stop(budget: int, minutes: float | None, clock=time.monotonic):
@@ -211,7 +243,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             exp = make_config(
                 args.config, mode, seed=seed, budget=args.budget, rho=args.rho,
                 eval_samples=args.eval_samples, correction=args.correction,
-                eval_prompts=args.eval_prompts,
+                eval_prompts=args.eval_prompts, overrides=args.set,
             )  # fmt: skip
             workdir = os.path.join(root, f"{mode}_seed{seed}")
             t0 = time.monotonic()
@@ -313,6 +345,10 @@ def main() -> None:
     p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts per eval")
     p.add_argument("--rho", type=float, default=0.5)
     p.add_argument("--correction", default=None, help="replay.correction (default: the loss)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config field for every configuration, e.g. learner.lr=2e-5 (repeatable)",
+    )  # fmt: skip
     p.add_argument("--target_frac", type=float, default=1.0)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
