@@ -31,8 +31,10 @@ generated samples' worth of steps (at the start rho). Time is ``trained_at_s``
 (from the first generation request) minus the evaluation time spent before it;
 servers keep generating during an asynchronous run's evaluations, which this
 leaves in (a small advantage to the async modes). Target accuracy: the sync
-runs' final held-out accuracy (mean over seeds) x ``--target_frac``; time to
-target is the first evaluated step reaching it (never: inf). Printed: each run's
+runs' final held-out accuracy (mean over seeds) x ``--target_frac`` (several
+values: one summary each; ``--summarize FILE`` re-summarizes a kept ``--out`` JSON
+without running anything); time to target is the first evaluated step reaching it
+(never: inf). Printed: each run's
 curve (accuracy vs seconds and vs generated samples), then per configuration the
 time to target (mean +- std over seeds), its ratio to sync and to async (per seed,
 mean +- std), the generated samples to target, the final accuracy, and the load
@@ -286,7 +288,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], target_frac: float) -> dict
     if not finals:
         raise ValueError("the target accuracy is set from the sync runs: include mode sync")
     target = target_frac * sum(finals) / len(finals)
-    out: dict[str, Any] = {"target": target, "modes": {}}
+    out: dict[str, Any] = {"target": target, "target_frac": target_frac, "modes": {}}
     for mode, rs in runs.items():
         t = [first_reaching(r["curve"], target, "seconds") for r in rs]
         g = [first_reaching(r["curve"], target, "generated") for r in rs]
@@ -313,7 +315,9 @@ def _ratio(base: float, this: float) -> float:
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    print(f"\ntarget accuracy {s['target']:.3f} (sync final mean x target_frac)")
+    print(
+        f"\ntarget accuracy {s['target']:.3f} (sync final mean x target_frac {s['target_frac']:g})"
+    )
     head = f"{'mode':<10}{'time to target':>24}{'x sync':>16}{'x async':>16}"
     print(head + f"{'samples to target':>24}{'final acc':>11}{'cut':>5}")
     for mode, m in s["modes"].items():
@@ -349,7 +353,14 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="a config field for every configuration, e.g. learner.lr=2e-5 (repeatable)",
     )  # fmt: skip
-    p.add_argument("--target_frac", type=float, default=1.0)
+    p.add_argument(
+        "--target_frac", type=float, nargs="+", default=[1.0],
+        help="target = sync final accuracy x this; several: one summary each",
+    )  # fmt: skip
+    p.add_argument(
+        "--summarize", default="", metavar="JSON",
+        help="no runs: summarize the runs kept in a --out JSON (e.g. at other --target_frac)",
+    )  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
     p.add_argument("--out", default="", help="write curves and summary as JSON here")
@@ -363,13 +374,21 @@ def main() -> None:
     args.budget = args.budget or DEFAULT_BUDGET[args.model]
     args.eval_samples = args.eval_samples or max(1, args.budget // 4)
     print(f"load average at start (1, 5, 15 min): {os.getloadavg()}")
+    if args.summarize:
+        with open(args.summarize, encoding="utf-8") as f:
+            runs = json.load(f)["runs"]
+        for frac in args.target_frac:
+            print_summary(summarize(runs, frac))
+        return
     if not args.sim_only:
         runs = run_all(args)
-        summary = summarize(runs, args.target_frac)
-        print_summary(summary)
+        summaries = [summarize(runs, frac) for frac in args.target_frac]
+        for summary in summaries:
+            print_summary(summary)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
-                json.dump({"args": vars(args), "runs": runs, "summary": summary}, f, indent=1)
+                out = {"args": vars(args), "runs": runs, "summaries": summaries}
+                json.dump(out, f, indent=1)
     if not args.no_sim:
         run_simulator(args)
 

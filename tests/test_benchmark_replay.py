@@ -125,3 +125,33 @@ def test_simulator_configs_share_the_device_budget():
         assert cfgs[m].servers + cfgs[m].learner_devices == 8
     assert cfgs["async"].batch_prompts == 16 and cfgs["replay"].batch_prompts == 8
     assert cfgs["replay"].replay_ratio == pytest.approx(1.0)  # rho / (1 - rho) per fresh
+
+
+def test_apply_override_sets_fields_and_names_bad_ones():
+    import ml_collections
+
+    c = ml_collections.ConfigDict({"learner": {"lr": 5e-6, "schedule": "constant"}})
+    bench.apply_override(c, "learner.lr=2e-5")
+    bench.apply_override(c, "learner.schedule=cosine")
+    assert c.learner.lr == 2e-5 and c.learner.schedule == "cosine"
+    bench.apply_override(c, "learner.lr=1")  # an int for a float field stays a float
+    assert isinstance(c.learner.lr, float) and c.learner.lr == 1.0
+    with pytest.raises(ValueError, match="learner.lrr"):
+        bench.apply_override(c, "learner.lrr=1e-5")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        bench.apply_override(c, "learner.lr")
+
+
+def test_summarize_keeps_the_target_fraction():
+    def run(seconds: float, accuracy: float) -> dict:
+        points = [(0, 0.0, 0.1), (2, seconds, accuracy)]
+        curve = [
+            {"step": s, "seconds": t, "generated": 32 * s, "accuracy": a} for s, t, a in points
+        ]
+        return {"curve": curve, "cut": False}
+
+    runs = {"sync": [run(10.0, 0.8)], "async": [run(4.0, 0.5)]}
+    full, half = bench.summarize(runs, 1.0), bench.summarize(runs, 0.5)
+    assert full["target_frac"] == 1.0 and half["target"] == pytest.approx(0.4)
+    assert full["modes"]["async"]["time_to_target_s"] == [math.inf]
+    assert half["modes"]["async"]["speedup_vs_sync"] == [pytest.approx(2.5)]
