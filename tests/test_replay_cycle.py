@@ -46,6 +46,29 @@ def _exp(**overrides):
             },
             ["replay.correction_kwargs", "m2_threshold"],
         ),
+        *(  # a kwarg of a wrong type or out of range: refused at config time, not at step 1
+            (
+                {
+                    "replay__ratio": 0.5,
+                    "replay__correction": "tis",
+                    "replay__correction_kwargs": {"tis_cap": bad},
+                },
+                [f"replay.correction_kwargs.tis_cap must be {expected}, got {bad!r}"],
+            )
+            for bad, expected in ((-1.0, "a number > 0"), ("abc", "a finite number"))
+        ),
+        (
+            {
+                "replay__ratio": 0.5,
+                "replay__correction": "decoupled_ppo",
+                "replay__correction_kwargs": {"behaviour_cap": True},
+            },
+            ["replay.correction_kwargs.behaviour_cap must be a finite number or None, got True"],
+        ),
+        (
+            {"learner__loss_kwargs": {"clip_eps_low": 1.5}},
+            ["learner.loss_kwargs.clip_eps_low must be a number in [0, 1]"],
+        ),
         ({"learner__replay_loss": "tis"}, ["learner.replay_loss"]),  # set from replay.*
         ({"replay__ratio": 0.5, "replay__advantages": "joint"}, ["replay.sampler"]),
         ({"replay__ratio": 0.5, "replay__freshness_tau": 2.0}, ["freshness_tau"]),
