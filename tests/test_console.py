@@ -164,6 +164,13 @@ def _launch(tmp_path, *overrides):
         ),
         ("--config.rolout.top_k=4", "config error: unknown config key 'rolout' (did you mean"),
         ("--config.rollout.max_new_tokens=abc", "config error: bad command line: flag"),
+        (  # a key a mapping-valued field lacks: the message says how to write it
+            "--config.replay.correction_kwargs.tis_cap=2.0",
+            "config error: unknown config key 'replay.correction_kwargs.tis_cap' (known: []); "
+            "replay.correction_kwargs is a mapping: a key it does not have is set by giving "
+            "the whole mapping as JSON, e.g. "
+            """--config.replay.correction_kwargs='{"tis_cap": 2.0}'""",
+        ),
         (
             "--config.data.task=countdwn",
             "config error: data.task: unknown task 'countdwn'; known: ['arithmetic', 'countdown'",

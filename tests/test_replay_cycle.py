@@ -4,6 +4,7 @@ as logged, and the state a checkpoint carries."""
 
 import dataclasses
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -290,3 +291,23 @@ def test_restored_cycle_draws_the_same_replay_batches():
         assert ma == mb
         for f in dataclasses.fields(a):
             np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))
+
+
+def test_correction_kwargs_as_one_json_override_reach_the_learner(monkeypatch):
+    """The README's command-line form of a mapping field: the whole mapping as JSON."""
+    from absl import flags  # noqa: PLC0415
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    argv = [
+        "x",
+        "--config=configs/replay_smoke.py",
+        "--config.replay.correction=tis",
+        '--config.replay.correction_kwargs={"tis_cap": 3.0}',
+    ]
+    monkeypatch.setattr(sys, "argv", argv)  # the config flag reads its overrides there
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", flag_values=values)
+    values(argv)
+    exp = ExperimentConfig.from_config_dict(holder.value)
+    assert dict(exp.replay.correction_kwargs) == {"tis_cap": 3.0}
+    assert dict(exp.learner.replay_loss_kwargs) == {"tis_cap": 3.0}
