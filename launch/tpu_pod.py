@@ -132,6 +132,11 @@ def _learner(exp, console) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    try:  # its import parses JAXFLASH_FAILPOINT (jax-free): a bad value is one line here
+        from jaxflash import failpoints  # noqa: F401
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
     config = _CONFIG.value
     # Orbax and JetStream log every save/step through absl at INFO: keep the console
     # to our lines (pass --verbosity=0 to see them again).
