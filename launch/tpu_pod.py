@@ -203,11 +203,11 @@ def main(argv: list[str]) -> None:
         print(f"run stopped: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print(
-            f"\ninterrupted: run the same command again to resume {_WORKDIR.value} from its "
-            "last complete checkpoint",
-            file=sys.stderr,
-        )
+        from jaxflash.runtime.interrupt import interrupted_message
+
+        # Read after the run's shutdown: a second Ctrl-C may have cut a checkpoint
+        # write short, and the message says the step a resume really starts from.
+        print(f"\n{interrupted_message(_WORKDIR.value)}", file=sys.stderr)
         sys.exit(130)
     finally:
         console.close()
