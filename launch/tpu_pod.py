@@ -207,7 +207,8 @@ def main(argv: list[str]) -> None:
 
         # Read after the run's shutdown: a second Ctrl-C may have cut a checkpoint
         # write short, and the message says the step a resume really starts from.
-        print(f"\n{interrupted_message(_WORKDIR.value)}", file=sys.stderr)
+        line = interrupted_message(_WORKDIR.value) if _WORKDIR.value else "interrupted"
+        print(f"\n{line}", file=sys.stderr)
         sys.exit(130)
     finally:
         console.close()
