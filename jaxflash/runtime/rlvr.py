@@ -209,7 +209,8 @@ def run(
     def run_eval(v: int) -> dict[str, float]:
         if not workload.eval_size:
             return {}
-        t0, status = clock.now(), EvalStatus(clock.now)
+        unit = "episodes" if episodes is not None else "samples"
+        t0, status = clock.now(), EvalStatus(clock.now, unit=unit)
         note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
         announce = f"evaluating at step {v}: {workload.describe_eval()}{note} ..."
         engine, params = fleet.eval_target(gen_params)
