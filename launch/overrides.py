@@ -5,12 +5,15 @@ KeyError/AttributeError traceback of ~55 lines whose last line holds an
 escaped "Did you mean". ``parse_flags`` (an ``absl.app.run`` flags parser)
 catches any error while the flags are parsed and explains it in one line: the
 unknown key with the nearest known one (found here by walking the config the
-``--config`` file builds), or the flag library's own message.
+``--config`` file builds; a key of a mapping-valued field such as
+``replay.correction_kwargs`` also says how to give the whole mapping as JSON), or
+the flag library's own message.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -58,16 +61,34 @@ def unknown_override(argv: Sequence[str]) -> str | None:
     for arg in argv:
         if not arg.startswith("--config."):
             continue
-        key = arg[len("--config.") :].split("=", 1)[0]
+        key, _, value = arg[len("--config.") :].partition("=")
         node: Any = config
         for depth, part in enumerate(key.split(".")):
             known = list(node.keys()) if hasattr(node, "keys") else []
             if part not in known:
                 prefix = ".".join(key.split(".")[:depth])
                 full = f"{prefix}.{part}" if prefix else part
-                return unknown_key_message(full, known)
+                message = unknown_key_message(full, known)
+                if depth >= 2 and (hasattr(node, "keys") or isinstance(node, str)):
+                    message += _whole_mapping_hint(prefix, part, value)
+                return message
             node = node[part]
     return None
+
+
+def _whole_mapping_hint(field: str, key: str, value: str) -> str:
+    """How to set a key of a mapping-valued field (``replay.correction_kwargs``,
+    ``learner.loss_kwargs``, ``env.options``): the flag library cannot add a key to a
+    mapping, but takes the whole mapping as one JSON value."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    example = json.dumps({key: parsed})
+    return (
+        f"; {field} is a mapping: a key it does not have is set by giving the whole "
+        f"mapping as JSON, e.g. --config.{field}='{example}'"
+    )
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -132,6 +132,11 @@ def _learner(exp, console) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    try:  # its import parses JAXFLASH_FAILPOINT (jax-free): a bad value is one line here
+        from jaxflash import failpoints  # noqa: F401
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
     config = _CONFIG.value
     # Orbax and JetStream log every save/step through absl at INFO: keep the console
     # to our lines (pass --verbosity=0 to see them again).
@@ -198,11 +203,12 @@ def main(argv: list[str]) -> None:
         print(f"run stopped: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print(
-            f"\ninterrupted: run the same command again to resume {_WORKDIR.value} from its "
-            "last complete checkpoint",
-            file=sys.stderr,
-        )
+        from jaxflash.runtime.interrupt import interrupted_message
+
+        # Read after the run's shutdown: a second Ctrl-C may have cut a checkpoint
+        # write short, and the message says the step a resume really starts from.
+        line = interrupted_message(_WORKDIR.value) if _WORKDIR.value else "interrupted"
+        print(f"\n{line}", file=sys.stderr)
         sys.exit(130)
     finally:
         console.close()

@@ -18,9 +18,11 @@ from jaxflash.checkpoint import (
     set_numpy_rng_state,
     set_python_rng_state,
 )
+from jaxflash.checkpoint.storage import steps_on_disk
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, create_train_state
 from jaxflash.models.config import get_preset
+from jaxflash.runtime.interrupt import interrupted_message
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
 
@@ -120,7 +122,7 @@ _CHILD = textwrap.dedent(
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
-    workdir = tmp_path / "ckpt"
+    workdir = tmp_path / "checkpoints"  # as in a run directory (for interrupted_message)
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         ["timeout", "-k", "5", "120", sys.executable, "-c", _CHILD, str(workdir)],
@@ -132,6 +134,12 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
     entries = sorted(os.listdir(workdir))
     assert "1" in entries and "2" not in entries, entries
     assert any(e.startswith("2.") and "tmp" in e for e in entries), entries  # half-written
+    # What a Ctrl-C's last line reads (a second Ctrl-C during the write leaves the same):
+    assert steps_on_disk(str(workdir)) == ([1], [2])
+    assert interrupted_message(str(tmp_path)) == (
+        "interrupted: the checkpoint of step 2 was being written and is abandoned; run the "
+        f"same command again to resume {tmp_path} from step 1, its last complete checkpoint"
+    )
     abstract = {"w": jax.ShapeDtypeStruct((512, 512), np.float32)}
     with Checkpointer(workdir, max_to_keep=3) as ck:
         assert ck.all_steps() == [1]

@@ -73,12 +73,16 @@ def test_announced_phase_and_a_status_that_fails():
     assert silent._thread is None  # nothing to print: no thread
 
 
-def test_status_lines_count_from_their_start():
+def test_status_lines_count_from_their_start_and_say_true_things():
     class Sched:
-        generated, scored, tokens = 6, 5, 100
+        generated, scored, tokens, alpha = 6, 5, 100, 0
 
         def stats(self):
-            return {"samples_generated": self.generated, "samples_scored": self.scored}
+            return {
+                "samples_generated": self.generated,
+                "samples_scored": self.scored,
+                "sched_async_ratio": self.alpha,
+            }
 
         def server_stats(self):
             return [{"generated_tokens": self.tokens}, {}]  # a dead server reports {}
@@ -87,21 +91,61 @@ def test_status_lines_count_from_their_start():
     sched = Sched()
     status = GenerationStatus(sched, lambda: now[0], samples=32)
     sched.generated, sched.scored, sched.tokens, now[0] = 16, 12, 500, 20.0
-    assert status() == "10/32 samples generated, 7 scored, 400 tokens at 40.0 tokens/s"
+    assert status() == (
+        "10 samples generated, 7 scored (this step needs 32 samples), 400 tokens at 40.0 tokens/s"
+    )
     sched.tokens = 900.0  # a generation process's stats come as JSON floats
-    assert status() == "10/32 samples generated, 7 scored, 800 tokens at 80.0 tokens/s"
-    # Agentic: every turn is a generated sample; the target counts finished episodes.
+    assert status().endswith(", 800 tokens at 80.0 tokens/s")
+    # alpha > 0: the servers also generate samples for later steps ("12/8 generated"
+    # was printed before): the count says it includes them and is no fraction.
+    sched.alpha = 1
+    ahead = GenerationStatus(sched, lambda: now[0], samples=8)
+    sched.generated, sched.scored = 28, 24
+    assert ahead().startswith("12 samples generated incl. ahead, 12 scored (this step needs 8")
+    # Agentic: every turn is a generated sample; the need counts finished episodes.
     sched.stats = lambda: {"samples_generated": 96, "episodes_finished": 3}
     turns = GenerationStatus(sched, lambda: now[0], samples=16, episodes=True)
     sched.stats = lambda: {"samples_generated": 183, "episodes_finished": 8}
     now[0] = 30.0
-    assert turns() == "87 turns generated, 5/16 episodes finished, 0 tokens at 0.0 tokens/s"
+    assert turns() == (
+        "87 turns generated, 5 episodes finished (this step needs 16 episodes), 0 tokens at "
+        "0.0 tokens/s"
+    )
     now[0] = 20.0
     ev = EvalStatus(lambda: now[0])
+    assert ev() == "starting (no samples counted yet)"  # was "0/0 samples"
     ev.update(3, 200, 90)
     now[0] = 23.0
-    assert ev() == "3/200 samples, 90 tokens at 30.0 tokens/s"
+    assert ev() == "3/200 samples finished, 90 tokens at 30.0 tokens/s"
+    episodes = EvalStatus(lambda: now[0], unit="episodes")
+    episodes.update(0, 64, 0)
+    assert episodes().startswith("0/64 episodes finished, 0 tokens")
     assert [duration(s) for s in (4.4, 65, 3725)] == ["4 s", "1 min 05 s", "1 h 02 min"]
+
+
+def test_agentic_evaluation_reports_its_episode_count_before_the_first_batch_ends():
+    """calibrate_success (agentic eval) says the total at the start: the console showed
+    "0/0 samples" until the first lockstep batch of episodes had finished."""
+    from jaxflash.envs.calibration import calibrate_success  # noqa: PLC0415
+    from jaxflash.envs.chat import TurnRenderer  # noqa: PLC0415
+    from jaxflash.envs.registry import make_env  # noqa: PLC0415
+    from jaxflash.types import SamplingParams  # noqa: PLC0415
+    from tests.envs_fixtures import chatml_tokenizer, scripted_policy  # noqa: PLC0415
+
+    calls = []
+    tok = chatml_tokenizer()
+    calibrate_success(
+        lambda: make_env("frozenlake", size=3, max_turns=2, max_tokens_per_turn=8),
+        TurnRenderer(tok),
+        scripted_policy(tok, lambda request: "<answer>Left</answer>"),
+        seeds=[0, 1],
+        n=2,
+        sampling=SamplingParams(max_new_tokens=8),
+        max_context_tokens=512,
+        episodes_per_batch=3,
+        progress=lambda done, total, tokens: calls.append((done, total)),
+    )
+    assert calls == [(0, 4), (3, 4), (4, 4)]
 
 
 def test_step_line_labels_every_column():
@@ -164,6 +208,13 @@ def _launch(tmp_path, *overrides):
         ),
         ("--config.rolout.top_k=4", "config error: unknown config key 'rolout' (did you mean"),
         ("--config.rollout.max_new_tokens=abc", "config error: bad command line: flag"),
+        (  # a key a mapping-valued field lacks: the message says how to write it
+            "--config.replay.correction_kwargs.tis_cap=2.0",
+            "config error: unknown config key 'replay.correction_kwargs.tis_cap' (known: []); "
+            "replay.correction_kwargs is a mapping: a key it does not have is set by giving "
+            "the whole mapping as JSON, e.g. "
+            """--config.replay.correction_kwargs='{"tis_cap": 2.0}'""",
+        ),
         (
             "--config.data.task=countdwn",
             "config error: data.task: unknown task 'countdwn'; known: ['arithmetic', 'countdown'",

@@ -1,14 +1,16 @@
 """The environments: FrozenLake, Sokoban, latency, registry, calibration (tools: test_tool_env)."""
 
 import collections
+import dataclasses
 import math
+import typing
 
 import gymnasium
 import numpy as np
 import pytest
 
 from jaxflash.envs.actions import parse_action, parse_answer, parse_choice, parse_first_word
-from jaxflash.envs.base import EnvConfig, StepResult
+from jaxflash.envs.base import EnvConfig, EnvOptionError, StepResult
 from jaxflash.envs.calibration import calibrate_success
 from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.frozenlake import (
@@ -19,7 +21,7 @@ from jaxflash.envs.frozenlake import (
     render_frozenlake,
 )
 from jaxflash.envs.latency import LatencyConfig, LatencyEnv
-from jaxflash.envs.registry import env_config, make_env
+from jaxflash.envs.registry import ENVIRONMENTS, env_config, make_env
 from jaxflash.envs.sokoban import ACTION_NAMES as SOKOBAN_ACTIONS
 from jaxflash.envs.sokoban import SokobanConfig, SokobanEnv, sokoban_level
 from jaxflash.types import SamplingParams
@@ -370,6 +372,40 @@ def test_latency_stragglers_scale_every_step():
 def test_bad_configs_are_refused_naming_the_field(build, field):
     with pytest.raises(ValueError, match=field):
         build()
+
+
+_WRONG_TYPED = {  # per annotated type: values of the wrong type (bool is not an int)
+    int: (2.5, True, "3", None),
+    float: ("abc", True, float("nan"), None),
+    bool: ("yes", 1, None),
+    str: (3, None),
+}
+
+
+def _wrong_values(hint):
+    if typing.get_origin(hint) is typing.Literal:
+        return ("no_such_choice", 3, None)
+    return _WRONG_TYPED[hint]
+
+
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+def test_every_option_of_every_environment_is_type_checked(name):
+    """Each field of each shipped environment's config refuses each wrong type with an
+    EnvOptionError naming the field and the value (``max_turns=2.5`` used to pass and
+    fail every group at request time)."""
+    config_cls = ENVIRONMENTS[name][0]
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        for bad in _wrong_values(hints[f.name]):
+            with pytest.raises(EnvOptionError) as info:
+                env_config(name, **{f.name: bad})
+            assert info.value.field == f.name, (f.name, bad)
+            assert repr(bad) in str(info.value) and f.name in str(info.value)
+
+
+def test_ints_are_fine_floats_and_bools_are_bools():
+    cfg = env_config("frozenlake", step_timeout_s=30, p_frozen=1, is_slippery=True)
+    assert cfg.step_timeout_s == 30 and cfg.is_slippery is True
 
 
 def test_registry_builds_each_environment():

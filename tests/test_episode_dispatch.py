@@ -253,7 +253,7 @@ def test_counters_add_up_across_a_restart_and_nothing_is_trained_twice():
     kw = dict(B=2, G=2, alpha=1, factory_kw={"std_s": 1.0})
     sched, clock, server, env_time, _ = _setup(**kw)
     first = run_steps(sched, clock, [server], env_time, steps=2, train_s=3.0)
-    ledger_state, counters, cursor = sched.snapshot()
+    ledger_state, counters, cursor, _ = sched.snapshot()
     running = sched.dispatcher.stats()["episodes_running"]
     assert running > 0 and sched.ledger.open_ids  # something was in flight
     open_ids = sorted(sched.ledger.open_ids)

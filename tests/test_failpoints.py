@@ -61,6 +61,31 @@ def test_a_bad_spec_is_refused_naming_the_variable(spec):
     assert out.returncode == 1 and "JAXFLASH_FAILPOINT" in out.stderr
 
 
+def test_the_launcher_says_a_bad_spec_in_one_line_and_exits_2(tmp_path):
+    """Like any config error: one line, exit 2, no import traceback, no workdir."""
+    env = {k: v for k, v in os.environ.items() if k not in (failpoints.ENV, "XLA_FLAGS")}
+    env[failpoints.ENV] = "checkpoint_comit:1"
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "launch", "tpu_pod.py"),
+            "--config",
+            os.path.join(REPO, "configs", "smoke.py"),
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("config error: JAXFLASH_FAILPOINT='checkpoint_comit:1'")
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert not (tmp_path / "w").exists()
+
+
 def test_parse_and_armed():
     assert failpoints.parse("") is None
     assert failpoints.parse("weight_send:12") == ("weight_send", 12)

@@ -117,6 +117,49 @@ def test_group_start_is_its_oldest_sample_and_stale_groups_are_dropped_with_reas
     assert (c["dropped_stale"], c["staleness_stale"], c["staleness_fresh"]) == (1, 1, 1)
 
 
+def test_state_dict_carries_the_counters_into_a_resumed_buffer():
+    """A checkpoint's buffer_* go on in the resumed run, as prompts_* do; the groups
+    pending at the checkpoint are generated again there, so they are counted produced
+    once over both runs, as in an uninterrupted one."""
+
+    def first_run():
+        buf = GroupBuffer(G)
+        buf.add(_s(1, 0, start=3, versions=[3, 4]))
+        for i in (1, 2, 3):
+            buf.add(_s(1, i, start=4))  # stale at version 4
+        _add_group(buf, 2, start=4)
+        buf.take(8, learner_version=4, async_ratio=0)
+        buf.add(_s(3, 0, start=4), failure=FailureReason.REWARD_ERROR)
+        buf.take(8, learner_version=4, async_ratio=0)  # reports group 3 failed
+        buf.add(_s(3, 1, start=4))  # late sibling of a failed group
+        _add_group(buf, 4, start=4)  # complete, not yet taken: pending at the checkpoint
+        buf.add(_s(5, 0, start=4))  # incomplete: pending too
+        return buf
+
+    def rest(buf, *, resumed):  # the rest of the run up to the next take
+        if resumed:  # the in-flight prompts 4 and 5 are generated again from scratch
+            _add_group(buf, 4, start=4)
+            buf.add(_s(5, 0, start=4))
+        for i in (1, 2, 3):
+            buf.add(_s(5, i, start=4))
+        _add_group(buf, 6, start=5)
+        buf.take(8, learner_version=5, async_ratio=1)
+        return buf.counts()
+
+    buf = first_run()
+    state = buf.state_dict()
+    assert state["produced"] == buf.counts()["produced"] - 2  # pending 4 and 5 left out
+    resumed = GroupBuffer(G, state=state)
+    assert resumed.counts() == {**buf.counts(), "produced": state["produced"], "pending": 0}
+    assert _balanced(resumed)
+    uninterrupted = rest(first_run(), resumed=False)
+    assert rest(resumed, resumed=True) == uninterrupted
+    assert uninterrupted["dropped_failed"] == uninterrupted["samples_late_discarded"] == 1
+    assert rest(GroupBuffer(G), resumed=True) != uninterrupted  # what a resume used to report
+    with pytest.raises(ValueError, match="not a state_dict"):
+        GroupBuffer(G, state={**state, "produced": state["produced"] + 1})
+
+
 def test_queue_time_counts_finished_at_4_trained_at_6_with_k1():
     buf = GroupBuffer(G)
     _add_group(buf, 1, start=4)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from jaxflash.runtime.interrupt import DeferredInterrupt
+from jaxflash.runtime.interrupt import DeferredInterrupt, interrupted_message
 
 
 def test_first_sigint_is_deferred_to_check_and_a_second_one_interrupts_at_once(capfd):
@@ -35,3 +35,26 @@ def test_restore_without_a_sigint_and_twice_is_harmless():
     interrupt.restore()
     interrupt.restore()
     assert signal.getsignal(signal.SIGINT) is before and not interrupt.requested
+
+
+def test_the_exit_line_names_the_step_a_resume_starts_from(tmp_path):
+    """The launcher's last line after Ctrl-C is read from the checkpoint directory as
+    the run left it (committed step directories ``N``, uncommitted ``N.orbax-checkpoint-
+    tmp-*``; a real half-written one: tests/test_checkpoint.py)."""
+    work = str(tmp_path)
+    assert interrupted_message(work) == (
+        f"interrupted: {work} has no complete checkpoint: running the same command again "
+        "starts it from the beginning"
+    )
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "1.orbax-checkpoint-tmp-1700000000").mkdir(parents=True)
+    assert interrupted_message(work).startswith(
+        "interrupted: the checkpoint of step 1 was being written and is abandoned; "
+        f"{work} has no complete checkpoint"
+    )
+    for step in (2, 4):
+        (ckpt / str(step)).mkdir()
+    assert interrupted_message(work) == (
+        f"interrupted: run the same command again to resume {work} from step 4, its last "
+        "complete checkpoint"
+    )

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from jaxflash.algorithms import policy_loss as pl
 from jaxflash.algorithms.aggregation import aggregate
 from jaxflash.algorithms.kl import kl_k3
+from jaxflash.algorithms.loss_hparams import HPARAM_RANGES, check_loss_hparams, loss_hparam_types
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES
 
 NAN = float("nan")
@@ -305,3 +307,35 @@ def test_bad_inputs_are_named():
         pl.tis_loss(z, z, z, z, tis_cap=0.0)
     with pytest.raises(ValueError, match="cispo"):
         pl.get_policy_loss("grpo_magic")
+
+
+# ------------------------------------------------- config-time hyper-parameter checks
+
+
+_WRONG = {"bool": ("yes", 1, None), "float": ("abc", True, float("nan"))}
+
+
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))
+def test_every_hyper_parameter_of_every_loss_is_checked_before_tracing(loss):
+    """Each keyword hyper-parameter of each loss refuses a wrong type (and, for numbers,
+    a value out of its range) in ``check_loss_hparams`` -- at config time, where a bad
+    ``tis_cap`` used to surface only as a JAX traceback at the first train step."""
+    for name, hint in loss_hparam_types(loss).items():
+        kind = "bool" if hint is bool else "float"
+        bad_values = list(_WRONG[kind])
+        if kind == "float":
+            assert name in HPARAM_RANGES, f"{loss}.{name} has no range rule"
+            bad_values.append(-1.0)  # below every range
+        for bad in bad_values:
+            with pytest.raises(
+                ValueError, match=rf"^where\.{name} must be .*got {re.escape(repr(bad))}"
+            ):
+                check_loss_hparams(loss, {name: bad}, where="where")
+        check_loss_hparams(loss, {}, where="where")  # the defaults pass
+
+
+def test_loss_hparams_accept_ints_and_none_where_annotated():
+    check_loss_hparams("tis", {"tis_cap": 2, "dual_clip_c": None}, where="w")
+    check_loss_hparams("cispo", {"unified_mask": True, "mask_eps_low": 0}, where="w")
+    with pytest.raises(ValueError, match=r"w has keys \['cap'\] that loss 'tis' does not take"):
+        check_loss_hparams("tis", {"cap": 2.0}, where="w")

@@ -4,6 +4,7 @@ as logged, and the state a checkpoint carries."""
 
 import dataclasses
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -45,6 +46,29 @@ def _exp(**overrides):
                 "replay__correction_kwargs": {"tis_cap": 2.0},
             },
             ["replay.correction_kwargs", "m2_threshold"],
+        ),
+        *(  # a kwarg of a wrong type or out of range: refused at config time, not at step 1
+            (
+                {
+                    "replay__ratio": 0.5,
+                    "replay__correction": "tis",
+                    "replay__correction_kwargs": {"tis_cap": bad},
+                },
+                [f"replay.correction_kwargs.tis_cap must be {expected}, got {bad!r}"],
+            )
+            for bad, expected in ((-1.0, "a number > 0"), ("abc", "a finite number"))
+        ),
+        (
+            {
+                "replay__ratio": 0.5,
+                "replay__correction": "decoupled_ppo",
+                "replay__correction_kwargs": {"behaviour_cap": True},
+            },
+            ["replay.correction_kwargs.behaviour_cap must be a finite number or None, got True"],
+        ),
+        (
+            {"learner__loss_kwargs": {"clip_eps_low": 1.5}},
+            ["learner.loss_kwargs.clip_eps_low must be a number in [0, 1]"],
         ),
         ({"learner__replay_loss": "tis"}, ["learner.replay_loss"]),  # set from replay.*
         ({"replay__ratio": 0.5, "replay__advantages": "joint"}, ["replay.sampler"]),
@@ -267,3 +291,23 @@ def test_restored_cycle_draws_the_same_replay_batches():
         assert ma == mb
         for f in dataclasses.fields(a):
             np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))
+
+
+def test_correction_kwargs_as_one_json_override_reach_the_learner(monkeypatch):
+    """The README's command-line form of a mapping field: the whole mapping as JSON."""
+    from absl import flags  # noqa: PLC0415
+    from ml_collections import config_flags  # noqa: PLC0415
+
+    argv = [
+        "x",
+        "--config=configs/replay_smoke.py",
+        "--config.replay.correction=tis",
+        '--config.replay.correction_kwargs={"tis_cap": 3.0}',
+    ]
+    monkeypatch.setattr(sys, "argv", argv)  # the config flag reads its overrides there
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", flag_values=values)
+    values(argv)
+    exp = ExperimentConfig.from_config_dict(holder.value)
+    assert dict(exp.replay.correction_kwargs) == {"tis_cap": 3.0}
+    assert dict(exp.learner.replay_loss_kwargs) == {"tis_cap": 3.0}

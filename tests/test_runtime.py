@@ -131,6 +131,15 @@ def test_resume_keeps_counters_and_cursor(tmp_path):
     order = EpochShuffledRows(list(range(8)), _config(tmp_path).seed)
     expected = [c for c in range(16, 24) if order.index(c) not in (1, 2, 3)]
     assert sorted({r["prompt_id"] for r in rollouts if r["learner_step"] == 3}) == expected
+    # The counters go on: the resumed step 3 reports what an uninterrupted run's does
+    # (the group buffer's buffer_* restarted from 0 before they were checkpointed).
+    straight = str(tmp_path / "straight")
+    run(_config(tmp_path, total_steps=3, **{"reward.fn": "math"}), workdir=straight)
+    row3 = [json.loads(x) for x in open(f"{straight}/metrics.jsonl")][2]
+    books = ("buffer_", "prompts_", "samples_")
+    keys = sorted(k for k in row3 if k.startswith(books) and k != "prompts_regenerated_on_resume")
+    assert any(k.startswith("buffer_") for k in keys) and row3["buffer_produced"] > 8
+    assert {k: rows[2].get(k) for k in keys} == {k: row3[k] for k in keys}
 
 
 class _DiesOnPrompt(GenerationServer):

@@ -53,10 +53,11 @@ def test_task_workload_derives_the_limits_and_regenerates_prompts_in_flight():
 
 def test_checkpoint_meta_keeps_what_resuming_reads():
     ledger, counts = {"open": [3]}, {"prompts_trained": 4}
-    meta = checkpoint_meta(7, (ledger, counts, 12))
+    buffer = {"produced": 5, "returned": 4, "dropped_stale": 1}
+    meta = checkpoint_meta(7, (ledger, counts, 12, buffer))
     assert (meta.step, meta.policy_version, meta.data_cursor, meta.counters) == (7, 7, 12, counts)
-    assert meta.extra == {"ledger": ledger, "counters": counts}
-    with_replay = checkpoint_meta(7, (ledger, counts, 12), {"buffer": []})
+    assert meta.extra == {"ledger": ledger, "counters": counts, "group_buffer": buffer}
+    with_replay = checkpoint_meta(7, (ledger, counts, 12, buffer), {"buffer": []})
     assert with_replay.extra["replay"] == {"buffer": []}
 
 

@@ -75,6 +75,29 @@ _ERRNO_FAULTS = {
 _PROBE_BYTES = 4096
 
 
+TMP_MARK = ".orbax-checkpoint-tmp"
+"""Orbax writes step N into ``N.orbax-checkpoint-tmp...`` and renames it ``N`` when
+complete (the commit); the name alone says whether a step's checkpoint is complete."""
+
+
+def steps_on_disk(path: str) -> tuple[list[int], list[int]]:
+    """(complete steps, steps whose write never committed) in checkpoint directory
+    ``path``, ascending, read from the names alone (no Orbax, no jax; [] if absent).
+
+    An uncommitted step's temporary directory is what a kill or a second Ctrl-C
+    during the write leaves; the next start deletes it and resumes from the newest
+    complete step.
+    """
+    if not os.path.isdir(path):
+        return [], []
+    complete, unfinished = set(), set()
+    for name in os.listdir(path):
+        step, mark, _ = name.partition(TMP_MARK)
+        if step.isdigit():
+            (unfinished if mark else complete).add(int(step))
+    return sorted(complete), sorted(unfinished - complete)
+
+
 def _existing(path: str) -> str:
     while not os.path.isdir(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)

@@ -37,15 +37,58 @@ import enum
 import math
 import numbers
 import time
+import typing
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
+
+
+class EnvOptionError(ValueError):
+    """An environment config field with a wrong type or out of its range.
+
+    Attributes:
+      config: the config class's name (``FrozenLakeConfig``).
+      field: the field (``max_turns``); a run config names it ``env.options.<field>``.
+      value: the value given.
+      expected: what the field accepts, in words ("an int >= 1").
+    """
+
+    def __init__(self, config: str, field: str, value: Any, expected: str) -> None:
+        self.config, self.field, self.value, self.expected = config, field, value, expected
+        super().__init__(f"{config}.{field} must be {expected}, got {value!r}")
+
+
+def _type_problem(hint: Any, value: Any) -> str | None:
+    """What ``value`` should be for a field annotated ``hint`` (None when it fits).
+
+    bool is not an int here (``max_turns=True`` is a mistake, not 1); an int is a
+    fine float; a float must be finite (a NaN would pass every range check below).
+    """
+    if hint is bool:
+        return None if isinstance(value, bool) else "a bool (true/false)"
+    if hint is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return None if ok else "an int"
+    if hint is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return None if ok and math.isfinite(value) else "a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "a str"
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return None if value in choices and isinstance(value, str) else f"one of {choices}"
+    # A new field type must be taught here, or its bad values would pass unchecked.
+    raise TypeError(f"EnvConfig: cannot type-check a field annotated {hint!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     """Limits every environment has (subclassed by each environment's config).
+
+    Every field is type-checked against its annotation first (``int``, ``float``,
+    ``bool``, ``str``, ``Literal[...]``; bool is not an int, an int is a float), then
+    range-checked; both raise ``EnvOptionError`` naming the field.
 
     Attributes:
       max_turns: policy turns per episode (>= 1); the episode is truncated after the
@@ -63,22 +106,24 @@ class EnvConfig:
     invalid_action_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"{type(self).__name__}.max_turns must be >= 1, got {self.max_turns}")
-        if self.max_tokens_per_turn < 1:
-            raise ValueError(
-                f"{type(self).__name__}.max_tokens_per_turn must be >= 1, "
-                f"got {self.max_tokens_per_turn}"
-            )
-        if not self.step_timeout_s > 0:
-            raise ValueError(
-                f"{type(self).__name__}.step_timeout_s must be > 0, got {self.step_timeout_s}"
-            )
-        if not (math.isfinite(self.invalid_action_penalty) and self.invalid_action_penalty <= 0):
-            raise ValueError(
-                f"{type(self).__name__}.invalid_action_penalty must be finite and <= 0, "
-                f"got {self.invalid_action_penalty}"
-            )
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            expected = _type_problem(hints[f.name], getattr(self, f.name))
+            if expected is not None:
+                raise EnvOptionError(type(self).__name__, f.name, getattr(self, f.name), expected)
+        self.require("max_turns", self.max_turns >= 1, "an int >= 1")
+        self.require("max_tokens_per_turn", self.max_tokens_per_turn >= 1, "an int >= 1")
+        self.require("step_timeout_s", self.step_timeout_s > 0, "a number > 0")
+        self.require("invalid_action_penalty", self.invalid_action_penalty <= 0, "a number <= 0")
+
+    def require(self, field: str, ok: bool, expected: str) -> None:
+        """Raise ``EnvOptionError`` for ``field`` unless ``ok`` (subclasses' range checks).
+
+        Raises:
+          EnvOptionError: naming this config, the field, its value and ``expected``.
+        """
+        if not ok:
+            raise EnvOptionError(type(self).__name__, field, getattr(self, field), expected)
 
 
 class StepResult(NamedTuple):

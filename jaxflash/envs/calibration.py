@@ -74,8 +74,8 @@ def calibrate_success(
       max_context_tokens: prompt + response limit per episode.
       episodes_per_batch: episodes played in lockstep at once.
       sampling_seed: seed of every request.
-      progress: called after each batch with (episodes played, episodes in all,
-        tokens sampled so far).
+      progress: called at the start and after each batch with (episodes played,
+        episodes in all, tokens sampled so far).
       on_trajectory: called with every finished trajectory (failed ones included),
         e.g. to dump transcripts for inspection.
 
@@ -90,6 +90,8 @@ def calibrate_success(
     jobs = [(s, i) for s in seeds for i in range(n)]
     results: dict[int, list[bool]] = {s: [] for s in seeds}
     failures = turns = invalid = counted = sampled = 0
+    if progress is not None:  # the total is known now, before the first batch ends
+        progress(0, len(jobs), 0)
     for start in range(0, len(jobs), episodes_per_batch):
         chunk = jobs[start : start + episodes_per_batch]
         envs = [make_env() for _ in chunk]

@@ -64,23 +64,12 @@ class FrozenLakeConfig(EnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.action_format not in ACTION_FORMATS:
-            raise ValueError(
-                f"FrozenLakeConfig.action_format must be one of {ACTION_FORMATS}, "
-                f"got {self.action_format!r}"
-            )
-        if self.size < 2:
-            raise ValueError(f"FrozenLakeConfig.size must be >= 2, got {self.size}")
-        if not 0.0 < self.p_frozen <= 1.0:
-            raise ValueError(f"FrozenLakeConfig.p_frozen must be in (0, 1], got {self.p_frozen}")
-        if self.split not in ("train", "eval"):
-            raise ValueError(
-                f"FrozenLakeConfig.split must be 'train' or 'eval', got {self.split!r}"
-            )
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(
-                f"FrozenLakeConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}"
-            )
+        self.require(
+            "action_format", self.action_format in ACTION_FORMATS, f"one of {ACTION_FORMATS}"
+        )
+        self.require("size", self.size >= 2, "an int >= 2")
+        self.require("p_frozen", 0.0 < self.p_frozen <= 1.0, "a number in (0, 1]")
+        self.require("eval_fraction", 0.0 < self.eval_fraction < 1.0, "a number in (0, 1)")
 
 
 def in_eval_part(map_rows: list[str], eval_fraction: float) -> bool:

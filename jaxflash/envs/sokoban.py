@@ -71,31 +71,20 @@ class SokobanConfig(EnvConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("width", "height"):
-            if not 5 <= getattr(self, name) <= 20:
-                raise ValueError(
-                    f"SokobanConfig.{name} must be in [5, 20], got {getattr(self, name)}"
-                )
+            self.require(name, 5 <= getattr(self, name) <= 20, "an int in [5, 20]")
         interior = (self.width - 2) * (self.height - 2)
-        if not 1 <= self.num_boxes <= interior // 4:
-            raise ValueError(
-                f"SokobanConfig.num_boxes must be in [1, {interior // 4}] for a "
-                f"{self.width}x{self.height} level, got {self.num_boxes}"
-            )
-        if self.max_solution_depth < 2:
-            raise ValueError(
-                f"SokobanConfig.max_solution_depth must be >= 2, got {self.max_solution_depth}"
-            )
-        if not 1 <= self.min_solution_moves <= self.max_solution_depth:
-            raise ValueError(
-                "SokobanConfig.min_solution_moves must be in [1, max_solution_depth], "
-                f"got {self.min_solution_moves}"
-            )
-        if self.split not in ("train", "eval"):
-            raise ValueError(f"SokobanConfig.split must be 'train' or 'eval', got {self.split!r}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(
-                f"SokobanConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}"
-            )
+        self.require(
+            "num_boxes",
+            1 <= self.num_boxes <= interior // 4,
+            f"an int in [1, {interior // 4}] for a {self.width}x{self.height} level",
+        )
+        self.require("max_solution_depth", self.max_solution_depth >= 2, "an int >= 2")
+        self.require(
+            "min_solution_moves",
+            1 <= self.min_solution_moves <= self.max_solution_depth,
+            f"an int in [1, max_solution_depth={self.max_solution_depth}]",
+        )
+        self.require("eval_fraction", 0.0 < self.eval_fraction < 1.0, "a number in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,28 +69,25 @@ class ToolUseConfig(EnvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 1 <= self.min_digits <= self.max_digits <= 9:
-            raise ValueError(
-                "ToolUseConfig: need 1 <= min_digits <= max_digits <= 9, got "
-                f"{self.min_digits}, {self.max_digits}"
-            )
-        if self.split not in ("train", "eval"):
-            raise ValueError(f"ToolUseConfig.split must be 'train' or 'eval', got {self.split!r}")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(
-                f"ToolUseConfig.eval_fraction must be in (0, 1), got {self.eval_fraction}"
-            )
-        if self.max_calls_per_turn < 1:
-            raise ValueError(
-                f"ToolUseConfig.max_calls_per_turn must be >= 1, got {self.max_calls_per_turn}"
-            )
-        if self.step_timeout_s <= self.tool_timeout_s * self.max_calls_per_turn:
-            raise ValueError(
-                f"ToolUseConfig.step_timeout_s={self.step_timeout_s} must exceed "
-                f"tool_timeout_s * max_calls_per_turn = "
-                f"{self.tool_timeout_s * self.max_calls_per_turn}"
-            )
-        SandboxLimits(**self.sandbox_kwargs())  # validates the sandbox fields
+        self.require("min_digits", 1 <= self.min_digits <= 9, "an int in [1, 9]")
+        self.require(
+            "max_digits",
+            self.min_digits <= self.max_digits <= 9,
+            f"an int in [min_digits={self.min_digits}, 9]",
+        )
+        self.require("eval_fraction", 0.0 < self.eval_fraction < 1.0, "a number in (0, 1)")
+        self.require("max_calls_per_turn", self.max_calls_per_turn >= 1, "an int >= 1")
+        self.require(
+            "step_timeout_s",
+            self.step_timeout_s > self.tool_timeout_s * self.max_calls_per_turn,
+            "a number > tool_timeout_s * max_calls_per_turn = "
+            f"{self.tool_timeout_s * self.max_calls_per_turn}",
+        )
+        # SandboxLimits' own bounds, named by this config's fields (then its own check).
+        self.require("tool_timeout_s", self.tool_timeout_s > 0, "a number > 0")
+        self.require("tool_memory_mb", self.tool_memory_mb >= 64, "an int >= 64")
+        self.require("max_output_chars", self.max_output_chars >= 16, "an int >= 16")
+        SandboxLimits(**self.sandbox_kwargs())
 
     def sandbox_kwargs(self) -> dict[str, Any]:
         return dict(

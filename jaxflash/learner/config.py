@@ -7,12 +7,12 @@ validated dataclass.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from jaxflash.algorithms.aggregation import AGGREGATION_MODES
+from jaxflash.algorithms.loss_hparams import check_loss_hparams
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES
 from jaxflash.types import SamplingParams
 
@@ -24,8 +24,9 @@ def _check_loss(field: str, loss: str, kwargs: Any, ratio_against: str) -> None:
     """Checks a loss name, its keyword hyper-parameters and its pi_old (naming ``field``).
 
     Raises:
-      ValueError: an unknown loss or ratio_against, kwargs the loss does not take,
-        or decoupled_ppo / tis without ratio_against="proximal".
+      ValueError: an unknown loss or ratio_against, kwargs the loss does not take or
+        of a wrong type or range (``loss_hparams``), or decoupled_ppo / tis without
+        ratio_against="proximal".
     """
     against = "ratio_against" if field == "loss" else f"{field.removesuffix('_loss')}_ratio_against"
     if loss not in POLICY_LOSSES:
@@ -44,16 +45,8 @@ def _check_loss(field: str, loss: str, kwargs: Any, ratio_against: str) -> None:
         )
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"LearnerConfig.{field}_kwargs must be a mapping, got {type(kwargs)}")
-    params = inspect.signature(POLICY_LOSSES[loss]).parameters
-    accepted = {
-        n for n, p in params.items() if p.kind == p.KEYWORD_ONLY and n != "behaviour_logp_bt"
-    }
-    unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise ValueError(
-            f"LearnerConfig.{field}_kwargs has keys {unknown} that loss {loss!r} does not "
-            f"take; it takes {sorted(accepted)}"
-        )
+    # Names, types and ranges now, not at the first train step's trace.
+    check_loss_hparams(loss, kwargs, where=f"LearnerConfig.{field}_kwargs")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

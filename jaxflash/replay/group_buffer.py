@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
@@ -58,9 +59,17 @@ class GroupBuffer:
     Args:
       group_size: G >= 1, samples per prompt.
       group_filter: optional GroupFilter applied to groups about to be returned.
+      state: a previous buffer's ``state_dict()`` (a checkpoint's): its counters go
+        on from there, as the scheduler's prompts_* / samples_* do.
     """
 
-    def __init__(self, group_size: int, *, group_filter: GroupFilter | None = None) -> None:
+    def __init__(
+        self,
+        group_size: int,
+        *,
+        group_filter: GroupFilter | None = None,
+        state: Mapping[str, int] | None = None,
+    ) -> None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
         self.group_size = group_size
@@ -78,6 +87,39 @@ class GroupBuffer:
         self._dropped: dict[str, int] = {}
         self._late_discarded = 0
         self._staleness = StalenessCounts()
+        if state:
+            self._restore(dict(state))
+
+    def state_dict(self) -> dict[str, int]:
+        """The cumulative counters, for a checkpoint (``GroupBuffer(..., state=...)``).
+
+        Groups pending now are left out of ``produced``: a resumed run generates their
+        prompts again (the ledger's in-flight prompts) and counts them produced then,
+        so produced == returned + dropped + pending holds on resume with none pending.
+        """
+        with self._lock:
+            return {
+                "produced": self._produced - len(self._pending),
+                "returned": self._returned,
+                "samples_late_discarded": self._late_discarded,
+                **{f"staleness_{k}": v for k, v in dataclasses.asdict(self._staleness).items()},
+                **{f"dropped_{k}": v for k, v in sorted(self._dropped.items())},
+            }
+
+    def _restore(self, state: dict[str, int]) -> None:
+        self._produced = int(state.pop("produced"))
+        self._returned = int(state.pop("returned"))
+        self._late_discarded = int(state.pop("samples_late_discarded"))
+        self._staleness = StalenessCounts(
+            **{k: int(state.pop(f"staleness_{k}")) for k in ("fresh", "stale", "anomaly")}
+        )
+        self._dropped = {k.removeprefix("dropped_"): int(v) for k, v in state.items()}
+        if any(not k.startswith("dropped_") for k in state) or self._produced != (
+            self._returned + sum(self._dropped.values())
+        ):
+            raise ValueError(
+                f"GroupBuffer: not a state_dict() (or its books do not add up): {state}"
+            )
 
     # -- adding ---------------------------------------------------------------
 

@@ -155,17 +155,21 @@ class Console:
 class GenerationStatus:
     """Status of one step's generation, from the scheduler's counters.
 
-    ``status()``: "20/32 samples generated, 16 scored, 2345 tokens at 45.0
-    tokens/s" since this object was made (with α > 0, samples for later steps
-    count too). In an agentic run every turn is a generated sample, so the line
-    reads "87 turns generated, 5/16 episodes finished, ...".
+    ``status()``: "20 samples generated, 16 scored (this step needs 32), 2345 tokens
+    at 45.0 tokens/s" since this object was made. Generated samples are not shown as
+    a fraction of the step's need: retries, regenerated stale samples and, with
+    α > 0, samples for later steps make them exceed it ("generated incl. ahead" when
+    the scheduler's ``sched_async_ratio`` > 0). In an agentic run every turn is a
+    generated sample, so the line reads "87 turns generated, 5 episodes finished
+    (this step needs 16), ...".
 
     Args:
-      scheduler: ``stats()`` (samples_generated, samples_scored, episodes_finished;
-        locked) and ``server_stats()`` (each server's generated_tokens).
+      scheduler: ``stats()`` (samples_generated, samples_scored, episodes_finished,
+        sched_async_ratio; locked) and ``server_stats()`` (each server's
+        generated_tokens).
       now: the run's clock (seconds).
-      samples: the step's target (B·G samples, or B·G episodes with ``episodes``).
-      episodes: an agentic run (the target counts episodes, not samples).
+      samples: the step's need (B·G samples, or B·G episodes with ``episodes``).
+      episodes: an agentic run (the need counts episodes, not samples).
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class GenerationStatus:
         self._scheduler, self._now, self._target = scheduler, now, samples
         self._episodes = episodes
         self._t0 = now()
+        self._ahead = scheduler.stats().get("sched_async_ratio", 0) > 0
         self._before = self._counts()
 
     def _counts(self) -> tuple[int, int, int]:
@@ -186,23 +191,36 @@ class GenerationStatus:
     def __call__(self) -> str:
         (g0, s0, t0), (g1, s1, t1) = self._before, self._counts()
         rate = (t1 - t0) / max(self._now() - self._t0, 1e-9)
+        ahead = " incl. ahead" if self._ahead else ""
         if self._episodes:
-            head = f"{g1 - g0} turns generated, {s1 - s0}/{self._target} episodes finished"
+            head = f"{g1 - g0} turns generated, {s1 - s0} episodes finished{ahead}"
         else:
-            head = f"{g1 - g0}/{self._target} samples generated, {s1 - s0} scored"
-        return f"{head}, {t1 - t0} tokens at {rate:.1f} tokens/s"
+            head = f"{g1 - g0} samples generated{ahead}, {s1 - s0} scored"
+        unit = "episodes" if self._episodes else "samples"
+        need = f"(this step needs {self._target} {unit})"
+        return f"{head} {need}, {t1 - t0} tokens at {rate:.1f} tokens/s"
 
 
 class EvalStatus:
-    """Status of an evaluation: ``update`` is its progress callback, ``status()`` the line."""
+    """Status of an evaluation: ``update`` is its progress callback, ``status()`` the line.
 
-    def __init__(self, now: Callable[[], float]):
-        self._now, self._t0 = now, now()
+    Args:
+      now: the run's clock (seconds).
+      unit: what ``update`` counts ("samples"; "episodes" for an agentic evaluation).
+    """
+
+    def __init__(self, now: Callable[[], float], *, unit: str = "samples"):
+        self._now, self._t0, self._unit = now, now(), unit
         self.done = self.total = self.tokens = 0
 
     def update(self, done: int, total: int, tokens: int) -> None:
         self.done, self.total, self.tokens = done, total, tokens
 
     def __call__(self) -> str:
+        if not self.total:  # no progress reported yet: no count to show
+            return f"starting (no {self._unit} counted yet)"
         rate = self.tokens / max(self._now() - self._t0, 1e-9)
-        return f"{self.done}/{self.total} samples, {self.tokens} tokens at {rate:.1f} tokens/s"
+        return (
+            f"{self.done}/{self.total} {self._unit} finished, {self.tokens} tokens at "
+            f"{rate:.1f} tokens/s"
+        )

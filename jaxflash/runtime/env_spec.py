@@ -59,6 +59,7 @@ class EnvSpec:
     straggler_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        from jaxflash.envs.base import EnvOptionError  # noqa: PLC0415
         from jaxflash.envs.registry import ENVIRONMENTS, env_config  # noqa: PLC0415
 
         if not self.name:
@@ -79,8 +80,19 @@ class EnvSpec:
             "env.options.split: training plays the train split, "
             "evaluation the eval split; remove it",
         )
+        known = sorted(f.name for f in dataclasses.fields(ENVIRONMENTS[self.name][0]))
+        unknown = sorted(set(self.options) - set(known))
+        check(
+            not unknown,
+            f"{', '.join(f'env.options.{k}' for k in unknown)}: not an option of "
+            f"{self.name!r}; its options are {[k for k in known if k != 'split']}",
+        )
         try:
             env_config(self.name, **self.options)
+        except EnvOptionError as e:
+            raise ConfigError(
+                f"env.options.{e.field} must be {e.expected}, got {e.value!r}"
+            ) from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"env.options: {e}") from None
         check(

@@ -8,7 +8,9 @@ and says so on stderr; the loop calls ``check`` where stopping is safe (between
 its phases and every wait slice of ``RolloutScheduler.next_batch``), which raises
 ``KeyboardInterrupt`` there. The loop's ``finally`` then shuts everything down
 in order and the launcher exits with status 130. A second SIGINT interrupts at
-once (Python's default again), for a shutdown that itself hangs.
+once (Python's default again), for a shutdown that itself hangs -- possibly in the
+middle of a checkpoint write, which is then abandoned: ``interrupted_message`` reads
+the checkpoint directory as left and says which step a resume starts from.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import signal
 import threading
 from typing import Any
+
+from jaxflash.checkpoint.storage import steps_on_disk
 
 
 class DeferredInterrupt:
@@ -63,3 +67,29 @@ class DeferredInterrupt:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second one: at once
         # os.write, not print: the interrupted code may hold the stderr buffer's lock.
         os.write(2, b"\nCtrl-C: stopping at the next safe point (Ctrl-C again: at once)\n")
+
+
+def interrupted_message(workdir: str) -> str:
+    """The launcher's last line after a Ctrl-C: where running the command again starts.
+
+    Read from ``<workdir>/checkpoints`` as the interrupted run left it: the newest
+    complete checkpoint is where a resume starts; a later step whose write never
+    committed (a second Ctrl-C during the write) is named as abandoned.
+    """
+    complete, unfinished = steps_on_disk(os.path.join(workdir, "checkpoints"))
+    last = complete[-1] if complete else None
+    abandoned = [s for s in unfinished if last is None or s > last]
+    lost = (
+        f"the checkpoint of step {abandoned[-1]} was being written and is abandoned; "
+        if abandoned
+        else ""
+    )
+    if last is None:
+        return (
+            f"interrupted: {lost}{workdir} has no complete checkpoint: running the same "
+            "command again starts it from the beginning"
+        )
+    return (
+        f"interrupted: {lost}run the same command again to resume {workdir} from step "
+        f"{last}, its last complete checkpoint"
+    )

@@ -126,7 +126,7 @@ def last_metrics(workdir: str) -> dict[str, Any]:
 
 def checkpoint_meta(
     step: int,
-    snapshot: tuple[dict[str, Any], dict[str, int], int],
+    snapshot: tuple[dict[str, Any], dict[str, int], int, dict[str, int]],
     replay: dict[str, Any] | None = None,
 ) -> CheckpointMeta:
     """What a checkpoint at ``step`` keeps beside the learner state (what resuming reads).
@@ -134,15 +134,16 @@ def checkpoint_meta(
     Args:
       step: the learner step, which is also the policy version.
       snapshot: ``RolloutScheduler.snapshot()`` taken before the step's weights were
-        published: (the ledger's state, the counters, the data cursor); the ledger's
-        prompts in flight are generated again on resume.
+        published: (the ledger's state, the counters, the data cursor, the group
+        buffer's counters); the ledger's prompts in flight are generated again on resume.
       replay: ``ReplayCycle.state_dict()`` (None without replay).
 
     Returns:
-      ``CheckpointMeta`` with ``extra`` = {"ledger", "counters"[, "replay"]}.
+      ``CheckpointMeta`` with ``extra`` = {"ledger", "counters", "group_buffer"[, "replay"]}.
     """
-    ledger_state, counts, cursor = snapshot
+    ledger_state, counts, cursor, buffer_counts = snapshot
     extra: dict[str, Any] = {"ledger": ledger_state, "counters": counts}
+    extra["group_buffer"] = buffer_counts  # the buffer_* metrics go on from here
     if replay is not None:
         extra["replay"] = replay
     return CheckpointMeta(

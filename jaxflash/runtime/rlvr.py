@@ -191,8 +191,10 @@ def run(
         partial_rollout=r.partial_rollout, on_finished=inbox.generated, clock=clock,
         server_factory=server_factory,
     )  # fmt: skip
+    # Its buffer_* counters go on from the checkpoint's, as prompts_* / samples_* do.
+    buffer = GroupBuffer(G, group_filter=group_filter, state=meta.extra.get("group_buffer"))
     scheduler = RolloutScheduler(
-        servers, inbox, source, ledger, GroupBuffer(G, group_filter=group_filter), reward_pool,
+        servers, inbox, source, ledger, buffer, reward_pool,
         tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=alpha,
         sampling=r.sampling, seed=exp.seed, policy_version=version, stale_policy=r.stale_policy,
         sample_deadline_s=r.sample_deadline_s, max_retries=r.max_retries, truncation=truncation,
@@ -207,7 +209,8 @@ def run(
     def run_eval(v: int) -> dict[str, float]:
         if not workload.eval_size:
             return {}
-        t0, status = clock.now(), EvalStatus(clock.now)
+        unit = "episodes" if episodes is not None else "samples"
+        t0, status = clock.now(), EvalStatus(clock.now, unit=unit)
         note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
         announce = f"evaluating at step {v}: {workload.describe_eval()}{note} ..."
         engine, params = fleet.eval_target(gen_params)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import GroupBuffer
@@ -65,6 +65,22 @@ from jaxflash.runtime.server_pool import GenerationServerProtocol, ServerPool, S
 from jaxflash.types import Prompt, PromptOutcome, SamplingParams
 
 __all__ = ["Batch", "Inbox", "RolloutScheduler"]
+
+
+class BooksSnapshot(NamedTuple):
+    """What ``RolloutScheduler.snapshot`` takes under one lock (a checkpoint's books).
+
+    Attributes:
+      ledger: ``PromptLedger.state_dict()`` (its in-flight prompts are generated again).
+      counters: the scheduler's prompts_* / samples_* counters.
+      cursor: the data source's cursor.
+      buffer: ``GroupBuffer.state_dict()`` (the buffer_* counters).
+    """
+
+    ledger: dict[str, Any]
+    counters: dict[str, int]
+    cursor: int
+    buffer: dict[str, int]
 
 
 class RolloutScheduler:
@@ -359,11 +375,13 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ books
 
-    def snapshot(self) -> tuple[dict[str, Any], dict[str, int], int]:
-        """(ledger state dict, counters, data cursor), consistent, for a checkpoint."""
+    def snapshot(self) -> BooksSnapshot:
+        """The books, consistent with each other, for a checkpoint."""
         with self._lock:
             counts = {k: int(v) for k, v in self.counters.items()}
-            return self.ledger.state_dict(), counts, int(self.source.cursor)
+            return BooksSnapshot(
+                self.ledger.state_dict(), counts, int(self.source.cursor), self.buffer.state_dict()
+            )
 
     def stats(self) -> dict[str, Any]:
         """Counters plus instantaneous queue state, for metrics.jsonl."""
