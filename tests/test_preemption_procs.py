@@ -101,10 +101,6 @@ def test_sigterm_saves_the_step_exits_cleanly_and_resumes_exactly(tmp_path, refe
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     saved = sorted(int(n) for n in os.listdir(os.path.join(run, "checkpoints")) if n.isdigit())
-    if saved:  # the exit line names the step the resume below starts from
-        assert f"to resume {run} from step {saved[-1]}, its last complete checkpoint" in out
-    else:
-        assert f"{run} has no complete checkpoint" in out, out
     assert len(saved) == 1 and steps_done <= saved[0] < STEPS, (steps_done, saved)
     assert f"preempted (SIGTERM): saved step {saved[0]}" in out, out
     # The generation programs went down with it.
