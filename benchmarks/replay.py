@@ -318,8 +318,8 @@ def print_summary(s: dict[str, Any]) -> None:
     print(
         f"\ntarget accuracy {s['target']:.3f} (sync final mean x target_frac {s['target_frac']:g})"
     )
-    head = f"{'mode':<10}{'time to target':>24}{'x sync':>16}{'x async':>16}"
-    print(head + f"{'samples to target':>24}{'final acc':>11}{'cut':>5}")
+    head = f"{'mode':<10}{'time to target':>26}{'x sync':>20}{'x async':>20}"
+    print(head + f"{'samples to target':>22}{'final acc':>11}{'cut':>5}")
     for mode, m in s["modes"].items():
         final = sum(m["final_accuracy"]) / len(m["final_accuracy"])
         ratios = [
@@ -327,8 +327,8 @@ def print_summary(s: dict[str, Any]) -> None:
             for b in ("sync", "async")
         ]
         print(
-            f"{mode:<10}{mean_std(m['time_to_target_s'], ' s'):>24}{ratios[0]:>16}"
-            f"{ratios[1]:>16}{mean_std(m['samples_to_target']):>24}{final:>11.3f}"
+            f"{mode:<10}{mean_std(m['time_to_target_s'], ' s'):>26}{ratios[0]:>20}"
+            f"{ratios[1]:>20}{mean_std(m['samples_to_target']):>22}{final:>11.3f}"
             f"{sum(m['cut']):>5}"
         )
     print(
