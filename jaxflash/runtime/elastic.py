@@ -32,6 +32,7 @@ checkpoint saved on a grown layout trains on that layout again, by the same move
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +47,8 @@ from jaxflash.runtime.placement import Placement
 from jaxflash.runtime.scheduler import RolloutScheduler
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sync.reshard_plan import RoleSplit, plan_role_split
+
+log = logging.getLogger(__name__)
 
 
 def _ids(mesh: Mesh) -> tuple[int, ...]:
@@ -124,7 +127,6 @@ class ElasticPool:
             generation slice (``plan_role_split``), or that forms no learner mesh.
         """
         change = plan_role_split(self.split, int(learner_devices))
-        self.last = MoveRecord()
         if not change.moved:
             return self.learner_devices
         learner_axes(self._learner_shape, len(change.after.learner))  # raises first
@@ -146,23 +148,27 @@ class ElasticPool:
                 raise RuntimeError(f"ElasticPool: fleet slot {i} is scheduler server {j}")
             self._slot[s] = i
         self.split = change.after
-        self.moves += int(counted)
         self.requeued += requeued
-        self.last = MoveRecord(
+        record = MoveRecord(
             to_learner=sum(len(s) for s in change.to_learner),
             to_generation=sum(len(s) for s in change.to_generation),
             requeued=requeued,
             bytes=report.bytes,
             seconds=time.perf_counter() - t0,
         )
+        log.info("elastic move%s: %s", "" if counted else " (resume)", record)
+        if counted:
+            self.moves += 1
+            self.last = record
         return self.learner_devices
 
     def _learner_mesh(self, ids: tuple[int, ...]) -> Mesh:
         axes = learner_axes(self._learner_shape, len(ids))
         return make_mesh([self._devices[d] for d in ids], axes)
 
-    def metrics(self) -> dict[str, Any]:
-        """The split after this step boundary and the moves so far (README names).
+    def step_metrics(self) -> dict[str, Any]:
+        """The split after this step boundary and the move made since the last call
+        (README names); call once per step.
 
         learner_devices, generation_slices: the split in force for the next step;
         elastic_moves, elastic_requeued: cumulative; elastic_to_learner /
@@ -171,15 +177,16 @@ class ElasticPool:
         elastic_train_step_builds, elastic_engine_builds: learner steps and engines
         built so far (one per layout: moving back builds nothing).
         """
+        last, self.last = self.last, MoveRecord()
         return {
             "learner_devices": self.learner_devices,
             "generation_slices": len(self.split.generation),
             "elastic_moves": self.moves,
             "elastic_requeued": self.requeued,
-            "elastic_to_learner": self.last.to_learner,
-            "elastic_to_generation": self.last.to_generation,
-            "elastic_reshard_bytes": self.last.bytes,
-            "elastic_move_s": self.last.seconds,
+            "elastic_to_learner": last.to_learner,
+            "elastic_to_generation": last.to_generation,
+            "elastic_reshard_bytes": last.bytes,
+            "elastic_move_s": last.seconds,
             "elastic_train_step_builds": len(self._learner.train_steps),
             "elastic_engine_builds": self._fleet.engine_builds,
         }

@@ -337,7 +337,7 @@ def run(
                 scheduler.reconfigure(**cycle.scheduler_settings())
                 B = cycle.fresh_prompts
             if elastic is not None:
-                metrics.update(elastic.metrics())
+                metrics.update(elastic.step_metrics())
             stopping = stop_after is not None and bool(stop_after(metrics))
             # 8. Evaluate.
             interrupt.check()

@@ -226,7 +226,7 @@ class RequestRouter:
 
     def retire(self, i: int) -> int:
         """Server i left the pool (``ServerPool.retire``; it is stopped): its requests
-        are re-queued on the other servers, each counted ``elastic_requeued``.
+        are re-queued on the other servers, each counted ``samples_requeued``.
 
         A request keeps its key and its deadline retries, so its prompt's books do
         not change: it is neither lost nor counted twice (a sample the stopped
@@ -236,7 +236,7 @@ class RequestRouter:
         entries = self.table.by_server(i)
         for e in entries:
             self.table.pop(e.key)
-            self.counters["elastic_requeued"] += 1
+            self.counters["samples_requeued"] += 1
             self.dispatch(e.request, e.attempts, avoid=i)
         return len(entries)
 

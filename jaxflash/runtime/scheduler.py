@@ -259,7 +259,7 @@ class RolloutScheduler:
         is stopped (its unfinished work dropped), whatever it finished before
         stopping is taken as usual (``poll``), and its requests still outstanding
         are re-queued on the other servers (``RequestRouter.retire``, counted
-        ``elastic_requeued``; ROLL's partial_gpu_mode shrinks its generation
+        ``samples_requeued``; ROLL's partial_gpu_mode shrinks its generation
         servers the same way). Returns how many were re-queued.
 
         Raises:
