@@ -109,18 +109,33 @@ FIXED = dict(kind="fixed", elastic=True)
     [
         (dict(kind="none", elastic=True), {}, "controller.elastic=True needs controller.kind"),
         (dict(kind="fixed", device_schedule="0:6,2:7"), {}, "controller.device_schedule"),
-        ({**FIXED, "device_schedule": "0:6,2:7"}, dict(colocated=True, learner={"fsdp": 8},
-         num_generation_slices=1), "mesh.colocated=False"),  # fmt: skip
-        ({**FIXED, "device_schedule": "0:6,2:7"}, dict(generation_processes=True),
-         "mesh.generation_processes"),  # fmt: skip
+        (
+            {**FIXED, "device_schedule": "0:6,2:7"},
+            dict(colocated=True, learner={"fsdp": 8}, num_generation_slices=1),
+            "mesh.colocated=False",
+        ),  # fmt: skip
+        (
+            {**FIXED, "device_schedule": "0:6,2:7"},
+            dict(generation_processes=True),
+            "mesh.generation_processes",
+        ),  # fmt: skip
         ({**FIXED, "device_schedule": "0:5,2:6"}, {}, "starts at 5 learner devices"),
         ({**FIXED, "device_schedule": "0:6,2:8"}, {}, ">= 1 generation slice"),
-        ({**FIXED, "device_schedule": "0:6,2:7"}, dict(learner={"fsdp": 3, "tensor": 2}),
-         "do not form a learner mesh"),  # fmt: skip
-        ({**FIXED, "device_schedule": "0:6,2:7"}, dict(generation={"tensor": 2},
-         num_generation_slices=1), "whole number of generation slices"),  # fmt: skip
-        (dict(kind="adaptive", elastic=True), dict(learner={"fsdp": 3, "tensor": 2}),
-         "multiple of\nmesh.learner's data x tensor|multiple of mesh.learner's data x tensor"),
+        (
+            {**FIXED, "device_schedule": "0:6,2:7"},
+            dict(learner={"fsdp": 3, "tensor": 2}),
+            "do not form a learner mesh",
+        ),  # fmt: skip
+        (
+            {**FIXED, "device_schedule": "0:6,2:7"},
+            dict(generation={"tensor": 2}, num_generation_slices=1),
+            "whole number of generation slices",
+        ),  # fmt: skip
+        (
+            dict(kind="adaptive", elastic=True),
+            dict(learner={"fsdp": 3, "tensor": 2}),
+            "multiple of\nmesh.learner's data x tensor|multiple of mesh.learner's data x tensor",
+        ),
         ({**FIXED}, {}, "needs controller.replay_schedule or"),
     ],
 )

@@ -85,6 +85,15 @@ class _Spy:
             return report
 
         monkeypatch.setattr(LearnerProgram, "move_to", move_to)
+        self.saved = []  # (step, state gathered, its learner devices) per checkpoint
+        save = LearnerProgram.save
+
+        def saving(program, meta):
+            devices = {d.id for x in jax.tree.leaves(program.state) for d in x.sharding.device_set}
+            self.saved.append((meta.step, _host(program.state), devices))
+            return save(program, meta)
+
+        monkeypatch.setattr(LearnerProgram, "save", saving)
 
 
 def _check_bit_equal(moves):
@@ -97,9 +106,7 @@ def _check_bit_equal(moves):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_live_grow_then_shrink_keeps_state_counts_requeues_and_compiles_once(
-    tmp_path, monkeypatch
-):
+def test_live_grow_then_shrink_keeps_state_counts_requeues_and_compiles_once(tmp_path, monkeypatch):
     spy = _Spy(monkeypatch)
     exp = ExperimentConfig.from_config_dict(_config(6))
     rlvr.run(exp, workdir=str(tmp_path), server_factory=_slow_server)
@@ -148,7 +155,8 @@ def test_resume_from_a_checkpoint_on_the_grown_layout(tmp_path, monkeypatch):
     rlvr.run(ExperimentConfig.from_config_dict(_config(3)), workdir=workdir)  # saved on 7
     saved = _rows(f"{workdir}/metrics.jsonl")
     assert saved[-1]["learner_devices"] == 7
-    grown_state = spy.moves[-1][1]  # right after the move to 7 devices (before step 3)
+    step, saved_state, saved_devices = spy.saved[-1]
+    assert step == 3 and saved_devices == set(range(7))  # saved on the grown layout
     assert len(spy.moves) == 1
     # A fresh start in the same workdir: restored onto mesh.learner (6), then moved back
     # to the checkpoint's split (7) before the first step: not counted as a new move.
@@ -160,10 +168,12 @@ def test_resume_from_a_checkpoint_on_the_grown_layout(tmp_path, monkeypatch):
     assert len(spy.moves) == 3  # resume move (6 -> 7), then the schedule's (7 -> 6)
     _check_bit_equal(spy.moves[1:])
     assert spy.moves[1][3] == set(range(7)) and spy.moves[2][3] == set(range(6))
-    # The resumed state (step 3, restored then moved) is not the state before step 3.
-    assert any(not np.array_equal(a, b) for a, b in zip(spy.moves[1][0], grown_state))
+    # The state restored on mesh.learner (6 devices) is the one saved on 7, bit for bit.
+    restored = spy.moves[1][0]
+    assert len(restored) == len(saved_state)
+    assert all(np.array_equal(a, b) for a, b in zip(restored, saved_state, strict=True))
     last = m[-1]
     assert last["prompts_trained"] == 5 * 4
-    assert last["prompts_taken"] == sum(last[f"prompts_{o}"] for o in ENDS) + last[
-        "prompts_in_flight"
-    ]
+    assert (
+        last["prompts_taken"] == sum(last[f"prompts_{o}"] for o in ENDS) + last["prompts_in_flight"]
+    )

@@ -16,8 +16,8 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.runtime.env_spec import EnvSpec, agentic_rollout
 from jaxflash.runtime.elastic_spec import check_elastic
+from jaxflash.runtime.env_spec import EnvSpec, agentic_rollout
 from jaxflash.runtime.replay_spec import (
     ControllerSpec,
     ReplaySpec,

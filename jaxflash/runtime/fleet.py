@@ -61,9 +61,7 @@ class ThreadFleet:
     """
 
     def __init__(self, exp: ExperimentConfig, model_config: Any, placement: Placement, tokenizer):
-        self._engine_for = LayoutCache(
-            lambda mesh: make_engine(exp, model_config, mesh, tokenizer)
-        )
+        self._engine_for = LayoutCache(lambda mesh: make_engine(exp, model_config, mesh, tokenizer))
         self.engines: list[tuple[Any, Any] | None] = [
             self._engine_for(mesh) for mesh in placement.generation
         ]

@@ -322,14 +322,16 @@ class ControllerSpec:
 
 
 def _parse_schedule(field: str, text: str, what: str, cast: Any) -> list[tuple[int, Any]]:
-    """"from_step:value,..." -> [(from_step, value)], from_steps from 0, increasing."""
+    """ "from_step:value,..." -> [(from_step, value)], from_steps from 0, increasing."""
     pairs: list[tuple[int, Any]] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         step, sep, value = part.partition(":")
         try:
             pairs.append((int(step), cast(value)))
         except ValueError:
-            raise ConfigError(f"controller.{field} entry {part!r} is not 'from_step:{what}'") from None
+            raise ConfigError(
+                f"controller.{field} entry {part!r} is not 'from_step:{what}'"
+            ) from None
         check(bool(sep), f"controller.{field} entry {part!r} is not 'from_step:{what}'")
     steps = [s for s, _ in pairs]
     check(

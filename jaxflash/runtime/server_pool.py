@@ -116,9 +116,7 @@ class ServerPool:
 
     @property
     def alive(self) -> list[int]:
-        return [
-            i for i in range(len(self.servers)) if i not in self.dead and i not in self.retired
-        ]
+        return [i for i in range(len(self.servers)) if i not in self.dead and i not in self.retired]
 
     def restarts(self, i: int) -> bool:
         """Server i restarts in-flight samples at a weight update."""
