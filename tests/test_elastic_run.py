@@ -19,7 +19,6 @@ back (a new server there gets the current weights first). Checked:
 
 import collections
 import json
-import time
 
 import jax
 import numpy as np
@@ -52,15 +51,36 @@ def _config(total_steps):
     return c
 
 
-def _slow_server(name, engine, params, *, on_finished, **kw):
-    """A GenerationServer that takes 0.1 s to hand over each finished sample: generation
-    is the bottleneck, so every step boundary finds requests still on the servers."""
+class _Holding:
+    """Server gen0, except that from weights version 1 on it never finishes a request
+    (a slow slice): at the step-2 boundary it surely holds requests, which the move
+    must re-queue on gen1. Every other call goes to the real server."""
 
-    def late(sample):
-        time.sleep(0.1)
-        on_finished(sample)
+    def __init__(self, server):
+        self._server, self._holding, self.held = server, False, set()
+        self.partial_rollout = server.partial_rollout
 
-    return GenerationServer(name, engine, params, on_finished=late, **kw)
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+    def submit(self, request):
+        if not self._holding:
+            return self._server.submit(request)
+        self.held.add((int(request.prompt_id), int(request.sample_index)))
+
+    def abort_prompt(self, prompt_id):
+        keys = {k for k in self.held if k[0] == int(prompt_id)}
+        self.held -= keys
+        return len(keys) + self._server.abort_prompt(prompt_id)
+
+    def update_weights(self, params, version):
+        self._server.update_weights(params, version)
+        self._holding = self._holding or version >= 1
+
+
+def _server_factory(name, *args, **kw):
+    server = GenerationServer(name, *args, **kw)
+    return _Holding(server) if name == "gen0" else server
 
 
 def _host(tree):
@@ -109,7 +129,7 @@ def _check_bit_equal(moves):
 def test_live_grow_then_shrink_keeps_state_counts_requeues_and_compiles_once(tmp_path, monkeypatch):
     spy = _Spy(monkeypatch)
     exp = ExperimentConfig.from_config_dict(_config(6))
-    rlvr.run(exp, workdir=str(tmp_path), server_factory=_slow_server)
+    rlvr.run(exp, workdir=str(tmp_path), server_factory=_server_factory)
     m = _rows(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
     # The split after each boundary (in force for the next step) and the moves.
