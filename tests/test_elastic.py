@@ -14,8 +14,9 @@ import collections
 import pytest
 
 from jaxflash.replay.controller import Decision
+from jaxflash.runtime import records
+from jaxflash.runtime.controller_setup import fixed_decisions
 from jaxflash.runtime.elastic_spec import check_elastic, learner_axes
-from jaxflash.runtime.replay_cycle import fixed_decisions
 from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, check_replay_combination
 from jaxflash.runtime.server_pool import RetiredServer
 from jaxflash.runtime.specs import ConfigError, MeshSpec
@@ -171,3 +172,12 @@ def test_learner_axes_grow_along_fsdp():
     assert learner_axes({"fsdp": 3, "tensor": 2}, 8) == {"data": 1, "fsdp": 4, "tensor": 2}
     with pytest.raises(ValueError, match="data x tensor = 2"):
         learner_axes({"fsdp": 3, "tensor": 2}, 7)
+
+
+def test_the_step_line_says_when_devices_moved():
+    row = {"learner_devices": 7, "generation_slices": 1, "elastic_to_learner": 1}
+    assert records.step_line(2, 6, "1 s", row).endswith(
+        "moved: learner 7 devices, 1 generation slices from the next step"
+    )
+    quiet = {"learner_devices": 7, "generation_slices": 1, "elastic_to_learner": 0}
+    assert "moved" not in records.step_line(3, 6, "2 s", quiet)

@@ -239,6 +239,11 @@ def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]
         value = metrics.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             parts.append(f"{label} {fmt.format(int(value) if fmt == '{:d}' else value)}")
+    if metrics.get("elastic_to_learner") or metrics.get("elastic_to_generation"):
+        parts.append(  # an elastic move at this boundary (runtime.elastic)
+            f"moved: learner {metrics['learner_devices']} devices, "
+            f"{metrics['generation_slices']} generation slices from the next step"
+        )
     if "eval_accuracy" in metrics:
         # metrics.jsonl writes a non-finite value as a string ("nan": no prompt scored,
         # or < 2 prompts for a standard error), so both are checked before formatting.

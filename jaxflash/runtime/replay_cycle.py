@@ -48,7 +48,6 @@ from jaxflash.replay.controller import (
     AdaptiveController,
     ControllerInputs,
     Decision,
-    FixedSchedule,
     in_flight_for,
 )
 from jaxflash.replay.dual_cycle import (
@@ -58,6 +57,7 @@ from jaxflash.replay.dual_cycle import (
     replay_count,
 )
 from jaxflash.replay.replay_buffer import ReplayBuffer
+from jaxflash.runtime.controller_setup import make_controller
 from jaxflash.runtime.elastic_spec import floors as elastic_floors
 from jaxflash.runtime.learner_batch import LearnerBatch
 from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, replay_active
@@ -138,27 +138,15 @@ class ReplayCycle:
             learner_devices=learner_devices,
             generation_devices=generation_devices,
         )
-        self._controller: AdaptiveController | FixedSchedule | None = None
-        if controller.kind == "adaptive":
-            config = controller.controller_config(
-                batch_samples=batch_samples,
-                max_async_ratio=async_ratio,
-                group_size=group_size,
-                **dict(device_floors or {}),
-            )
-            self._controller = AdaptiveController(config, self._decision)
-            if state and state.get("controller"):
-                self._controller.load_state_dict(state["controller"])
-        elif controller.kind == "fixed":
-            self._controller = FixedSchedule(
-                fixed_decisions(
-                    controller.schedule() or [(0, replay.ratio)],
-                    controller.device_steps(),
-                    self._decision,
-                    batch_samples=batch_samples,
-                    group_size=group_size,
-                )
-            )
+        self._controller = make_controller(
+            controller,
+            replay,
+            self._decision,
+            batch_samples=batch_samples,
+            group_size=group_size,
+            device_floors=device_floors,
+            state=(state or {}).get("controller"),
+        )
         if state:
             self._decision = Decision(**state["decision"])
         self._generated_before = int(samples_generated)  # the scheduler's counter at start
@@ -353,50 +341,6 @@ class ReplayCycle:
             "controller": self._controller.state_dict() if self._controller else {},
             "decision": dataclasses.asdict(self._decision),
         }
-
-
-def fixed_decisions(
-    rhos: Sequence[tuple[int, float]],
-    learner_sizes: Sequence[tuple[int, int]],
-    initial: Decision,
-    *,
-    batch_samples: int,
-    group_size: int,
-) -> list[tuple[int, Decision]]:
-    """A ``FixedSchedule``'s (from_step, Decision) list from its two schedules.
-
-    Args:
-      rhos: [(from_step, rho)], the first from_step 0 (``replay_schedule``).
-      learner_sizes: [(from_step, learner devices)] (``device_schedule``; [] keeps
-        ``initial``'s split).
-      initial: the run's starting decision (alpha, split; the total device count).
-      batch_samples, group_size: B * G and G (requests in flight per rho).
-
-    Returns:
-      One entry per from_step of either schedule, each with the last rho and the last
-      learner size in force there.
-    """
-    total = initial.learner_devices + initial.generation_devices
-    steps = sorted({s for s, _ in rhos} | {s for s, _ in learner_sizes})
-    out = []
-    for step in steps:
-        rho = [r for s, r in rhos if s <= step][-1]
-        sizes = [n for s, n in learner_sizes if s <= step]
-        learner = sizes[-1] if sizes else initial.learner_devices
-        in_flight = in_flight_for(initial.async_ratio, rho, batch_samples, group_size)
-        out.append(
-            (
-                step,
-                dataclasses.replace(
-                    initial,
-                    replay_ratio=rho,
-                    requests_in_flight=in_flight,
-                    learner_devices=learner,
-                    generation_devices=total - learner,
-                ),
-            )
-        )
-    return out
 
 
 def make_replay_cycle(
