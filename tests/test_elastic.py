@@ -181,3 +181,44 @@ def test_the_step_line_says_when_devices_moved():
     )
     quiet = {"learner_devices": 7, "generation_slices": 1, "elastic_to_learner": 0}
     assert "moved" not in records.step_line(3, 6, "2 s", quiet)
+
+
+def test_adaptive_role_split_goes_to_move_and_the_controller_learns_the_split_in_force():
+    """The adaptive controller's proposals (test_replay_cycle's gen-bound then
+    train-bound rows) are handed to ``move``; what it returns is the split in force,
+    logged as ctl_*_devices and reported to the controller through ``applied``."""
+    from tests.test_replay_cycle import _cycle, _row
+
+    spec = ControllerSpec(kind="adaptive", move_patience=2)
+    replay = ReplaySpec(ratio=0.25, max_age=2)
+    floors = {"device_quantum": 1, "min_learner_devices": 1, "min_generation_devices": 1}
+    rows = [_row(s, generated=100 + 2 * s, step_s=1.0, train_s=0.1, pending=0) for s in (1, 2, 3)]
+    rows += [
+        _row(s, generated=106 + 200 * (s - 3), step_s=1.0, train_s=1.0, pending=8, ess=0.9)
+        for s in (4, 5, 6)
+    ]
+
+    def run(refuse: bool):
+        cycle = _cycle(replay=replay, controller=spec, samples_generated=100, device_floors=floors)
+        asked = []
+
+        def move(n):
+            asked.append(n)
+            return cycle.decision.learner_devices if refuse else n
+
+        logged = [cycle.control_from(r, next_version=s + 1, move=move) for s, r in enumerate(rows)]
+        return asked, logged
+
+    asked, logged = run(refuse=False)
+    # Gen-bound for 2 steps: one device to generation (learner 5); then, 2 train-bound
+    # steps after it, back to the learner (6): the split in force follows.
+    assert asked == [5, 6]
+    assert [m["ctl_learner_devices"] for m in logged] == [6, 5, 5, 5, 6, 6]
+    assert [m["ctl_generation_devices"] for m in logged] == [2, 3, 3, 3, 2, 2]
+    assert all(
+        m["ctl_proposed_learner_devices"] == m["ctl_learner_devices"] for m in logged
+    )  # every proposal applied
+    # Refused moves: the split stays, the proposal is logged, the controller is told.
+    asked, logged = run(refuse=True)
+    assert asked[0] == 5 and all(m["ctl_learner_devices"] == 6 for m in logged)
+    assert logged[1]["ctl_proposed_learner_devices"] == 5
