@@ -1,6 +1,6 @@
 """The elastic pool in the one RLVR loop: a fixed schedule grows the learner, then shrinks it.
 
-configs/smoke_async.py with a learner of fsdp 6 on devices 0-5 and two one-device
+configs/elastic_smoke.py: a learner of fsdp 6 on devices 0-5 and two one-device
 generation slices (6, 7), alpha = 1, ``controller.device_schedule="0:6,2:7,4:6"``:
 after step 2 the learner takes slice [6] (its server stops, its requests are
 re-queued on [7]) and trains steps 3-4 on 7 devices; after step 4 it gives [6]
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import smoke_async
+from configs import elastic_smoke
 from jaxflash.runtime import rlvr
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
@@ -39,15 +39,9 @@ def _rows(path):
 
 
 def _config(total_steps):
-    c = smoke_async.get_config()
+    c = elastic_smoke.get_config()  # learner fsdp 6 + slices [6], [7]; "0:6,2:7,4:6"
     c.total_steps = total_steps
-    c.data.eval_size = 0
-    c.mesh.learner = {"fsdp": 6}  # data x tensor = 1: every size forms a mesh
-    c.rollout.async_ratio = 1
     c.checkpoint.every = 1
-    c.controller.kind = "fixed"
-    c.controller.elastic = True
-    c.controller.device_schedule = "0:6,2:7,4:6"
     return c
 
 
