@@ -18,9 +18,11 @@ generated, the scheduler's ``samples_generated``; default 640 = the 20 steps of
   ``--correction``): round((1 - rho) B) fresh groups a step, so the budget buys
   about 1 / (1 - rho) times as many updates;
 * ``adaptive``: as ``replay`` with ``controller.kind=adaptive`` (rho, alpha <= 2 and
-  the requests in flight follow the measured rates). Elastic role changes are not
-  in the live loop (the controller only proposes them), so "+ elastic" is not
-  measured.
+  the requests in flight follow the measured rates) and ``controller.elastic`` (its
+  role split moves generation slices into and out of the learner live,
+  ``runtime.elastic``) where the learner mesh can grow by one slice (data x tensor
+  of ``mesh.learner`` divides the slice size: the real config's fsdp-only learner
+  can; the tiny config's tensor = 2 learner cannot, so there it is "+ adaptive" only).
 
 A run stops (``rlvr.run(stop_after=...)``, evaluated and checkpointed) at the step
 where its generated samples reach the budget, or after ``--budget_minutes`` of
@@ -131,6 +133,9 @@ def make_config(
         fresh = fewest = fresh_groups_needed(B, rho)
     if mode == "adaptive":
         c.controller.kind = "adaptive"
+        # + elastic where every learner size one slice apart forms a mesh (elastic_spec).
+        row = int(c.mesh.learner.get("data", 1)) * int(c.mesh.learner.get("tensor", 1))
+        c.controller.elastic = math.prod(c.mesh.generation.values()) % row == 0
         c.controller.max_replay_ratio = max(rho, c.controller.max_replay_ratio)
         fewest = fresh_groups_needed(B, c.controller.max_replay_ratio)
     c.total_steps = max(1, math.ceil(budget / (fewest * G)))

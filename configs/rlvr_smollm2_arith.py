@@ -173,4 +173,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.controller.queue_high = 2.0
     c.controller.smoothing = 0.5
     c.controller.move_patience = 3
+    # Elastic pool: move devices between learner and generation slices when the decision's
+    # role split changes (mesh.colocated=False, thread servers; runtime.elastic).
+    c.controller.elastic = False
+    c.controller.device_schedule = ""  # fixed + elastic: "from_step:learner_devices,..."
     return c

@@ -99,6 +99,7 @@ def test_modes_share_budget_seed_and_evaluation_points(mode):
     assert exp.total_steps * fewest * r.group_size == 64
     assert (exp.replay.ratio > 0) == (mode in ("replay", "adaptive"))
     assert (exp.controller.kind == "adaptive") == (mode == "adaptive")
+    assert not exp.controller.elastic  # the smoke learner's tensor = 2 cannot grow by 1
     assert exp.rollout.async_ratio == (0 if mode == "sync" else 2)
     assert exp.mesh.colocated == (mode == "sync")
     if mode in ("replay", "adaptive"):
@@ -113,6 +114,8 @@ def test_real_model_configs_use_the_configs_own_devices():
     assert (sync.mesh.num_cpu_devices, dict(sync.mesh.learner)) == (2, {"fsdp": 2, "tensor": 1})
     assert asyn.mesh.num_cpu_devices == 3 and asyn.mesh.num_generation_slices == 2
     assert sync.total_steps == 20 and sync.eval.every == 5
+    adaptive = bench.make_config(real, "adaptive", seed=0, budget=640, rho=0.5, eval_samples=160)
+    assert adaptive.controller.elastic and not asyn.controller.elastic  # + elastic
 
 
 def test_simulator_configs_share_the_device_budget():

@@ -25,7 +25,15 @@ def test_configs_convert(module):
 
 
 @pytest.mark.parametrize(
-    "name", ["rlvr_smollm2_arith", "smoke", "smoke_async", "agentic_frozenlake", "replay_smoke"]
+    "name",
+    [
+        "rlvr_smollm2_arith",
+        "smoke",
+        "smoke_async",
+        "agentic_frozenlake",
+        "replay_smoke",
+        "elastic_smoke",
+    ],
 )
 def test_decode_block_can_be_set_from_the_command_line_of_every_config(name):
     # --config.x.y=v overrides only keys the config file defines.

@@ -40,10 +40,11 @@ after that many consecutive steps bound the same way (hysteresis). A
 ``FixedSchedule`` has the same interface for ablations.
 
 Applied vs proposed: the runtime applies rho, alpha and the requests in flight at
-the next step boundary (``runtime.replay_cycle``); it cannot move devices between
-roles in a live run yet, so it reports the split it kept through ``applied``: the
-controller then keeps that split (a proposed move does not reset its rate
-averages, since nothing moved), and logs its proposal as ``ctl_proposed_*``.
+the next step boundary (``runtime.replay_cycle``), and the role split too when the
+elastic pool is on (``controller.elastic``, ``runtime.elastic``); it reports the
+split actually in force through ``applied``. A proposed move that was not applied
+(elastic off) leaves the controller on the old split without resetting its rate
+averages (nothing moved), and the proposal is logged as ``ctl_proposed_*``.
 """
 
 from __future__ import annotations
@@ -325,8 +326,8 @@ class AdaptiveController:
         return self._decision
 
     def applied(self, decision: Decision) -> None:
-        """What the runtime put in force after the last ``update`` (its role split may
-        be the old one: devices cannot change role in a live run yet).
+        """What the runtime put in force after the last ``update`` (its role split is
+        the old one unless the elastic pool moved the devices).
 
         The controller continues from ``decision``. A proposed move that was not
         applied does not count as a move: the rate averages and the time of the

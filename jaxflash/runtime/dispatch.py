@@ -198,6 +198,10 @@ class Dispatcher:
         """Server i was found dead (the pool reports each death once): reroute its samples."""
         self.router.server_died(i)
 
+    def server_retired(self, i: int) -> int:
+        """Server i left the pool (elastic move, stopped): re-queue its requests elsewhere."""
+        return self.router.retire(i)
+
     def stats(self) -> dict[str, Any]:
         """Instantaneous queue state for metrics.jsonl."""
         return {"samples_outstanding": self.num_outstanding, "samples_scoring": self.num_scoring}

@@ -221,6 +221,10 @@ class EpisodeDispatcher:
     def server_died(self, i: int) -> None:
         self.router.server_died(i)
 
+    def server_retired(self, i: int) -> int:
+        """Server i left the pool (elastic move, stopped): re-queue its requests elsewhere."""
+        return self.router.retire(i)
+
     def stats(self) -> dict[str, Any]:
         """Instantaneous state for metrics.jsonl."""
         return {

@@ -16,6 +16,7 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.runtime.elastic_spec import check_elastic
 from jaxflash.runtime.env_spec import EnvSpec, agentic_rollout
 from jaxflash.runtime.replay_spec import (
     ControllerSpec,
@@ -164,6 +165,7 @@ class ExperimentConfig:
             "group-relative advantage of one sample is always 0 (use group_size >= 2)",
         )
         check_replay_combination(self.replay, self.controller, async_ratio=self.rollout.async_ratio)
+        check_elastic(self.controller, self.mesh)  # devices that change role live
         # The replayed rows' loss (learner.replay_*) is derived from replay.*, never set
         # apart: a step with a replay cycle takes a loss per cycle (learner.cycles).
         if replay_active(self.replay, self.controller):

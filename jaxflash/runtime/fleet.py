@@ -27,6 +27,7 @@ from concurrent import futures
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_endpoint import FixedProgram, LocalProgram, ProgramClient
@@ -41,6 +42,7 @@ from jaxflash.runtime.remote_server import (
 )
 from jaxflash.runtime.rpc_wire import WeightOffer
 from jaxflash.sync.publish import Publisher
+from jaxflash.sync.reshard import LayoutCache
 from jaxflash.sync.transfer_digest import tree_digest
 from jaxflash.sync.transfer_layout import TreeLayout
 
@@ -49,24 +51,65 @@ TRANSFER_TIMEOUT_S = 120.0
 
 
 class ThreadFleet:
-    """Generation servers as threads on this program's generation meshes."""
+    """Generation servers as threads on this program's generation meshes.
+
+    Slot i holds server i's engine (``servers`` builds them in this order), or
+    None once the elastic pool retired it (``remove_slice``); ``add_slice`` appends
+    an engine for devices the learner gave back. Engines are built once per device
+    layout (``sync.reshard.LayoutCache``): a slice that returns to devices it held
+    before reuses its engine and compiled programs.
+    """
 
     def __init__(self, exp: ExperimentConfig, model_config: Any, placement: Placement, tokenizer):
-        self.engines = [
-            make_engine(exp, model_config, mesh, tokenizer) for mesh in placement.generation
+        self._engine_for = LayoutCache(lambda mesh: make_engine(exp, model_config, mesh, tokenizer))
+        self.engines: list[tuple[Any, Any] | None] = [
+            self._engine_for(mesh) for mesh in placement.generation
         ]
-        self._publishers = [Publisher() for _ in self.engines]
+        self._publishers: list[Publisher | None] = [Publisher() for _ in self.engines]
+        self._published: list[Any] = [None] * len(self.engines)
+
+    @property
+    def engine_builds(self) -> int:
+        """Engines built so far (one per generation device layout ever used)."""
+        return self._engine_for.builds
 
     def publish(self, learner: LearnerProgram, version: int) -> list[Any]:
-        """Learner params -> every generation mesh, device to device (version v)."""
-        pairs = zip(self._publishers, self.engines, strict=True)
-        out = [pub.publish(learner.params, shard, version).params for pub, (_, shard) in pairs]
-        jax.block_until_ready(out)
+        """Learner params -> every generation mesh, device to device (version v).
+
+        Returns the fleet's own list (slot i: server i's params, None once retired),
+        which ``remove_slice`` / ``add_slice`` keep current between publishes.
+        """
+        out = [
+            None if slot is None else pub.publish(learner.params, slot[1], version).params
+            for pub, slot in zip(self._publishers, self.engines, strict=True)
+        ]
+        jax.block_until_ready([p for p in out if p is not None])
+        self._published = out
         return out
 
-    def servers(
+    def remove_slice(self, i: int) -> None:
+        """Slot i's devices joined the learner: it gets no weights any more (its
+        published copy is dropped, freeing those devices)."""
+        self.engines[i] = None
+        self._publishers[i] = None
+        self._published[i] = None
+
+    def add_slice(self, mesh: Mesh, learner: LearnerProgram, version: int) -> tuple[int, Any]:
+        """A slot on ``mesh`` holding the learner's params as ``version`` (device to
+        device, before any server takes requests on it); returns (its index, params)."""
+        engine, shardings = self._engine_for(mesh)
+        publisher = Publisher()
+        params = publisher.publish(learner.params, shardings, version).params
+        jax.block_until_ready(params)
+        self.engines.append((engine, shardings))
+        self._publishers.append(publisher)
+        self._published.append(params)
+        return len(self.engines) - 1, params
+
+    def server(
         self,
-        gen_params: list[Any],
+        i: int,
+        params: Any,
         *,
         version: int,
         stop_ids: Any,
@@ -74,24 +117,33 @@ class ThreadFleet:
         on_finished: Callable,
         clock: Any,
         server_factory: Callable[..., Any] = GenerationServer,
-    ) -> list[Any]:
+    ) -> Any:
+        """The server of slot i (named gen{i}), holding ``params`` at ``version``."""
+        slot = self.engines[i]
+        if slot is None:
+            raise ValueError(f"ThreadFleet.server: slot {i} was retired")
+        return server_factory(
+            f"gen{i}",
+            slot[0],
+            params,
+            policy_version=version,
+            stop_ids=stop_ids,
+            partial_rollout=partial_rollout,
+            on_finished=on_finished,
+            clock=clock,
+        )
+
+    def servers(self, gen_params: list[Any], *, version: int, **server_kwargs: Any) -> list[Any]:
+        """One server per slot (``server``'s keyword arguments)."""
         return [
-            server_factory(
-                f"gen{i}",
-                engine,
-                params,
-                policy_version=version,
-                stop_ids=stop_ids,
-                partial_rollout=partial_rollout,
-                on_finished=on_finished,
-                clock=clock,
-            )
-            for i, ((engine, _), params) in enumerate(zip(self.engines, gen_params, strict=True))
+            self.server(i, params, version=version, **server_kwargs)
+            for i, params in enumerate(gen_params)
         ]
 
     def eval_target(self, gen_params: list[Any]) -> tuple[Any, Any] | None:
-        """(engine, params) that evaluation runs on."""
-        return self.engines[0][0], gen_params[0]
+        """(engine, params) that evaluation runs on: the first slot not retired."""
+        i = next(i for i, slot in enumerate(self.engines) if slot is not None)
+        return self.engines[i][0], gen_params[i]
 
     def close(self) -> None:
         pass

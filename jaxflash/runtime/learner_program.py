@@ -41,6 +41,7 @@ from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.learner_links import FollowerLink, LeaderLinks
 from jaxflash.runtime.resume import finished_step, init_or_restore_learner
 from jaxflash.sharding.rules import LEARNER_RULES
+from jaxflash.sync.reshard import LayoutCache, ReshardReport, reshard
 from jaxflash.sync.transfer_layout import TreeLayout, stage_for_layout
 from jaxflash.sync.transfer_sender import WeightSender
 from jaxflash.types import TrainBatch
@@ -102,8 +103,16 @@ class LearnerProgram:
         self.state, self.meta, self.ledger, self.checkpointer = init_or_restore_learner(
             exp, model_config, imported_params, mesh, workdir, records=leader
         )
-        self._train_step = make_train_step(model_config, exp.learner, mesh, LEARNER_RULES)
-        self._step_sharding = state_shardings(model_config, exp.learner, mesh, LEARNER_RULES).step
+        # Per learner mesh: the jitted step and the state's shardings, built once per
+        # device layout (an elastic move back to a layout reuses its compiled step).
+        self._per_mesh = LayoutCache(
+            lambda m: (
+                make_train_step(model_config, exp.learner, m, LEARNER_RULES),
+                state_shardings(model_config, exp.learner, m, LEARNER_RULES),
+            )
+        )
+        self.mesh = mesh
+        self._train_step, self._shardings = self._per_mesh(mesh)
         self._pump = None if sender is None else SenderPump(sender)
         self._sigterm = False
         self._previous_handler = None
@@ -145,8 +154,31 @@ class LearnerProgram:
         """A step with nothing to train: the version advances, the weights do not."""
         self._post("skip")
         self.state = self.state.replace(
-            step=jax.device_put(self.state.step + 1, self._step_sharding)
+            step=jax.device_put(self.state.step + 1, self._shardings.step)
         )
+
+    @property
+    def train_steps(self) -> list[Any]:
+        """The jitted steps built so far, one per learner mesh layout (``trace_count`` each)."""
+        return [step for step, _ in self._per_mesh.values()]
+
+    def move_to(self, mesh: Mesh) -> ReshardReport:
+        """Put the state on ``mesh`` (the elastic pool's new learner devices) and use its step.
+
+        Params and optimizer state are copied device to device (``sync.reshard``),
+        bit for bit; the jitted step and shardings come from the per-layout cache
+        (compiled once per layout). Between steps only (the old state is dropped).
+
+        Raises:
+          RuntimeError: a multi-process learner (every process would have to move;
+            refused at start by ``runtime.elastic.check_elastic``).
+        """
+        if self._links is not None or not self._leader:
+            raise RuntimeError("LearnerProgram.move_to: one learner process only")
+        step, shardings = self._per_mesh(mesh)
+        self.state, report = reshard(self.state, shardings)
+        self._train_step, self._shardings, self.mesh = step, shardings, mesh
+        return report
 
     def offer(self, layout: TreeLayout) -> tuple[str, ...]:
         """Stage ``params`` in a generation program's ``layout`` and offer them as

@@ -176,12 +176,16 @@ def server_metrics(
       generated with), gen_slot_occupancy (the same over all servers),
       gen_idle_frac (server idle time / (busy + idle) this step), gen_tokens
       (tokens generated this step, including ones later dropped) and
-      gen_tokens_per_s (gen_tokens / busy seconds). Dead servers are left out.
+      gen_tokens_per_s (gen_tokens / busy seconds). Dead and retired servers are
+      left out; a server added during the step (elastic pool) counts from 0.
     """
     out: dict[str, Any] = {}
     live = slots = busy = idle = tokens = 0.0
     lags = []
-    for i, (b, n) in enumerate(zip(before, now, strict=True)):
+    if len(before) > len(now):
+        raise ValueError(f"server_metrics: {len(before)} servers before, {len(now)} now")
+    for i, n in enumerate(now):
+        b = before[i] if i < len(before) else {}
         if not n:
             continue
         d = {k: float(n.get(k, 0)) - float(b.get(k, 0)) for k in _CUMULATIVE}
@@ -235,6 +239,11 @@ def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]
         value = metrics.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             parts.append(f"{label} {fmt.format(int(value) if fmt == '{:d}' else value)}")
+    if metrics.get("elastic_to_learner") or metrics.get("elastic_to_generation"):
+        parts.append(  # an elastic move at this boundary (runtime.elastic)
+            f"moved: learner {metrics['learner_devices']} devices, "
+            f"{metrics['generation_slices']} generation slices from the next step"
+        )
     if "eval_accuracy" in metrics:
         # metrics.jsonl writes a non-finite value as a string ("nan": no prompt scored,
         # or < 2 prompts for a standard error), so both are checked before formatting.

@@ -22,8 +22,10 @@ cycle (``replay_spec.replay_active``) and calls, per learner step:
    sets the fresh groups (round((1 - rho) B)) and the replayed samples of the
    step, and the loop hands its alpha and requests in flight to the scheduler
    (``scheduler_settings`` -> ``RolloutScheduler.reconfigure``: staleness bound
-   and admission capacity). A change of role split is only proposed
-   (``ctl_proposed_*``): devices do not change role in a live run yet.
+   and admission capacity). A change of role split is carried out by the
+   elastic pool when ``controller.elastic`` (``runtime.elastic``: generation
+   slices join or leave the learner at this step boundary), and otherwise only
+   proposed (``ctl_proposed_*``).
 
 ``state_dict`` (buffer contents, counters, the sampler's RNG, the controller's
 state and current decision) goes into the checkpoint's metadata; a
@@ -36,7 +38,7 @@ the one without replay.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,6 @@ from jaxflash.replay.controller import (
     AdaptiveController,
     ControllerInputs,
     Decision,
-    FixedSchedule,
     in_flight_for,
 )
 from jaxflash.replay.dual_cycle import (
@@ -56,6 +57,8 @@ from jaxflash.replay.dual_cycle import (
     replay_count,
 )
 from jaxflash.replay.replay_buffer import ReplayBuffer
+from jaxflash.runtime.controller_setup import make_controller
+from jaxflash.runtime.elastic_spec import floors as elastic_floors
 from jaxflash.runtime.learner_batch import LearnerBatch
 from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, replay_active
 from jaxflash.types import Sample, TrainBatch
@@ -89,6 +92,10 @@ class ReplayCycle:
       learner_devices, generation_devices: the role split, as the controller sees it.
       seed: seeds the buffer's sampler.
       state: a ``state_dict`` from a checkpoint (None: a fresh buffer).
+      samples_generated: the scheduler's ``samples_generated`` at the start.
+      device_floors: with elastic moves, the adaptive controller's device_quantum,
+        min_learner_devices and min_generation_devices (``elastic_spec``); None:
+        ``ControllerConfig``'s defaults (its split is only proposed).
 
     Raises:
       ValueError: a saved state whose buffer config differs from this run's.
@@ -107,6 +114,7 @@ class ReplayCycle:
         seed: int,
         state: dict[str, Any] | None = None,
         samples_generated: int = 0,
+        device_floors: dict[str, int] | None = None,
     ):
         self.group_size, self.batch_prompts = group_size, batch_prompts
         self._per_prompt = replay.sampler == "per_prompt"
@@ -130,30 +138,15 @@ class ReplayCycle:
             learner_devices=learner_devices,
             generation_devices=generation_devices,
         )
-        self._controller: AdaptiveController | FixedSchedule | None = None
-        if controller.kind == "adaptive":
-            config = controller.controller_config(
-                batch_samples=batch_samples, max_async_ratio=async_ratio, group_size=group_size
-            )
-            self._controller = AdaptiveController(config, self._decision)
-            if state and state.get("controller"):
-                self._controller.load_state_dict(state["controller"])
-        elif controller.kind == "fixed":
-            self._controller = FixedSchedule(
-                [
-                    (
-                        s,
-                        dataclasses.replace(
-                            self._decision,
-                            replay_ratio=r,
-                            requests_in_flight=in_flight_for(
-                                async_ratio, r, batch_samples, group_size
-                            ),
-                        ),
-                    )
-                    for s, r in controller.schedule()
-                ]
-            )
+        self._controller = make_controller(
+            controller,
+            replay,
+            self._decision,
+            batch_samples=batch_samples,
+            group_size=group_size,
+            device_floors=device_floors,
+            state=(state or {}).get("controller"),
+        )
         if state:
             self._decision = Decision(**state["decision"])
         self._generated_before = int(samples_generated)  # the scheduler's counter at start
@@ -269,12 +262,15 @@ class ReplayCycle:
         queue_samples: int,
         staleness_mean: float,
         replay_ess: float | None,
+        move: Callable[[int], int] | None = None,
     ) -> dict[str, Any]:
         """Feed the controller this step's measurements; its decision is the next step's.
 
         rho, alpha and the requests in flight are put in force (``decision``,
-        ``scheduler_settings``; the loop hands them to the scheduler); a proposed
-        role split is logged (``ctl_proposed_*``) and not applied.
+        ``scheduler_settings``; the loop hands them to the scheduler). A different
+        role split is handed to ``move`` (the elastic pool: wanted learner devices ->
+        learner devices in force); without ``move`` it is only logged
+        (``ctl_proposed_*``). The controller is told the split actually in force.
 
         Args:
           next_version: learner version the next step trains at (the decision's step).
@@ -284,6 +280,7 @@ class ReplayCycle:
           queue_samples: scored samples waiting for the learner.
           staleness_mean: mean staleness of the fresh samples trained.
           replay_ess: the replay cycle's token ESS (None when nothing was replayed).
+          move: ``ElasticPool.move_to`` (None: devices keep their roles).
 
         Returns:
           ``ctl_in_*`` (inputs), the controller's flags and ``ctl_*`` (decision);
@@ -294,7 +291,7 @@ class ReplayCycle:
         if self._controller is None or trained_samples < 1:
             return {}
         generated = samples_generated - before
-        kept = self._decision  # its role split stays: devices do not move in a live run yet
+        kept = self._decision
         inputs = ControllerInputs(
             step=next_version,
             gen_rate=max(generated, 0) / max(step_s, 1e-9),
@@ -304,18 +301,28 @@ class ReplayCycle:
             ess=None if replay_ess is None else min(max(replay_ess, 1e-12), 1.0),
         )
         proposed = self._controller.update(inputs)
+        learner = kept.learner_devices
+        if move is not None and proposed.learner_devices != learner:
+            learner = int(move(proposed.learner_devices))  # the elastic pool moves devices
         self._decision = dataclasses.replace(
             proposed,
-            learner_devices=kept.learner_devices,
-            generation_devices=kept.generation_devices,
+            learner_devices=learner,
+            generation_devices=kept.learner_devices + kept.generation_devices - learner,
         )
         if isinstance(self._controller, AdaptiveController):
             self._controller.applied(self._decision)
         return self._controller.metrics()
 
-    def control_from(self, metrics: dict[str, Any], *, next_version: int) -> dict[str, Any]:
+    def control_from(
+        self,
+        metrics: dict[str, Any],
+        *,
+        next_version: int,
+        move: Callable[[int], int] | None = None,
+    ) -> dict[str, Any]:
         """``control`` with its inputs read from the step's metrics row (README names)."""
         return self.control(
+            move=move,
             next_version=next_version,
             samples_generated=int(metrics.get("samples_generated", 0)),
             step_s=float(metrics["step_time_s"]),
@@ -353,6 +360,14 @@ def make_replay_cycle(
     """
     if not replay_active(exp.replay, exp.controller):
         return None
+    floors = None
+    if exp.controller.elastic:  # one slice at a time, within the elastic pool's floors
+        min_learner, slice_size = elastic_floors(exp.mesh)
+        floors = {
+            "device_quantum": slice_size,
+            "min_learner_devices": min_learner,
+            "min_generation_devices": slice_size,
+        }
     return ReplayCycle(
         exp.replay,
         exp.controller,
@@ -364,4 +379,5 @@ def make_replay_cycle(
         seed=exp.seed,
         state=extra.get("replay"),
         samples_generated=int(extra.get("counters", {}).get("samples_generated", 0)),
+        device_floors=floors,
     )

@@ -178,11 +178,20 @@ class ControllerSpec:
         ``replay.controller.ControllerConfig``. Its alpha stays within
         rollout.async_ratio (the user's maximum).
 
+      elastic: move devices between the learner and the generation slices when the
+        decision's role split changes (``runtime.elastic``; "fixed" or "adaptive";
+        disjoint thread placement only, checked by ``runtime.elastic_spec``).
+        False (default): the split is only proposed (``ctl_proposed_*``).
+      device_schedule: "fixed" with elastic only: "from_step:learner_devices,..."
+        e.g. "0:6,2:7,4:6" (the first from_step 0, its size the mesh.learner
+        device count). With it, replay_schedule may be empty (rho = replay.ratio).
+
     Applied in the live loop at the next step boundary (``runtime.replay_cycle``):
     the replay ratio (fresh groups per step and replayed samples), alpha (the
     staleness bound, within rollout.async_ratio) and the requests in flight (the
-    scheduler's admission capacity). The role split is only proposed
-    (``ctl_proposed_*``): devices do not change role in a live run yet.
+    scheduler's admission capacity); with ``elastic`` also the role split (whole
+    generation slices move, ``sync.reshard_plan``). Without it the role split is
+    only proposed (``ctl_proposed_*``).
     """
 
     kind: str = "none"
@@ -195,6 +204,8 @@ class ControllerSpec:
     queue_high: float = 2.0
     smoothing: float = 0.5
     move_patience: int = 3
+    elastic: bool = False
+    device_schedule: str = ""
 
     def __post_init__(self) -> None:
         check(
@@ -206,13 +217,30 @@ class ControllerSpec:
             f"controller.replay_schedule would be ignored with controller.kind={self.kind!r} "
             "(only 'fixed' reads it)",
         )
+        check(
+            not self.elastic or self.kind in ("fixed", "adaptive"),
+            "controller.elastic=True needs controller.kind='fixed' (device_schedule) or "
+            f"'adaptive' (a role split to apply), got {self.kind!r}",
+        )
+        check(
+            not self.device_schedule or (self.kind == "fixed" and self.elastic),
+            f"controller.device_schedule={self.device_schedule!r} would be ignored: it needs "
+            "controller.kind='fixed' and controller.elastic=True",
+        )
         if self.kind == "fixed":
+            check(
+                bool(self.replay_schedule or self.device_schedule),
+                "controller.kind='fixed' needs controller.replay_schedule or "
+                "controller.device_schedule",
+            )
             self.schedule()  # parse errors now
+            self.device_steps()
         if self.kind != "adaptive":
+            own = ("kind", "replay_schedule", "elastic", "device_schedule")
             ignored = [
                 f"controller.{f.name}"
                 for f in dataclasses.fields(self)
-                if f.name not in ("kind", "replay_schedule") and getattr(self, f.name) != f.default
+                if f.name not in own and getattr(self, f.name) != f.default
             ]
             check(
                 not ignored,
@@ -226,32 +254,31 @@ class ControllerSpec:
                 raise ConfigError(str(e).replace("ControllerConfig", "controller")) from None
 
     def schedule(self) -> list[tuple[int, float]]:
-        """``replay_schedule`` parsed: [(from_step, rho)], from_step ascending, first 0."""
-        pairs: list[tuple[int, float]] = []
-        for part in filter(None, (p.strip() for p in self.replay_schedule.split(","))):
-            step, sep, rho = part.partition(":")
-            try:
-                pairs.append((int(step), float(rho)))
-            except ValueError:
-                raise ConfigError(
-                    f"controller.replay_schedule entry {part!r} is not 'from_step:rho'"
-                ) from None
-            check(bool(sep), f"controller.replay_schedule entry {part!r} is not 'from_step:rho'")
-        steps = [s for s, _ in pairs]
-        check(
-            bool(steps) and steps[0] == 0 and steps == sorted(set(steps)),
-            "controller.replay_schedule needs from_steps starting at 0 and increasing, got "
-            f"{self.replay_schedule!r}",
-        )
+        """``replay_schedule`` parsed: [(from_step, rho)], from_step ascending, first 0
+        ([] when only a device_schedule is given: rho stays replay.ratio)."""
+        if not self.replay_schedule and self.device_schedule:
+            return []
+        pairs = _parse_schedule("replay_schedule", self.replay_schedule, "rho", float)
         bad = [r for _, r in pairs if not 0.0 <= r < 1.0]
         check(not bad, f"controller.replay_schedule ratios must be in [0, 1), got {bad}")
         return pairs
 
+    def device_steps(self) -> list[tuple[int, int]]:
+        """``device_schedule`` parsed: [(from_step, learner_devices)] ([] when unset)."""
+        if not self.device_schedule:
+            return []
+        pairs = _parse_schedule("device_schedule", self.device_schedule, "learner_devices", int)
+        bad = [n for _, n in pairs if n < 1]
+        check(not bad, f"controller.device_schedule learner device counts must be >= 1, got {bad}")
+        return pairs
+
     def controller_config(
-        self, *, batch_samples: int, max_async_ratio: int, group_size: int = 1
+        self, *, batch_samples: int, max_async_ratio: int, group_size: int = 1, **devices: int
     ) -> ControllerConfig:
-        """The ``AdaptiveController``'s config for a run's batch, alpha maximum and G."""
+        """The ``AdaptiveController``'s config for a run's batch, alpha maximum and G;
+        ``devices``: its device_quantum / min_*_devices (an elastic run's slices)."""
         return ControllerConfig(
+            **devices,
             batch_samples=batch_samples,
             max_async_ratio=max_async_ratio,
             group_size=group_size,
@@ -278,7 +305,7 @@ class ControllerSpec:
         same floats).
         """
         if self.kind == "fixed":
-            return sorted({r for _, r in self.schedule()})
+            return sorted({r for _, r in self.schedule()} or {replay.ratio})
         if self.kind != "adaptive":
             return [replay.ratio]
         seen, todo = set(), [replay.ratio]
@@ -292,6 +319,26 @@ class ControllerSpec:
                 max(0.0, r - self.replay_step),
             ]
         return sorted(seen)
+
+
+def _parse_schedule(field: str, text: str, what: str, cast: Any) -> list[tuple[int, Any]]:
+    """ "from_step:value,..." -> [(from_step, value)], from_steps from 0, increasing."""
+    pairs: list[tuple[int, Any]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        step, sep, value = part.partition(":")
+        try:
+            pairs.append((int(step), cast(value)))
+        except ValueError:
+            raise ConfigError(
+                f"controller.{field} entry {part!r} is not 'from_step:{what}'"
+            ) from None
+        check(bool(sep), f"controller.{field} entry {part!r} is not 'from_step:{what}'")
+    steps = [s for s, _ in pairs]
+    check(
+        bool(steps) and steps[0] == 0 and steps == sorted(set(steps)),
+        f"controller.{field} needs from_steps starting at 0 and increasing, got {text!r}",
+    )
+    return pairs
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -335,7 +382,8 @@ def check_replay_combination(
         replayed at least one version later, so in steady state every one would be
         rejected for age and nothing replayed).
     """
-    if not replay_active(replay, controller):
+    no_replay = controller.kind == "fixed" and controller.max_ratio(replay) == 0
+    if not replay_active(replay, controller) or no_replay:
         ignored = [
             f"replay.{f.name}"
             for f in dataclasses.fields(replay)
@@ -343,19 +391,19 @@ def check_replay_combination(
         ]
         check(
             not ignored,
-            f"{ignored} would be ignored: replay.ratio=0 and controller.kind='none' run no "
-            "replay cycle (set replay.ratio > 0, or controller.kind='fixed'/'adaptive')",
+            f"{ignored} would be ignored: replay.ratio=0 with no replay schedule runs no "
+            "replay cycle (set replay.ratio > 0, or a controller that replays)",
         )
     check(
-        not replay_active(replay, controller) or replay.max_age > async_ratio,
+        not replay_active(replay, controller) or no_replay or replay.max_age > async_ratio,
         f"replay.max_age={replay.max_age} <= rollout.async_ratio={async_ratio}: fresh "
         "samples arrive up to alpha versions old and a replay happens at least one version "
         "later, so the buffer would reject them for age and replay nothing; set "
         f"replay.max_age >= {async_ratio + 1}",
     )
-    if controller.kind == "fixed":
+    if controller.kind == "fixed" and controller.replay_schedule:
         check(
-            controller.max_ratio(replay) > 0,
+            controller.max_ratio(replay) > 0 or bool(controller.device_schedule),
             f"controller.replay_schedule={controller.replay_schedule!r} never replays (every "
             "rho is 0): the replay.* settings would be ignored; use controller.kind='none'",
         )

@@ -128,6 +128,7 @@ def checkpoint_meta(
     step: int,
     snapshot: tuple[dict[str, Any], dict[str, int], int, dict[str, int]],
     replay: dict[str, Any] | None = None,
+    elastic: dict[str, Any] | None = None,
 ) -> CheckpointMeta:
     """What a checkpoint at ``step`` keeps beside the learner state (what resuming reads).
 
@@ -137,15 +138,19 @@ def checkpoint_meta(
         published: (the ledger's state, the counters, the data cursor, the group
         buffer's counters); the ledger's prompts in flight are generated again on resume.
       replay: ``ReplayCycle.state_dict()`` (None without replay).
+      elastic: ``ElasticPool.state_dict()`` (None without elastic moves).
 
     Returns:
-      ``CheckpointMeta`` with ``extra`` = {"ledger", "counters", "group_buffer"[, "replay"]}.
+      ``CheckpointMeta`` with ``extra`` = {"ledger", "counters", "group_buffer"[, "replay"][,
+        "elastic"]}.
     """
     ledger_state, counts, cursor, buffer_counts = snapshot
     extra: dict[str, Any] = {"ledger": ledger_state, "counters": counts}
     extra["group_buffer"] = buffer_counts  # the buffer_* metrics go on from here
     if replay is not None:
         extra["replay"] = replay
+    if elastic is not None:
+        extra["elastic"] = elastic
     return CheckpointMeta(
         step=step, data_cursor=cursor, policy_version=step, counters=counts, extra=extra
     )

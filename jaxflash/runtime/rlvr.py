@@ -16,6 +16,10 @@ Placements (``runtime.placement``):
   baseline every speed-up is measured against.
 * disjoint slices (α >= 0): one server per generation slice; with α > 0 the
   servers run up to α versions ahead of the learner.
+* elastic (``controller.elastic``, disjoint thread slices): at a step boundary the
+  decision in force may move whole generation slices into the learner mesh or
+  back (``runtime.elastic``): servers retired or added, in-flight requests
+  re-queued, the learner state resharded device to device.
 * generation programs (``mesh.generation_processes``): each slice its own JAX
   program behind the same server protocol (``runtime.fleet``); the learner
   offers each version and the programs pull it. SIGTERM: the step in progress
@@ -53,6 +57,7 @@ from jaxflash.runtime import records
 from jaxflash.runtime.agentic import episode_metrics
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
+from jaxflash.runtime.elastic import make_elastic
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.fleet import make_fleet
 from jaxflash.runtime.gen_server import GenerationServer
@@ -186,13 +191,13 @@ def run(
     group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
     truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
     inbox = Inbox()
-    servers = fleet.servers(
-        gen_params, version=version, stop_ids=tokenizer.stop_ids,
-        partial_rollout=r.partial_rollout, on_finished=inbox.generated, clock=clock,
-        server_factory=server_factory,
+    server_kwargs = dict(
+        stop_ids=tokenizer.stop_ids, partial_rollout=r.partial_rollout,
+        on_finished=inbox.generated, clock=clock, server_factory=server_factory,
     )  # fmt: skip
     # Its buffer_* counters go on from the checkpoint's, as prompts_* / samples_* do.
     buffer = GroupBuffer(G, group_filter=group_filter, state=meta.extra.get("group_buffer"))
+    servers = fleet.servers(gen_params, version=version, **server_kwargs)
     scheduler = RolloutScheduler(
         servers, inbox, source, ledger, buffer, reward_pool,
         tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=alpha,
@@ -202,6 +207,14 @@ def run(
         # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step);
         # so is a group of episodes whose environment kept failing.
         refill_dropped=group_filter is not None or episodes is not None, episodes=episodes,
+    )  # fmt: skip
+    # The elastic pool (runtime.elastic; None unless controller.elastic): the decision's
+    # role split moves generation slices into or out of the learner at step boundaries.
+    # A resumed run moves to its checkpointed split here, before the first step.
+    elastic = make_elastic(
+        exp, learner=learner, fleet=fleet, scheduler=scheduler, placement=placement,
+        server_kwargs=server_kwargs, extra=meta.extra,
+        learner_devices=cycle.decision.learner_devices if cycle else None,
     )  # fmt: skip
     pack = dict(pad_id=tokenizer.pad_id, max_len=model_config.max_seq_len)  # batch rows
     compiled = {"engine": False, "learner": False}  # for the console's notes
@@ -319,11 +332,15 @@ def run(
                 "prompt_outcomes": ledger.outcomes,
             }
             if cycle is not None:  # the controller's inputs and decision, in force from
-                # the next step: rho (fresh groups, replayed samples), alpha and the
-                # requests in flight (staleness bound, admission capacity)
-                metrics.update(cycle.control_from(metrics, next_version=version))
+                # the next step: rho (fresh groups, replayed samples), alpha, the
+                # requests in flight (staleness bound, admission capacity) and, with
+                # the elastic pool, the role split (devices move here)
+                move = elastic.move_to if elastic is not None else None
+                metrics.update(cycle.control_from(metrics, next_version=version, move=move))
                 scheduler.reconfigure(**cycle.scheduler_settings())
                 B = cycle.fresh_prompts
+            if elastic is not None:
+                metrics.update(elastic.step_metrics())
             stopping = stop_after is not None and bool(stop_after(metrics))
             # 8. Evaluate.
             interrupt.check()
@@ -339,7 +356,8 @@ def run(
             last = version == exp.total_steps or preempted or stopping
             if version % exp.checkpoint.every == 0 or last:
                 replay = cycle.state_dict() if cycle else None
-                learner.save(checkpoint_meta(version, snapshot, replay))
+                pool = elastic.state_dict() if elastic else None
+                learner.save(checkpoint_meta(version, snapshot, replay, pool))
             if preempted:
                 console.line(
                     f"preempted (SIGTERM): saved step {version}; run the same command to "

@@ -93,7 +93,8 @@ class RequestRouter:
           through ``on_failed``).
         """
         while True:
-            if prefer >= 0 and prefer != avoid and prefer not in self.pool.dead:
+            usable = prefer not in self.pool.dead and prefer not in self.pool.retired
+            if prefer >= 0 and prefer != avoid and usable:
                 i, prefer = prefer, -1
             else:
                 i = self.pool.choose(self.table.load(), self.policy.version, avoid)
@@ -222,6 +223,22 @@ class RequestRouter:
             self.table.pop(e.key)
             self.counters["samples_rerouted"] += 1
             self.dispatch(e.request, e.attempts, avoid=i)
+
+    def retire(self, i: int) -> int:
+        """Server i left the pool (``ServerPool.retire``; it is stopped): its requests
+        are re-queued on the other servers, each counted ``samples_requeued``.
+
+        A request keeps its key and its deadline retries, so its prompt's books do
+        not change: it is neither lost nor counted twice (a sample the stopped
+        server finished before it stopped was taken by ``received`` first; one it
+        delivers late is ``samples_late``). Returns how many were re-queued.
+        """
+        entries = self.table.by_server(i)
+        for e in entries:
+            self.table.pop(e.key)
+            self.counters["samples_requeued"] += 1
+            self.dispatch(e.request, e.attempts, avoid=i)
+        return len(entries)
 
     def _no_server_left(self, prompt_id: int) -> None:
         """Every server died: fail the prompts with requests in flight, halt the owner."""

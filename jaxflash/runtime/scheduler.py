@@ -268,6 +268,38 @@ class RolloutScheduler:
                 self.admission.refill_budget = batch_prompts
             self._changed.notify_all()
 
+    def retire_server(self, i: int, timeout_s: float = 60.0) -> int:
+        """Step boundary: take server i out for good (its devices join the learner).
+
+        Under the lock, so no request can reach it meanwhile: it leaves the pool,
+        is stopped (its unfinished work dropped), whatever it finished before
+        stopping is taken as usual (``poll``), and its requests still outstanding
+        are re-queued on the other servers (``RequestRouter.retire``, counted
+        ``samples_requeued``; ROLL's partial_gpu_mode shrinks its generation
+        servers the same way). Returns how many were re-queued.
+
+        Raises:
+          ValueError: see ``ServerPool.retire``. TimeoutError: it did not stop.
+        """
+        with self._changed:
+            server = self.pool.retire(i)
+            server.stop(timeout_s)
+            self.dispatcher.poll()
+            requeued = self.dispatcher.server_retired(i)
+            self._changed.notify_all()
+            return requeued
+
+    def add_server(self, server: GenerationServerProtocol) -> int:
+        """Step boundary: a new server (devices the learner gave back), already holding
+        the published weights; started now if the scheduler runs (else by ``start``).
+        Returns its index."""
+        with self._changed:
+            i = self.pool.add(server)
+            if self._thread is not None:
+                server.start()
+            self._changed.notify_all()
+            return i
+
     def count(self, *names: str) -> None:
         """Add 1 to each named counter (the loop's own counts live with the scheduler's)."""
         with self._lock:

@@ -7,6 +7,13 @@ it delivers again. ``choose`` picks the server for a new sample: healthy before
 suspect, up to date before lagging, least loaded, lowest index (ROLL Flash queue
 scheduling, arXiv 2510.11345 §5.1). Thread-free: the scheduler serialises access;
 the servers themselves may be threads.
+
+The elastic pool (``runtime.elastic``) changes the set at a step boundary: ``retire``
+takes a server out for good (its devices joined the learner; not a death: it is
+never called again and never counted as a failure) and ``add`` appends a new one
+(devices the learner gave back). Indices stay stable: a retired index is never
+reused, so every table keyed by server index (loads, outstanding rows, the
+fleet's weights per server) stays valid.
 """
 
 from __future__ import annotations
@@ -63,6 +70,14 @@ class GenerationServerProtocol(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class RetiredServer:
+    """What stays of a retired server in the pool: never called (``ServerPool.retire``)."""
+
+    partial_rollout: str
+    version: PolicyVersion
+
+
 class Submitted(enum.Enum):
     """Outcome of a guarded call; DIED is returned once, by the call that found it dead."""
 
@@ -94,13 +109,14 @@ class ServerPool:
         self.servers = list(servers)
         self.dead: set[int] = set()
         self.suspect: set[int] = set()
+        self.retired: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.servers)
 
     @property
     def alive(self) -> list[int]:
-        return [i for i in range(len(self.servers)) if i not in self.dead]
+        return [i for i in range(len(self.servers)) if i not in self.dead and i not in self.retired]
 
     def restarts(self, i: int) -> bool:
         """Server i restarts in-flight samples at a weight update."""
@@ -158,7 +174,7 @@ class ServerPool:
         return self._guarded(i, lambda s: s.update_weights(params, version))
 
     def _guarded(self, i: int, call: Any) -> Submitted:
-        if i in self.dead:
+        if i in self.dead or i in self.retired:
             return Submitted.OK
         try:
             call(self.servers[i])
@@ -201,11 +217,11 @@ class ServerPool:
         return back
 
     def stats(self) -> list[dict[str, Any]]:
-        """Each server's ``stats()`` ({} for a dead one; ``check`` reports deaths)."""
+        """Each server's ``stats()`` ({} for a dead or retired one; ``check`` reports deaths)."""
         out = []
         for i, server in enumerate(self.servers):
             try:
-                out.append({} if i in self.dead else dict(server.stats()))
+                out.append({} if i in self.dead or i in self.retired else dict(server.stats()))
             except Exception:
                 out.append({})
         return out
@@ -213,12 +229,43 @@ class ServerPool:
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
-        for server in self.servers:
-            server.start()
+        """Start every server not retired (a resumed run may retire some before the start)."""
+        for i, server in enumerate(self.servers):
+            if i not in self.retired:
+                server.start()
+
+    def retire(self, i: int) -> GenerationServerProtocol:
+        """Take server i out of the pool for good (the elastic pool moved its devices).
+
+        It is chosen, called and checked no more; its index is never reused. The
+        caller stops it and re-queues what it held (``RequestRouter.retire``).
+
+        Raises:
+          ValueError: i is not a server, or already retired; or it is the last
+            server alive (nothing could generate: the elastic plan never does this).
+        """
+        if not 0 <= i < len(self.servers) or i in self.retired:
+            raise ValueError(f"ServerPool.retire: no server {i} to retire (retired {self.retired})")
+        if self.alive == [i]:
+            raise ValueError(f"ServerPool.retire: server {i} is the last one alive")
+        self.retired.add(i)
+        self.suspect.discard(i)
+        server = self.servers[i]
+        # Keep only what the books may still ask (its in-flight policy, its version):
+        # the server itself, with its KV cache on devices the learner takes, goes.
+        self.servers[i] = RetiredServer(server.partial_rollout, int(server.version))
+        return server
+
+    def add(self, server: GenerationServerProtocol) -> int:
+        """Append a server (not started here); returns its index."""
+        self.servers.append(server)
+        return len(self.servers) - 1
 
     def stop(self) -> None:
         """Stop every server; one stuck in a step is left behind (a daemon thread)."""
         for i, server in enumerate(self.servers):
+            if i in self.retired:
+                continue  # stopped when it was retired
             try:
                 server.stop()
             except Exception as err:

@@ -182,3 +182,7 @@ class LayoutCache(Generic[T]):
             self._cache[key] = self._build(mesh)
             self.builds += 1
         return self._cache[key]
+
+    def values(self) -> list[T]:
+        """Everything built so far, in build order."""
+        return list(self._cache.values())
