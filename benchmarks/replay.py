@@ -387,9 +387,14 @@ def main() -> None:
         return
     if not args.sim_only:
         runs = run_all(args)
-        summaries = [summarize(runs, frac) for frac in args.target_frac]
+        # The target comes from the sync runs: without them the curves are kept and
+        # printed, and no time to target is summarized.
+        has_sync = bool(runs.get("sync"))
+        summaries = [summarize(runs, frac) for frac in args.target_frac] if has_sync else []
         for summary in summaries:
             print_summary(summary)
+        if not has_sync:
+            print("no sync runs (--modes): no target accuracy, so no time-to-target summary")
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 out = {"args": vars(args), "runs": runs, "summaries": summaries}
