@@ -91,6 +91,41 @@ def _whole_mapping_hint(field: str, key: str, value: str) -> str:
     )
 
 
+def json_mappings(argv: list[str]) -> list[str]:
+    """``argv`` with each JSON object given to a mapping-valued field (e.g.
+    ``--config.learner.loss_kwargs='{"dual_clip_c": null}'``) rewritten as the Python
+    literal the flag library parses (``None``, ``True``), so JSON and Python forms
+    both work. Other arguments, and values that are not JSON objects, are unchanged."""
+    located = _config_file(argv)
+    if located is None:
+        return argv
+    try:
+        config = _load_config(*located)
+    except Exception:  # the flag parser reports a broken config file itself
+        return argv
+    out = []
+    for arg in argv:
+        key, sep, value = arg[len("--config.") :].partition("=")
+        if arg.startswith("--config.") and sep and _is_mapping_field(config, key):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError:
+                parsed = None  # not JSON: the flag library parses it (Python literal)
+            if isinstance(parsed, dict):
+                arg = f"--config.{key}={parsed!r}"
+        out.append(arg)
+    return out
+
+
+def _is_mapping_field(config: Any, key: str) -> bool:
+    node: Any = config
+    for part in key.split("."):
+        if not hasattr(node, "keys") or part not in node.keys():
+            return False
+        node = node[part]
+    return hasattr(node, "keys")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """``absl.app.run``'s flags parser: a bad flag exits with status 2 and one line.
 
@@ -102,7 +137,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         print(f"config error: --config {located[0]}: no such file", file=sys.stderr)
         sys.exit(2)
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS(json_mappings(argv))
     except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as err:
         message = unknown_override(argv)
         if message is None:

@@ -215,6 +215,10 @@ def _launch(tmp_path, *overrides):
             "the whole mapping as JSON, e.g. "
             """--config.replay.correction_kwargs='{"tis_cap": 2.0}'""",
         ),
+        (  # JSON (null) in a mapping-valued field reaches the config-time check
+            """--config.learner.loss_kwargs={"clip_eps_low": null}""",
+            "config error: learner.loss_kwargs.clip_eps_low must be a finite number, got None",
+        ),
         (
             "--config.data.task=countdwn",
             "config error: data.task: unknown task 'countdwn'; known: ['arithmetic', 'countdown'",
@@ -310,3 +314,24 @@ def test_the_task_picks_its_own_reward_unless_one_is_set():
         "prompt_key": "question",
         "answer_marker": "####",
     }
+
+
+def test_json_objects_for_mapping_fields_become_python_literals():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "launch_overrides", os.path.join(REPO, "launch", "overrides.py")
+    )
+    overrides = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overrides)
+    json_mappings = overrides.json_mappings
+    config = ["--config", os.path.join(REPO, "configs", "smoke.py")]
+    argv = [
+        *config,
+        """--config.learner.loss_kwargs={"dual_clip_c": null, "clip_eps_low": 0.2}""",
+        "--config.learner.lr=1e-5",  # not a mapping: unchanged
+        "--config.learner.loss_kwargs={'clip_eps_low': None}",  # Python form: unchanged
+    ]
+    out = json_mappings(argv)
+    assert out[2] == "--config.learner.loss_kwargs={'dual_clip_c': None, 'clip_eps_low': 0.2}"
+    assert out[:2] == config and out[3:] == argv[3:]
