@@ -226,14 +226,18 @@ def first_reaching(curve: list[dict[str, float]], target: float, key: str) -> fl
     return next((p[key] for p in curve if p["step"] and p["accuracy"] >= target), math.inf)
 
 
-def mean_std(xs: list[float], unit: str = "") -> str:
-    """'mean +- std unit' (sample std), or how many never got there."""
-    never = sum(not math.isfinite(x) for x in xs)
-    if never:
-        return f"undefined in {never}/{len(xs)}"
-    mean = sum(xs) / len(xs)
-    std = (sum((x - mean) ** 2 for x in xs) / max(len(xs) - 1, 1)) ** 0.5
-    return f"{mean:.2f} +- {std:.2f}{unit}"
+def mean_std(xs: list[float], unit: str = "", missing: str = "never") -> str:
+    """'mean +- std unit' (sample std) over the finite values; the others are named
+    ``missing`` ('never' for a time never reached, 'n/a' for an undefined ratio)."""
+    finite = [x for x in xs if math.isfinite(x)]
+    if not finite:
+        return f"{missing} ({len(xs)}/{len(xs)})"
+    mean = sum(finite) / len(finite)
+    std = (sum((x - mean) ** 2 for x in finite) / max(len(finite) - 1, 1)) ** 0.5
+    text = f"{mean:.2f} +- {std:.2f}{unit}"
+    if len(finite) < len(xs):
+        text += f" ({len(xs) - len(finite)}/{len(xs)} {missing})"
+    return text
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -313,34 +317,41 @@ def summarize(runs: dict[str, list[dict[str, Any]]], target_frac: float) -> dict
 
 
 def _ratio(base: float, this: float) -> float:
-    """base / this; 0 when this run never reached the target, NaN when the baseline never did."""
-    if not math.isfinite(base):
+    """base / this; NaN (undefined) when either run never reached the target."""
+    if not (math.isfinite(base) and math.isfinite(this)):
         return math.nan
-    return base / this if math.isfinite(this) else 0.0
+    return base / this
 
 
-def print_summary(s: dict[str, Any]) -> None:
+def print_summary(s: dict[str, Any], loads: dict[str, list] | None = None) -> None:
+    """The summary table; ``loads``: each mode's load averages as its runs recorded
+    them (None: this machine's load now, right after the runs)."""
     print(
         f"\ntarget accuracy {s['target']:.3f} (sync final mean x target_frac {s['target_frac']:g})"
     )
-    head = f"{'mode':<10}{'time to target':>26}{'x sync':>20}{'x async':>20}"
-    print(head + f"{'samples to target':>22}{'final acc':>11}{'cut':>5}")
+    head = f"{'mode':<10}{'time to target':>30}{'x sync':>24}{'x async':>24}"
+    print(head + f"{'samples to target':>28}{'final acc':>11}{'cut':>5}")
     for mode, m in s["modes"].items():
         final = sum(m["final_accuracy"]) / len(m["final_accuracy"])
         ratios = [
-            mean_std(m[f"speedup_vs_{b}"]) if f"speedup_vs_{b}" in m else "n/a"
+            mean_std(m[f"speedup_vs_{b}"], missing="n/a") if f"speedup_vs_{b}" in m else "n/a"
             for b in ("sync", "async")
         ]
         print(
-            f"{mode:<10}{mean_std(m['time_to_target_s'], ' s'):>26}{ratios[0]:>20}"
-            f"{ratios[1]:>20}{mean_std(m['samples_to_target']):>22}{final:>11.3f}"
+            f"{mode:<10}{mean_std(m['time_to_target_s'], ' s'):>30}{ratios[0]:>24}"
+            f"{ratios[1]:>24}{mean_std(m['samples_to_target']):>28}{final:>11.3f}"
             f"{sum(m['cut']):>5}"
         )
     print(
-        "(x sync / x async: per seed, the baseline's time to target / this one's; 0: this "
-        "run never reached it; undefined: the baseline never did)"
+        "(x sync / x async: per seed, the baseline's time to target / this one's, over the "
+        "seeds where both reached it; n/a: one of the two never did)"
     )
-    print(f"load average (1, 5, 15 min): {os.getloadavg()}")
+    if loads is None:
+        print(f"load average (1, 5, 15 min): {os.getloadavg()}")
+    else:
+        for mode, per_run in loads.items():
+            shown = ", ".join(str(tuple(round(x, 1) for x in load)) for load in per_run)
+            print(f"load average at the end of each {mode} run (1, 5, 15 min): {shown}")
 
 
 def main() -> None:
@@ -378,13 +389,19 @@ def main() -> None:
     args.config = args.config or CONFIGS[args.model]
     args.budget = args.budget or DEFAULT_BUDGET[args.model]
     args.eval_samples = args.eval_samples or max(1, args.budget // 4)
-    print(f"load average at start (1, 5, 15 min): {os.getloadavg()}")
+    if any(not (math.isfinite(f) and f > 0) for f in args.target_frac):
+        p.error(f"--target_frac must be > 0, got {args.target_frac}")
     if args.summarize:
-        with open(args.summarize, encoding="utf-8") as f:
-            runs = json.load(f)["runs"]
+        try:
+            with open(args.summarize, encoding="utf-8") as f:
+                runs = json.load(f)["runs"]
+        except (OSError, ValueError, KeyError) as err:
+            p.error(f"--summarize {args.summarize}: not a --out JSON of this benchmark ({err!r})")
+        loads = {mode: [r.get("load", ()) for r in rs] for mode, rs in runs.items()}
         for frac in args.target_frac:
-            print_summary(summarize(runs, frac))
+            print_summary(summarize(runs, frac), loads)
         return
+    print(f"load average at start (1, 5, 15 min): {os.getloadavg()}")
     if not args.sim_only:
         runs = run_all(args)
         # The target comes from the sync runs: without them the curves are kept and

@@ -65,10 +65,12 @@ def test_summary_target_from_sync_and_per_seed_ratios():
     s = bench.summarize(runs, 1.0)
     assert s["target"] == pytest.approx(0.4)
     assert s["modes"]["sync"]["time_to_target_s"] == [20.0, 30.0]
-    assert s["modes"]["async"]["speedup_vs_sync"] == [2.0, 0.0]
+    assert s["modes"]["async"]["speedup_vs_sync"][0] == 2.0
+    assert math.isnan(s["modes"]["async"]["speedup_vs_sync"][1])  # never reached: undefined
     assert s["modes"]["async"]["samples_to_target"][0] == 20
     assert bench.mean_std([2.0, 4.0], " s") == "3.00 +- 1.41 s"
-    assert bench.mean_std([1.0, math.inf]) == "undefined in 1/2"
+    assert bench.mean_std([1.0, 3.0, math.inf]) == "2.00 +- 1.41 (1/3 never)"
+    assert bench.mean_std([math.nan, math.nan], missing="n/a") == "n/a (2/2)"
     with pytest.raises(ValueError, match="sync"):
         bench.summarize({"async": runs["async"]}, 1.0)
 
