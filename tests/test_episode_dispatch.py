@@ -297,3 +297,17 @@ def test_observation_tokens_carry_no_loss():
         np.testing.assert_array_equal(row, mask)
         assert np.all(adv_bt[b, P - 1 : P - 1 + R][mask == 0] == 0)
         assert mask_bt[b, : P - 1].sum() == 0 and mask_bt[b, P - 1 + R :].sum() == 0
+
+
+def test_fault_counters_are_reported_as_zero_before_any_fault():
+    """A reader of metrics.jsonl finds every documented episode counter in every row,
+    zero until it counts (a healthy run has no env_failures_* / episodes_env_failed)."""
+    from jaxflash.envs.base import EnvFailureReason
+
+    sched, clock, server, env_time, _ = _setup(B=1, G=2)
+    run_steps(sched, clock, [server], env_time, steps=1)
+    c = sched.counters
+    names = ["episodes_env_failed", "episodes_aborted", "env_failures", "env_calls_abandoned"]
+    names += ["env_close_errors", *(f"env_failures_{r}" for r in EnvFailureReason)]
+    assert {name: c.get(name) for name in names} == dict.fromkeys(names, 0)
+    assert c["episodes_finished"] == 2 and c["env_calls"] > 0

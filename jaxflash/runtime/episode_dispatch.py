@@ -66,6 +66,16 @@ from jaxflash.types import FailureReason, Prompt, SamplingParams
 log = logging.getLogger(__name__)
 
 
+# Counters that only grow on a fault: present (as 0) from the first step on.
+ZERO_COUNTERS = (
+    "env_failures",
+    *(f"env_failures_{reason}" for reason in EnvFailureReason),
+    "env_calls",
+    "env_calls_abandoned",
+    "env_close_errors",
+)
+
+
 class EpisodeDispatcher:
     """Runs each admitted group's episodes as independent loops (see module).
 
@@ -118,6 +128,9 @@ class EpisodeDispatcher:
         # Episodes running at the checkpoint this run resumes from were lost with it.
         lost = counters["episodes_started"] - sum(counters[k] for k in EPISODE_ENDS)
         counters["episodes_aborted_on_resume"] += lost
+        # Every documented counter is in every metrics row, zero until it counts.
+        for name in ("episodes_started", *EPISODE_ENDS, *ZERO_COUNTERS):
+            counters.setdefault(name, 0)
 
     # ------------------------------------------------------------------ one step
 
