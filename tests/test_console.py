@@ -172,6 +172,14 @@ def test_step_line_labels_every_column():
         "generation 45.1 tokens/s | training 812.0 tokens/s | "
         "eval_accuracy 0.115 ± 0.024 (100 prompts)"
     )
+    async_replay = records.step_line(
+        4, 8, "1 min",
+        {"logprob_gap_on_policy_max": 0.0, "on_policy_tokens": 0, "cycle_replay_samples": 12},
+    )  # fmt: skip
+    assert async_replay == (
+        "step 4/8 | elapsed 1 min | logprob_gap_on_policy_max n/a (no on-policy tokens) | "
+        "replayed 12 samples"
+    )
     skipped = records.step_line(2, 2, "9 s", {"skipped": "all_truncated", "reward_mean": 0.0})
     assert skipped == (
         "step 2/2 | elapsed 9 s | skipped: all_truncated (nothing to train) | reward_mean 0.000"

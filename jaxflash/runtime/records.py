@@ -216,6 +216,7 @@ _STEP_LINE = (
     ("grad_norm", "grad_norm", "{:.3g}"),
     ("logprob_gap_on_policy_max", "logprob_gap_on_policy_max", "{:.2g}"),
     ("staleness_max", "staleness_max", "{:d}"),
+    ("cycle_replay_samples", "replayed", "{:d} samples"),
     ("gen_tokens_per_s", "generation", "{:.1f} tokens/s"),
     ("train_tokens_per_s", "training", "{:.1f} tokens/s"),
 )
@@ -237,7 +238,9 @@ def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]
         parts.append(f"skipped: {metrics['skipped']} (nothing to train)")
     for key, label, fmt in _STEP_LINE:
         value = metrics.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if key == "logprob_gap_on_policy_max" and metrics.get("on_policy_tokens") == 0:
+            parts.append(f"{label} n/a (no on-policy tokens)")  # 0 would read as agreement
+        elif isinstance(value, int | float) and not isinstance(value, bool):
             parts.append(f"{label} {fmt.format(int(value) if fmt == '{:d}' else value)}")
     if metrics.get("elastic_to_learner") or metrics.get("elastic_to_generation"):
         parts.append(  # an elastic move at this boundary (runtime.elastic)
