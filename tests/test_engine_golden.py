@@ -9,7 +9,16 @@ token and every behaviour logprob bit for bit, for the same seeds.
 
 Goldens are specific to the CPU backend of the jax version they were recorded with
 (float results depend on XLA's kernels); the test skips on any other platform or
-jax version rather than compare numbers from a different machine.
+jax version rather than compare numbers from a different machine. Within that, the
+host's vector ISA still changes XLA CPU's rounding: on an AVX-512 host the goldens
+(recorded on another host) gave every token, slot and length bit-equal and 34-80 of
+~220 logprobs 1-2 ulp apart (SmolLM2's 30 layers: every token equal, logprobs up to
+3.1e-5 apart). So tokens and every integer field compare exactly, and logprobs
+within ``LOGP_ULPS`` units in the last place (tiny model) or ``SMOLLM2_LOGP_ATOL``
+(SmolLM2): a change that
+alters what is sampled or how a logprob is computed moves far more than that
+(bit-identity between the engine's own paths on one host is checked exactly by
+test_engine_block and test_generation_prefix_sharing).
 
 Cases: the tiny model through ``run_requests`` (continuous batching with refills,
 prefix sharing on and off, T=1 / top-k+top-p / greedy), the JetStream-style path
@@ -42,6 +51,8 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "data", "engine_golden.npz")
 RECORDED_WITH = ("cpu", "0.10.2")  # (platform, jax version) of the recording
 TINY = get_preset("tiny")
 NO_EOS = -1
+LOGP_ULPS = 4  # float32 logprob bound across host ISAs; measured 2 (see above)
+SMOLLM2_LOGP_ATOL = 1e-4  # the same for 30 real layers; measured 3.1e-5
 SAMPLINGS = {
     "t1": dict(temperature=1.0, top_k=0, top_p=1.0),
     "t07_k20_p09": dict(temperature=0.7, top_k=20, top_p=0.9),
@@ -159,11 +170,33 @@ def _golden() -> dict[str, np.ndarray]:
         return dict(f)
 
 
-def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], prefix: str) -> None:
+def _ulps(got_bits: np.ndarray, want_bits: np.ndarray) -> np.ndarray:
+    """|difference| in float32 units in the last place, of int32 bit patterns of one sign."""
+    assert np.array_equal(got_bits < 0, want_bits < 0), "logprob signs differ"
+    return np.abs(got_bits.astype(np.int64) - want_bits.astype(np.int64))
+
+
+def _assert_same(
+    got: dict[str, np.ndarray],
+    want: dict[str, np.ndarray],
+    prefix: str,
+    *,
+    logp_atol: float | None = None,
+) -> None:
     keys = sorted(k for k in want if k.startswith(prefix))
     assert keys and sorted(k for k in got if k.startswith(prefix)) == keys
     for key in keys:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        g, w = got[key], want[key]
+        assert g.shape == w.shape, (key, g.shape, w.shape)
+        if key.endswith("logp_bits") and logp_atol is not None:
+            np.testing.assert_allclose(g.view(np.float32), w.view(np.float32), atol=logp_atol)
+        elif key.endswith("logp_bits"):
+            assert _ulps(g, w).max(initial=0) <= LOGP_ULPS, key
+        elif key == "driver/data":  # [steps, B, 4]: token, valid, length, logprob bits
+            np.testing.assert_array_equal(g[..., :3], w[..., :3], err_msg=key)
+            assert _ulps(g[..., 3], w[..., 3]).max(initial=0) <= LOGP_ULPS, key
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=key)
 
 
 def test_tiny_engine_is_bit_identical_to_goldens():
@@ -176,7 +209,7 @@ def test_tiny_engine_is_bit_identical_to_goldens():
 @pytest.mark.slow
 def test_smollm2_engine_is_bit_identical_to_golden():
     want = _golden()
-    _assert_same(smollm2_case(), want, "smollm2/")
+    _assert_same(smollm2_case(), want, "smollm2/", logp_atol=SMOLLM2_LOGP_ATOL)
 
 
 def _record() -> None:
