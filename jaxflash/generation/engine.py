@@ -1,25 +1,30 @@
-"""JetStream ``Engine`` over jaxflash's Llama forward: slots, a KV cache, sampling.
+"""The generation engine over jaxflash's decoder forward: slots, a KV cache, sampling.
 
-``LlamaEngine`` implements ``jetstream.engine.engine_api.Engine`` on the pure
-function ``jaxflash.models.llama.forward`` — the same code the learner runs — so
-engine logprobs and learner logprobs agree to float rounding. Its device programs
-are the pure functions of ``engine_kernels``; the engine jits them, places params
-(``engine_params``: layers unstacked, so a decode step reads each layer's weights
-in place) and counts compilations from outside (``trace_counts``).
+``LlamaEngine`` has JetStream's Engine API (``prefill`` / ``insert`` / ``generate``)
+in pure JAX, without importing JetStream (whose ``engine_api`` pulls TensorFlow
+through seqio, 4-5 s per process); ``jetstream_engine.JetStreamEngine`` adapts it to
+``jetstream.engine.engine_api.Engine`` for JetStream's Driver and gRPC server
+(``serving``). It runs the pure function ``jaxflash.models.llama.forward`` — the
+same code the learner runs — so engine logprobs and learner logprobs agree to float
+rounding. Its device programs are the pure functions of ``engine_kernels``; the
+engine jits them, places params (``engine_params``: layers unstacked, so a decode
+step reads each layer's weights in place) and counts compilations from outside
+(``trace_counts``).
 
 Two ways to drive it (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
 
-- JetStream's API (its Driver and gRPC server): ``prefill(params=, padded_tokens=,
-  true_length=) -> Prefix`` runs one prompt (padded to a power-of-two bucket, at
-  most ``max_prefill_length``) at positions 0..P-1 and samples the first response
-  token; ``insert(prefix, state, slot)`` copies it into a slot; ``generate(params,
-  state)`` runs one decode step for all slots. JetStream 0.2.2's Driver only
-  streams what ``generate`` returns, so ``insert`` by default marks the slot
-  pending: its next ``generate`` emits the prefill's token.
+- JetStream's API (its Driver and gRPC server, through ``JetStreamEngine``):
+  ``prefill(params=, padded_tokens=, true_length=) -> Prefix`` runs one prompt
+  (padded to a power-of-two bucket, at most ``max_prefill_length``) at positions
+  0..P-1 and samples the first response token; ``insert(prefix, state, slot)``
+  copies it into a slot; ``generate(params, state)`` runs one decode step for all
+  slots. JetStream 0.2.2's Driver only streams what ``generate`` returns, so
+  ``insert`` by default marks the slot pending: its next ``generate`` emits the
+  prefill's token.
 - jaxflash's slot loop: ``prefiller.prefill_many(params, sequences)`` runs prompts
   ``prefill_rows`` at a time per bucket (prefix sharing: each distinct prompt once);
-  ``start_samples(state, starts)`` draws every new sample's first token and puts
-  it in its slot in one dispatch; ``generate_block(params, state, steps=n, ...)``
+  ``start_samples(state, starts)`` draws every new sample's first token and puts it
+  in its slot in one dispatch; ``generate_block(params, state, steps=n, ...)``
   decodes up to n steps in one jitted loop and returns tokens in a block, so the
   host syncs once per block and new requests / aborts / weights apply at block
   boundaries.
@@ -32,9 +37,10 @@ cache under new weights and draws its next token with the key the uninterrupted
 sample would have used.
 
 Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i, so a
-sequence holds at most S tokens. ``generate`` returns ``ResultTokens`` with data
-int32 [B, 4]: token, validity (0 once the slot's cache is full), tokens emitted so
-far, logprob bit-cast to int32 (``result_logprobs``); JetStream ignores column 3.
+sequence holds at most S tokens. ``generate`` returns a ``DecodeResult``
+(JetStream's ``ResultTokens`` layout) with data int32 [B, 4]: token, validity (0
+once the slot's cache is full), tokens emitted so far, logprob bit-cast to int32
+(``result_logprobs``); JetStream ignores column 3.
 
 Compilation: prefill once per bucket, starts once per (power-of-two sample count,
 bucket), insert once per bucket, generate once, generate_block once per block size.
@@ -50,7 +56,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jetstream.engine import engine_api, tokenizer_pb2
 
 from jaxflash.generation.engine_host import block_result, start_groups, stop_array
 from jaxflash.generation.engine_params import engine_shardings, place
@@ -58,20 +63,20 @@ from jaxflash.generation.engine_prefill import Prefiller
 from jaxflash.generation.engine_programs import Programs
 from jaxflash.generation.engine_state import (
     BlockResult,
+    DecodeResult,
     DecodeState,
     EngineConfig,
     Prefix,
     SampleStart,
     state_shardings,
 )
-from jaxflash.generation.jetstream_compat import JetStreamTokenizer
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
 
-class LlamaEngine(engine_api.Engine):
-    """JetStream engine for jaxflash's Llama decoder.
+class LlamaEngine:
+    """Generation engine for jaxflash's decoder (JetStream's Engine API, pure JAX).
 
     Args:
       model_config: the decoder's ``ModelConfig``.
@@ -82,7 +87,7 @@ class LlamaEngine(engine_api.Engine):
         for params and KV caches; None replicates everything on the mesh.
       tokenizer: optional object with ``encode``, ``decode``, ``eos_id``,
         ``pad_id`` (``jaxflash.models.tokenizer.Tokenizer``); needed only to
-        serve text through JetStream's Driver.
+        serve text through JetStream's Driver (``JetStreamEngine``).
       load_params_fn: returns the params for ``load_params`` (JetStream's server
         calls it once at start).
 
@@ -130,7 +135,7 @@ class LlamaEngine(engine_api.Engine):
     @property
     def generate_jit(self) -> Any:
         """The jitted single decode step, for ahead-of-time lowering (``sizing``):
-        ``(params, DecodeState) -> (DecodeState, ResultTokens)``, state donated."""
+        ``(params, DecodeState) -> (DecodeState, DecodeResult)``, state donated."""
         return self._programs.generate
 
     @property
@@ -257,9 +262,7 @@ class LlamaEngine(engine_api.Engine):
 
     # --------------------------------------------------------------- generate
 
-    def generate(
-        self, params: Any, decode_state: DecodeState
-    ) -> tuple[DecodeState, engine_api.ResultTokens]:
+    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, DecodeResult]:
         """One decode step for every slot (the old state is donated).
 
         A slot whose next token would not fit in the cache (position >= S) is
@@ -272,7 +275,7 @@ class LlamaEngine(engine_api.Engine):
           decode_state: current state; its buffers are donated.
 
         Returns:
-          (new DecodeState, ResultTokens with int32 data [B, 4]: token, valid,
+          (new DecodeState, DecodeResult with int32 data [B, 4]: token, valid,
           emitted length, logprob bits — see ``result_logprobs``).
         """
         return self._programs.generate(params, decode_state)
@@ -352,28 +355,9 @@ class LlamaEngine(engine_api.Engine):
         """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""
         return self._prefix_shardings
 
-    def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-        """Placeholder metadata: ``build_tokenizer`` wraps the engine's own tokenizer."""
-        return tokenizer_pb2.TokenizerParameters(path="jaxflash", extra_ids=0)
-
-    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
-        """The engine's tokenizer behind JetStream's Tokenizer interface.
-
-        Raises:
-          ValueError: the engine was built without a tokenizer.
-        """
-        del metadata
-        if self.tokenizer is None:
-            raise ValueError("LlamaEngine.build_tokenizer: construct the engine with tokenizer=")
-        return JetStreamTokenizer(self.tokenizer, max_prefill_length=self.max_prefill_length)
-
     @property
     def max_concurrent_decodes(self) -> int:
         return self.config.max_concurrent_decodes
-
-    @property
-    def samples_per_slot(self) -> int:
-        return 1
 
     @property
     def max_prefill_length(self) -> int:
@@ -386,8 +370,3 @@ class LlamaEngine(engine_api.Engine):
     @property
     def mesh(self) -> Mesh:
         return self._mesh
-
-    @property
-    def colocated_cpus(self) -> None:
-        """No host-offload devices are used."""
-        return None

@@ -28,9 +28,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jetstream.engine import engine_api
 
-from jaxflash.generation.engine_state import DecodeState, EngineConfig, PrefillBatch, Prefix
+from jaxflash.generation.engine_state import (
+    DecodeResult,
+    DecodeState,
+    EngineConfig,
+    PrefillBatch,
+    Prefix,
+)
 from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import LayerKVCache, init_layer_kv_cache
@@ -223,10 +228,7 @@ def generate(params, state: DecodeState, *, model_config: ModelConfig, engine_co
         ],
         axis=1,
     )
-    result = engine_api.ResultTokens(
-        data=data_b4, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
-    )
-    return new_state, result
+    return new_state, DecodeResult(data=data_b4)
 
 
 def generate_block(

@@ -3,8 +3,9 @@
 ``EngineConfig`` (slots, lengths, sampling), ``PrefillBatch`` / ``PromptPrefill``
 (prompts run together), ``SampleStart`` (where a sample starts), ``Prefix`` (a
 prefilled prompt for JetStream's insert), ``DecodeState`` (all slots), their
-sharding on a generation mesh, the layout of the ``ResultTokens`` that ``generate``
-returns and the ``BlockResult`` of ``generate_block``.
+sharding on a generation mesh, the ``DecodeResult`` that ``generate`` returns (the
+layout of JetStream's ``ResultTokens``, without importing JetStream) and the
+``BlockResult`` of ``generate_block``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jetstream.engine import engine_api
 
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import (
@@ -28,7 +28,7 @@ from jaxflash.models.kv_cache import (
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
 
-LOGP_COLUMN = 3  # column of ResultTokens.data holding the float32 logprob bits
+LOGP_COLUMN = 3  # column of DecodeResult.data holding the float32 logprob bits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,6 +206,24 @@ class DecodeState:
     budget_b: jax.Array
 
 
+@struct.dataclass
+class DecodeResult:
+    """What one ``generate`` step emits, one row per slot (a pytree).
+
+    The layout is that of JetStream's ``ResultTokens`` with one sample per slot
+    (columns 0 token, 1 valid, 2 emitted length), plus column 3 for the logprob;
+    ``jetstream_engine.JetStreamEngine`` wraps it in a ``ResultTokens`` for
+    JetStream's orchestrator, which reads only columns 0-2. Kept here so that the
+    engine core does not import JetStream (whose ``engine_api`` pulls TensorFlow).
+
+    Attributes:
+      data: int32 [B, 4]: token, valid (0/1), emitted length, float32 logprob
+        bit-cast to int32 (see ``result_logprobs``).
+    """
+
+    data: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockResult:
     """Host copy of one ``generate_block``: up to ``steps`` decode steps for all slots.
@@ -226,14 +244,15 @@ class BlockResult:
     steps: int
 
 
-def result_logprobs(result: engine_api.ResultTokens | np.ndarray) -> np.ndarray:
+def result_logprobs(result: DecodeResult | np.ndarray) -> np.ndarray:
     """float32 [B] logprobs of the tokens in a ``generate`` result.
 
     Args:
-      result: the ResultTokens, or its ``data`` already copied to host
-        (int32 [B, 4]); a device array is copied with an explicit device_get.
+      result: the DecodeResult (or JetStream's ``ResultTokens`` wrapping it: any
+        object with ``data``), or its ``data`` already copied to host (int32
+        [B, 4]); a device array is copied with an explicit device_get.
     """
-    data = result.data if isinstance(result, engine_api.ResultTokens) else result
+    data = getattr(result, "data", result)
     data = np.asarray(jax.device_get(data))
     return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
 

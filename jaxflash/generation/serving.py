@@ -1,5 +1,8 @@
 """Serve a ``LlamaEngine`` through JetStream's own orchestrator and gRPC server.
 
+The Driver gets the engine through ``jetstream_engine.JetStreamEngine`` (the only
+module besides this one and ``jetstream_compat`` that imports JetStream).
+
 ``serve(engine, params, port=...)`` builds JetStream's ``orchestrator.Driver``
 (interleaved mode: one engine does prefill and generate, as ``server_lib.run``
 sets up for ``interleaved_slices``) and wraps it in ``server_lib.JetStreamServer``
@@ -49,6 +52,7 @@ import grpc
 
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.jetstream_compat import import_orchestrator
+from jaxflash.generation.jetstream_engine import JetStreamEngine
 
 LOOPBACK = "127.0.0.1"
 
@@ -142,9 +146,10 @@ class JetStreamService:
         self.port = port or free_port(LOOPBACK if wildcard else host)
         self.address = _grpc_target(LOOPBACK if wildcard else host, self.port)
         params = engine.place_params(params)
+        adapter = JetStreamEngine(engine)  # the engine_api.Engine the Driver expects
         self._driver = orchestrator.Driver(
-            prefill_engines=[engine],
-            generate_engines=[engine],
+            prefill_engines=[adapter],
+            generate_engines=[adapter],
             prefill_params=[params],
             generate_params=[params],
             interleaved_mode=True,
