@@ -189,7 +189,11 @@ class GenerationServer:
 
         Raises:
           ValueError: version not above the last one given ("version 1 after 57").
+          LayoutMismatchError (a ValueError): params whose tree, shapes or dtypes
+            differ from the engine's model (``LlamaEngine.check_params``), refused
+            here in the caller's thread rather than killing the server thread.
         """
+        self.engine.check_params(params)
         with self._cond:
             self._raise_if_down()
             if version <= self._requested_version:
