@@ -153,3 +153,17 @@ def test_nan_behind_the_mask_never_reaches_weights():
         loss, m = jax.jit(fn)(_arr([[0.0, 0.0]]), _arr([[0.0, 0.0]]), _arr([[1.0, 1.0]]), mask)
         assert np.isfinite(np.asarray(loss)).all() and m["num_tokens"] == 1.0, name
         np.testing.assert_allclose(loss, [[-1.0, 0.0]], err_msg=name)
+
+
+def test_fresh_and_replayed_rows_each_get_their_correction():
+    """learner.loss for fresh rows, replay.correction for replayed ones (cycle_loss):
+    row 0 fresh under IcePop (rho [2, 2, 1/4]: the 1/4 token dropped), row 1 replayed
+    under sequence TIS (rho_b = 6 truncated to 2)."""
+    from jaxflash.algorithms.cycle_loss import make_cycle_loss
+
+    fn = functools.partial(make_cycle_loss("icepop", "seq_tis"), replay_b=jnp.array([0, 1]))
+    loss, m, grad = _loss_and_grad(fn, SEQ_OLD, SEQ_OLD, SEQ_ADV, SEQ_MASK, SEQ_MU)
+    np.testing.assert_allclose(loss, [[-2, -2, 0], [2, 2, 0]], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad, [[-2, -2, 0], [2, 2, 0]], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m["fresh_pg_masked_frac"], 1 / 3, rtol=1e-6)
+    assert m["replay_pg_is_truncated_frac"] == 1.0 and m["replay_pg_num_tokens"] == 2.0
