@@ -380,3 +380,51 @@ def test_weight_update_in_flight_policies(params, in_flight):
         )
     with pytest.raises(ValueError, match="in_flight must be"):
         batcher.set_params(new_params, 3, in_flight="resume")
+
+
+def _with_leaf(params, key, value):
+    return {**params, key: value}
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["float32_into_bfloat16", "lm_head_of_another_vocab", "unstacked_layer_shape", "missing_leaf"],
+)
+def test_set_params_refuses_a_tree_unlike_the_model_naming_the_leaf(params, fault):
+    """A float32 tree into a bfloat16 engine would recompile every program; an
+    lm_head [64, 80] into a 64-word engine would sample ids outside the vocabulary.
+    Both are refused like the cross-process transfer refuses them."""
+    from jaxflash.models.llama import unstack_layers
+    from jaxflash.sharding.leaves import LayoutMismatchError
+
+    cfg = EngineConfig(max_concurrent_decodes=1, max_prefill_length=16, max_target_length=40)
+    model, good, bad = CFG, params, None
+    if fault == "float32_into_bfloat16":
+        model = CFG.replace(param_dtype="bfloat16")
+        good = init_params(model, seed=0)
+        bad, match = params, r"leaf \['embed_vd'\]: new params has float32.*expects bfloat16"
+    elif fault == "lm_head_of_another_vocab":
+        model = CFG.replace(tie_embeddings=False, vocab_size=64)
+        good = init_params(model, seed=0)
+        d = model.d_model
+        bad = _with_leaf(good, "lm_head_dv", np.zeros((d, 80), np.float32))
+        match = rf"leaf \['lm_head_dv'\]: new params has float32\[{d}, 80\].*\[{d}, 64\]"
+    elif fault == "unstacked_layer_shape":
+        layers = list(unstack_layers(params)["layers"])
+        layers[1] = {**layers[1], "w_q_ldnh": jnp.zeros((64, 4, 8))}
+        bad = {**params, "layers": tuple(layers)}
+        match = r"leaf \['layers'\]\[1\]\['w_q_ldnh'\]"
+    else:
+        bad = {k: v for k, v in params.items() if k != "final_norm_d"}
+        missing = sorted(set(params) - set(bad))
+        match = rf"trees differ.*missing on the new params \[\"\['{missing[0]}'\]\"\]"
+    engine = LlamaEngine(model, cfg)  # nothing compiles: the check reads shapes only
+    batcher = SlotBatcher(engine, good, policy_version=0, eos_id=NO_EOS)
+    with pytest.raises(LayoutMismatchError, match=match):
+        batcher.set_params(bad, 1)
+    assert batcher.policy_version == 0  # nothing was installed
+    with pytest.raises(LayoutMismatchError):
+        SlotBatcher(engine, bad, policy_version=0, eos_id=NO_EOS)
+    batcher.set_params(unstack_layers(good), 1)  # the model's own tree, either layout
+    assert batcher.policy_version == 1
+    assert dict(engine.trace_counts) == {}

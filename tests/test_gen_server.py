@@ -245,3 +245,24 @@ def test_engine_error_surfaces(engine, params, monkeypatch):
     with pytest.raises(GenerationServerError):
         server.stats()
     assert server.stop() == [(5, 0)]  # never delivered, listed for the caller
+
+
+def test_update_weights_refuses_a_tree_unlike_the_model_in_the_caller(engine, params):
+    from jaxflash.sharding.leaves import LayoutMismatchError
+
+    server = GenerationServer(
+        "g",
+        engine,
+        params,
+        policy_version=0,
+        eos_id=NO_EOS,
+        partial_rollout="continue",
+        on_finished=lambda s: None,
+    )
+    bf16 = jax.tree.map(lambda x: x.astype("bfloat16"), params)
+    with server:
+        with pytest.raises(LayoutMismatchError, match=r"\['embed_vd'\].*bfloat16.*float32"):
+            server.update_weights(bf16, 1)
+        server.check()  # the server thread is alive
+        assert server.version == 0
+        server.update_weights(params, 1)  # the refused call did not take version 1

@@ -20,7 +20,7 @@ import pytest
 
 from jaxflash.algorithms.distributions import LOGPROB_FLOOR, processed_log_softmax
 from jaxflash.algorithms.kl import KL_ESTIMATORS, MAX_LOG_RATIO
-from jaxflash.algorithms.policy_loss import POLICY_LOSSES, get_policy_loss
+from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES, get_policy_loss
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.step import make_loss_fn
 from jaxflash.models.config import get_preset
@@ -100,7 +100,7 @@ def _peaky(seed: int, scale: float):
 
 
 def _check_finite(loss_name: str, sampling: SamplingParams) -> dict:
-    ratio_against = "proximal" if loss_name in ("decoupled_ppo", "tis") else "behaviour"
+    ratio_against = "proximal" if loss_name in PROXIMAL_LOSSES else "behaviour"
     lc = LearnerConfig(
         loss=loss_name,
         ratio_against=ratio_against,

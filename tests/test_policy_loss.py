@@ -238,6 +238,12 @@ VARIANTS = [
     ("kimi_k15", {"sequence_level": False}),
     ("m2po", {}),
     ("m2po", {"m2_threshold": 0.0}),
+    ("seq_tis", {"tis_cap": 2.0}),
+    ("token_mis", {}),
+    ("token_mis", {"mis_upper": 3.0, "mis_lower": 0.2}),
+    ("seq_mis", {}),
+    ("geo_mis", {}),
+    ("icepop", {}),
 ]
 
 

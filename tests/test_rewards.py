@@ -183,3 +183,66 @@ def test_scientific_notation_is_rewritten_exactly():
     assert normalize_scientific("1.5e-7, 6.02E+23, x2e3, e5, 1e999") == (
         "0.00000015, 602000000000000000000000, x2e3, e5, 1e999"
     )
+
+
+# ------------------------------------ exact at every magnitude; no partial parses
+# (label, response, expected). Math-Verify 0.9 chops a 50-digit difference (so
+# 1/100! == 1/101!), rounds decimals to 15 places, strips \mathrm{e} as a unit
+# (9\mathrm{e} == 9) and compares its fallback strings (\frac{\mathrm{e}}{5} ==
+# \frac{\mathrm{e}}{4} as the fragment "\frac{").
+EXACT_CASES = [
+    # tiny exact values
+    (r"\frac{1}{101!}", r"\boxed{\frac{1}{100!}}", 0.0),
+    (r"\frac{1}{100!}", r"\boxed{\frac{1}{100!}}", 1.0),
+    (r"10^{-61}", r"\boxed{10^{-60}}", 0.0),
+    (r"\frac{1}{3^{200}}", r"\boxed{3^{-200}}", 1.0),
+    (r"\pi", r"\boxed{\pi + 10^{-70}}", 0.0),
+    # huge exact values
+    (r"10^{100}", r"\boxed{10^{100}+1}", 0.0),
+    (r"2^{1000}", r"\boxed{2^{1000}}", 1.0),
+    (r"100!", r"\boxed{100! + 1}", 0.0),
+    # negative
+    (r"-\frac{1}{101!}", r"\boxed{-\frac{1}{100!}}", 0.0),
+    (r"-10^{100}", r"\boxed{-10^{100}-1}", 0.0),
+    (r"-\frac{1}{2^{200}}", r"\boxed{-2^{-200}}", 1.0),
+    # mixed exact / decimal, far from 1
+    (r"1.5\times 10^{-400}", r"\boxed{1.6\times 10^{-400}}", 0.0),
+    (r"1.5\times 10^{-400}", r"\boxed{\frac{3}{2} \cdot 10^{-400}}", 1.0),
+    (r"10^{-400}", r"\boxed{1.0000001\times 10^{-400}}", 1.0),  # within rel_tol 1e-6
+    (r"10^{-400}", r"\boxed{1.001\times 10^{-400}}", 0.0),
+    ("0.0000000000000002", r"\boxed{0.0000000000000001}", 0.0),
+    (r"\frac{1}{3}", r"\boxed{0.333333333333333333}", 1.0),
+    (r"2.5\times 10^{300}", r"\boxed{25 \cdot 10^{299}}", 1.0),
+    (r"2.5\times 10^{300}", r"\boxed{2.6\times 10^{300}}", 0.0),
+    # exact elements of sets / tuples
+    (r"\{\frac{1}{101!}, 2\}", r"\boxed{\{\frac{1}{100!}, 2\}}", 0.0),
+    (r"(\frac{1}{100!}, 2)", r"\boxed{(\frac{1}{100!}, 2)}", 1.0),
+    # symbolic equality still found
+    (r"\frac{1}{\sqrt{2}}", r"\boxed{\frac{\sqrt{2}}{2}}", 1.0),
+    (r"\sqrt{8}", r"\boxed{2\sqrt{2}}", 1.0),
+    # upright constants are constants, real units stay units
+    (r"\frac{\mathrm{e}}{4}", r"\boxed{\frac{\mathrm{e}}{5}}", 0.0),
+    (r"\frac{\mathrm{e}}{4}", r"\boxed{\frac{e}{4}}", 1.0),
+    ("9", r"\boxed{9\mathrm{e}}", 0.0),
+    (r"9e", r"\boxed{9\mathrm{e}}", 1.0),
+    (r"e^{2}", r"\boxed{\mathrm{e}^{2}}", 1.0),
+    ("2", r"\boxed{2\,\mathrm{cm}}", 1.0),
+    ("5", r"\boxed{5\mathrm{m}}", 1.0),
+    ("9", r"\boxed{9\%}", 1.0),  # Math-Verify's percentage rule is kept
+]
+
+
+@pytest.mark.parametrize(("label", "response", "expected"), EXACT_CASES)
+def test_math_reward_exact_at_every_magnitude_and_no_partial_parse(label, response, expected):
+    assert math_answer_reward(response, label).score == expected
+
+
+def test_math_reward_failed_parse_never_matches():
+    import sympy
+
+    from jaxflash.rewards.math_reward import answers_match
+
+    # Math-Verify's fallback when LaTeX conversion fails: the extracted string only.
+    assert not answers_match(["\\frac{"], ["\\frac{"], rel_tol=1e-6, abs_tol=0.0)
+    two = sympy.Integer(2)
+    assert answers_match([two, "2"], [two, "2"], rel_tol=1e-6, abs_tol=0.0)

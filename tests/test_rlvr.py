@@ -22,6 +22,7 @@ from configs import smoke, smoke_async
 from jaxflash.runtime import rlvr
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
+from tests.report_fixtures import check_report_pngs
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
@@ -194,6 +195,16 @@ def test_async_smoke_restart_policy_two_steps(tmp_path):
         # restart: a sample never mixes versions, and it starts where its tokens start.
         assert r["token_version_min"] == r["token_version_max"] == r["start_version"]
         assert 0 <= r["staleness"] <= 1 or r["outcome"] != "trained"
+    # The step timeline (timeline.jsonl) and the run report drawn from this run.
+    timeline = _rows(workdir / "timeline.jsonl")
+    assert [t["step"] for t in timeline] == [1, 2]
+    for t in timeline:
+        wait, train, publish = (t["learner"][k] for k in ("wait", "train", "publish"))
+        assert wait[0] <= wait[1] <= train[0] <= train[1] <= publish[0] <= publish[1]
+        assert len(t["gen"]) == 2 and all(a <= b for spans in t["gen"] for a, b in spans)
+        assert len(t["reward"]) >= 8 and all(a <= b for a, b in t["reward"])
+    assert any(t["gen"][0] for t in timeline) and any(t["gen"][1] for t in timeline)
+    check_report_pngs(str(workdir), {"curves", "staleness", "timeline"}, timeline_step=2)
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])

@@ -31,6 +31,10 @@ HPARAM_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "mask_eps_high": (lambda v: v >= 0.0, ">= 0"),
     "tau": (lambda v: v > 0.0, "> 0"),
     "m2_threshold": (lambda v: v >= 0.0, ">= 0"),
+    "mis_upper": (lambda v: v >= 1.0, ">= 1 (rho = 1 is always kept)"),
+    "mis_lower": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "icepop_high": (lambda v: v >= 1.0, ">= 1 (rho = 1 is always kept)"),
+    "icepop_low": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
 }
 """Range of each numeric hyper-parameter name (bool ones have none)."""
 

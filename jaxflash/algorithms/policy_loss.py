@@ -33,124 +33,25 @@ gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxflash.algorithms.loss_parts import (
+    Inputs,
+    LossAndMetrics,
+    PolicyLossFn,
+    check_hparams,
+    exp_ratio,
+    finish,
+    ppo_clip,
+    ppo_family,
+    prepare,
+    token_metrics,
+)
 from jaxflash.algorithms.m2po import M2PO_DEFAULT_THRESHOLD, m2po_mask
-
-LossAndMetrics = tuple[jax.Array, dict[str, jax.Array]]
-PolicyLossFn = Callable[..., LossAndMetrics]
-MAX_LOG_RATIO = 20.0
-
-
-class _Inputs(NamedTuple):
-    logp: jax.Array  # differentiable; 0 behind the mask
-    old: jax.Array  # stop-gradient; 0 behind the mask
-    adv: jax.Array
-    behaviour: jax.Array  # == old when no behaviour logprobs are given
-    valid: jax.Array  # bool [B, T]
-    nonfinite_count: jax.Array
-
-
-def _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt) -> _Inputs:
-    arrays = {"logp_bt": logp_bt, "old_logp_bt": old_logp_bt, "adv_bt": adv_bt, "mask_bt": mask_bt}
-    if behaviour_logp_bt is not None:
-        arrays["behaviour_logp_bt"] = behaviour_logp_bt
-    arrays = {k: jnp.asarray(v) for k, v in arrays.items()}
-    shape = arrays["logp_bt"].shape
-    if len(shape) != 2:
-        raise ValueError(f"logp_bt must be [B, T], got shape {shape}")
-    for name, x in arrays.items():
-        if x.shape != shape:
-            raise ValueError(f"{name} shape {x.shape} must equal logp_bt shape {shape}")
-    valid = arrays.pop("mask_bt") > 0
-    finite = jnp.ones(shape, dtype=bool)
-    for x in arrays.values():
-        finite &= jnp.isfinite(x)
-    clean = {k: jnp.where(valid, v.astype(jnp.float32), 0.0) for k, v in arrays.items()}
-    sg = jax.lax.stop_gradient
-    return _Inputs(
-        logp=clean["logp_bt"],
-        old=sg(clean["old_logp_bt"]),
-        adv=sg(clean["adv_bt"]),
-        behaviour=sg(clean.get("behaviour_logp_bt", clean["old_logp_bt"])),
-        valid=valid,
-        nonfinite_count=sg(jnp.sum(valid & ~finite).astype(jnp.float32)),
-    )
-
-
-def _exp_ratio(log_ratio: jax.Array) -> jax.Array:
-    return jnp.exp(jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO))
-
-
-def _check_hparams(*, eps_low=None, eps_high=None, dual_clip_c=None, **positive) -> None:
-    """Eager checks on Python-number hyper-parameters (traced values pass through)."""
-    for name, v in (("clip_eps_low", eps_low), ("clip_eps_high", eps_high)):
-        if isinstance(v, int | float) and not v >= 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
-    if isinstance(eps_low, int | float) and eps_low > 1:
-        raise ValueError(f"clip_eps_low must be <= 1 (ratios are positive), got {eps_low}")
-    if isinstance(dual_clip_c, int | float) and not dual_clip_c > 1:
-        raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
-    for name, v in positive.items():
-        if isinstance(v, int | float) and not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v}")
-
-
-def _metrics(x: _Inputs, ratio_bt: jax.Array, **flags_bt: jax.Array) -> dict[str, jax.Array]:
-    """Masked token statistics; ``flags_bt`` are bool [B, T] turned into fractions."""
-    n = jnp.sum(x.valid).astype(jnp.float32)
-    denom = jnp.maximum(n, 1.0)
-    any_valid = n > 0
-    out = {
-        "ratio_mean": jnp.sum(jnp.where(x.valid, ratio_bt, 0.0)) / denom,
-        "ratio_max": jnp.where(any_valid, jnp.max(jnp.where(x.valid, ratio_bt, -jnp.inf)), 0.0),
-        "ratio_min": jnp.where(any_valid, jnp.min(jnp.where(x.valid, ratio_bt, jnp.inf)), 0.0),
-        "nonfinite_count": x.nonfinite_count,
-        "num_tokens": n,
-    }
-    for key in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "masked_frac"):
-        flag = flags_bt.pop(key, jnp.zeros_like(x.valid))
-        out[key] = jnp.sum(x.valid & flag) / denom
-    out["clip_frac"] = out["clip_frac_low"] + out["clip_frac_high"]
-    for key, flag in flags_bt.items():
-        out[key] = jnp.sum(x.valid & flag) / denom
-    return jax.tree.map(jax.lax.stop_gradient, out)
-
-
-def _finish(x: _Inputs, loss_bt: jax.Array, metrics: dict) -> tuple[jax.Array, dict]:
-    return jnp.where(x.valid, loss_bt, 0.0), metrics
-
-
-def _ppo_clip(ratio, adv, eps_low, eps_high, dual_clip_c):
-    """PPO clipped surrogate (as a loss) with optional dual clip; returns loss and flags."""
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(unclipped, clipped)
-    flags = {
-        "clip_frac_low": (adv < 0) & (ratio < 1.0 - eps_low),
-        "clip_frac_high": (adv > 0) & (ratio > 1.0 + eps_high),
-    }
-    if dual_clip_c is not None:
-        # Dual clip (arXiv 1912.09729): for A < 0 the loss is bounded by -c*A, so a huge
-        # ratio on a bad token cannot dominate the batch.
-        cap = -dual_clip_c * adv
-        flags["dual_clip_frac"] = (adv < 0) & (loss > cap)
-        loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
-    return loss, flags
-
-
-def _ppo_family(inputs, eps_low, eps_high, dual_clip_c, **positive):
-    """Shared start of ppo / decoupled_ppo / tis: checks, prepare, ratio, clipped loss."""
-    eps_high = eps_low if eps_high is None else eps_high
-    _check_hparams(eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c, **positive)
-    x = _prepare(*inputs)
-    ratio = _exp_ratio(x.logp - x.old)
-    loss, flags = _ppo_clip(ratio, x.adv, eps_low, eps_high, dual_clip_c)
-    return x, ratio, loss, flags
+from jaxflash.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
 
 
 def vanilla_pg_loss(
@@ -165,8 +66,8 @@ def vanilla_pg_loss(
 
     Args/Returns: see module docstring.
     """
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    return _finish(x, -x.adv * x.logp, _metrics(x, _exp_ratio(x.logp - x.old)))
+    x = prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    return finish(x, -x.adv * x.logp, token_metrics(x, exp_ratio(x.logp - x.old)))
 
 
 def ppo_loss(
@@ -189,8 +90,8 @@ def ppo_loss(
     References: PPO, arXiv 1707.06347.
     """
     inputs = (logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    x, ratio, loss, flags = _ppo_family(inputs, clip_eps_low, clip_eps_high, dual_clip_c)
-    return _finish(x, loss, _metrics(x, ratio, **flags))
+    x, ratio, loss, flags = ppo_family(inputs, clip_eps_low, clip_eps_high, dual_clip_c)
+    return finish(x, loss, token_metrics(x, ratio, **flags))
 
 
 def decoupled_ppo_loss(
@@ -216,11 +117,11 @@ def decoupled_ppo_loss(
     """
     cap = {} if behaviour_cap is None else {"behaviour_cap": behaviour_cap}
     inputs = (logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    x, ratio, loss, flags = _ppo_family(inputs, clip_eps_low, clip_eps_high, dual_clip_c, **cap)
-    weight = _exp_ratio(x.old - x.behaviour)
+    x, ratio, loss, flags = ppo_family(inputs, clip_eps_low, clip_eps_high, dual_clip_c, **cap)
+    weight = exp_ratio(x.old - x.behaviour)
     dropped = jnp.zeros_like(x.valid) if behaviour_cap is None else weight > behaviour_cap
     loss = jnp.where(dropped, 0.0, weight * loss)
-    return _finish(x, loss, _metrics(x, ratio, masked_frac=dropped, **flags))
+    return finish(x, loss, token_metrics(x, ratio, masked_frac=dropped, **flags))
 
 
 def tis_loss(
@@ -244,12 +145,12 @@ def tis_loss(
     off-policy RL training" (2025); IMPALA V-trace truncation, arXiv 1802.01561.
     """
     inputs = (logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    x, ratio, loss, flags = _ppo_family(
+    x, ratio, loss, flags = ppo_family(
         inputs, clip_eps_low, clip_eps_high, dual_clip_c, tis_cap=tis_cap
     )
-    raw_weight = _exp_ratio(x.old - x.behaviour)
+    raw_weight = exp_ratio(x.old - x.behaviour)
     loss = jnp.minimum(raw_weight, tis_cap) * loss
-    return _finish(x, loss, _metrics(x, ratio, is_truncated_frac=raw_weight > tis_cap, **flags))
+    return finish(x, loss, token_metrics(x, ratio, is_truncated_frac=raw_weight > tis_cap, **flags))
 
 
 def cispo_loss(
@@ -275,10 +176,10 @@ def cispo_loss(
 
     References: MiniMax-M1, arXiv 2506.13585.
     """
-    _check_hparams(eps_low=clip_eps_low, eps_high=clip_eps_high)
-    _check_hparams(eps_low=mask_eps_low, eps_high=mask_eps_high)
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
-    ratio = _exp_ratio(x.logp - x.old)
+    check_hparams(eps_low=clip_eps_low, eps_high=clip_eps_high)
+    check_hparams(eps_low=mask_eps_low, eps_high=mask_eps_high)
+    x = prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    ratio = exp_ratio(x.logp - x.old)
     weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high))
     loss = -weight * x.adv * x.logp
     dropped = jnp.zeros_like(x.valid)
@@ -291,10 +192,10 @@ def cispo_loss(
         "clip_frac_low": ratio < 1.0 - clip_eps_low,
         "clip_frac_high": ratio > 1.0 + clip_eps_high,
     }
-    return _finish(x, loss, _metrics(x, ratio, masked_frac=dropped, **flags))
+    return finish(x, loss, token_metrics(x, ratio, masked_frac=dropped, **flags))
 
 
-def _seq_log_ratio(x: _Inputs) -> tuple[jax.Array, jax.Array]:
+def _seq_log_ratio(x: Inputs) -> tuple[jax.Array, jax.Array]:
     """(sum_t log pi/pi_old over valid tokens [B, 1], valid length n_b [B, 1])."""
     log_ratio_b1 = jnp.sum(jnp.where(x.valid, x.logp - x.old, 0.0), axis=-1, keepdims=True)
     return log_ratio_b1, jnp.sum(x.valid, axis=-1, keepdims=True).astype(jnp.float32)
@@ -318,14 +219,14 @@ def topr_loss(
 
     References: Tapered Off-Policy REINFORCE, arXiv 2503.14286.
     """
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    x = prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
     seq_lr_b1, _ = _seq_log_ratio(x)
     # exp(min(s, 0)) == min(exp(s), 1) without overflow for long sequences.
     truncated_b1 = jnp.exp(jnp.minimum(seq_lr_b1, 0.0))
     weight = jax.lax.stop_gradient(jnp.where(x.adv >= 0, 1.0, truncated_b1))
     loss = -weight * x.adv * x.logp
     flags = {"clip_frac_high": (x.adv < 0) & (seq_lr_b1 > 0)}
-    return _finish(x, loss, _metrics(x, _exp_ratio(x.logp - x.old), **flags))
+    return finish(x, loss, token_metrics(x, exp_ratio(x.logp - x.old), **flags))
 
 
 def gspo_loss(
@@ -348,13 +249,13 @@ def gspo_loss(
 
     References: Group Sequence Policy Optimization, arXiv 2507.18071.
     """
-    _check_hparams(eps_low=clip_eps_low, eps_high=clip_eps_high)
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    check_hparams(eps_low=clip_eps_low, eps_high=clip_eps_high)
+    x = prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
     seq_lr_b1, n_b1 = _seq_log_ratio(x)
-    s_b1 = jax.lax.stop_gradient(_exp_ratio(seq_lr_b1 / jnp.maximum(n_b1, 1.0)))
+    s_b1 = jax.lax.stop_gradient(exp_ratio(seq_lr_b1 / jnp.maximum(n_b1, 1.0)))
     s_bt = s_b1 * jnp.exp(x.logp - jax.lax.stop_gradient(x.logp))
-    loss, flags = _ppo_clip(s_bt, x.adv, clip_eps_low, clip_eps_high, None)
-    return _finish(x, loss, _metrics(x, jnp.broadcast_to(s_b1, s_bt.shape), **flags))
+    loss, flags = ppo_clip(s_bt, x.adv, clip_eps_low, clip_eps_high, None)
+    return finish(x, loss, token_metrics(x, jnp.broadcast_to(s_b1, s_bt.shape), **flags))
 
 
 def kimi_k15_loss(
@@ -377,8 +278,8 @@ def kimi_k15_loss(
 
     References: Kimi k1.5, arXiv 2501.12599 (section 2.3.2).
     """
-    _check_hparams(tau=tau)
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    check_hparams(tau=tau)
+    x = prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
     delta_bt = jnp.where(x.valid, x.logp - x.old, 0.0)
     if sequence_level:
         seq_lr_b1, n_b1 = _seq_log_ratio(x)
@@ -386,7 +287,7 @@ def kimi_k15_loss(
     else:
         penalty = 0.5 * tau * delta_bt**2
     loss = -x.adv * x.logp + penalty
-    return _finish(x, loss, _metrics(x, _exp_ratio(delta_bt)))
+    return finish(x, loss, token_metrics(x, exp_ratio(delta_bt)))
 
 
 def m2po_loss(
@@ -409,14 +310,14 @@ def m2po_loss(
 
     References: M2PO, arXiv 2510.01161.
     """
-    x = _prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
+    x = prepare(logp_bt, old_logp_bt, adv_bt, mask_bt, behaviour_logp_bt)
     keep, m2 = m2po_mask(
         jax.lax.stop_gradient(x.logp) - x.behaviour, x.valid, threshold=m2_threshold
     )
-    ratio = _exp_ratio(x.logp - x.old)
-    loss = jnp.where(keep, -_exp_ratio(x.old - x.behaviour) * ratio * x.adv, 0.0)
-    metrics = _metrics(x, ratio, masked_frac=x.valid & ~keep)
-    return _finish(x, loss, {**metrics, **m2})
+    ratio = exp_ratio(x.logp - x.old)
+    loss = jnp.where(keep, -exp_ratio(x.old - x.behaviour) * ratio * x.adv, 0.0)
+    metrics = token_metrics(x, ratio, masked_frac=x.valid & ~keep)
+    return finish(x, loss, {**metrics, **m2})
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -429,7 +330,14 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "gspo": gspo_loss,
     "kimi_k15": kimi_k15_loss,
     "m2po": m2po_loss,
+    **ROLLOUT_CORRECTIONS,  # verl's rollout-correction family and IcePop
 }
+
+
+PROXIMAL_LOSSES: tuple[str, ...] = ("decoupled_ppo", "tis", *ROLLOUT_CORRECTIONS)
+"""Losses that weight by pi_old/mu: against mu itself (ratio_against="behaviour") the
+weight is identically 1 and the correction would silently vanish, so they need the
+proximal policy recomputed (ratio_against="proximal")."""
 
 
 def get_policy_loss(name: str, **hparams: Any) -> PolicyLossFn:

@@ -71,6 +71,8 @@ from jaxflash.generation.engine_state import (
     state_shardings,
 )
 from jaxflash.models.config import ModelConfig
+from jaxflash.models.llama import abstract_params
+from jaxflash.sharding.leaves import LayoutMismatchError, check_same_leaves, leaf_signatures
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
@@ -118,6 +120,14 @@ class LlamaEngine:
         self._load_params_fn = load_params_fn
         self._auto_prompt_id = itertools.count()  # for requests without an identity
         self._param_shardings = engine_shardings(model_config, self._mesh, rules)
+        stacked = abstract_params(model_config)
+        one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+        unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}
+        # What set_params / load_params accept: the model's tree, layers stacked or not.
+        self._signatures = {
+            "stacked": leaf_signatures(stacked),
+            "unstacked": leaf_signatures(unstacked),
+        }
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
         self._programs = Programs(
             model_config, config, state_sh, self._prefix_shardings, self._replicated
@@ -349,7 +359,37 @@ class LlamaEngine:
         device; see ``engine_params.place``. Every program also accepts stacked
         params, but then slices each layer out of the stack at every call.
         """
+        self.check_params(params)
         return place(params, self._param_shardings, self._mesh)
+
+    def check_params(self, params: Any) -> None:
+        """Refuse params whose tree, shapes or dtypes differ from the engine's model.
+
+        Cheap (reads ``.shape`` / ``.dtype`` of each leaf, no device sync); the same
+        leaf check as the cross-process transfer (``sharding.leaves``). Called by
+        ``place_params`` and so by every ``set_params`` and server weight update.
+
+        Args:
+          params: nested dict, layers stacked ([L, ...] leaves) or unstacked (a
+            tuple of per-layer dicts), as ``place_params`` takes.
+
+        Raises:
+          LayoutMismatchError (a ValueError): a missing or extra leaf, or a leaf
+            whose shape or dtype differs, e.g. a float32 tree for a bfloat16 model
+            (which would recompile every program) or an lm_head of another
+            vocabulary (which would sample ids outside it); names the leaf.
+        """
+        if not isinstance(params, dict) or "layers" not in params:
+            raise LayoutMismatchError(
+                "", f"LlamaEngine: params must be a dict with 'layers', got {type(params).__name__}"
+            )
+        kind = "unstacked" if isinstance(params["layers"], tuple | list) else "stacked"
+        check_same_leaves(
+            leaf_signatures(params),
+            self._signatures[kind],
+            sender="new params",
+            receiver="engine's model",
+        )
 
     def get_prefix_destination_sharding(self) -> Any:
         """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""

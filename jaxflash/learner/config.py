@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxflash.algorithms.aggregation import AGGREGATION_MODES
 from jaxflash.algorithms.loss_hparams import check_loss_hparams
-from jaxflash.algorithms.policy_loss import POLICY_LOSSES
+from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES
 from jaxflash.types import SamplingParams
 
 SCHEDULES = ("constant", "cosine")
@@ -25,8 +25,8 @@ def _check_loss(field: str, loss: str, kwargs: Any, ratio_against: str) -> None:
 
     Raises:
       ValueError: an unknown loss or ratio_against, kwargs the loss does not take or
-        of a wrong type or range (``loss_hparams``), or decoupled_ppo / tis without
-        ratio_against="proximal".
+        of a wrong type or range (``loss_hparams``), or decoupled_ppo / tis / a
+        rollout correction (``rollout_correction``) without ratio_against="proximal".
     """
     against = "ratio_against" if field == "loss" else f"{field.removesuffix('_loss')}_ratio_against"
     if loss not in POLICY_LOSSES:
@@ -37,7 +37,7 @@ def _check_loss(field: str, loss: str, kwargs: Any, ratio_against: str) -> None:
         raise ValueError(
             f"LearnerConfig.{against} must be one of {RATIO_AGAINST}, got {ratio_against!r}"
         )
-    if loss in ("decoupled_ppo", "tis") and ratio_against != "proximal":
+    if loss in PROXIMAL_LOSSES and ratio_against != "proximal":
         # Against mu itself the behaviour weight pi_prox/mu is identically 1:
         # the off-policy correction would silently vanish.
         raise ValueError(

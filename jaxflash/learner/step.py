@@ -52,7 +52,15 @@ from jaxflash.types import TrainBatch
 
 Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
 # Per-micro-batch means of the policy loss metrics, recombined weighted by tokens.
-_MEAN_METRICS = ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "masked_frac")
+_MEAN_METRICS = (
+    "ratio_mean",
+    "clip_frac",
+    "clip_frac_low",
+    "clip_frac_high",
+    "masked_frac",
+    "is_truncated_frac",  # tis, seq_tis (only when the loss reports them)
+    "is_weight_mean",  # rollout corrections (algorithms.rollout_correction)
+)
 
 
 def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False):

@@ -2,7 +2,9 @@
 
 One JSON object per learner step goes to ``<workdir>/metrics.jsonl``; scalar
 fields are mirrored to TensorBoard (tensorboardX) under the same names; one JSON
-object per generated sample goes to ``<workdir>/rollouts.jsonl``. Files are
+object per generated sample goes to ``<workdir>/rollouts.jsonl``; one per step
+with the step's spans (generation busy, reward scoring, learner wait / update /
+publish) to ``<workdir>/timeline.jsonl``. Files are
 opened in append mode so a resumed run continues them.
 """
 
@@ -74,6 +76,7 @@ class MetricsWriter:
         self._metrics = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
         self._rollouts = open(os.path.join(workdir, "rollouts.jsonl"), "a", encoding="utf-8")
         self._tb: SummaryWriter | None = None
+        self._timeline = open(os.path.join(workdir, "timeline.jsonl"), "a", encoding="utf-8")
 
     def write_step(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Appends one metrics row and mirrors its finite scalars to TensorBoard.
@@ -108,6 +111,11 @@ class MetricsWriter:
         self._rollouts.writelines(lines[half:])
         self._rollouts.flush()
 
+    def write_timeline(self, row: Mapping[str, Any]) -> None:
+        """Appends one step's timeline (spans in seconds since the run started)."""
+        self._timeline.write(json.dumps(_jsonable(dict(row))) + "\n")
+        self._timeline.flush()
+
     def _torn(self, rest: list[str]) -> None:
         # What a SIGKILL here can leave on disk: the buffered writer flushes whenever its
         # buffer fills, so any prefix of the bytes written so far, a cut line included.
@@ -118,6 +126,7 @@ class MetricsWriter:
     def close(self) -> None:
         self._metrics.close()
         self._rollouts.close()
+        self._timeline.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -27,7 +27,26 @@ evaluate differences to 15 digits with ``chop``, so ``1/2^98`` equals
    ``\\pi`` -> 0, ``0.0000002`` vs ``0.0000001`` -> 0, ``1234567.5`` vs
    ``1234567`` -> 0 (integers match exactly), and two exact numbers never get
    a tolerance.
-3. **Scientific notation.** ``1.5e-7`` / ``6.02E23`` (which LaTeX parsing reads
+3. **Exact at every magnitude.** Math-Verify decides two constant numbers by
+   evaluating their difference to ``numeric_precision`` digits and chopping it,
+   so ``\\frac{1}{100!}`` equalled ``\\frac{1}{101!}`` (and decimals were
+   rounded to a fixed number of places). Its numeric leaf comparison
+   (``math_verify.grader.sympy_numeric_eq``, used for plain numbers and for the
+   elements of sets, tuples, intervals, relations and matrices) is replaced at
+   import by ``numbers_equal``: decimals read as the exact numbers they denote,
+   then the difference is decided exactly (rationals exactly; otherwise
+   ``sympy.simplify`` of the difference, and only if sympy cannot decide, a
+   relative comparison at 60 digits). Percentages keep Math-Verify's rule.
+4. **A failed or partial parse never matches.** Math-Verify falls back to the
+   extracted *string* when LaTeX conversion fails (``\\frac{\\mathrm{e}}{5}``
+   gave the string ``\\frac{``, equal to the same fragment of another answer);
+   an answer without a parsed expression scores 0, a label without one is a
+   label error. Its unit stripping drops any trailing ``\\mathrm{..}`` /
+   ``\\text{..}`` (``9\\mathrm{e}`` read as 9), so the upright constants
+   ``\\mathrm{e}`` and ``\\mathrm{i}`` (also ``\\text{..}``,
+   ``\\operatorname{..}``) are rewritten to ``e`` and ``i`` before parsing;
+   real units stay units (``2\\,\\mathrm{cm}`` vs 2 -> 1).
+5. **Scientific notation.** ``1.5e-7`` / ``6.02E23`` (which LaTeX parsing reads
    as ``1.5 * e - 7`` with Euler's e) is rewritten as the plain decimal it
    denotes (``0.00000015``, exactly, via ``decimal``) in both the response and
    the label before parsing; exponents beyond +-64 are left alone.
@@ -55,7 +74,7 @@ import math
 import re
 
 import sympy
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, grader, parse, verify
 
 from jaxflash.rewards.base import RewardResult, register
 
@@ -73,6 +92,9 @@ _LABEL_EXPR = (ExprExtractionConfig(),)
 FLOAT_DECIMALS = 15  # Math-Verify float_rounding: floats compared at full double precision
 EVAL_DIGITS = 50  # Math-Verify numeric_precision: digits of (a - b).evalf before chop
 # 1.5e-7, 6.02E+23, .5e3 (not inside words or longer numbers).
+# \mathrm{e} / \text{i} / \operatorname{e}: Euler's number and the imaginary unit.
+_UPRIGHT_CONSTANT = re.compile(r"\\(?:mathrm|text|textrm|operatorname|rm)\s*\{\s*([ei])\s*\}")
+EXACT_FALLBACK_DIGITS = 60  # relative comparison when sympy cannot decide a difference
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
 
 
@@ -104,6 +126,20 @@ def normalize_scientific(text: str) -> str:
     return _SCIENTIFIC.sub(plain, text)
 
 
+def normalize_constants(text: str) -> str:
+    """``\\mathrm{e}`` -> ``e``, ``\\mathrm{i}`` -> ``i`` (also ``\\text``, ``\\operatorname``).
+
+    Math-Verify 0.9 turns ``\\mathrm`` into ``\\text`` and strips a trailing
+    ``\\text{..}`` as a unit, so ``9\\mathrm{e}`` would read as 9.
+    """
+    return _UPRIGHT_CONSTANT.sub(r"\1", text)
+
+
+def _parsed(answer: list | tuple) -> bool:
+    """A parse that holds an expression (not only Math-Verify's fallback string)."""
+    return bool(answer) and isinstance(answer[0], sympy.Basic | sympy.MatrixBase)
+
+
 def extract_answer(response_text: str) -> list:
     """Extract and parse the final answer of a response (Math-Verify objects).
 
@@ -114,7 +150,7 @@ def extract_answer(response_text: str) -> list:
       Math-Verify's parse: [sympy object, extracted string] or [] if no answer.
     """
     return parse(
-        normalize_scientific(response_text),
+        normalize_constants(normalize_scientific(response_text)),
         list(RESPONSE_EXTRACTION),
         parsing_timeout=None,
         raise_on_error=False,
@@ -133,7 +169,7 @@ def parse_label(answer: str) -> tuple:
     Returns:
       Math-Verify's parse as a tuple; () if the label cannot be parsed.
     """
-    text = normalize_scientific(answer.strip())
+    text = normalize_constants(normalize_scientific(answer.strip()))
     if not text:
         return ()
     # A label that already carries its own delimiters or box is parsed as given.
@@ -144,22 +180,65 @@ def parse_label(answer: str) -> tuple:
     return tuple(gold)
 
 
-def _real_number(x: object) -> float | None:
-    """x as a finite float if it is a constant real number (sympy), else None."""
+def _real_number(x: object) -> sympy.Float | None:
+    """x to 30 digits (a sympy Float: any exponent) if a constant real number, else None."""
     if not isinstance(x, sympy.Basic) or x.free_symbols:
         return None
     try:
-        value = complex(sympy.N(x, 30))
+        value = sympy.N(x, 30)
     except (TypeError, ValueError):
         return None
-    if value.imag != 0 or not math.isfinite(value.real):
+    if not (value.is_real and value.is_finite and value.is_Number):
         return None
-    return value.real
+    return value
 
 
 def _as_written(x: sympy.Basic) -> sympy.Basic:
     """x with every float replaced by the exact decimal it prints as (0.3333333 -> 3333333/10^7)."""
     return x.xreplace({f: sympy.Rational(str(f)) for f in x.atoms(sympy.Float)})
+
+
+def numbers_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Exact equality of two constant numbers, at every magnitude (module docstring, 3).
+
+    Decimals count as the exact numbers they are written as. The difference is
+    decided exactly where sympy can (rationals always; ``sympy.simplify`` of the
+    difference otherwise); if sympy cannot say, the two agree iff
+    ``|a - b| <= 10^-(EXACT_FALLBACK_DIGITS - 10) * max(|a|, |b|)`` at
+    ``EXACT_FALLBACK_DIGITS`` digits (a relative test, so no magnitude is
+    too small or too large).
+    """
+    a, b = _as_written(a.doit()), _as_written(b.doit())
+    diff = a - b
+    if diff.is_Rational:
+        return diff == 0
+    try:
+        zero = sympy.simplify(diff).is_zero
+    except (TypeError, ValueError, NotImplementedError):
+        zero = None
+    if zero is not None:
+        return bool(zero)
+    n = EXACT_FALLBACK_DIGITS
+    d, scale = abs(sympy.N(diff, n)), max(abs(sympy.N(a, n)), abs(sympy.N(b, n)))
+    return bool(d == 0 or d <= scale * sympy.Rational(10) ** -(n - 10))
+
+
+def _numeric_eq(a, b, float_rounding: int, numeric_precision: int) -> bool:
+    """Math-Verify's numeric leaf comparison, exact for constant numbers (not percentages)."""
+    numbers = all(
+        isinstance(x, sympy.Expr) and x.is_number and not x.has(sympy.UnevaluatedExpr)
+        for x in (a, b)
+    )
+    if numbers:
+        try:
+            return numbers_equal(a, b)
+        except Exception:  # sympy could not decide: never counted as a match
+            return False
+    return _MATH_VERIFY_NUMERIC_EQ(a, b, float_rounding, numeric_precision)
+
+
+_MATH_VERIFY_NUMERIC_EQ = grader.sympy_numeric_eq
+grader.sympy_numeric_eq = _numeric_eq  # looked up by name in grader.sympy_expr_eq
 
 
 def answers_match(gold: list, pred: list, *, rel_tol: float, abs_tol: float) -> bool:
@@ -168,7 +247,13 @@ def answers_match(gold: list, pred: list, *, rel_tol: float, abs_tol: float) -> 
     Args:
       gold, pred: Math-Verify parses ([sympy object, string]).
       rel_tol, abs_tol: tolerance of step 2.
+
+    Returns:
+      False when either side holds no parsed expression (a failed or partial
+      parse: Math-Verify's string fallback), whatever the strings say.
     """
+    if not (_parsed(gold) and _parsed(pred)):
+        return False
     if verify(
         gold,
         pred,
@@ -183,17 +268,10 @@ def answers_match(gold: list, pred: list, *, rel_tol: float, abs_tol: float) -> 
         return False
     if not (g.has(sympy.Float) or p.has(sympy.Float)):
         return False  # two exact numbers: exact equality only (step 1 said no)
-    if _real_number(g) is not None and _real_number(p) is not None:
-        # Decimals as the exact numbers they denote: 6.02\times 10^{23} is an integer.
-        try:
-            if (_as_written(g) - _as_written(p)).is_zero:
-                return True
-        except (TypeError, ValueError):
-            pass
     a, b = _real_number(g), _real_number(p)
     if a is None or b is None or g.is_Integer or p.is_Integer:
         return False  # an integer answer is only ever matched exactly
-    return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol)
+    return bool(abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,7 +315,7 @@ class MathAnswerReward:
         if not isinstance(answer, str):
             raise TypeError(f"answer must be str, got {type(answer).__name__}")
         gold = parse_label(answer)
-        if not gold:
+        if not _parsed(gold):
             return RewardResult(
                 score=0.0,
                 components={"correct": 0.0, "answer_found": 0.0},

@@ -41,6 +41,9 @@ from jaxflash.types import GenerationRequest, Prompt, SamplingParams
 log = logging.getLogger(__name__)
 
 
+_MAX_SPANS = 100_000  # scoring spans kept for the timeline between two reads
+
+
 class Dispatcher:
     """Admits prompts, dispatches their samples, scores what comes back.
 
@@ -103,6 +106,9 @@ class Dispatcher:
             on_halt=self._halt,
         )
         self.scoring: dict[tuple[int, int], Any] = {}  # key -> sample awaiting its reward
+        # Reward scoring spans (submit, scored) in clock seconds, for the run's timeline.
+        self._scoring_since: dict[tuple[int, int], float] = {}
+        self.score_spans: list[tuple[float, float]] = []
 
     # ------------------------------------------------------------------ one step
 
@@ -193,6 +199,7 @@ class Dispatcher:
         if scoring:
             for key in [k for k in self.scoring if k[0] == prompt_id]:
                 del self.scoring[key]
+                self._scoring_since.pop(key, None)
 
     def server_died(self, i: int) -> None:
         """Server i was found dead (the pool reports each death once): reroute its samples."""
@@ -215,6 +222,11 @@ class Dispatcher:
             seed=self.seed,
         )
 
+    def take_score_spans(self) -> list[tuple[float, float]]:
+        """(submitted, scored) clock times of the rewards scored since the last call."""
+        spans, self.score_spans = self.score_spans, []
+        return spans
+
     def _halt(self) -> None:
         self.admission.halted = True
         log.error("every generation server died: failing the prompts in flight")
@@ -231,6 +243,7 @@ class Dispatcher:
             self.counters["samples_late"] += 1
             return
         self.scoring[key] = sample
+        self._scoring_since[key] = self.clock.now()
         try:
             future = self.scorer.submit(reward_item(sample, prompt.answer))
         except Exception as err:  # the pool is closed or broken: fail, never hang
@@ -251,6 +264,9 @@ class Dispatcher:
             self.counters["samples_late"] += 1  # its prompt was aborted meanwhile
             return
         del self.scoring[key]
+        since = self._scoring_since.pop(key, None)
+        if since is not None and len(self.score_spans) < _MAX_SPANS:
+            self.score_spans.append((since, self.clock.now()))
         if not self.admission.is_active(key[0]) or key in self.router.table:
             self.counters["samples_late"] += 1  # prompt closed or resubmitted meanwhile
             return

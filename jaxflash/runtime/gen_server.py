@@ -41,6 +41,10 @@ from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 RequestKey = tuple[int, int]
 
 
+_MAX_SPANS = 4096  # busy spans kept for the timeline between two reads
+_MERGE_GAP_S = 0.005  # decode blocks closer than this form one busy span
+
+
 class GenerationServerError(RuntimeError):
     """The server's loop raised; ``__cause__`` holds the original exception."""
 
@@ -107,6 +111,9 @@ class GenerationServer:
         self._counts = collections.Counter()  # submitted, delivered, aborted, weight_updates
         self._busy_s = 0.0
         self._idle_s = 0.0
+        # Busy intervals (clock seconds) for the run's timeline, adjacent ones merged;
+        # bounded so a reader that never takes them costs a fixed few KB.
+        self._busy_spans: collections.deque[list[float]] = collections.deque(maxlen=_MAX_SPANS)
         self._thread = threading.Thread(target=self._loop, name=f"gen-{name}", daemon=True)
 
     # ------------------------------------------------------------- interface
@@ -189,7 +196,11 @@ class GenerationServer:
 
         Raises:
           ValueError: version not above the last one given ("version 1 after 57").
+          LayoutMismatchError (a ValueError): params whose tree, shapes or dtypes
+            differ from the engine's model (``LlamaEngine.check_params``), refused
+            here in the caller's thread rather than killing the server thread.
         """
+        self.engine.check_params(params)
         with self._cond:
             self._raise_if_down()
             if version <= self._requested_version:
@@ -312,11 +323,32 @@ class GenerationServer:
                 self._apply(commands, weights)
                 finished = self._batcher.step() if not self._batcher.idle else []
                 self._deliver(finished)
-                self._busy_s += self._clock.now() - start
+                end = self._clock.now()
+                self._busy_s += end - start
+                self._record_busy(start, end)
         except BaseException as err:  # surfaced to callers by check() and every call
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _record_busy(self, start: float, end: float) -> None:
+        with self._cond:
+            spans = self._busy_spans
+            if spans and start - spans[-1][1] <= _MERGE_GAP_S:
+                spans[-1][1] = end  # the same busy stretch, one decode block later
+            else:
+                spans.append([start, end])
+
+    def take_busy_spans(self) -> list[tuple[float, float]]:
+        """The (start, end) clock times the server was busy since the last call (then cleared).
+
+        Adjacent decode blocks (gaps <= 5 ms) form one span; at most the last 4096
+        spans are kept. For the run's timeline (``<workdir>/timeline.jsonl``).
+        """
+        with self._cond:
+            spans = [(float(a), float(b)) for a, b in self._busy_spans]
+            self._busy_spans.clear()
+            return spans
 
     def _apply(self, commands: list[tuple[str, Any]], weights) -> None:
         """Inbox commands in arrival order, then the latest weights."""

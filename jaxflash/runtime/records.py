@@ -165,6 +165,41 @@ def learner_metrics(train: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def timeline_row(
+    step: int,
+    spans: dict[str, Any],
+    *,
+    origin: float,
+    wait: tuple[float, float],
+    train: tuple[float, float],
+    publish: tuple[float, float],
+) -> dict[str, Any]:
+    """One step's timeline.jsonl row; every time in seconds since ``origin`` (run start).
+
+    Args:
+      step: the policy version after the step.
+      spans: ``RolloutScheduler.take_timeline_spans()``: "gen" (busy (t0, t1) per
+        server, since the previous step's row) and "reward" (submitted, scored).
+      origin: clock time of the run's start.
+      wait, train, publish: the learner's (t0, t1): waiting for the batch, the
+        update, the weight publish (copy + hand-over).
+
+    Returns:
+      {"step", "learner": {"wait", "train", "publish"}: [t0, t1], "gen": [[[t0, t1],
+      ...] per server], "reward": [[t0, t1], ...]} (README "What a run writes").
+    """
+
+    def rel(span) -> list[float]:
+        return [round(float(span[0]) - origin, 4), round(float(span[1]) - origin, 4)]
+
+    return {
+        "step": int(step),
+        "learner": {"wait": rel(wait), "train": rel(train), "publish": rel(publish)},
+        "gen": [[rel(s) for s in server] for server in spans.get("gen", [])],
+        "reward": [rel(s) for s in spans.get("reward", [])],
+    }
+
+
 def server_metrics(
     before: Sequence[dict[str, Any]], now: Sequence[dict[str, Any]], version: int
 ) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from jaxflash.algorithms.policy_loss import POLICY_LOSSES
+from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.replay.controller import ControllerConfig
 from jaxflash.replay.dual_cycle import ADVANTAGE_MODES
@@ -27,8 +27,6 @@ from jaxflash.replay.replay_config import ReplayConfig
 from jaxflash.runtime.specs import ConfigError, check
 
 CONTROLLER_KINDS = ("none", "fixed", "adaptive")
-# Corrections that weight by pi_prox / mu: their pi_old is the proximal policy.
-PROXIMAL_LOSSES = ("decoupled_ppo", "tis")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -66,10 +66,12 @@ def init_or_restore_learner(
         if records:
             truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
             truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
+            truncate_jsonl(os.path.join(workdir, "timeline.jsonl"), "step", meta.step)
         return state, meta, ledger, checkpointer
     if records:  # nothing committed: whatever an earlier start wrote is lost work
         dropped = truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", -1)
         dropped += truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", -1)
+        truncate_jsonl(os.path.join(workdir, "timeline.jsonl"), "step", -1)
         if dropped:
             log.warning(
                 "%s has no checkpoint: dropped %d rows of an earlier start", workdir, dropped

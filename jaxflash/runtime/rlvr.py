@@ -309,6 +309,13 @@ def run(
             gen_params = fleet.publish(learner, version)
             copy_s = clock.now() - t_sync
             handover_s = scheduler.publish(gen_params, version)
+            writer.write_timeline(
+                records.timeline_row(
+                    version, scheduler.take_timeline_spans(), origin=t_run,
+                    wait=(t_step, t_step + batch.wait_s), train=(t_train, t_train + train_s),
+                    publish=(t_sync, clock.now()),
+                )
+            )  # fmt: skip
 
             # Metrics (README "What a run writes").
             step_s = clock.now() - t_step

@@ -430,6 +430,14 @@ class RolloutScheduler:
             )
             return out
 
+    def take_timeline_spans(self) -> dict[str, Any]:
+        """Busy spans per server and reward-scoring spans since the last call (clock
+        seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
+        server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
+        with self._lock:
+            take = getattr(self.dispatcher, "take_score_spans", None)
+            return {"gen": self.pool.take_busy_spans(), "reward": take() if take else []}
+
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's cumulative ``stats()`` ({} once dead)."""
         return self.pool.stats()

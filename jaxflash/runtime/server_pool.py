@@ -226,6 +226,20 @@ class ServerPool:
                 out.append({})
         return out
 
+    def take_busy_spans(self) -> list[list[tuple[float, float]]]:
+        """Each server's busy (start, end) clock times since the last call; [] for a
+        server that does not record them (a generation process, a simulated one),
+        a dead or a retired one."""
+        out = []
+        for i, server in enumerate(self.servers):
+            take = getattr(server, "take_busy_spans", None)
+            try:
+                ok = take is not None and i not in self.dead and i not in self.retired
+                out.append(list(take()) if ok else [])
+            except Exception:
+                out.append([])
+        return out
+
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:

@@ -34,23 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflash.sharding.leaves import LayoutMismatchError, check_same_leaves
+
 SpecEntry = str | tuple[str, ...] | None
 Index = tuple[tuple[int, int], ...]  # per dim: [start, stop)
 
 _FORMAT = 1
 _STAGING_AXIS = "transfer_replica"
-
-
-class LayoutMismatchError(ValueError):
-    """A leaf that cannot be transferred as laid out (names the leaf and both layouts).
-
-    Attributes:
-      path: the leaf's tree path (``jax.tree_util.keystr``), or "" for whole-tree faults.
-    """
-
-    def __init__(self, path: str, message: str):
-        super().__init__(message)
-        self.path = path
 
 
 def _norm_entry(entry: Any) -> SpecEntry:
@@ -272,21 +262,12 @@ def check_receivable(offered: TreeLayout, wanted: TreeLayout) -> None:
         the leaf and both layouts.
     """
     have, need = offered.by_path(), wanted.by_path()
-    missing, extra = sorted(set(need) - set(have)), sorted(set(have) - set(need))
-    if missing or extra:
-        raise LayoutMismatchError(
-            (missing or extra)[0],
-            f"trees differ: receiver leaves missing on the sender {missing}; "
-            f"sender leaves the receiver lacks {extra}",
-        )
+    check_same_leaves(
+        {p: (x.shape, x.dtype) for p, x in have.items()},
+        {p: (x.shape, x.dtype) for p, x in need.items()},
+    )
     for path, w in need.items():
         o = have[path]
-        if o.shape != w.shape or o.dtype != w.dtype:
-            raise LayoutMismatchError(
-                path,
-                f"leaf {path}: sender has {o.dtype}{list(o.shape)}, "
-                f"receiver expects {w.dtype}{list(w.shape)}",
-            )
         held = {o.shard_index(p) for p in range(o.positions)}
         for p in range(w.positions):
             if w.shard_index(p) not in held:
