@@ -213,6 +213,7 @@ def run_tool(tool: str, args: dict[str, str], limits: SandboxLimits) -> ToolResu
         )
     if res.get("ok"):
         return ToolResult(status=ToolStatus.OK, output=output, outcome=run.outcome)
-    return ToolResult(
-        status=ToolStatus.ERROR, output=output, error=res.get("error", "error"), outcome=run.outcome
-    )
+    error = str(res.get("error", "error"))
+    # The runner reports a MemoryError the tool code raised: the memory limit tripped.
+    outcome = Outcome.MEMORY if error.startswith("MemoryError") else run.outcome
+    return ToolResult(status=ToolStatus.ERROR, output=output, error=error, outcome=outcome)

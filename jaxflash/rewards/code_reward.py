@@ -56,6 +56,8 @@ g = {"__name__": "__main__"}
 passed, error = [], None
 try:
     exec(compile(req["program"], "solution.py", "exec"), g)
+except MemoryError:
+    raise  # the sandbox's "memory" outcome
 except BaseException as e:
     error = type(e).__name__
 else:
@@ -63,6 +65,8 @@ else:
         try:
             exec(compile(source, "test.py", "exec"), g)
             ok = True
+        except MemoryError:
+            raise
         except BaseException:
             ok = False
         if is_test:
@@ -87,7 +91,7 @@ def _has_assert(node: ast.AST) -> bool:
     return any(isinstance(n, ast.Assert) for n in ast.walk(node))
 
 
-def test_steps(tests: str | list[str], entry_point: str = "") -> list[tuple[str, bool]]:
+def grading_steps(tests: str | list[str], entry_point: str = "") -> list[tuple[str, bool]]:
     """The grader's steps: (source, is_test) in order (module docstring).
 
     Raises:
@@ -119,9 +123,9 @@ def code_answer(tests: str | list[str], *, entry_point: str = "", prefix: str = 
     """The answer string of a code row (checked: the tests parse and hold a test).
 
     Raises:
-      ValueError: bad tests (``test_steps``).
+      ValueError: bad tests (``grading_steps``).
     """
-    test_steps(tests, entry_point)
+    grading_steps(tests, entry_point)
     payload: dict[str, Any] = {"tests": tests}
     if entry_point:
         payload["entry_point"] = entry_point
@@ -198,7 +202,7 @@ class CodeReward:
         try:
             payload = json.loads(answer)
             entry_point = payload.get("entry_point", "")
-            steps = test_steps(payload["tests"], entry_point)
+            steps = grading_steps(payload["tests"], entry_point)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             return _result(0.0, False, "error", f"answer is not a code payload ({e})")
         program, found = extract_program(response_text)

@@ -162,7 +162,10 @@ def _reachable(path: str, uid: int) -> bool:
         return os.access(path, os.R_OK)
     parts = os.path.realpath(path).split(os.sep)
     for i in range(2, len(parts) + 1):
-        st = os.stat(os.sep.join(parts[:i]) or os.sep)
+        try:
+            st = os.stat(os.sep.join(parts[:i]))
+        except OSError:
+            return False
         need = stat.S_IXOTH if stat.S_ISDIR(st.st_mode) or i < len(parts) else stat.S_IROTH
         if not st.st_mode & need:
             return False
