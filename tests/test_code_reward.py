@@ -187,3 +187,25 @@ def test_the_reward_pool_scores_code_and_survives_hostile_programs():
     }
     assert wrong.result.score == pytest.approx(1 / 3) and wrong.failure is None
     assert FailureReason.REWARD_TIMEOUT not in {s.failure for s in (right, kill, loop, wrong)}
+
+
+def test_an_unavailable_sandbox_stops_the_run_at_config_time_unless_allowed(monkeypatch):
+    from jaxflash.envs import tool_env
+    from jaxflash.runtime.model_setup import make_reward
+    from jaxflash.runtime.specs import RewardSpec
+
+    def broken(self):
+        return Sandbox(python="/nonexistent/python3", allow_unsandboxed=self.allow_unsandboxed)
+
+    monkeypatch.setattr(CodeReward, "sandbox", broken)
+    with pytest.raises(ConfigError, match=r"sandbox unavailable.*reward.allow_unsandboxed"):
+        make_reward(RewardSpec(fn="code"))
+    assert make_reward(RewardSpec(fn="code", allow_unsandboxed=True)).allow_unsandboxed
+    monkeypatch.setattr(
+        tool_env,
+        "tool_sandbox",
+        lambda allow=False: Sandbox(python="/nonexistent/python3", allow_unsandboxed=allow),
+    )
+    with pytest.raises(RuntimeError, match="env option allow_unsandboxed"):
+        tool_env.ToolUseEnv()
+    tool_env.ToolUseEnv(tool_env.ToolUseConfig(allow_unsandboxed=True))  # runs, unisolated

@@ -27,9 +27,12 @@ import dataclasses
 import enum
 import functools
 import json
+import logging
 
 from jaxflash.rewards.sandbox import Outcome, Sandbox
 from jaxflash.rewards.sandbox import SandboxLimits as CodeLimits
+
+log = logging.getLogger(__name__)
 
 TOOL_NAMES = ("python", "calculator")
 
@@ -153,8 +156,14 @@ def code_limits(limits: SandboxLimits) -> CodeLimits:
 
 @functools.cache
 def tool_sandbox(allow_unsandboxed: bool = False) -> Sandbox:
-    """The process's sandbox of tool calls (probed once; ``counts`` of all calls)."""
-    return Sandbox(allow_unsandboxed=allow_unsandboxed)
+    """The process's sandbox of tool calls (probed once; ``counts`` of all calls).
+
+    With ``allow_unsandboxed`` and no working bubblewrap it warns once, in one line.
+    """
+    sandbox = Sandbox(allow_unsandboxed=allow_unsandboxed)
+    if allow_unsandboxed and not sandbox.check().ok:
+        log.warning("%s", sandbox.check().line)
+    return sandbox
 
 
 def _cut(text: str, limit: int) -> str:

@@ -237,7 +237,7 @@ class DataSpec:
                 f"data.{name}={getattr(self, name)!r}"
                 for name in ("path", "prompt_key", "answer_key", "answer_marker")
                 if getattr(self, name)
-            ] + (["data.shuffle=False"] if not self.shuffle else [])
+            ] + (["data.shuffle=False"] if not self.shuffle and self.task != "humaneval" else [])
             check(
                 not ignored,
                 f"{', '.join(ignored)}: only file tasks ({' | '.join(FILE_TASKS)}) read it, "
