@@ -209,3 +209,25 @@ def test_an_unavailable_sandbox_stops_the_run_at_config_time_unless_allowed(monk
     with pytest.raises(RuntimeError, match="env option allow_unsandboxed"):
         tool_env.ToolUseEnv()
     tool_env.ToolUseEnv(tool_env.ToolUseConfig(allow_unsandboxed=True))  # runs, unisolated
+
+
+def test_step_metrics_count_sandbox_outcomes():
+    import numpy as np
+
+    from jaxflash.replay.groups import Group
+    from jaxflash.runtime import records
+    from jaxflash.types import FinishReason, Sample
+
+    def sample(i, outcome):
+        s = Sample(
+            prompt_id=0, sample_index=i, prompt_tokens=np.array([1], np.int32),
+            response_tokens=np.array([2], np.int32), behaviour_logprobs=np.zeros(1, np.float32),
+            token_versions=np.zeros(1, np.int32), start_version=0, finish_reason=FinishReason.EOS,
+        )  # fmt: skip
+        s.reward = 0.0
+        s.reward_info = {"components": {"correct": 0.0, f"outcome/{outcome}": 1.0}}
+        return s
+
+    samples = (sample(0, "ok"), sample(1, "timeout"), sample(2, "ok"))
+    m = records.batch_metrics([Group(prompt_id=0, start_version=0, samples=samples)], samples)
+    assert m["sandbox_outcomes"] == {"ok": 2, "timeout": 1}
