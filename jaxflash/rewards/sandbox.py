@@ -52,6 +52,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 NOBODY = 65534
@@ -267,6 +268,7 @@ class Sandbox:
         self.allow_unsandboxed = allow_unsandboxed
         self.python = python
         self.counts: collections.Counter[str] = collections.Counter()
+        self._counts_lock = threading.Lock()  # tool calls come from several env threads
         self._uid = NOBODY if os.geteuid() == 0 else os.geteuid()
         self._check: SandboxCheck | None = None
 
@@ -332,7 +334,8 @@ class Sandbox:
             result = self._run([sys.executable, "-I", "-S"], program, stdin, limits, user=False)
         else:
             raise RuntimeError(check.line)
-        self.counts[result.outcome.value] += 1
+        with self._counts_lock:
+            self.counts[result.outcome.value] += 1
         return result
 
     def _run_bwrap(
