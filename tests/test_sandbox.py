@@ -227,7 +227,12 @@ def test_sandbox_counts_and_limits_are_distinct_outcomes():
     assert sb.run("print(input())", stdin="hi").stdout == "hi\n"
     assert sb.run("raise SystemExit(3)").exit_code == 3
     assert sb.run("import os; os.kill(os.getpid(), 9)").outcome == "killed"
-    assert dict(sb.counts) == {"ok": 1, "error": 1, "killed": 1}
+    # A program cannot pass for a sandbox that failed to start (a reward error).
+    fake = "import sys; sys.stderr.write('bwrap: setting up uid map: Permission denied'); exit(1)"
+    assert sb.run(fake).outcome == "error"
+    assert dict(sb.counts) == {"ok": 1, "error": 2, "killed": 1}
+    failed = sb._run(["/bin/false"], "pass", "", sb.limits, user=False)
+    assert failed.outcome == "sandbox_error" and "did not start" in failed.detail
 
 
 def test_no_bwrap_refuses_unless_unsandboxed_is_allowed():

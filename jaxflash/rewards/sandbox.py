@@ -60,8 +60,12 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 MEMORY_EXIT = 86  # the bootstrap's exit status after a MemoryError
 _SIGNAL_BASE = 128  # bwrap's init reports a child killed by signal s as 128 + s
 
+STARTED = "\x00jaxflash-sandbox-started\n"  # first bytes of stderr, before any program runs
+
 _BOOT = r"""
 import io, json, os, resource, sys
+sys.stderr.write("\x00jaxflash-sandbox-started\n")
+sys.stderr.flush()
 lim = json.loads(sys.argv[1])
 for name, value in lim.items():
     soft, hard = (value, value + 1) if name == "CPU" else (value, value)
@@ -369,19 +373,28 @@ class Sandbox:
         code = proc.returncode
         stdout = out.decode("utf-8", "replace")
         stderr = err.decode("utf-8", "replace")
+        # The bootstrap's marker precedes anything the program writes, so a program
+        # cannot pass for a sandbox that failed to start (or the reverse).
+        started = stderr.startswith(STARTED)
+        stderr = stderr.removeprefix(STARTED)
         if killed is not None:
             return SandboxResult(
                 outcome=killed, stdout=stdout, stderr=stderr, exit_code=None, wall_s=wall,
                 detail=f"killed after {wall:.2f}s" if killed == Outcome.TIMEOUT else
                 f"killed after {limits.max_output_bytes} bytes of output",
             )  # fmt: skip
+        if not started:
+            return SandboxResult(
+                outcome=Outcome.SANDBOX_ERROR, stdout=stdout, stderr=stderr, exit_code=code,
+                wall_s=wall, detail=f"the interpreter did not start (exit status {code})",
+            )  # fmt: skip
         return SandboxResult(
-            outcome=_classify(code, stderr), stdout=stdout, stderr=stderr, exit_code=code,
+            outcome=_classify(code), stdout=stdout, stderr=stderr, exit_code=code,
             wall_s=wall, detail=f"exit status {code}",
         )  # fmt: skip
 
 
-def _classify(code: int, stderr: str) -> Outcome:
+def _classify(code: int) -> Outcome:
     if code == 0:
         return Outcome.OK
     if code == MEMORY_EXIT:
@@ -389,8 +402,6 @@ def _classify(code: int, stderr: str) -> Outcome:
     sig = -code if code < 0 else code - _SIGNAL_BASE if code > _SIGNAL_BASE else 0
     if sig == signal.SIGXCPU:  # the soft CPU limit (the hard one, a second later, is SIGKILL)
         return Outcome.CPU_TIME
-    if code == 1 and stderr.startswith("bwrap:"):
-        return Outcome.SANDBOX_ERROR
     if sig:
         return Outcome.KILLED
     return Outcome.ERROR
