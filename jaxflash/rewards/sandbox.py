@@ -34,6 +34,10 @@ line, whether bubblewrap can start here. Without user namespaces it cannot, and
 ``allow_unsandboxed=True`` (the same bootstrap and limits in a plain child
 process: no isolation at all). See docs/SANDBOX.md for what it does not protect
 against.
+
+It lives in ``rewards`` (layer 1) because the code reward (layer 1) and the tool
+environment (``envs``, layer 2) both run model code through it, and a module
+imports only from the layers above its own.
 """
 
 from __future__ import annotations
