@@ -17,7 +17,8 @@ from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.reward_pool import RewardPool
 from jaxflash.types import FailureReason
 
-needs_bwrap = pytest.mark.skipif(not Sandbox().check().ok, reason=Sandbox().check().line)
+CHECK = Sandbox().check()
+needs_bwrap = pytest.mark.skipif(not CHECK.ok, reason=CHECK.line)
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 # HumanEval style: a check(candidate) with set-up, completed from a prefix.

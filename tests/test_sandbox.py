@@ -19,9 +19,8 @@ from jaxflash.envs.tool_env import ToolUseConfig, ToolUseEnv
 from jaxflash.rewards.code_reward import CodeReward, code_answer
 from jaxflash.rewards.sandbox import Sandbox
 
-pytestmark = pytest.mark.skipif(
-    not Sandbox().check().ok, reason="bubblewrap cannot start here: " + Sandbox().check().line
-)
+CHECK = Sandbox().check()
+pytestmark = pytest.mark.skipif(not CHECK.ok, reason=CHECK.line)
 
 # os and the real builtins through the object graph: works under the tool's restricted
 # builtins as well as in a plain program.
