@@ -12,8 +12,9 @@ Launch (from the repo root):
 Cost on 2 CPU cores: ~10+ minutes per step (4 prompts x 4 samples of up to 320 new
 tokens; the sandboxed scoring overlaps generation). A 135M model solves very few
 HumanEval problems (base pass@1 4.3 % +- 1.6 % at T=0.2, mean fraction of tests
-passed 0.196; docs/SANDBOX.md): this is a demonstration of the loop, not a recipe. On a GPU/TPU, use a larger model
-(model.source=hf) and raise prompts_per_step, num_slots and max_new_tokens.
+passed 0.196; docs/SANDBOX.md): this is a demonstration of the loop, not a recipe.
+On a GPU/TPU, use a larger model (model.source=hf) and raise prompts_per_step,
+num_slots and max_new_tokens.
 """
 
 import ml_collections
