@@ -2,15 +2,15 @@
 
 Each response's program runs against its problem's tests in a bubblewrap sandbox
 (``reward.fn=code``, docs/SANDBOX.md); reward = fraction of tests passed, accuracy =
-all passed. 164 problems: 16 held out (mean@2 / pass@2 at each evaluation), the rest
+all passed. 164 problems: 16 held out (eval_accuracy = mean@2 at each evaluation), the rest
 trained on in shuffled epochs.
 
 Launch (from the repo root):
 
     python launch/tpu_pod.py --config configs/rlvr_smollm2_humaneval.py --workdir runs/humaneval
 
-Cost on 2 CPU cores: ~10+ minutes per step (4 prompts x 4 samples of up to 320 new
-tokens; the sandboxed scoring overlaps generation). A 135M model solves very few
+Cost on 2 CPU cores: several minutes per step, not measured (4 prompts x 4 samples
+of up to 320 new tokens; the sandboxed scoring overlaps generation). A 135M model solves very few
 HumanEval problems (base pass@1 4.3 % +- 1.6 % at T=0.2, mean fraction of tests
 passed 0.196; docs/SANDBOX.md): this is a demonstration of the loop, not a recipe.
 On a GPU/TPU, use a larger model (model.source=hf) and raise prompts_per_step,
