@@ -55,9 +55,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.logits_chunk = 64  # tokens per chunk of the vocabulary log-softmax
 
     c.data = ml_collections.ConfigDict()
-    # arithmetic | file | math_file | countdown | reasoning_gym:<dataset> (jaxflash.data.tasks)
+    # arithmetic | file | math_file | countdown | reasoning_gym:<dataset> | humaneval |
+    # code_file (jaxflash.data.tasks)
     c.data.task = "arithmetic"
-    c.data.path = ""  # file / math_file: a JSONL or Parquet file
+    c.data.path = ""  # file / math_file / code_file: a JSONL or Parquet file
     c.data.shuffle = True  # file tasks: each epoch in a seeded shuffled order (False: file order)
     # Further options of the task as JSON, e.g. for countdown
     # '{"config": {"min_numbers": 3, "max_numbers": 4}}' (reasoning-gym's dataset config).
@@ -113,6 +114,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.format_weight = 0.0  # math reward only: format bonus (answer in the requested form)
     c.reward.num_workers = 2  # reward processes
     c.reward.timeout_s = 10.0  # per-sample deadline; a hung reward is failed, not waited on
+    # reward.fn=code (docs/SANDBOX.md): limits of one sandboxed run of program + tests.
+    c.reward.code_wall_s = 5.0  # wall seconds, at least 1 s under timeout_s
+    c.reward.code_memory_mb = 512  # address space
+    # Where bubblewrap cannot start: True runs model-written code WITHOUT isolation (it
+    # can read your files, use the network and kill processes). False stops the run.
+    c.reward.allow_unsandboxed = False
 
     c.learner = ml_collections.ConfigDict()
     c.learner.lr = 5e-6

@@ -12,6 +12,10 @@ run's ``data.task=<name>`` selects:
   prompt asks for a boxed answer; reward ``math``.
 - ``reasoning_gym:<dataset>``: any reasoning-gym dataset (``reasoning_gym_task``);
   reward ``reasoning_gym``. ``countdown`` = ``reasoning_gym:countdown``.
+- ``humaneval``: OpenAI's HumanEval problems (``code_tasks``); reward ``code``
+  (the program runs against the tests in the sandbox).
+- ``code_file``: ``{prompt, tests}`` rows of a JSONL/Parquet file (``code_tasks``);
+  reward ``code``.
 
 File tasks hold out the first ``min(eval_size, 10 %)`` rows for evaluation and
 read the rest in epochs shuffled with the run's seed (``epochs.EpochShuffledRows``;
@@ -26,6 +30,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxflash.data import code_tasks
 from jaxflash.data.arithmetic import ArithmeticTask
 from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.data.files import DatasetError, RowFailure, load_rows
@@ -141,10 +146,45 @@ def _reasoning_gym(dataset: str) -> Callable[..., TaskData]:
     return build
 
 
+def _humaneval(
+    *,
+    seed: int,
+    eval_size: int,
+    template: str = code_tasks.HUMANEVAL_TEMPLATE,
+    shuffle: bool = True,
+) -> TaskData:
+    train, held_out = code_tasks.split_humaneval(
+        seed=seed, eval_size=eval_size, template=template, shuffle=shuffle
+    )
+    return TaskData(train=train, eval_rows=held_out, reward="code")
+
+
+def _code_file(
+    *,
+    seed: int,
+    eval_size: int,
+    path: str,
+    prompt_key: str = "prompt",
+    answer_key: str = "tests",
+    on_error: str = "skip",
+    shuffle: bool = True,
+) -> TaskData:
+    rows = code_tasks.load_code_rows(
+        path, prompt_key=prompt_key, answer_key=answer_key, on_error=on_error
+    )
+    task = _split_file(rows, seed=seed, eval_size=eval_size, shuffle=shuffle, path=path)
+    return dataclasses.replace(task, reward="code")
+
+
+CODE_TASKS = ("humaneval", "code_file")
+"""Tasks verified by the ``code`` reward (model-written programs run in the sandbox)."""
+
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": _arithmetic,
     "file": _file,
     "math_file": _math_file,
+    "humaneval": _humaneval,
+    "code_file": _code_file,
 }
 
 
@@ -194,11 +234,14 @@ def make_task(name: str, *, seed: int, eval_size: int, **options: Any) -> TaskDa
 def task_reward(name: str) -> str:
     """The reward that verifies task ``name`` (without building it)."""
     name = ALIASES.get(name, name)
+    if name in CODE_TASKS:
+        return "code"
     return "reasoning_gym" if name.startswith(REASONING_GYM_PREFIX) else "math"
 
 
 __all__ = [
     "ALIASES",
+    "CODE_TASKS",
     "MATH_INSTRUCTION",
     "TASKS",
     "TaskData",

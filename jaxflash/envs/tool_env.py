@@ -19,11 +19,17 @@ tools or answers:
 - neither: an invalid action, ``invalid_action_penalty`` (-0.1, our choice; ROLL
   sets none for tools) and a reminder of the format.
 
-Tool executions are counted in ``executions`` (tests check a tool ran exactly once).
+Tool executions are counted in ``executions`` (tests check a tool ran exactly once),
+and how each ended in ``outcomes`` (the sandbox's ``Outcome``: ok, error, timeout,
+memory, output_too_long, ...; also per turn in ``info["tool_outcomes"]``). Tools run
+in the bubblewrap sandbox of model-written code (``tool_sandbox``); where it cannot
+start, building the environment fails with one line saying why, unless
+``allow_unsandboxed`` (which runs model code without isolation) is set.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -34,7 +40,13 @@ import numpy as np
 
 from jaxflash.envs.actions import parse_answer
 from jaxflash.envs.base import EnvConfig, StepResult
-from jaxflash.envs.tool_sandbox import TOOL_NAMES, SandboxLimits, ToolStatus, run_tool
+from jaxflash.envs.tool_sandbox import (
+    TOOL_NAMES,
+    SandboxLimits,
+    ToolStatus,
+    run_tool,
+    tool_sandbox,
+)
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ARG_KEY = {"python": "code", "calculator": "expression"}
@@ -50,6 +62,8 @@ class ToolUseConfig(EnvConfig):
       split, eval_fraction: task split, as in ``FrozenLakeConfig``.
       tool_timeout_s, tool_memory_mb, max_output_chars: ``SandboxLimits`` of one call.
       max_calls_per_turn: calls beyond this in one turn are refused with a message.
+      allow_unsandboxed: where bubblewrap cannot start, run tool code WITHOUT
+        isolation (it could read files, use the network and signal processes).
       correct_reward: reward of a correct answer.
       invalid_action_penalty: -0.1.
     """
@@ -66,6 +80,7 @@ class ToolUseConfig(EnvConfig):
     max_output_chars: int = 2000
     max_calls_per_turn: int = 4
     correct_reward: float = 1.0
+    allow_unsandboxed: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,6 +109,7 @@ class ToolUseConfig(EnvConfig):
             timeout_s=self.tool_timeout_s,
             memory_mb=self.tool_memory_mb,
             max_output_chars=self.max_output_chars,
+            allow_unsandboxed=self.allow_unsandboxed,
         )
 
 
@@ -162,11 +178,20 @@ def _parse_call(body: str | None) -> ParsedCall:
 
 
 class ToolUseEnv:
-    """Arithmetic with sandboxed tools; ``reset(seed)`` poses task ``seed`` of the split."""
+    """Arithmetic with sandboxed tools; ``reset(seed)`` poses task ``seed`` of the split.
+
+    Raises:
+      RuntimeError: bubblewrap cannot start here and ``config.allow_unsandboxed`` is
+        False (the message is the sandbox's one-line check).
+    """
 
     def __init__(self, config: ToolUseConfig | None = None) -> None:
         self.config = config or ToolUseConfig()
         self._limits = SandboxLimits(**self.config.sandbox_kwargs())
+        check = tool_sandbox(self.config.allow_unsandboxed).check()
+        if not check.ok and not self.config.allow_unsandboxed:
+            raise RuntimeError(f"{check.line} (env option allow_unsandboxed)")
+        self.outcomes: collections.Counter[str] = collections.Counter()
         self._value: int | None = None
         self._done = False
         self._calls = 0
@@ -192,6 +217,7 @@ class ToolUseEnv:
         calls = parse_tool_calls(action_text)
         if calls:
             lines, executed, errors = [], 0, 0
+            outcomes: collections.Counter[str] = collections.Counter()
             for i, call in enumerate(calls):
                 self._calls += 1
                 tag = f"[call {self._calls}]"
@@ -208,6 +234,7 @@ class ToolUseEnv:
                 result = run_tool(call.name, call.args, self._limits)
                 self.executions += 1
                 executed += 1
+                outcomes[result.outcome.value] += 1
                 if result.status == ToolStatus.OK:
                     lines.append(f"{tag} {call.name} output:\n{result.output.rstrip()}")
                 else:
@@ -221,7 +248,9 @@ class ToolUseEnv:
                 "tool_calls": len(calls),
                 "tool_errors": errors,
                 "tool_executions": executed,
+                "tool_outcomes": dict(outcomes),
             }
+            self.outcomes.update(outcomes)
             reward = float(cfg.invalid_action_penalty) if invalid else 0.0
             return StepResult("\n".join(lines), reward, False, False, info)
         answer = parse_answer(action_text)

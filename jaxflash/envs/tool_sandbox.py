@@ -1,47 +1,44 @@
-"""Running a tool call in a child process with time, memory and file-size limits.
+"""Running a tool call in the bubblewrap sandbox of model-written code.
 
-Each call starts a fresh ``python -I -S`` child (isolated mode, no site packages,
-an empty environment, a temporary working directory), which sets its own resource
-limits before it reads the tool code: address space (``memory_mb``), CPU seconds,
-written file size (1 MiB), no core dumps. The parent waits at most ``timeout_s``
-wall seconds and kills the child after that. Limits are set inside the child, not
-in a ``preexec_fn``, because the runtime calls environments from worker threads and
-``preexec_fn`` is unsafe with threads.
+Each call runs in a fresh sandbox (``jaxflash.rewards.sandbox``: own user, PID and
+network namespaces, a read-only view of the interpreter only, a private tmpfs, an
+empty environment, CPU / memory / process / output / wall-clock limits; nothing it
+starts outlives the call). Inside it, the tool code still runs with a restricted set
+of builtins, which keeps an honest model's code to computation; the sandbox is the
+security boundary (the object graph reaches ``os`` through any builtin, and that
+gets it nothing outside the sandbox).
 
 Tools:
-- ``python``: ``{"code": str}``; runs the code with a restricted set of builtins (no
+- ``python``: ``{"code": str}``; runs the code with restricted builtins (no
   ``open``, ``exec``, ``eval``, ``input``; ``import`` only of pure-computation
   modules such as ``math``, ``fractions``, ``itertools``); returns what it printed.
 - ``calculator``: ``{"expression": str}``; evaluates an arithmetic expression
   (numbers, + - * / // % **, parentheses, ``math`` functions) from its syntax tree.
 
-This is a resource boundary for honest mistakes (an endless loop, a huge
-allocation), not a security boundary against hostile code; the restricted builtins
-only keep a model's code to computation.
-
-A child process per call is the one place where ``envs`` starts a process: it is
-synchronous (the step waits for it) and leaves nothing running.
+How a call ended is a ``ToolStatus`` (shown to the policy) and the sandbox's
+``Outcome`` (``ToolResult.outcome``, counted by the environment). A sandbox per call
+is the one place where ``envs`` starts a process: it is synchronous (the step waits
+for it) and leaves nothing running.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
-import subprocess
-import sys
-import tempfile
+import logging
+
+from jaxflash.rewards.sandbox import Outcome, Sandbox
+from jaxflash.rewards.sandbox import SandboxLimits as CodeLimits
+
+log = logging.getLogger(__name__)
 
 TOOL_NAMES = ("python", "calculator")
 
 _RUNNER = r"""
-import ast, contextlib, io, json, math, resource, sys
+import ast, json, math, sys
 req = json.loads(sys.stdin.read())
-mem = req["memory_mb"] * 1024 * 1024
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (req["cpu_s"], req["cpu_s"] + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 ALLOWED_MODULES = {"math", "cmath", "fractions", "decimal", "itertools", "functools",
                    "statistics", "operator", "collections", "string", "re", "json", "random"}
 def _import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -77,17 +74,18 @@ def calc(node):
             and node.func.id in FUNCS and not node.keywords):
         return FUNCS[node.func.id](*[calc(a) for a in node.args])
     raise ValueError(f"unsupported syntax: {ast.dump(node)[:60]}")
-out = io.StringIO()
+# The tool's output goes straight to stdout (the sandbox bounds it); the result line
+# goes to stderr, after everything the tool printed.
 try:
-    with contextlib.redirect_stdout(out):
-        if req["tool"] == "python":
-            exec(compile(req["args"]["code"], "<tool>", "exec"), {"__builtins__": SAFE})
-        else:
-            print(calc(ast.parse(req["args"]["expression"], mode="eval")))
-    res = {"ok": True, "output": out.getvalue()}
+    if req["tool"] == "python":
+        exec(compile(req["args"]["code"], "<tool>", "exec"), {"__builtins__": SAFE})
+    else:
+        print(calc(ast.parse(req["args"]["expression"], mode="eval")))
+    res = {"ok": True}
 except BaseException as e:
-    res = {"ok": False, "output": out.getvalue(), "error": f"{type(e).__name__}: {e}"}
-sys.__stdout__.write("\n" + json.dumps(res))
+    res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+sys.stdout.flush()
+sys.stderr.write("\n" + json.dumps(res) + "\n")
 """
 
 
@@ -102,11 +100,13 @@ class ToolStatus(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToolResult:
-    """One tool execution: ``output`` is what it printed (cut to max_output_chars)."""
+    """One tool execution: ``output`` is what it printed (cut to max_output_chars);
+    ``outcome`` is how the sandboxed call ended (``Outcome``, counted)."""
 
     status: ToolStatus
     output: str
     error: str | None = None
+    outcome: Outcome = Outcome.OK
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,12 +116,18 @@ class SandboxLimits:
     Attributes:
       timeout_s: wall-clock limit (> 0); CPU seconds are limited to ceil(timeout_s).
       memory_mb: address-space limit of the child in MiB (>= 64).
-      max_output_chars: longer output is cut and marked (>= 16).
+      max_output_chars: longer output is cut and marked (>= 16); output beyond
+        ``OUTPUT_FACTOR`` times it (at least 64 KiB) stops the call (a flood).
+      max_procs: processes the tool code may have (>= 1).
+      allow_unsandboxed: run tools without isolation where bubblewrap cannot start
+        (the code could then read files, use the network and signal processes).
     """
 
     timeout_s: float = 5.0
     memory_mb: int = 256
     max_output_chars: int = 2000
+    max_procs: int = 8
+    allow_unsandboxed: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -134,12 +140,38 @@ class SandboxLimits:
             )
 
 
+OUTPUT_FACTOR = 8
+
+
+def code_limits(limits: SandboxLimits) -> CodeLimits:
+    """The sandbox limits of one tool call."""
+    return CodeLimits(
+        wall_s=limits.timeout_s,
+        memory_mb=limits.memory_mb,
+        max_procs=limits.max_procs,
+        max_output_bytes=max(1 << 16, OUTPUT_FACTOR * limits.max_output_chars),
+        tmpfs_mb=1,
+    )
+
+
+@functools.cache
+def tool_sandbox(allow_unsandboxed: bool = False) -> Sandbox:
+    """The process's sandbox of tool calls (probed once; ``counts`` of all calls).
+
+    With ``allow_unsandboxed`` and no working bubblewrap it warns once, in one line.
+    """
+    sandbox = Sandbox(allow_unsandboxed=allow_unsandboxed)
+    if allow_unsandboxed and not sandbox.check().ok:
+        log.warning("%s", sandbox.check().line)
+    return sandbox
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + f"... [cut at {limit} chars]"
 
 
 def run_tool(tool: str, args: dict[str, str], limits: SandboxLimits) -> ToolResult:
-    """Execute one tool call in a fresh limited child process.
+    """Execute one tool call in a fresh sandbox (``tool_sandbox``).
 
     Args:
       tool: "python" (args {"code": str}) or "calculator" (args {"expression": str}).
@@ -152,50 +184,45 @@ def run_tool(tool: str, args: dict[str, str], limits: SandboxLimits) -> ToolResu
 
     Raises:
       ValueError: unknown tool or missing argument (callers validate first).
-      OSError: the child could not be started (an infrastructure failure).
+      OSError: the sandbox could not run (an infrastructure failure).
+      RuntimeError: bubblewrap cannot start here and ``limits.allow_unsandboxed`` is
+        False (``ToolUseEnv`` says so when it is built).
     """
     key = {"python": "code", "calculator": "expression"}.get(tool)
     if key is None:
         raise ValueError(f"run_tool: unknown tool {tool!r}; tools are {TOOL_NAMES}")
     if not isinstance(args.get(key), str):
         raise ValueError(f"run_tool: {tool} needs a string argument {key!r}, got {args!r}")
-    request = json.dumps(
-        {
-            "tool": tool,
-            "args": {key: args[key]},
-            "memory_mb": limits.memory_mb,
-            "cpu_s": max(1, int(-(-limits.timeout_s // 1))),
-        }
-    )
-    with tempfile.TemporaryDirectory(prefix="jaxflash_tool_") as cwd:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-S", "-c", _RUNNER],
-                input=request,
-                capture_output=True,
-                text=True,
-                timeout=limits.timeout_s,
-                cwd=cwd,
-                env={},
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return ToolResult(
-                status=ToolStatus.TIMEOUT, output="", error=f"timed out after {limits.timeout_s}s"
-            )
-    last = proc.stdout.rstrip("\n").rsplit("\n", 1)[-1] if proc.stdout else ""
+    request = json.dumps({"tool": tool, "args": {key: args[key]}})
+    sandbox = tool_sandbox(limits.allow_unsandboxed)
+    run = sandbox.run(_RUNNER, stdin=request, limits=code_limits(limits))
+    output = _cut(run.stdout, limits.max_output_chars)
+    if run.outcome == Outcome.SANDBOX_ERROR:
+        raise OSError(f"tool sandbox failed: {run.detail} {run.stderr.strip()[-200:]}")
+    if run.outcome == Outcome.TIMEOUT:
+        return ToolResult(
+            status=ToolStatus.TIMEOUT,
+            output=output,
+            error=f"timed out after {limits.timeout_s}s",
+            outcome=run.outcome,
+        )
+    last = run.stderr.rstrip("\n").rsplit("\n", 1)[-1] if run.stderr else ""
     try:
         res = json.loads(last)
     except json.JSONDecodeError:
         res = None
-    if proc.returncode != 0 or not isinstance(res, dict):
-        why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else "crashed"
+    if run.outcome != Outcome.OK or not isinstance(res, dict):
+        why = {
+            Outcome.CPU_TIME: "CPU time limit",
+            Outcome.MEMORY: f"memory limit: {limits.memory_mb} MiB",
+            Outcome.OUTPUT_TOO_LONG: f"output limit: {code_limits(limits).max_output_bytes} bytes",
+        }.get(run.outcome, f"{run.outcome.value}, {run.detail}")
         return ToolResult(
-            status=ToolStatus.LIMIT,
-            output="",
-            error=f"{why} (CPU or memory limit: {limits.memory_mb} MiB)",
+            status=ToolStatus.LIMIT, output=output, error=f"stopped ({why})", outcome=run.outcome
         )
-    output = _cut(res.get("output", ""), limits.max_output_chars)
     if res.get("ok"):
-        return ToolResult(status=ToolStatus.OK, output=output)
-    return ToolResult(status=ToolStatus.ERROR, output=output, error=res.get("error", "error"))
+        return ToolResult(status=ToolStatus.OK, output=output, outcome=run.outcome)
+    error = str(res.get("error", "error"))
+    # The runner reports a MemoryError the tool code raised: the memory limit tripped.
+    outcome = Outcome.MEMORY if error.startswith("MemoryError") else run.outcome
+    return ToolResult(status=ToolStatus.ERROR, output=output, error=error, outcome=outcome)

@@ -115,7 +115,10 @@ class EpisodeRollout:
             functools.partial(make_env, self.spec.name, **self.spec.env_options(split))
             for split in ("train", "eval")
         ):
-            env = make()
+            try:  # a tool environment whose sandbox cannot start says why here
+                env = make()
+            except RuntimeError as e:
+                raise ConfigError(f"env.name={self.spec.name!r}: {e}") from None
             try:
                 for seed in range(FIRST_PROMPTS_MEASURED):
                     lengths.append(len(self.renderer.first_prompt(env.reset(seed))))

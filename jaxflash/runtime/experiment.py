@@ -58,7 +58,7 @@ __all__ = [
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 """Advantage estimators whose baseline is the prompt's own group of samples."""
 
-TASK_VERIFIERS = ("math", "reasoning_gym")
+TASK_VERIFIERS = ("math", "reasoning_gym", "code")
 """Built-in rewards that read a task's answer format (a task's ``task_reward``)."""
 
 

@@ -15,6 +15,7 @@ from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
 from jaxflash.rewards.base import REWARD_FNS, combined
+from jaxflash.rewards.code_reward import CodeReward
 from jaxflash.runtime.experiment import (
     ConfigError,
     ExperimentConfig,
@@ -123,6 +124,16 @@ def make_reward(spec: RewardSpec) -> Any:
     Raises:
       ConfigError: the path does not import or has no such attribute (names reward.fn).
     """
+    if spec.fn == "code":  # the sandbox's limits; it must start here (one line if not)
+        reward = CodeReward(
+            wall_s=spec.code_wall_s,
+            memory_mb=spec.code_memory_mb,
+            allow_unsandboxed=spec.allow_unsandboxed,
+        )
+        check = reward.sandbox().check()
+        if not check.ok and not spec.allow_unsandboxed:
+            raise ConfigError(f"reward.fn='code': {check.line} (reward.allow_unsandboxed)")
+        return reward  # TaskWorkload.build prints check.line
     if spec.fn in REWARD_FNS and spec.fn != "math":
         return spec.fn  # a registered name; workers resolve it from the registry
     if spec.fn != "math":

@@ -6,6 +6,7 @@ tables document every name here. Host-side numpy only.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -111,8 +112,9 @@ def batch_metrics(groups: Sequence[Group], trained: Sequence[Sample]) -> dict[st
       num_groups, num_samples (samples with loss), samples_masked, and over every
       sample of ``groups`` (masked included: they are what the policy produced for
       the trained prompts): reward_mean, reward_std, accuracy (``correctness``),
-      response_len_mean, response_len_max, truncated_frac. Only the counts when
-      there are no groups.
+      response_len_mean, response_len_max, truncated_frac; with a reward that reports
+      ``outcome/<name>`` components (``code``: how each sandboxed run ended),
+      sandbox_outcomes = {name: samples}. Only the counts when there are no groups.
     """
     samples = [s for g in groups for s in g.samples]
     out: dict[str, Any] = {
@@ -132,6 +134,14 @@ def batch_metrics(groups: Sequence[Group], trained: Sequence[Sample]) -> dict[st
         response_len_max=float(lens.max()),
         truncated_frac=float(np.mean([s.truncated for s in samples])),
     )
+    outcomes = collections.Counter(
+        name.removeprefix("outcome/")
+        for s in samples
+        for name, value in (s.reward_info or {}).get("components", {}).items()
+        if name.startswith("outcome/") and value
+    )
+    if outcomes:
+        out["sandbox_outcomes"] = dict(sorted(outcomes.items()))
     return out
 
 

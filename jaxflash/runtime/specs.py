@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxflash.data.tasks import get_task
 
-FILE_TASKS = ("file", "math_file")
+FILE_TASKS = ("file", "math_file", "code_file")
 """Tasks that read a JSONL/Parquet file (``data.path``)."""
 
 
@@ -170,8 +170,8 @@ class DataSpec:
 
     Attributes:
       task: a task name: arithmetic | file | math_file | countdown |
-        reasoning_gym:<dataset>.
-      path: the JSONL/Parquet file of ``file`` / ``math_file``.
+        reasoning_gym:<dataset> | humaneval | code_file.
+      path: the JSONL/Parquet file of ``file`` / ``math_file`` / ``code_file``.
       shuffle: file tasks: read each epoch in a seeded shuffled order (False:
         file order).
       task_options: further keyword options of the task (reasoning-gym:
@@ -183,7 +183,8 @@ class DataSpec:
         (``runtime.prompt_lengths``).
       eval_size: held-out prompts (file tasks: at most 10 % of the file).
       prompt_key, answer_key: file tasks: field names ("" = the task's own:
-        prompt/answer for file, problem/solution for math_file).
+        prompt/answer for file, problem/solution for math_file, prompt/tests for
+        code_file).
       answer_marker: task file: the answer follows its last occurrence (GSM8K "####").
       on_error: a malformed file row: "fail" (that prompt fails, counted) | "raise".
     """
@@ -236,7 +237,7 @@ class DataSpec:
                 f"data.{name}={getattr(self, name)!r}"
                 for name in ("path", "prompt_key", "answer_key", "answer_marker")
                 if getattr(self, name)
-            ] + (["data.shuffle=False"] if not self.shuffle else [])
+            ] + (["data.shuffle=False"] if not self.shuffle and self.task != "humaneval" else [])
             check(
                 not ignored,
                 f"{', '.join(ignored)}: only file tasks ({' | '.join(FILE_TASKS)}) read it, "
@@ -246,6 +247,10 @@ class DataSpec:
             self.task != "math_file" or not self.answer_marker,
             "data.answer_marker is used by data.task=file only; math_file reads the "
             "solution's last \\boxed{}",
+        )
+        check(
+            self.task != "code_file" or not self.answer_marker,
+            "data.answer_marker is used by data.task=file only; code_file reads tests",
         )
 
     def task_kwargs(self) -> dict[str, Any]:
@@ -271,6 +276,8 @@ class DataSpec:
             )
             if self.answer_marker:
                 options["answer_marker"] = self.answer_marker
+        elif self.task == "humaneval":
+            options = dict(shuffle=self.shuffle)
         else:
             options = {}
         return {**options, **self.task_options}
@@ -282,6 +289,10 @@ class RewardSpec:
 
     ``ExperimentConfig`` replaces "" by the task's reward (``tasks.task_reward``).
     ``answer_weight`` / ``format_weight`` weigh the built-in "math" reward only.
+    ``code_wall_s`` / ``code_memory_mb`` are the sandbox limits of one run of the
+    "code" reward (``rewards.code_reward``); ``allow_unsandboxed`` lets it run model
+    code WITHOUT isolation where bubblewrap cannot start (the code could then read
+    files, use the network and kill processes); off, such a run stops at start.
     """
 
     fn: str = ""
@@ -289,6 +300,9 @@ class RewardSpec:
     format_weight: float = 0.0
     num_workers: int = 2
     timeout_s: float = 10.0
+    code_wall_s: float = 5.0
+    code_memory_mb: int = 512
+    allow_unsandboxed: bool = False
 
     def __post_init__(self) -> None:
         from jaxflash.rewards import REWARD_FNS  # noqa: PLC0415 (fills the registry)
@@ -300,6 +314,15 @@ class RewardSpec:
             not self.fn or self.fn in REWARD_FNS or bool(sep and module and attr),
             f"reward.fn must be '' (the task's own reward), a registered name "
             f"{sorted(REWARD_FNS)} or 'package.module:attr', got {self.fn!r}",
+        )
+        check(
+            self.code_wall_s > 0 and self.code_wall_s + 1.0 <= self.timeout_s,
+            f"reward.code_wall_s={self.code_wall_s} must be > 0 and at least 1 s under "
+            f"reward.timeout_s={self.timeout_s} (the sandbox stops a program, not the pool)",
+        )
+        check(
+            self.code_memory_mb >= 64,
+            f"reward.code_memory_mb must be >= 64, got {self.code_memory_mb}",
         )
         check(
             self.fn in ("", "math") or (self.answer_weight == 1.0 and self.format_weight == 0.0),

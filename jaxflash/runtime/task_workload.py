@@ -20,6 +20,7 @@ from jaxflash.algorithms.advantages import get_advantage_estimator
 from jaxflash.data.prompts import PromptFailure, PromptSource
 from jaxflash.data.tasks import TaskData
 from jaxflash.replay.groups import Group
+from jaxflash.rewards.code_reward import CodeReward
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.evaluation import evaluate
@@ -77,6 +78,8 @@ class TaskWorkload:
             (naming the fields).
         """
         reward = make_reward(exp.reward)  # resolve a custom reward before the model load
+        if isinstance(reward, CodeReward):  # which sandbox runs model code, in one line
+            console.line(reward.sandbox().check().line)
         with console.phase(f"building task {exp.data.task}"):
             task = build_task(exp)
             tokenizer = load_tokenizer(exp.model)

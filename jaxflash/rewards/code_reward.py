@@ -1,0 +1,234 @@
+"""Code correctness: the response's program run against the task's tests, in the sandbox.
+
+The program is the content of the response's *last* fenced block opened with
+```` ```python ```` (or ```` ```py ````; a block cut off before its closing fence runs to
+the end of the response), else the whole response. A task that gives an
+``entry_point`` and a ``prefix`` (HumanEval: the signature and docstring) treats a
+program that does not define ``def <entry_point>`` as the *body* of that prefix
+(completion style), so both "the whole function" and "just the body" work.
+
+The answer string of a code row is JSON (``code_answer``)::
+
+    {"tests": ["assert add(1, 2) == 3", ...] | "<python source>",
+     "entry_point": "add", "prefix": "def add(a, b):\\n"}   # the last two optional
+
+Tests as a list: each string is one test. Tests as source: each top-level statement
+that contains an ``assert`` is one test and the others are set-up, run in order; a
+source that defines ``check(candidate)`` (HumanEval) is read as its module-level
+set-up, ``candidate = <entry_point>``, then the statements of ``check``'s body.
+A test passes when it runs without raising; a set-up statement that raises fails
+the tests after it.
+
+Score = fraction of tests passed; components ``correct`` (1.0 iff every test
+passed), ``tests_passed`` (the fraction), ``program_found`` (a fenced block was
+found) and ``outcome/<outcome>`` = 1.0 for how the run ended: ``ok`` (the tests
+ran), ``error`` (the program raised before the tests -- a syntax error, say -- or
+exited without the grader's report), or the sandbox's ``timeout``, ``cpu_time``,
+``memory``, ``output_too_long``, ``killed``. All of those are the policy's
+outcomes (score 0 when no test ran), not reward errors; ``error`` is set only for a
+malformed answer string or a sandbox that could not run.
+
+The grader runs in the sandbox, in the same interpreter as the program, and only a
+report that carries a per-call secret counts; a program that inspects the grader's
+memory can still forge it (docs/SANDBOX.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import json
+import re
+import secrets
+from typing import Any
+
+from jaxflash.rewards.base import RewardResult, register
+from jaxflash.rewards.sandbox import Outcome, Sandbox, SandboxLimits
+
+_FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+_GRADER = r"""
+import json, sys
+req = json.loads(sys.stdin.read())
+nonce, steps = req.pop("nonce"), req.pop("steps")
+g = {"__name__": "__main__"}
+passed, error = [], None
+try:
+    exec(compile(req["program"], "solution.py", "exec"), g)
+except MemoryError:
+    raise  # the sandbox's "memory" outcome
+except BaseException as e:
+    error = type(e).__name__
+else:
+    for source, is_test in steps:
+        try:
+            exec(compile(source, "test.py", "exec"), g)
+            ok = True
+        except MemoryError:
+            raise
+        except BaseException:
+            ok = False
+        if is_test:
+            passed.append(ok)
+        elif not ok:
+            break
+sys.stdout.flush()
+sys.stdout.write("\n" + nonce + json.dumps({"passed": passed, "error": error}) + "\n")
+sys.stdout.flush()
+"""
+
+
+def extract_program(response_text: str) -> tuple[str, bool]:
+    """(program, whether it came from a fenced block): the last ```python block, else all."""
+    blocks = _FENCE.findall(response_text)
+    if blocks:
+        return blocks[-1], True
+    return response_text, False
+
+
+def _has_assert(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Assert) for n in ast.walk(node))
+
+
+def grading_steps(tests: str | list[str], entry_point: str = "") -> list[tuple[str, bool]]:
+    """The grader's steps: (source, is_test) in order (module docstring).
+
+    Raises:
+      ValueError: tests that do not parse, or that hold no test.
+    """
+    if isinstance(tests, list):
+        if not tests or not all(isinstance(t, str) for t in tests):
+            raise ValueError("tests must be a non-empty list of strings or a source string")
+        return [(t, True) for t in tests]
+    try:
+        module = ast.parse(tests)
+    except SyntaxError as e:
+        raise ValueError(f"tests do not parse: {e}") from None
+    steps: list[tuple[str, bool]] = []
+    checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if checks and entry_point:
+        steps += [(ast.unparse(n), False) for n in module.body if n is not checks[-1]]
+        steps.append((f"candidate = {entry_point}", False))
+        body = checks[-1].body
+    else:
+        body = module.body
+    steps += [(ast.unparse(n), _has_assert(n)) for n in body]
+    if not any(is_test for _, is_test in steps):
+        raise ValueError("tests hold no assert")
+    return steps
+
+
+def code_answer(tests: str | list[str], *, entry_point: str = "", prefix: str = "") -> str:
+    """The answer string of a code row (checked: the tests parse and hold a test).
+
+    Raises:
+      ValueError: bad tests (``grading_steps``).
+    """
+    grading_steps(tests, entry_point)
+    payload: dict[str, Any] = {"tests": tests}
+    if entry_point:
+        payload["entry_point"] = entry_point
+    if prefix:
+        payload["prefix"] = prefix
+    return json.dumps(payload)
+
+
+@functools.cache
+def _sandbox(allow_unsandboxed: bool) -> Sandbox:
+    return Sandbox(allow_unsandboxed=allow_unsandboxed)
+
+
+def _result(score: float, found: bool, outcome: str, error: str | None = None) -> RewardResult:
+    return RewardResult(
+        score=score,
+        components={
+            "correct": float(score == 1.0),
+            "tests_passed": score,
+            "program_found": float(found),
+            f"outcome/{outcome}": 1.0,
+        },
+        error=error,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodeReward:
+    """Fraction of the task's tests the response's program passes, run in the sandbox.
+
+    A class so the limits are stated and picklable into reward workers; the
+    registered "code" reward is ``CodeReward()``.
+
+    Attributes:
+      wall_s: wall-clock seconds of one run, program and tests together (> 0; keep
+        it under ``reward.timeout_s`` so the sandbox, not the pool, stops it).
+      memory_mb: address space in MiB (>= 64).
+      max_procs: processes (>= 1).
+      max_output_bytes: what the program may print (>= 64).
+      allow_unsandboxed: where bubblewrap cannot start, run the program WITHOUT
+        isolation (it could read files, use the network, signal processes).
+
+    Returns (when called with ``(response_text, answer)``): see the module docstring.
+
+    Raises:
+      TypeError: response_text or answer is not a str.
+      RuntimeError: bubblewrap cannot start and ``allow_unsandboxed`` is False.
+    """
+
+    wall_s: float = 5.0
+    memory_mb: int = 512
+    max_procs: int = 8
+    max_output_bytes: int = 1 << 20
+    allow_unsandboxed: bool = False
+
+    def limits(self) -> SandboxLimits:
+        return SandboxLimits(
+            wall_s=self.wall_s,
+            memory_mb=self.memory_mb,
+            max_procs=self.max_procs,
+            max_output_bytes=self.max_output_bytes,
+        )
+
+    def __post_init__(self) -> None:
+        self.limits()  # raises ValueError naming a bad limit
+
+    def sandbox(self) -> Sandbox:
+        """The process's sandbox of this reward (probed once)."""
+        return _sandbox(self.allow_unsandboxed)
+
+    def __call__(self, response_text: str, answer: str) -> RewardResult:
+        if not isinstance(response_text, str) or not isinstance(answer, str):
+            raise TypeError("CodeReward takes (response_text: str, answer: str)")
+        try:
+            payload = json.loads(answer)
+            entry_point = payload.get("entry_point", "")
+            steps = grading_steps(payload["tests"], entry_point)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            return _result(0.0, False, "error", f"answer is not a code payload ({e})")
+        program, found = extract_program(response_text)
+        if (
+            entry_point
+            and payload.get("prefix")
+            and not re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", program, re.MULTILINE)
+        ):
+            program = payload["prefix"] + program  # the response is the body
+        nonce = secrets.token_hex(16)
+        request = json.dumps({"program": program, "steps": steps, "nonce": nonce})
+        run = self.sandbox().run(_GRADER, stdin=request, limits=self.limits())
+        if run.outcome == Outcome.SANDBOX_ERROR:
+            return _result(0.0, found, run.outcome.value, f"sandbox failed: {run.detail}")
+        report = None
+        for line in reversed(run.stdout.splitlines()):
+            if line.startswith(nonce):
+                report = json.loads(line[len(nonce) :])
+                break
+        if run.outcome != Outcome.OK:
+            return _result(0.0, found, run.outcome.value)
+        if report is None or report["error"] is not None:
+            return _result(0.0, found, Outcome.ERROR.value)
+        passed = report["passed"]
+        n_tests = sum(is_test for _, is_test in steps)
+        return _result(sum(passed) / n_tests, found, Outcome.OK.value)
+
+
+code_reward = register("code")(CodeReward())
