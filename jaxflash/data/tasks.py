@@ -5,6 +5,9 @@ run's ``data.task=<name>`` selects:
 
 - ``arithmetic``: seeded procedural arithmetic (``arithmetic.ArithmeticTask``);
   reward ``math``.
+- ``digits``: seeded digit strings to reverse / sort / copy (``digits.DigitTask``;
+  options ``op``, ``length``, ``num_symbols``); reward ``digit_match`` (partial
+  credit per position).
 - ``file``: ``{prompt, answer}`` rows of a JSONL/Parquet file (GSM8K:
   ``answer_marker="####"``); reward ``math``.
 - ``math_file``: MATH-style rows ``{problem, solution}``; the label is the
@@ -27,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxflash.data.arithmetic import ArithmeticTask
+from jaxflash.data.digits import DigitTask
 from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.data.files import DatasetError, RowFailure, load_rows
 from jaxflash.rewards.format import boxed_contents
@@ -141,8 +145,20 @@ def _reasoning_gym(dataset: str) -> Callable[..., TaskData]:
     return build
 
 
+def _digits(*, seed: int, eval_size: int, **knobs: Any) -> TaskData:
+    train = DigitTask(seed, split="train", **knobs)
+    held_out = DigitTask(seed, split="eval", **knobs)
+    return TaskData(
+        train=train.row, eval_rows=held_out.rows(0, eval_size), reward=TASK_REWARDS["digits"]
+    )
+
+
+TASK_REWARDS = {"digits": "digit_match"}
+"""Tasks whose reward is not ``math``: their own registered reward."""
+
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": _arithmetic,
+    "digits": _digits,
     "file": _file,
     "math_file": _math_file,
 }
@@ -194,6 +210,8 @@ def make_task(name: str, *, seed: int, eval_size: int, **options: Any) -> TaskDa
 def task_reward(name: str) -> str:
     """The reward that verifies task ``name`` (without building it)."""
     name = ALIASES.get(name, name)
+    if name in TASK_REWARDS:
+        return TASK_REWARDS[name]
     return "reasoning_gym" if name.startswith(REASONING_GYM_PREFIX) else "math"
 
 
@@ -201,6 +219,7 @@ __all__ = [
     "ALIASES",
     "MATH_INSTRUCTION",
     "TASKS",
+    "TASK_REWARDS",
     "TaskData",
     "get_task",
     "make_task",

@@ -3,10 +3,11 @@
 Importing the package fills the `REWARD_FNS` registry: "math" (answer
 correctness on Math-Verify), "format_boxed", "format_answer_is", "format_any",
 "reasoning_gym" (reasoning-gym's verifiers), "uppercase_fraction" (a toy reward
-for smoke runs).
+for smoke runs), "digit_match" (partial credit for the digit-string tasks).
 """
 
 from jaxflash.rewards import (  # noqa: F401  (fill the registry)
+    digits,
     format,
     math_reward,
     reasoning_gym_reward,
