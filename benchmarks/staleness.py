@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -90,18 +91,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %} ={% endif %}"
 )
 GRIDS: dict[str, dict[str, Any]] = {
-    # ~25 min on 2 idle cores: 5 alphas x 3 losses x 2 seeds, scheduler mode, plus
-    # forced staleness at alpha 2 and 8 for the same losses, 1 seed.
+    # 33 runs of 40 steps: 5 alphas x 3 losses x 2 seeds (sched) + forced alpha 4 x 3
+    # losses x 1 seed. About 25 min on 2 idle cores (~45 s a run); ~70 min at load 10.
     "quick": dict(
         alphas=[0, 1, 2, 4, 8], losses=["ppo", "decoupled_ppo", "cispo"], seeds=2,
-        modes=["sched"], steps=150, forced_alphas=[2, 8], forced_seeds=1,
+        modes=["sched", "forced"], steps=40, forced_alphas=[4], forced_seeds=1,
     ),
-    # Every default loss, both modes, 3 seeds, a longer horizon (~10-12 h on 2 cores).
+    # Every default loss, both modes, 3 seeds, 120 steps: 90 sched + 72 forced runs
+    # (~8 h on 2 idle cores; see docs/STALENESS.md).
     "full": dict(
         alphas=[0, 1, 2, 4, 8], losses=list(DEFAULT_LOSSES), seeds=3,
-        modes=["sched", "forced"], steps=300, forced_alphas=[1, 2, 4, 8], forced_seeds=3,
+        modes=["sched", "forced"], steps=120, forced_alphas=[1, 2, 4, 8], forced_seeds=3,
     ),
-    # Seconds: the test's plumbing check (the numbers mean nothing).
+    # Seconds of steps (about a minute with start-up): the test's plumbing check.
     "smoke": dict(
         alphas=[0, 2], losses=["ppo"], seeds=1, modes=["sched", "forced"], steps=3,
         forced_alphas=[2], forced_seeds=1,
@@ -191,6 +193,7 @@ def make_config(
     r.temperature = 1.0
     r.num_slots = args.prompts * args.group
     c.learner.lr = args.lr
+    c.learner.entropy_coef = args.entropy_coef
     c.learner.micro_batch_size = args.prompts * args.group
     c.learner.loss = loss
     c.learner.loss_kwargs = ml_collections.ConfigDict()  # each loss at its own defaults
@@ -209,38 +212,56 @@ def make_config(
 
 
 def experiment(c: Any) -> Any:
-    """``ExperimentConfig.from_config_dict(c)``; a loss the learner refuses against the
-    behaviour policy ("needs ratio_against='proximal'") is retried against the proximal one."""
-    from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
+    """The run's validated experiment (``ExperimentWithImportance``); a loss the learner
+    refuses against the behaviour policy ("needs ratio_against='proximal'") is retried
+    against the proximal one."""
+    from jaxflash.runtime.experiment import ConfigError
 
+    cls = experiment_class()
     try:
-        exp = ExperimentConfig.from_config_dict(c)
+        return cls.from_config_dict(c)
     except (ConfigError, ValueError) as e:
         if "proximal" not in str(e) or c.learner.ratio_against == "proximal":
             raise
         c.learner.ratio_against = "proximal"
-        exp = ExperimentConfig.from_config_dict(c)
-    return with_importance_metrics(exp)
+        return cls.from_config_dict(c)
 
 
-def with_importance_metrics(exp: Any) -> Any:
-    """``exp`` whose learner also reports the importance statistics of its rows.
+_EXPERIMENT_CLASS: list[type] = []
+
+
+def experiment_class() -> type:
+    """``ExperimentConfig`` whose learner also reports the importance statistics of its rows.
 
     The learner computes ``fresh_ess_token`` / ``fresh_ess_seq`` / ``fresh_ratio_*``
     (w = pi_theta / mu at the step's params, ``learner.cycles.importance_metrics``)
-    only on its dual-cycle path, which a run without replay does not take. Setting
-    ``learner.replay_loss`` to the run's own loss (and kwargs, ratio_against) takes
-    it: no row is replayed (every row is labelled fresh and trained with
-    ``learner.loss`` as before), only the metrics are added. Set after validation,
-    as ``ExperimentConfig`` itself derives these fields.
+    only on its dual-cycle path, which a run without replay does not take. This
+    subclass sets ``learner.replay_loss`` to the run's own loss (kwargs,
+    ratio_against) after validation, so the learner takes that path: no row is
+    replayed (every row is labelled fresh and trained with ``learner.loss`` as
+    before; ``learner.cycles`` documents the two paths as equal for fresh rows),
+    only the metrics are added. A subclass rather than a one-off edit because the
+    runtime copies the experiment (``dataclasses.replace``, which validates again).
     """
-    learner = exp.learner.replace(
-        replay_loss=exp.learner.loss,
-        replay_loss_kwargs=dict(exp.learner.loss_kwargs),
-        replay_ratio_against=exp.learner.ratio_against,
-    )
-    object.__setattr__(exp, "learner", learner)
-    return exp
+    if _EXPERIMENT_CLASS:
+        return _EXPERIMENT_CLASS[0]
+    from jaxflash.runtime.experiment import ExperimentConfig
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class ExperimentWithImportance(ExperimentConfig):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            lc = self.learner
+            if lc.replay_loss is None:
+                lc = lc.replace(
+                    replay_loss=lc.loss,
+                    replay_loss_kwargs=dict(lc.loss_kwargs),
+                    replay_ratio_against=lc.ratio_against,
+                )
+                object.__setattr__(self, "learner", lc)
+
+    _EXPERIMENT_CLASS.append(ExperimentWithImportance)
+    return ExperimentWithImportance
 
 
 def lagged_server_factory(lag: int):
@@ -343,16 +364,30 @@ def read_run(workdir: str, *, mode: str, alpha: int) -> dict[str, Any]:
 
 
 def grid_runs(args: argparse.Namespace) -> list[tuple[str, int, str, int]]:
-    """(mode, alpha, loss, seed) of every run, in run order."""
+    """(mode, alpha, loss, seed) of every run, in run order: seed by seed (a grid cut
+    short still has whole seeds), a seed's forced runs after its sched runs."""
     out = []
-    if "sched" in args.modes:
-        for seed in range(args.seeds):
+    for seed in range(max(args.seeds, args.forced_seeds)):
+        if "sched" in args.modes and seed < args.seeds:
             for loss in args.losses:
                 out += [("sched", a, loss, seed) for a in args.alphas]
-    if "forced" in args.modes:
-        for seed in range(args.forced_seeds):
+        if "forced" in args.modes and seed < args.forced_seeds:
             for loss in args.losses:
                 out += [("forced", a, loss, seed) for a in args.forced_alphas if a > 0]
+    return out
+
+
+def save(args: argparse.Namespace, runs: list[dict[str, Any]], *, partial: bool) -> dict:
+    """Writes ``args.out`` (after every run: a grid cut short keeps what it ran)."""
+    hidden = ("workdir", "out", "plots", "summarize")
+    out = {
+        "args": {k: v for k, v in vars(args).items() if k not in hidden},
+        "partial": partial,
+        "summary": summarize(runs, args.target),
+        "runs": runs,
+    }
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
     return out
 
 
@@ -390,6 +425,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             **read_run(workdir, mode=mode, alpha=alpha),
         }
         runs.append(run)
+        save(args, runs, partial=i + 1 < len(plan))
         ev = run["evals"]
         print(
             f"[{i + 1}/{len(plan)}] {mode} alpha={alpha} {loss} seed {seed}: "
@@ -598,15 +634,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--forced_seeds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="learner steps per run")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (B)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (B)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
-    p.add_argument("--length", type=int, default=3, help="digits per problem")
+    p.add_argument("--length", type=int, default=2, help="digits per problem")
     p.add_argument("--op", default="reverse", choices=["reverse", "sort", "copy"])
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--evals", type=int, default=10, help="evaluations per run (plus step 0)")
+    p.add_argument("--evals", type=int, default=8, help="evaluations per run (plus step 0)")
     p.add_argument("--eval_prompts", type=int, default=64)
-    p.add_argument("--target", type=float, default=0.6, help="held-out reward target")
-    p.add_argument("--d_model", type=int, default=64)
+    p.add_argument("--target", type=float, default=0.5, help="held-out reward target")
+    p.add_argument("--d_model", type=int, default=128)
     p.add_argument("--n_layers", type=int, default=2)
     p.add_argument(
         "--set",
@@ -641,21 +677,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.summarize:
+        with open(args.summarize, encoding="utf-8") as f:
+            runs = json.load(f)["runs"]
+        rows = summarize(runs, args.target)
+        print_table(rows, args.target)
+        print("wrote " + ", ".join(plot(runs, rows, args.plots)))
+        return {"summary": rows, "runs": runs}
     print(f"load average at start (1, 5, 15 min): {os.getloadavg()}; runs in {args.workdir}")
     t0 = time.monotonic()
     runs = run_grid(args)
-    rows = summarize(runs, args.target)
-    print_table(rows, args.target)
-    paths = plot(runs, rows, args.plots)
-    out = {
-        "args": {k: v for k, v in vars(args).items() if k not in ("workdir", "out", "plots")},
-        "wall_s": time.monotonic() - t0,
-        "summary": rows,
-        "runs": runs,
-    }
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out} and {', '.join(paths)}; {out['wall_s'] / 60:.1f} min")
+    out = save(args, runs, partial=False)
+    print_table(out["summary"], args.target)
+    paths = plot(runs, out["summary"], args.plots)
+    print(f"wrote {args.out} and {', '.join(paths)}; {(time.monotonic() - t0) / 60:.1f} min")
     return out
 
 
