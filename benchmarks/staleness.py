@@ -644,6 +644,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.5, help="held-out reward target")
     p.add_argument("--d_model", type=int, default=128)
     p.add_argument("--n_layers", type=int, default=2)
+    p.add_argument("--entropy_coef", type=float, default=0.02, help="learner.entropy_coef")
+    p.add_argument(
+        "--summarize", default="", metavar="JSON", help="no runs: table and plots of a results JSON"
+    )
     p.add_argument(
         "--set",
         action="append",
