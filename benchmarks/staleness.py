@@ -5,25 +5,29 @@
     python benchmarks/staleness.py --smoke              # seconds: plumbing check (the test)
     python benchmarks/staleness.py --losses ppo cispo --alphas 0 2 --seeds 3
 
-Task and model (chosen to learn from scratch by RL in a few hundred steps on 2
-cores). ``data.task=digits``: reverse a string of ``--length`` digits ("reverse 3
-1 4" -> "413"), reward ``digit_match`` = the share of positions right, so:
+Task and model (chosen to learn from scratch by RL within the step budget on 2
+cores). ``data.task=digits``: reverse a string of ``--length`` (2) digits
+("reverse 3 1" -> "13"), reward ``digit_match`` = the share of positions right:
 
-* partial credit: a random policy scores ~0.1 (1 / 10 symbols) and every position
-  learned adds 1 / length — GRPO gets a signal from the first step, unlike an
-  exact-match reward a random model never earns;
+* partial credit: each position learned adds 1 / length, so GRPO gets a signal
+  long before a response is fully right (an exact-match reward a random model
+  never earns gives it none);
 * small vocabulary: a 16-word tokenizer (the digits, the op words, ``=``,
   ``<eos>``, ``<pad>``) written here as a Hugging Face directory with a
-  random-init model of the real architecture (the "tiny" preset: Llama blocks,
-  GQA, RoPE, SwiGLU, tied embeddings; ``model.source=hf``) — with SmolLM2's
-  49152-word vocabulary a random model almost never emits a digit;
+  random-init model of the real architecture (the "tiny" preset at d_model 128:
+  2 Llama blocks, GQA 4/2 heads, RoPE, SwiGLU, tied embeddings; ``model.source=hf``)
+  — with SmolLM2's 49152-word vocabulary a random model almost never emits a digit;
+  the random policy scores ~0.05 (a digit in the right place 1 time in 16);
 * short responses: exactly ``length`` sampled tokens (``max_new_tokens``; a
-  truncated response keeps its reward), so a step costs well under a second.
+  truncated response keeps its reward), so a step of 32 x 8 samples is ~1 s.
 
-Reversal, not sorting or copying: each output position must attend to a
-different input position (relative offsets 1, 3, 5, ...), which a 2-layer model
-learns over a few hundred steps — slow enough that a lag of α policy versions
-shows, fast enough for a grid.
+Measured before the grid (sync, ppo, lr 3e-3, 2 cores at load ~10): with the
+defaults the held-out reward goes 0.05 -> 0.51 / 0.63 / 0.66 at steps 20 / 30 / 40
+(0.72 at 60). Three digits learned too slowly for a grid: 0.51 after 250 steps
+at B = 16, d_model 64, and with lr 1e-2 it collapsed to 0.24 (entropy -> 0, so
+every group's samples agree and GRPO has no signal); ``--entropy_coef`` 0.02
+delays that collapse. Reversal rather than copying: each output position
+attends to a different input offset; copying 3 digits learned no faster here.
 
 Modes (each result row says which):
 
