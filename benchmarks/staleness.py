@@ -309,7 +309,7 @@ def read_run(workdir: str, *, mode: str, alpha: int) -> dict[str, Any]:
     """Curves and distributions of one finished run.
 
     Returns:
-      {"steps": [{step, trained, reward, staleness_mean, ess}], "evals": [{step,
+      {"steps": [{step, trained, reward, staleness_mean, ess, gap}], "evals": [{step,
       trained, reward, stderr}], "by_version": {version: mean reward of the trained
       samples it generated}, "staleness_hist": {staleness: samples}, "dropped_stale"}.
       In ``forced`` mode the staleness is the true one, min(alpha, version).
@@ -328,6 +328,9 @@ def read_run(workdir: str, *, mode: str, alpha: int) -> dict[str, Any]:
                     "reward": float(m.get("reward_mean", math.nan)),
                     "staleness_mean": float(m.get("staleness_mean", math.nan)),
                     "ess": ess_of(m),
+                    # max |log pi - log mu| over tokens the runtime counts as on-policy:
+                    # rounding (~1e-5) in sched mode, the lag's policy change in forced mode
+                    "gap": float(m.get("logprob_gap_on_policy_max", math.nan)),
                 }
             )
         if "eval_accuracy" in m:

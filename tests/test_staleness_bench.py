@@ -38,12 +38,17 @@ def test_smoke_grid_writes_results_and_plots(tmp_path):
         assert trained == steps[-1]["trained"] > 0
         assert max(int(k) for k in r["staleness_hist"]) <= r["alpha"]
         if r["mode"] == "forced":
-            # version v trains on samples of version max(0, v - alpha), exactly
+            # Version v trains on samples of version max(0, v - alpha) that the runtime
+            # counts as on-policy: their logprobs differ from the learner's by the
+            # policy change (0.0 at step 1, when both are version 0).
+            assert steps[0]["gap"] < 1e-4
+            assert all(s["gap"] > 1e-3 for s in steps[1:])
             assert [s["staleness_mean"] for s in steps] == [
                 min(r["alpha"], s["step"] - 1) for s in steps
             ]
         if r["alpha"] == 0:
             assert r["staleness_hist"].keys() == {"0"}
+            assert all(s["gap"] < 1e-4 for s in steps)  # sync: engine == learner
     rows = saved["summary"]
     assert len(rows) == 3
     for row in rows:
