@@ -509,18 +509,20 @@ def summarize(runs: list[dict[str, Any]], target: float) -> list[dict[str, Any]]
 
 def print_table(rows: list[dict[str, Any]], target: float) -> None:
     print(
-        f"\nheld-out reward (mean +- std over seeds); samples to target = trained samples "
-        f"until held-out reward >= {target:g}"
+        f"\nheld-out reward (mean +- std over seeds) at half and all of the trained samples; "
+        f"k samples to target = thousands of trained samples until held-out reward >= "
+        f"{target:g}; stale = mean staleness; ESS = mean token ESS of pi/mu"
     )
     head = (
-        f"{'mode':<7}{'alpha':>5}  {'loss':<14}{'reward @ half':>20}{'reward @ end':>20}"
-        f"{'samples to target':>26}{'stale':>7}{'ESS':>7}{'dropped':>9}"
+        f"{'mode':<7}{'alpha':>5}  {'loss':<14}{'reward @ half':>16}{'reward @ end':>16}"
+        f"{'k samples to target':>30}{'stale':>7}{'ESS':>7}{'dropped':>9}"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['mode']:<7}{r['alpha']:>5}  {r['loss']:<14}{mean_std(r['reward_half']):>20}"
-            f"{mean_std(r['reward_final']):>20}{mean_std(r['samples_to_target']):>26}"
+            f"{r['mode']:<7}{r['alpha']:>5}  {r['loss']:<14}{mean_std(r['reward_half']):>16}"
+            f"{mean_std(r['reward_final']):>16}"
+            f"{mean_std([x / 1000 for x in r['samples_to_target']]):>30}"
             f"{r['staleness_mean']:>7.2f}{r['ess_mean']:>7.3f}{sum(r['dropped_stale']):>9}"
         )
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
