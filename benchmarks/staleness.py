@@ -2,7 +2,7 @@
 
     python benchmarks/staleness.py                      # quick grid, < 30 min on 2 cores
     python benchmarks/staleness.py --grid full          # full grid (hours; see docs/STALENESS.md)
-    python benchmarks/staleness.py --smoke              # seconds: plumbing check (the test)
+    python benchmarks/staleness.py --smoke              # 3 tiny runs: plumbing (the test)
     python benchmarks/staleness.py --losses ppo cispo --alphas 0 2 --seeds 3
 
 Task and model (chosen to learn from scratch by RL within the step budget on 2
@@ -50,14 +50,15 @@ Losses: ``--losses`` takes any name in ``POLICY_LOSSES`` (default ``ppo``
 against behaviour, ``decoupled_ppo``, ``tis``, ``cispo``, ``m2po``, ``gspo``), each
 at its own default hyper-parameters; decoupled_ppo / tis (and any loss the
 learner config refuses without it) run with ``learner.ratio_against=proximal``.
+The quick grid runs ppo, decoupled_ppo and cispo for 40 steps (``GRIDS``).
 
 Measured per run (read back from metrics.jsonl / rollouts.jsonl): training reward
 against trained samples, held-out reward (``eval_accuracy``: the mean
 ``digit_match`` of the current policy on ``--eval_prompts`` held-out prompts)
 against policy versions, the reward of the samples by the policy version that
-generated them, staleness histogram, ESS (the learner's ``ess_token`` of the
-importance weights pi_prox / mu where the loss computes one, else from the
-ratio metrics) and wall time. Summaries per (mode, α, loss), mean +- std over
+generated them, staleness histogram, the token ESS (sum w)^2 / (N sum w^2) of
+w = pi_theta / mu per step (``fresh_ess_token``, see ``experiment_class``), the
+on-policy logprob gap and wall time. Summaries per (mode, α, loss), mean +- std over
 seeds: held-out reward at equal trained samples (half-way and at the end), the
 final reward, trained samples to reach ``--target`` held-out reward (never: inf),
 staleness and ESS. Written: ``--out`` JSON (runs + summary), the printed table,
@@ -96,13 +97,13 @@ CHAT_TEMPLATE = (
 )
 GRIDS: dict[str, dict[str, Any]] = {
     # 33 runs of 40 steps: 5 alphas x 3 losses x 2 seeds (sched) + forced alpha 4 x 3
-    # losses x 1 seed. About 25 min on 2 idle cores (~45 s a run); ~70 min at load 10.
+    # losses x 1 seed. 34.5 min measured at load 8-16 (31-70 s a run); less on idle cores.
     "quick": dict(
         alphas=[0, 1, 2, 4, 8], losses=["ppo", "decoupled_ppo", "cispo"], seeds=2,
         modes=["sched", "forced"], steps=40, forced_alphas=[4], forced_seeds=1,
     ),
     # Every default loss, both modes, 3 seeds, 120 steps: 90 sched + 72 forced runs
-    # (~8 h on 2 idle cores; see docs/STALENESS.md).
+    # (~5 h on 2 idle cores, estimated; see docs/STALENESS.md).
     "full": dict(
         alphas=[0, 1, 2, 4, 8], losses=list(DEFAULT_LOSSES), seeds=3,
         modes=["sched", "forced"], steps=120, forced_alphas=[1, 2, 4, 8], forced_seeds=3,
@@ -633,7 +634,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--grid", choices=["quick", "full"], default="quick")
-    p.add_argument("--smoke", action="store_true", help="the smoke grid (seconds; plumbing only)")
+    p.add_argument("--smoke", action="store_true", help="3 tiny runs (plumbing only)")
     p.add_argument("--losses", nargs="+", default=None, help=f"any of {sorted(POLICY_LOSSES)}")
     p.add_argument(
         "--alphas", nargs="+", type=int, default=None, help="sched-mode alphas (0 = sync)"
