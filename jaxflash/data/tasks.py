@@ -5,6 +5,9 @@ run's ``data.task=<name>`` selects:
 
 - ``arithmetic``: seeded procedural arithmetic (``arithmetic.ArithmeticTask``);
   reward ``math``.
+- ``digits``: seeded digit strings to reverse / sort / copy (``digits.DigitTask``;
+  options ``op``, ``length``, ``num_symbols``); reward ``digit_match`` (partial
+  credit per position).
 - ``file``: ``{prompt, answer}`` rows of a JSONL/Parquet file (GSM8K:
   ``answer_marker="####"``); reward ``math``.
 - ``math_file``: MATH-style rows ``{problem, solution}``; the label is the
@@ -32,6 +35,7 @@ from typing import Any
 
 from jaxflash.data import code_tasks
 from jaxflash.data.arithmetic import ArithmeticTask
+from jaxflash.data.digits import DigitTask
 from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.data.files import DatasetError, RowFailure, load_rows
 from jaxflash.rewards.format import boxed_contents
@@ -179,8 +183,21 @@ def _code_file(
 CODE_TASKS = ("humaneval", "code_file")
 """Tasks verified by the ``code`` reward (model-written programs run in the sandbox)."""
 
+
+def _digits(*, seed: int, eval_size: int, **knobs: Any) -> TaskData:
+    train = DigitTask(seed, split="train", **knobs)
+    held_out = DigitTask(seed, split="eval", **knobs)
+    return TaskData(
+        train=train.row, eval_rows=held_out.rows(0, eval_size), reward=TASK_REWARDS["digits"]
+    )
+
+
+TASK_REWARDS = {"digits": "digit_match", **{name: "code" for name in CODE_TASKS}}
+"""Tasks whose reward is not ``math``: their own registered reward."""
+
 TASKS: dict[str, Callable[..., TaskData]] = {
     "arithmetic": _arithmetic,
+    "digits": _digits,
     "file": _file,
     "math_file": _math_file,
     "humaneval": _humaneval,
@@ -234,8 +251,8 @@ def make_task(name: str, *, seed: int, eval_size: int, **options: Any) -> TaskDa
 def task_reward(name: str) -> str:
     """The reward that verifies task ``name`` (without building it)."""
     name = ALIASES.get(name, name)
-    if name in CODE_TASKS:
-        return "code"
+    if name in TASK_REWARDS:
+        return TASK_REWARDS[name]
     return "reasoning_gym" if name.startswith(REASONING_GYM_PREFIX) else "math"
 
 
@@ -244,6 +261,7 @@ __all__ = [
     "CODE_TASKS",
     "MATH_INSTRUCTION",
     "TASKS",
+    "TASK_REWARDS",
     "TaskData",
     "get_task",
     "make_task",
