@@ -240,8 +240,9 @@ def test_hf_config_errors(tmp_path):
     save_hf(tmp_path, config, jax.tree.map(np.asarray, llama.init_params(config)))
     cfg = json.loads((tmp_path / "config.json").read_text())
     for bad, match in [
-        ({"model_type": "qwen3"}, "model_type='qwen3'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling"),
+        ({"model_type": "phi3"}, "model_type='phi3'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_type='yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lack.*low_freq_factor"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
