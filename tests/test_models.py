@@ -492,3 +492,22 @@ def test_target_logprobs_hand_written_backward_matches_autodiff(sampling):
     g_got = jax.jit(jax.grad(loss(chunked), (0, 1)))(h, w)
     for g, wnt in zip(g_got, g_want, strict=True):
         np.testing.assert_allclose(g, wnt, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, count",
+    [
+        # Parameter counts of the published checkpoints (tied heads counted once).
+        ("qwen3_0p6b", 596_049_920),
+        ("qwen3_8b", 8_190_735_360),
+        ("llama3p1_8b", 8_030_261_248),
+        ("gemma3_270m", 268_098_176),
+        ("gemma3_1b", 999_885_952),
+    ],
+)
+def test_family_presets_have_the_published_parameter_counts(name, count):
+    config = get_preset(name)
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config))) == count
+    if name.startswith("gemma3"):  # every 6th layer full, the rest sliding (window 512)
+        full = [i for i in range(config.n_layers) if not config.layer_is_sliding(i)]
+        assert full == list(range(5, config.n_layers, 6))

@@ -256,6 +256,27 @@ def reconcile_vocab(config: ModelConfig, tokenizer_vocab_size: int) -> ModelConf
     return config.replace(valid_vocab_size=valid)
 
 
+def _gemma3_layers(n: int) -> tuple[str, ...]:
+    """Gemma 3's layer pattern: 5 sliding-window layers, then 1 full, repeated."""
+    return tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n))
+
+
+# Gemma 3 text fields shared by its sizes up to 1B (4B+ add linear RoPE scaling on
+# the full layers, which ModelConfig does not represent).
+_GEMMA3 = dict(
+    rope_theta=1000000.0,
+    rope_local_theta=10000.0,
+    sliding_window=512,
+    query_pre_attn_scalar=256.0,
+    rms_norm_eps=1e-6,
+    tie_embeddings=True,
+    qk_norm=True,
+    norm_offset=1.0,
+    mlp_activation="gelu_tanh",
+    sandwich_norm=True,
+    scale_embeddings=True,
+)
+
 _PRESETS = {
     # SmolLM2-135M(-Instruct), HuggingFaceTB. rope_theta and rms_norm_eps checked
     # against the GGUF metadata (llama.rope.freq_base = 100000.0,
@@ -290,6 +311,85 @@ _PRESETS = {
         qkv_bias=True,
         max_seq_len=4096,
     ),
+    # Shapes below are the families' published config.json files (Hugging Face hub).
+    # max_seq_len bounds our KV caches (RL prompts + responses), not the published
+    # context, which each comment gives.
+    # Qwen/Qwen3-0.6B(-Base): context 40960 (32768 native).
+    "qwen3_0p6b": dict(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=3072,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        qk_norm=True,
+        max_seq_len=8192,
+    ),
+    # Qwen/Qwen3-8B(-Base): the seeds' experiments' model; context 40960.
+    "qwen3_8b": dict(
+        vocab_size=151936,
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=12288,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        max_seq_len=8192,
+    ),
+    # meta-llama/Llama-3.1-8B(-Instruct): llama3 RoPE scaling; context 131072.
+    "llama3p1_8b": dict(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=14336,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=False,
+        rope_scaling="llama3",
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+        max_seq_len=8192,
+    ),
+    # google/gemma-3-270m: equals load_gguf of the PyPI Q4_K_M file (tests/test_gemma3_gguf.py)
+    # up to max_seq_len (context 32768).
+    "gemma3_270m": dict(
+        vocab_size=262144,
+        d_model=640,
+        n_layers=18,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        d_ff=2048,
+        max_seq_len=4096,
+        **_GEMMA3,
+        layer_types=_gemma3_layers(18),
+    ),
+    # google/gemma-3-1b-pt / -it: context 32768.
+    "gemma3_1b": dict(
+        vocab_size=262144,
+        d_model=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        d_ff=6912,
+        max_seq_len=4096,
+        **_GEMMA3,
+        layer_types=_gemma3_layers(26),
+    ),
     # Same architecture at toy size, for tests.
     "tiny": dict(
         vocab_size=512,
@@ -312,7 +412,9 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """A named configuration, optionally with fields overridden.
 
     Args:
-      name: "smollm2_135m", "qwen2p5_1p5b" or "tiny".
+      name: "smollm2_135m", "qwen2p5_1p5b", "qwen3_0p6b", "qwen3_8b", "llama3p1_8b",
+        "gemma3_270m", "gemma3_1b" or "tiny". (No qwen3_30b_a3b: mixture-of-experts
+        layers are not implemented.)
       **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
 
     Raises:
