@@ -139,6 +139,7 @@ FAMILIES = {
     "llama3_rope": CFG.replace(
         rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=16
     ),
+    "qwen2": CFG.replace(qkv_bias=True),
     "qwen3": CFG.replace(qk_norm=True, head_dim=24, tie_embeddings=False),
     "mistral_window": CFG.replace(sliding_window=4, layer_types=("sliding_attention",) * 2),
     "gemma3": CFG.replace(
@@ -166,8 +167,9 @@ def test_family_behaviour_logprobs_match_learner(family):
     config, name = FAMILIES[family], "t07_k20_p09"
     rng = np.random.default_rng(3)
 
-    def spread(path, x):  # 4x the init spread, noisy norms: far from uniform attention
-        if "norm" in jax.tree_util.keystr(path):
+    def spread(path, x):  # 4x the init spread, noisy norms and biases: far from uniform
+        name = jax.tree_util.keystr(path)
+        if "norm" in name or "'b_" in name:
             return x + jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype)
         return 4 * x
 
