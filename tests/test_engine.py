@@ -133,6 +133,60 @@ def test_behaviour_logprobs_match_learner_recomputation(params, name):
         assert sample.start_version == 0
 
 
+# Each family's differences on the tiny shape; window 4 is shorter than the prompts, so
+# both the engine's prefill and its KV-cache decode must mask by it.
+FAMILIES = {
+    "llama3_rope": CFG.replace(
+        rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=16
+    ),
+    "qwen2": CFG.replace(qkv_bias=True),
+    "qwen3": CFG.replace(qk_norm=True, head_dim=24, tie_embeddings=False),
+    "mistral_window": CFG.replace(sliding_window=4, layer_types=("sliding_attention",) * 2),
+    "gemma3": CFG.replace(
+        qk_norm=True,
+        norm_offset=1.0,
+        mlp_activation="gelu_tanh",
+        sandwich_norm=True,
+        scale_embeddings=True,
+        query_pre_attn_scalar=24.0,
+        sliding_window=4,
+        layer_types=("sliding_attention", "full_attention"),
+        rope_local_theta=100.0,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "family",
+    # gemma3 (sliding + full layers) runs in the fast suite; the others are slow (~10 s each).
+    [f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)],
+)
+def test_family_behaviour_logprobs_match_learner(family):
+    """The engine (prefill + cached decode, unrolled layers) and the learner's scan agree
+    for every family, sliding windows included (one prefill bucket: 16)."""
+    config, name = FAMILIES[family], "t07_k20_p09"
+    rng = np.random.default_rng(3)
+
+    def spread(path, x):  # 4x the init spread, noisy norms and biases: far from uniform
+        name = jax.tree_util.keystr(path)
+        if "norm" in name or "'b_" in name:
+            return x + jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype)
+        return 4 * x
+
+    params = jax.tree_util.tree_map_with_path(spread, init_params(config, seed=1))
+    engine = LlamaEngine(
+        config,
+        EngineConfig(
+            max_concurrent_decodes=2, max_prefill_length=16, max_target_length=40, **SAMPLING[name]
+        ),
+    )
+    reqs = [request(i, n, 14, name) for i, n in enumerate([9, 16, 13])]
+    samples = run_requests(engine, params, reqs, policy_version=0, eos_id=NO_EOS)
+    for sample, want in zip(samples, learner_logprobs(params, samples, name, config), strict=True):
+        assert len(sample.response_tokens) == 14
+        assert np.max(np.abs(sample.behaviour_logprobs - want)) <= 1e-5
+
+
 def test_sample_tokens_do_not_depend_on_slot_or_neighbours(params):
     engine = engine_for("t07_k20_p09")
     target = request(42, 7, 12, "t07_k20_p09", sample_index=3, seed=5)

@@ -492,3 +492,71 @@ def test_target_logprobs_hand_written_backward_matches_autodiff(sampling):
     g_got = jax.jit(jax.grad(loss(chunked), (0, 1)))(h, w)
     for g, wnt in zip(g_got, g_want, strict=True):
         np.testing.assert_allclose(g, wnt, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, count",
+    [
+        # Parameter counts of the published checkpoints (tied heads counted once).
+        ("qwen3_0p6b", 596_049_920),
+        ("qwen3_8b", 8_190_735_360),
+        ("llama3p1_8b", 8_030_261_248),
+        ("gemma3_270m", 268_098_176),
+        ("gemma3_1b", 999_885_952),
+    ],
+)
+def test_family_presets_have_the_published_parameter_counts(name, count):
+    config = get_preset(name)
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(config))) == count
+    if name.startswith("gemma3"):  # every 6th layer full, the rest sliding (window 512)
+        full = [i for i in range(config.n_layers) if not config.layer_is_sliding(i)]
+        assert full == list(range(5, config.n_layers, 6))
+
+
+def _mixed_config():
+    return TINY.replace(
+        n_layers=3,
+        qk_norm=True,
+        norm_offset=1.0,
+        mlp_activation="gelu_tanh",
+        sandwich_norm=True,
+        scale_embeddings=True,
+        sliding_window=2,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        rope_local_theta=100.0,
+    )
+
+
+_MIXED_IDS, _MIXED_POS = jnp.array([[5, 17, 300, 2, 9, 44]]), jnp.arange(6)[None]
+
+
+def test_mixed_sliding_layers_scan_and_unrolled_agree():
+    """Gemma-style mixed sliding/full layers: the learner's scan (per-layer flag as a
+    scan input) and the engine's unrolled layers (static flags) agree."""
+    from jaxflash.models.llama import unstack_layers
+
+    config = _mixed_config()
+    params = _big_params(config)
+    ids, pos = _MIXED_IDS, _MIXED_POS
+    stacked = _jit_logits(params, config, ids, pos)[0]
+    unrolled = _jit_logits(unstack_layers(params), config, ids, pos)[0]
+    np.testing.assert_allclose(stacked, unrolled, rtol=1e-6, atol=1e-5)
+    # A full-attention-only model differs (the window is in effect).
+    full = config.replace(sliding_window=None, layer_types=())
+    assert not np.allclose(stacked, _jit_logits(params, full, ids, pos)[0], atol=1e-3)
+
+
+@pytest.mark.slow
+def test_mixed_sliding_layers_remat_gives_same_gradients():
+    config, ids, pos = _mixed_config(), _MIXED_IDS, _MIXED_POS
+    params = _big_params(config)
+
+    def loss(p, c):
+        return jnp.mean(_logits(p, c, ids, pos)[0] ** 2)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        grad(params, config),
+        grad(params, config.replace(remat=True)),
+    )

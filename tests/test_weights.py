@@ -156,6 +156,88 @@ def test_load_gguf_tiny_exact(tmp_path):
         load_gguf(tmp_path / "missing.gguf")
 
 
+def _write_family_gguf(path, config, params, arch):
+    """A float32 qwen3 / gemma3 GGUF as llama.cpp's converter writes one: q/k rows as in
+    HF (NEOX RoPE, no permutation), Gemma norms stored as 1 + w."""
+    import gguf
+
+    c, lay = config, params["layers"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.d_ff)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+
+    def norm(x):
+        return x + np.float32(1.0) if arch == "gemma3" else x
+
+    w.add_tensor("token_embd.weight", params["embed_vd"])
+    w.add_tensor("output_norm.weight", norm(params["final_norm_d"]))
+    if not c.tie_embeddings:
+        w.add_tensor("output.weight", np.ascontiguousarray(params["lm_head_dv"].T))
+    for i in range(c.n_layers):
+        tensors = {
+            "attn_norm": norm(lay["attn_norm_ld"][i]),
+            "ffn_norm": norm(lay["mlp_norm_ld"][i]),
+            "attn_q_norm": norm(lay["q_norm_lh"][i]),
+            "attn_k_norm": norm(lay["k_norm_lh"][i]),
+            "attn_q": lay["w_q_ldnh"][i].reshape(c.d_model, -1).T,
+            "attn_k": lay["w_k_ldkh"][i].reshape(c.d_model, -1).T,
+            "attn_v": lay["w_v_ldkh"][i].reshape(c.d_model, -1).T,
+            "attn_output": lay["w_o_lnhd"][i].reshape(-1, c.d_model).T,
+            "ffn_gate": lay["w_gate_ldf"][i].T,
+            "ffn_up": lay["w_up_ldf"][i].T,
+            "ffn_down": lay["w_down_lfd"][i].T,
+        }
+        if arch == "gemma3":
+            tensors["post_attention_norm"] = norm(lay["post_attn_norm_ld"][i])
+            tensors["post_ffw_norm"] = norm(lay["post_mlp_norm_ld"][i])
+        for name, x in tensors.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_load_gguf_family_tiny(tmp_path, arch):
+    """qwen3 / gemma3 GGUF import: config from metadata (Gemma 3's fixed layer pattern,
+    local RoPE base and attention scale), norms back to offsets, every tensor used."""
+    base = get_preset("tiny", logits_chunk=256, n_layers=6 if arch == "gemma3" else 2)
+    if arch == "qwen3":
+        config = base.replace(qk_norm=True, head_dim=24, tie_embeddings=False)
+    else:
+        gemma = get_preset("gemma3_270m")
+        fields = ("qk_norm", "norm_offset", "mlp_activation", "sandwich_norm")
+        fields += ("scale_embeddings", "rope_local_theta", "sliding_window")
+        config = base.replace(
+            **{f: getattr(gemma, f) for f in fields},
+            query_pre_attn_scalar=16.0,  # = head_dim, as llama.cpp scales
+            layer_types=("sliding_attention",) * 5 + ("full_attention",),
+            rms_norm_eps=1e-6,
+        )
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda x: rng.normal(0, 0.3, x.shape).astype(np.float32),
+        jax.tree.map(np.asarray, llama.init_params(config, seed=4)),
+    )
+    _write_family_gguf(tmp_path / "m.gguf", config, params, arch)
+    loaded_config, loaded = load_gguf(tmp_path / "m.gguf")
+    assert loaded_config == config
+    # Gemma: (1 + w) - 1 in float32 is exact up to the rounding of the stored sum (< 1.2e-7).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1.2e-7), loaded, params)
+
+
 # ----------------------------------------------------------------------------- HF round trip
 
 
@@ -240,8 +322,9 @@ def test_hf_config_errors(tmp_path):
     save_hf(tmp_path, config, jax.tree.map(np.asarray, llama.init_params(config)))
     cfg = json.loads((tmp_path / "config.json").read_text())
     for bad, match in [
-        ({"model_type": "qwen3"}, "model_type='qwen3'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling"),
+        ({"model_type": "phi3"}, "model_type='phi3'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_type='yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lack.*low_freq_factor"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))

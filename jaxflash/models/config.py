@@ -1,4 +1,6 @@
-"""Model configuration for the Llama-family decoder (frozen, validated, presets).
+"""Model configuration of the one decoder (Llama, Qwen2/3, Mistral, Gemma 3): frozen,
+validated, presets. Each field names one real architectural difference; a family is a
+combination of fields, never a subclass.
 
 Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
 K key/value heads, H head dim, F MLP hidden width, L layers, S cache length.
@@ -11,11 +13,14 @@ import dataclasses
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROPE_SCALINGS = ("none", "llama3")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-architecture decoder.
+    """Shape and numerics of the decoder (Llama architecture plus named variants).
 
     Attributes:
       vocab_size: V, rows of the embedding / columns of the logits (a
@@ -45,6 +50,31 @@ class ModelConfig:
         and MLP activations (about 5 D + 2 F floats) stay alive, everything else is
         recomputed.
       logits_chunk: tokens per chunk of the chunked log-softmax (see logprobs.py).
+      rope_scaling: "none" or "llama3" (Llama 3.1/3.2 frequency-dependent scaling of
+        the RoPE inverse frequencies; HF ``rope_type: llama3``). Other HF rope types
+        (linear, dynamic, yarn, longrope) are refused at import.
+      rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor,
+        rope_original_max_len: the llama3 parameters (HF ``factor``,
+        ``low_freq_factor``, ``high_freq_factor``,
+        ``original_max_position_embeddings``); ignored when rope_scaling is "none".
+      qk_norm: per-head RMSNorm (over H) of q and k before RoPE (Qwen3, Gemma 3);
+        adds ``q_norm_lh`` / ``k_norm_lh``.
+      norm_offset: RMSNorm multiplies by (norm_offset + w): 0.0 (Llama, Qwen) or
+        1.0 (Gemma, weights stored as offsets from 1; init zeros).
+      mlp_activation: gate activation of the gated MLP: "silu" (SwiGLU) or
+        "gelu_tanh" (GeGLU with the tanh approximation, Gemma).
+      sandwich_norm: RMSNorm also after attention and after the MLP, before each
+        residual add (Gemma 2/3); adds ``post_attn_norm_ld`` / ``post_mlp_norm_ld``.
+      scale_embeddings: multiply token embeddings by sqrt(D), rounded to the param
+        dtype first (as HF Gemma does).
+      query_pre_attn_scalar: attention scores are scaled by its ^-0.5; None uses
+        head_dim (Gemma 3 sets it from its config).
+      sliding_window: W; a sliding layer's query at position p sees keys at
+        positions j with p - W < j <= p (HF's convention). None: no sliding layer.
+      layer_types: per layer "full_attention" or "sliding_attention" (HF's names;
+        Gemma 3 interleaves 5 sliding : 1 full). Empty: every layer is full.
+      rope_local_theta: RoPE base of sliding layers (Gemma 3: 10000); None uses
+        rope_theta.
     """
 
     vocab_size: int
@@ -64,8 +94,24 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: bool = False
     logits_chunk: int = 256
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    mlp_activation: str = "silu"
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
+        # JSON (a generation program's config) brings lists back: keep the config hashable.
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         for name in (
             "vocab_size",
             "d_model",
@@ -100,12 +146,72 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        self._check_variants()
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(
                     f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, "
                     f"got {getattr(self, name)!r}"
                 )
+
+    def _check_variants(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"ModelConfig.rope_scaling must be one of {ROPE_SCALINGS}, "
+                f"got {self.rope_scaling!r}"
+            )
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor >= 1.0
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_max_len >= 1
+        ):
+            raise ValueError(
+                "ModelConfig: llama3 rope scaling needs rope_scaling_factor >= 1, "
+                "0 < rope_low_freq_factor < rope_high_freq_factor and rope_original_max_len "
+                f">= 1, got {self.rope_scaling_factor}, {self.rope_low_freq_factor}, "
+                f"{self.rope_high_freq_factor}, {self.rope_original_max_len}"
+            )
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"ModelConfig.mlp_activation must be one of {MLP_ACTIVATIONS}, "
+                f"got {self.mlp_activation!r}"
+            )
+        if self.norm_offset not in (0.0, 1.0):
+            raise ValueError(f"ModelConfig.norm_offset must be 0.0 or 1.0, got {self.norm_offset}")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(
+                f"ModelConfig.query_pre_attn_scalar must be > 0 or None, "
+                f"got {self.query_pre_attn_scalar}"
+            )
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ValueError(
+                f"ModelConfig.rope_local_theta must be > 0 or None, got {self.rope_local_theta}"
+            )
+        types = self.layer_types
+        if types and len(types) != self.n_layers:
+            raise ValueError(
+                f"ModelConfig.layer_types has {len(types)} entries, n_layers={self.n_layers}"
+            )
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"ModelConfig.layer_types: unknown {bad}; known: {LAYER_TYPES}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be an int >= 1, got {window!r}")
+        if ("sliding_attention" in types) != (window is not None):
+            raise ValueError(
+                "ModelConfig.sliding_window must be set exactly when layer_types has a "
+                f"sliding_attention layer (sliding_window={window!r})"
+            )
+
+    def layer_is_sliding(self, i: int) -> bool:
+        """Whether layer ``i`` uses sliding-window attention (and the local RoPE base)."""
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Some layers are sliding and some full (per-layer flags ride the layer scan)."""
+        return len(set(self.layer_types)) > 1
 
     @property
     def jnp_param_dtype(self) -> jnp.dtype:
@@ -150,6 +256,27 @@ def reconcile_vocab(config: ModelConfig, tokenizer_vocab_size: int) -> ModelConf
     return config.replace(valid_vocab_size=valid)
 
 
+def _gemma3_layers(n: int) -> tuple[str, ...]:
+    """Gemma 3's layer pattern: 5 sliding-window layers, then 1 full, repeated."""
+    return tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n))
+
+
+# Gemma 3 text fields shared by its sizes up to 1B (4B+ add linear RoPE scaling on
+# the full layers, which ModelConfig does not represent).
+_GEMMA3 = dict(
+    rope_theta=1000000.0,
+    rope_local_theta=10000.0,
+    sliding_window=512,
+    query_pre_attn_scalar=256.0,
+    rms_norm_eps=1e-6,
+    tie_embeddings=True,
+    qk_norm=True,
+    norm_offset=1.0,
+    mlp_activation="gelu_tanh",
+    sandwich_norm=True,
+    scale_embeddings=True,
+)
+
 _PRESETS = {
     # SmolLM2-135M(-Instruct), HuggingFaceTB. rope_theta and rms_norm_eps checked
     # against the GGUF metadata (llama.rope.freq_base = 100000.0,
@@ -184,6 +311,85 @@ _PRESETS = {
         qkv_bias=True,
         max_seq_len=4096,
     ),
+    # Shapes below are the families' published config.json files (Hugging Face hub).
+    # max_seq_len bounds our KV caches (RL prompts + responses), not the published
+    # context, which each comment gives.
+    # Qwen/Qwen3-0.6B(-Base): context 40960 (32768 native).
+    "qwen3_0p6b": dict(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=3072,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        qk_norm=True,
+        max_seq_len=8192,
+    ),
+    # Qwen/Qwen3-8B(-Base): the seeds' experiments' model; context 40960.
+    "qwen3_8b": dict(
+        vocab_size=151936,
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=12288,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        max_seq_len=8192,
+    ),
+    # meta-llama/Llama-3.1-8B(-Instruct): llama3 RoPE scaling; context 131072.
+    "llama3p1_8b": dict(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=14336,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=False,
+        rope_scaling="llama3",
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+        max_seq_len=8192,
+    ),
+    # google/gemma-3-270m: equals load_gguf of the PyPI Q4_K_M file (tests/test_gemma3_gguf.py)
+    # up to max_seq_len (context 32768).
+    "gemma3_270m": dict(
+        vocab_size=262144,
+        d_model=640,
+        n_layers=18,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        d_ff=2048,
+        max_seq_len=4096,
+        **_GEMMA3,
+        layer_types=_gemma3_layers(18),
+    ),
+    # google/gemma-3-1b-pt / -it: context 32768.
+    "gemma3_1b": dict(
+        vocab_size=262144,
+        d_model=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        d_ff=6912,
+        max_seq_len=4096,
+        **_GEMMA3,
+        layer_types=_gemma3_layers(26),
+    ),
     # Same architecture at toy size, for tests.
     "tiny": dict(
         vocab_size=512,
@@ -206,7 +412,9 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """A named configuration, optionally with fields overridden.
 
     Args:
-      name: "smollm2_135m", "qwen2p5_1p5b" or "tiny".
+      name: "smollm2_135m", "qwen2p5_1p5b", "qwen3_0p6b", "qwen3_8b", "llama3p1_8b",
+        "gemma3_270m", "gemma3_1b" or "tiny". (No qwen3_30b_a3b: mixture-of-experts
+        layers are not implemented.)
       **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
 
     Raises:

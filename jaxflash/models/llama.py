@@ -1,4 +1,7 @@
-"""Llama-architecture decoder (Llama 2/3, SmolLM2, Qwen2 with qkv_bias) in Flax NNX.
+"""The decoder of every supported family, in Flax NNX: Llama 2/3/3.1 (SmolLM2), Qwen2
+(qkv_bias), Qwen3 (qk_norm), Mistral (sliding_window) and Gemma 3 (qk_norm, norm_offset,
+gelu_tanh, sandwich_norm, scale_embeddings, interleaved sliding/full layers). Each
+difference is a ``ModelConfig`` field, tested against transformers (tests/test_families.py).
 
 Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
 K key/value heads, G = N/K queries per kv head, H head dim, F MLP width,
@@ -22,7 +25,9 @@ float32; matmul inputs are cast to ``config.compute_dtype`` (float32 or bfloat16
 with float32 master weights when param_dtype is float32).
 
 References: Llama (arXiv 2302.13971), RoPE (arXiv 2104.09864), GQA
-(arXiv 2305.13245), SwiGLU (arXiv 2002.05202), RMSNorm (arXiv 1910.07467).
+(arXiv 2305.13245), SwiGLU / GeGLU (arXiv 2002.05202), RMSNorm (arXiv 1910.07467),
+Llama 3 RoPE scaling (arXiv 2407.21783), Mistral sliding window (arXiv 2310.06825),
+Qwen3 (arXiv 2505.09388), Gemma 3 (arXiv 2503.19786).
 """
 
 from __future__ import annotations
@@ -64,6 +69,12 @@ def logical_axes(config: ModelConfig) -> dict:
         "w_up_ldf": ("layers", "embed", "mlp"),
         "w_down_lfd": ("layers", "mlp", "embed"),
     }
+    if config.qk_norm:
+        layers["q_norm_lh"] = ("layers", "head_dim")
+        layers["k_norm_lh"] = ("layers", "head_dim")
+    if config.sandwich_norm:
+        layers["post_attn_norm_ld"] = ("layers", "embed")
+        layers["post_mlp_norm_ld"] = ("layers", "embed")
     if config.qkv_bias:
         layers["b_q_lnh"] = ("layers", "heads", "head_dim")
         layers["b_k_lkh"] = ("layers", "kv_heads", "head_dim")
@@ -100,8 +111,8 @@ class _Layers(nnx.Module):
         normal = nnx.initializers.normal(INIT_STD)
         dtype = config.jnp_param_dtype
         for name in sorted(shapes):
-            if "norm" in name:
-                value = jnp.ones(shapes[name], dtype)
+            if "norm" in name:  # effective scale 1: (norm_offset + w) = 1
+                value = jnp.full(shapes[name], 1.0 - config.norm_offset, dtype)
             elif name.startswith("b_"):
                 value = jnp.zeros(shapes[name], dtype)
             else:
@@ -114,7 +125,7 @@ class Llama(nnx.Module):
 
     Args:
       config: shapes and numerics.
-      rngs: ``nnx.Rngs`` for the normal(0.02) init (norms 1, biases 0).
+      rngs: ``nnx.Rngs`` for the normal(0.02) init (norms scale by 1, biases 0).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -127,7 +138,8 @@ class Llama(nnx.Module):
         )
         self.layers = _Layers(config, rngs)
         self.final_norm_d = nnx.Param(
-            jnp.ones(shapes["final_norm_d"], dtype), logical_axes=("embed",)
+            jnp.full(shapes["final_norm_d"], 1.0 - config.norm_offset, dtype),
+            logical_axes=("embed",),
         )
         if not config.tie_embeddings:
             self.lm_head_dv = nnx.Param(
@@ -168,28 +180,67 @@ def unembed(params: Params, config: ModelConfig) -> jax.Array:
     return params["embed_vd"].T if config.tie_embeddings else params["lm_head_dv"]
 
 
-def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float) -> jax.Array:
-    """x / sqrt(mean(x²) + eps) * w, in float32."""
+def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x / sqrt(mean(x²) + eps) * (offset + w), in float32 over the last axis.
+
+    ``offset`` is ``ModelConfig.norm_offset``: 0 (Llama, Qwen) or 1 (Gemma's (1 + w)).
+    """
     x = x_btd.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * w_d.astype(jnp.float32)
+    w = w_d.astype(jnp.float32)
+    return x * (offset + w if offset else w)
 
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+def llama3_inv_freq(inv_freq_h: jax.Array, config: ModelConfig) -> jax.Array:
+    """Llama 3.1 RoPE scaling of the inverse frequencies (HF ``rope_type: llama3``).
+
+    With wavelength w = 2π / f, L = rope_original_max_len, s = rope_scaling_factor:
+    w > L / low_freq_factor -> f / s (long wavelengths stretched); w < L /
+    high_freq_factor -> f (kept); in between f · ((1 - a) / s + a) with
+    a = (L / w - low) / (high - low) (arXiv 2407.21783, and Meta's reference code).
+
+    Args:
+      inv_freq_h: float32 [H/2] unscaled inverse frequencies.
+      config: supplies the four llama3 parameters.
+
+    Returns:
+      float32 [H/2].
+    """
+    c = config
+    factor, low, high = c.rope_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor
+    old_len = float(c.rope_original_max_len)
+    wavelen_h = 2 * jnp.pi / inv_freq_h
+    scaled_h = jnp.where(wavelen_h > old_len / low, inv_freq_h / factor, inv_freq_h)
+    smooth_h = (old_len / wavelen_h - low) / (high - low)
+    smoothed_h = (1 - smooth_h) * scaled_h / factor + smooth_h * scaled_h
+    medium_h = (wavelen_h >= old_len / high) & (wavelen_h <= old_len / low)
+    return jnp.where(medium_h, smoothed_h, scaled_h)
+
+
+def apply_rope(
+    x_btnh: jax.Array,
+    positions_bt: jax.Array,
+    theta: float,
+    config: ModelConfig | None = None,
+) -> jax.Array:
     """Rotate-half RoPE (HF Llama convention), computed in float32.
 
-    Dim i < H/2 pairs with dim i + H/2, rotated by angle p * theta^(-2i/H).
+    Dim i < H/2 pairs with dim i + H/2, rotated by angle p * f_i, f_i = theta^(-2i/H)
+    (scaled by ``llama3_inv_freq`` when ``config.rope_scaling == "llama3"``).
 
     Args:
       x_btnh: [B, T, N, H] queries or keys.
       positions_bt: int [B, T] absolute positions.
       theta: base frequency.
+      config: optional; only its rope_scaling fields are read.
 
     Returns:
       float32 [B, T, N, H].
     """
     half = x_btnh.shape[-1] // 2
     inv_freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x_btnh.shape[-1])
+    if config is not None and config.rope_scaling == "llama3":
+        inv_freq_h = llama3_inv_freq(inv_freq_h, config)
     angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h
     cos, sin = jnp.cos(angle_bth)[:, :, None, :], jnp.sin(angle_bth)[:, :, None, :]
     x = x_btnh.astype(jnp.float32)
@@ -207,55 +258,111 @@ def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
     b, t, n, h = q_btnh.shape
     cd = config.jnp_compute_dtype
     q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
-    scores_bkgts = jnp.einsum(
-        "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
-    ) * (h**-0.5)
+    scale = h**-0.5 if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+    scores_bkgts = (
+        jnp.einsum(
+            "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
+        )
+        * scale
+    )
     scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, _MASKED)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
     out_btkgh = jnp.einsum("bkgts,bkhs->btkgh", probs_bkgts, v_bkhs.astype(cd))
     return out_btkgh.reshape(b, t, n, h)
 
 
-def _layer(config: ModelConfig, h_btd, lp, positions_bt, cache_k, cache_v, layer_cache=False):
+def _gelu_tanh_mlp(x_btd, w_gate_df, w_up_df, w_down_fd):
+    """GeGLU MLP (Gemma): (gelu_tanh(x W_gate) * (x W_up)) W_down, float32 [B, T, D]."""
+    gate_btf = jnp.einsum("btd,df->btf", x_btd, w_gate_df)
+    up_btf = jnp.einsum("btd,df->btf", x_btd, w_up_df)
+    act_btf = jax.nn.gelu(gate_btf, approximate=True) * up_btf
+    return jnp.einsum("btf,fd->btd", act_btf, w_down_fd, preferred_element_type=jnp.float32)
+
+
+def _by_layer_type(sliding, local_value, full_value):
+    """``local_value`` on a sliding layer, else ``full_value``; ``sliding`` is a Python
+    bool (unrolled layers, or all layers alike) or a traced bool (mixed layers in the
+    scan), where both values are computed and one is selected."""
+    if isinstance(sliding, bool):
+        return local_value() if sliding else full_value()
+    return jnp.where(sliding, local_value(), full_value())
+
+
+def _layer(
+    config: ModelConfig,
+    h_btd,
+    lp,
+    positions_bt,
+    cache_k,
+    cache_v,
+    layer_cache=False,
+    sliding: bool | jax.Array = False,
+):
     """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None)).
 
     The cache layer is [B, S, K, H] for both (a ``KVCache`` slice) or, with
     ``layer_cache``, keys [B, K, S, H] and values [B, K, H, S] (``LayerKVCache``).
+    ``sliding``: this layer attends within ``config.sliding_window`` and uses
+    ``config.rope_local_theta`` (a bool, or a traced bool inside the layer scan).
     """
-    cd = config.jnp_compute_dtype
+    cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
 
     def w(name):
         return lp[name].astype(cd)
 
-    x_btd = rms_norm(h_btd, lp["attn_norm_ld"], config.rms_norm_eps).astype(cd)
+    x_btd = rms_norm(h_btd, lp["attn_norm_ld"], eps, off).astype(cd)
     q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, w("w_q_ldnh"))
     k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, w("w_k_ldkh"))
     v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, w("w_v_ldkh"))
     if config.qkv_bias:
         q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
-    q_btnh = apply_rope(q_btnh, positions_bt, config.rope_theta)
-    k_btkh = apply_rope(k_btkh, positions_bt, config.rope_theta).astype(cd)
+    if config.qk_norm:  # per head, over H, before RoPE (Qwen3, Gemma 3)
+        q_btnh = rms_norm(q_btnh, lp["q_norm_lh"], eps, off)
+        k_btkh = rms_norm(k_btkh, lp["k_norm_lh"], eps, off)
+
+    def rope(x):
+        if config.rope_local_theta is None:
+            return apply_rope(x, positions_bt, config.rope_theta, config)
+        return _by_layer_type(
+            sliding,
+            lambda: apply_rope(x, positions_bt, config.rope_local_theta),
+            lambda: apply_rope(x, positions_bt, config.rope_theta, config),
+        )
+
+    q_btnh = rope(q_btnh)
+    k_btkh = rope(k_btkh).astype(cd)
     if cache_k is None:
         # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
         # so right-padding never leaks into earlier tokens.
         t = h_btd.shape[1]
-        visible_bts = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
+        dist_bts = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]
         keys_bksh, values_bkhs = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 3, 1)
     elif layer_cache:
         cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
-        visible_bts = jnp.arange(cache_k.shape[2])[None, None, :] <= positions_bt[:, :, None]
+        dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[2])[None, None, :]
         keys_bksh, values_bkhs = cache_k, cache_v
     else:
         cache_k = write_rows(cache_k, k_btkh, positions_bt)
         cache_v = write_rows(cache_v, v_btkh, positions_bt)
-        visible_bts = jnp.arange(cache_k.shape[1])[None, None, :] <= positions_bt[:, :, None]
+        dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[1])[None, None, :]
         keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
+    visible_bts = dist_bts >= 0  # key j <= query position
+    if config.sliding_window is not None and sliding is not False:
+        near_bts = dist_bts < config.sliding_window  # HF: key j > p - W
+        visible_bts = visible_bts & (near_bts if sliding is True else near_bts | ~sliding)
     attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
-    h_btd = h_btd + jnp.einsum(
+    attn_btd = jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
-    x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], config.rms_norm_eps).astype(cd)
-    h_btd = h_btd + swiglu(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
+    if config.sandwich_norm:
+        attn_btd = rms_norm(attn_btd, lp["post_attn_norm_ld"], eps, off)
+    h_btd = h_btd + attn_btd
+    x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], eps, off).astype(cd)
+    mlp = swiglu if config.mlp_activation == "silu" else _gelu_tanh_mlp
+    mlp_btd = mlp(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
+    if config.sandwich_norm:
+        mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
+    h_btd = h_btd + mlp_btd
     return h_btd, (cache_k, cache_v)
 
 
@@ -332,26 +439,42 @@ def forward(
             raise ValueError(
                 f"forward: kv_cache batch {batch} != input batch {input_ids_bt.shape[0]}"
             )
-    h_btd = jnp.take(params["embed_vd"], input_ids_bt, axis=0).astype(jnp.float32)
+    embed_btd = jnp.take(params["embed_vd"], input_ids_bt, axis=0)
+    if config.scale_embeddings:  # HF Gemma: the sqrt(D) factor is rounded to the param dtype
+        embed_btd = embed_btd * jnp.asarray(config.d_model**0.5, embed_btd.dtype)
+    h_btd = embed_btd.astype(jnp.float32)
+    sliding_l = [config.layer_is_sliding(i) for i in range(config.n_layers)]
 
-    def body(h_btd, xs):
-        lp, ck, cv = xs
-        return _layer(config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled)
+    def layer_fn(sliding: bool | None):
+        """The (rematerialised) layer; ``sliding`` static, or None: read from xs[3]."""
 
-    if config.remat:
-        body = jax.checkpoint(body, policy=_REMAT_POLICY)
+        def body(h_btd, xs):
+            lp, ck, cv = xs[:3]
+            flag = xs[3] if sliding is None else sliding
+            return _layer(
+                config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled, sliding=flag
+            )
+
+        return jax.checkpoint(body, policy=_REMAT_POLICY) if config.remat else body
+
     if unrolled:
         n = len(params["layers"])
         ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
+        bodies = {flag: layer_fn(flag) for flag in set(sliding_l)}
         new_k, new_v = [], []
-        for lp, ck, cv in zip(params["layers"], ks, vs, strict=True):
-            h_btd, (ck, cv) = body(h_btd, (lp, ck, cv))
+        for lp, ck, cv, sliding in zip(params["layers"], ks, vs, sliding_l, strict=True):
+            h_btd, (ck, cv) = bodies[sliding](h_btd, (lp, ck, cv))
             new_k.append(ck)
             new_v.append(cv)
         cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
     else:
         ks, vs = (None, None) if kv_cache is None else kv_cache
-        h_btd, (ks, vs) = jax.lax.scan(body, h_btd, (params["layers"], ks, vs))
+        if config.mixed_layers:  # the per-layer sliding flag rides the scan
+            xs = (params["layers"], ks, vs, jnp.asarray(sliding_l))
+            h_btd, (ks, vs) = jax.lax.scan(layer_fn(None), h_btd, xs)
+        else:
+            xs = (params["layers"], ks, vs)
+            h_btd, (ks, vs) = jax.lax.scan(layer_fn(sliding_l[0]), h_btd, xs)
         cache = None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs)
-    h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps)
+    h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps, config.norm_offset)
     return h_btd, cache

@@ -201,6 +201,34 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat template
 
+    def with_chat_template(
+        self, chat_template: str | None, *, extra_stops: Iterable[tuple[str, Iterable[int]]] = ()
+    ) -> Tokenizer:
+        """The same tokenizer with another chat template (e.g. a documented plain prompt
+        format for a base model whose files carry none, like Gemma 3 270M) and/or more
+        stop ids (``[(source name, ids)]``, e.g. the newline a plain format ends on).
+
+        The stop set keeps every source but the old template's end-of-turn token; the
+        new template's end-of-turn token (if it has one) joins it.
+
+        Raises:
+          ValueError: as the constructor (e.g. a template end-of-turn token that is
+            not in the vocabulary).
+        """
+        stops = [
+            (source, [i])
+            for i, sources in self.stop_set.sources.items()
+            for source in sources
+            if source not in ("eos_token", TEMPLATE_SOURCE)
+        ]
+        stops += [(source, list(ids)) for source, ids in extra_stops]
+        return Tokenizer(
+            self._tok,
+            special_tokens=self.special_tokens,
+            chat_template=chat_template,
+            stop_sources=stops,
+        )
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -1,9 +1,11 @@
 """Reading and writing tokenizers: GGUF metadata and Hugging Face checkpoint files.
 
 ``tokenizer_from_gguf(path)`` builds the byte-level BPE stored in a GGUF file
-(llama.cpp's ``tokenizer.ggml.*`` keys; only ``gpt2``-style BPE, pre-tokenizer
-from ``tokenizer.ggml.pre``: SmolLM2's ``smollm`` splits every digit, then the
-GPT-2 regex). ``tokenizer_from_hf_dir(dir)`` reads ``tokenizer.json`` and
+(llama.cpp's ``tokenizer.ggml.*`` keys): ``gpt2``-style byte-level BPE, pre-tokenizer
+from ``tokenizer.ggml.pre`` (SmolLM2's ``smollm`` splits every digit, then the GPT-2
+regex), or a Gemma SentencePiece vocabulary (``tokenizer.ggml.model = llama`` in a
+``gemma``/``gemma2``/``gemma3`` file; see ``_gemma_sentencepiece``).
+``tokenizer_from_hf_dir(dir)`` reads ``tokenizer.json`` and
 ``tokenizer_config.json`` (special tokens, chat template, ``add_bos_token``),
 and the stop ids of ``generation_config.json`` and ``config.json``.
 ``save_tokenizer_hf`` writes files that transformers and
@@ -17,7 +19,7 @@ import os
 from typing import Any
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from jaxflash.models.stop_tokens import TEMPLATE_SOURCE, eos_ids_field
 from jaxflash.models.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer
@@ -80,41 +82,31 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
         return fields[key].contents() if key in fields else default
 
     kind = get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"Tokenizer.from_gguf: {path}: tokenizer.ggml.model={kind!r}; only byte-level "
-            "BPE ('gpt2') is supported"
-        )
+    arch = get("general.architecture")
     tokens: list[str] = get("tokenizer.ggml.tokens")
     token_types: list[int] = get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges")]
-    pre = get("tokenizer.ggml.pre", "default")
-
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-    tok = tokenizers.Tokenizer(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGIT_SPLIT_PRES:
-        # Same as SmolLM2's tokenizer.json: "12345" -> 1 2 3 4 5, then GPT-2 regex.
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    elif pre in _GPT2_PRES:
-        tok.pre_tokenizer = byte_level
-    else:
+    if kind == "llama" and arch in _GEMMA_ARCHS:
+        tok = _gemma_sentencepiece(tokens, get("tokenizer.ggml.unknown_token_id"))
+    elif kind != "gpt2":
         raise ValueError(
-            f"Tokenizer.from_gguf: {path}: unsupported tokenizer.ggml.pre={pre!r} "
-            f"(supported: {sorted(_DIGIT_SPLIT_PRES | _GPT2_PRES)})"
+            f"Tokenizer.from_gguf: {path}: tokenizer.ggml.model={kind!r} "
+            f"(general.architecture={arch!r}); supported: byte-level BPE ('gpt2'), or "
+            f"'llama' (SentencePiece) in a {sorted(_GEMMA_ARCHS)} file"
         )
-    tok.decoder = decoders.ByteLevel()
+    else:
+        tok = _byte_level_bpe(path, tokens, get("tokenizer.ggml.merges"), get("tokenizer.ggml.pre"))
     # Control/user-defined tokens already have ids in the vocab; registering them as
     # added tokens makes encode() match them whole instead of splitting "<|im_end|>".
+    # A token the vocabulary spells differently (Gemma's respelled space runs) is not
+    # registered: it would get a new id past the model's rows.
+    vocab = tok.get_vocab(with_added_tokens=False)
     tok.add_tokens(
         [
             tokenizers.AddedToken(
                 t, special=ty == _GGUF_CONTROL, normalized=False, single_word=False
             )
             for t, ty in zip(tokens, token_types, strict=True)
-            if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+            if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED) and vocab.get(t) is not None
         ]
     )
     special = {
@@ -136,6 +128,70 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
         chat_template=get("tokenizer.chat_template"),
         stop_sources=stops,
     )
+
+
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _byte_level_bpe(path: str, tokens: list[str], merges: list[str], pre: str | None):
+    """GPT-2 style byte-level BPE with the file's merges and pre-tokenizer."""
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False)
+    tok = tokenizers.Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = pre or "default"
+    if pre in _DIGIT_SPLIT_PRES:
+        # Same as SmolLM2's tokenizer.json: "12345" -> 1 2 3 4 5, then GPT-2 regex.
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in _GPT2_PRES:
+        tok.pre_tokenizer = byte_level
+    else:
+        raise ValueError(
+            f"Tokenizer.from_gguf: {path}: unsupported tokenizer.ggml.pre={pre!r} "
+            f"(supported: {sorted(_DIGIT_SPLIT_PRES | _GPT2_PRES)})"
+        )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gemma_sentencepiece(tokens: list[str], unk_id: int | None) -> tokenizers.Tokenizer:
+    """Gemma's SentencePiece BPE (byte fallback) from a GGUF vocabulary.
+
+    The file stores no merges. Gemma's vocabulary is ordered by merge priority (its
+    scores are not), so the merges are rebuilt from it: every split of a token into
+    two vocabulary pieces, tokens earlier in the file first, ties broken by the
+    longer left then right piece, the splits of one token by the pieces' ids.
+    Whitespace-only tokens holding a space are stored with real spaces but looked up
+    as "▁" runs, so they are respelled first (a repeated spelling keeps its last id).
+    Normalizer, pre-tokenizer, byte fallback and decoder are those of Gemma's
+    ``tokenizer.json``. This is the construction transformers' GGUF reader uses
+    (checked id for id in tests/test_gemma3_gguf.py).
+    """
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    candidates = []
+    for token, rank in vocab.items():
+        splits = [
+            (token[:k], token[k:])
+            for k in range(1, len(token))
+            if token[:k] in vocab and token[k:] in vocab
+        ]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        candidates.extend((rank, left, right) for left, right in splits)
+    # Stable sort: earlier token first, then longer left piece, then longer right piece.
+    candidates.sort(key=lambda c: (c[0], -len(c[1]), -len(c[2])))
+    merges = [(left, right) for _, left, right in candidates]
+    unk = spelled[unk_id] if unk_id is not None else None
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
 
 
 def _read_json(path: str) -> dict[str, Any]:

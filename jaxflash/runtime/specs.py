@@ -132,7 +132,13 @@ class MeshSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Where the weights come from. source: gguf | hf | random."""
+    """Where the weights come from. source: gguf | hf | random.
+
+    ``chat_template``: a Jinja template that replaces the tokenizer's own ("" keeps
+    it) — the documented plain prompt format of a base model without one.
+    ``extra_stop_ids``: token ids that also end a response (e.g. the newline that
+    ends a plain-format answer), added to the tokenizer's stop set.
+    """
 
     source: str = "gguf"
     path: str = ""
@@ -140,8 +146,15 @@ class ModelSpec:
     compute_dtype: str = "float32"
     remat: bool = True
     logits_chunk: int = 64
+    chat_template: str = ""
+    extra_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_stop_ids", tuple(self.extra_stop_ids))
+        check(
+            all(isinstance(i, int) and i >= 0 for i in self.extra_stop_ids),
+            f"model.extra_stop_ids must be ids >= 0, got {self.extra_stop_ids!r}",
+        )
         check(
             self.source in ("gguf", "hf", "random"),
             f"model.source must be gguf | hf | random, got {self.source!r}",
