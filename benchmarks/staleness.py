@@ -48,8 +48,9 @@ Modes (each result row says which):
 
 Losses: ``--losses`` takes any name in ``POLICY_LOSSES`` (default ``ppo``
 against behaviour, ``decoupled_ppo``, ``tis``, ``cispo``, ``m2po``, ``gspo``), each
-at its own default hyper-parameters; decoupled_ppo / tis (and any loss the
-learner config refuses without it) run with ``learner.ratio_against=proximal``.
+at its own default hyper-parameters; the losses that need the proximal policy
+(``policy_loss.PROXIMAL_LOSSES``: decoupled_ppo, tis and the rollout corrections)
+run with ``learner.ratio_against=proximal``.
 The quick grid runs ppo, decoupled_ppo and cispo for 40 steps (``GRIDS``).
 
 Measured per run (read back from metrics.jsonl / rollouts.jsonl): training reward
@@ -89,7 +90,6 @@ sys.path.insert(0, HERE)
 from replay import apply_override, mean_std  # noqa: E402
 
 DEFAULT_LOSSES = ("ppo", "decoupled_ppo", "tis", "cispo", "m2po", "gspo")
-PROXIMAL_LOSSES = ("decoupled_ppo", "tis")
 WORDS = ["<pad>", "<eos>", "=", "reverse", "sort", "copy"] + [str(d) for d in range(10)]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -202,6 +202,8 @@ def make_config(
     c.learner.micro_batch_size = args.prompts * args.group
     c.learner.loss = loss
     c.learner.loss_kwargs = ml_collections.ConfigDict()  # each loss at its own defaults
+    from jaxflash.algorithms.policy_loss import PROXIMAL_LOSSES
+
     c.learner.ratio_against = "proximal" if loss in PROXIMAL_LOSSES else "behaviour"
     c.reward.num_workers = 1
     c.mesh.num_cpu_devices = 2
@@ -217,19 +219,8 @@ def make_config(
 
 
 def experiment(c: Any) -> Any:
-    """The run's validated experiment (``ExperimentWithImportance``); a loss the learner
-    refuses against the behaviour policy ("needs ratio_against='proximal'") is retried
-    against the proximal one."""
-    from jaxflash.runtime.experiment import ConfigError
-
-    cls = experiment_class()
-    try:
-        return cls.from_config_dict(c)
-    except (ConfigError, ValueError) as e:
-        if "proximal" not in str(e) or c.learner.ratio_against == "proximal":
-            raise
-        c.learner.ratio_against = "proximal"
-        return cls.from_config_dict(c)
+    """The run's validated experiment (``ExperimentWithImportance``)."""
+    return experiment_class().from_config_dict(c)
 
 
 _EXPERIMENT_CLASS: list[type] = []
