@@ -229,7 +229,8 @@ def _launch(tmp_path, *overrides):
         ),
         (
             "--config.data.task=countdwn",
-            "config error: data.task: unknown task 'countdwn'; known: ['arithmetic', 'countdown'",
+            "config error: data.task: unknown task 'countdwn'; known: "
+            "['arithmetic', 'code_file', 'countdown'",
         ),
     ],
 )
