@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from configs import rlvr_smollm2_humaneval
+from configs import rlvr_smollm2_humaneval, smoke
 from jaxflash.data.code_tasks import humaneval_rows, load_code_rows, split_humaneval
 from jaxflash.data.files import RowFailure
 from jaxflash.data.tasks import make_task
@@ -166,6 +166,11 @@ def test_config_humaneval_uses_the_code_reward_and_checks_its_limits():
     c.reward.fn = "math"
     with pytest.raises(ConfigError, match="cannot verify data.task='humaneval'"):
         ExperimentConfig.from_config_dict(c)
+    # The sandbox limits bind only the code reward: a 1 s reward deadline stays valid
+    # for every other reward (the chaos soak uses one).
+    c = smoke.get_config()
+    c.reward.timeout_s = 1.0
+    assert ExperimentConfig.from_config_dict(c).reward.timeout_s == 1.0
 
 
 @needs_bwrap
