@@ -155,6 +155,25 @@ def test_code_file_rows_and_their_failures(tmp_path):
     assert task.reward == "code" and len(task.train) == 5
 
 
+@pytest.mark.parametrize(
+    "tests, reason",
+    [
+        (7, "got a int"),
+        (None, "got a NoneType"),
+        ({"a": 1}, "got a dict"),
+        (["assert (1 +"], "test 0 does not parse"),
+        (["assert add(1, 2) == 3", "x = 1"], "test 1 holds no assert"),
+    ],
+)
+def test_code_file_rows_with_bad_tests_fail_naming_the_line(tmp_path, tests, reason):
+    # Found by a new-user trial: tests of the wrong type crashed the run with a
+    # TypeError, and list-form tests were never checked, so ["x = 1"] scored 1.0.
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"prompt": "Write add(a, b).", "tests": tests}) + "\n")
+    (row,) = load_code_rows(str(path))
+    assert isinstance(row, RowFailure) and reason in row.reason and row.line == 1
+
+
 def test_config_humaneval_uses_the_code_reward_and_checks_its_limits():
     c = rlvr_smollm2_humaneval.get_config()
     exp = ExperimentConfig.from_config_dict(c)

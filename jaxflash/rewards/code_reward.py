@@ -97,9 +97,21 @@ def grading_steps(tests: str | list[str], entry_point: str = "") -> list[tuple[s
     Raises:
       ValueError: tests that do not parse, or that hold no test.
     """
+    if not isinstance(tests, str | list):
+        raise ValueError(
+            f"tests must be a non-empty list of strings or a source string, "
+            f"got a {type(tests).__name__}"
+        )
     if isinstance(tests, list):
         if not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError("tests must be a non-empty list of strings or a source string")
+        for i, test in enumerate(tests):  # each is one test: it must parse and assert
+            try:
+                nodes = ast.parse(test).body
+            except SyntaxError as e:
+                raise ValueError(f"test {i} does not parse: {e}") from None
+            if not any(_has_assert(n) for n in nodes):
+                raise ValueError(f"test {i} holds no assert: {test[:60]!r}")
         return [(t, True) for t in tests]
     try:
         module = ast.parse(tests)
