@@ -119,3 +119,23 @@ def test_stop_set_reward_and_rerun_end_to_end(tmp_path):
     assert "--config.total_steps=<more than 1>" in again.getvalue()
     assert {p: os.path.getsize(workdir / p) for p in before} == before
     assert sorted(os.listdir(workdir / "tensorboard")) == events
+
+
+def test_weights_the_importer_refuses_are_a_config_error_naming_model_path(tmp_path):
+    # Found by a new-user trial: an unknown rope_type in config.json was a traceback
+    # (exit 1) from the model load; it is input, so it is a one-line config error.
+    from jaxflash.runtime.experiment import ConfigError
+    from jaxflash.runtime.model_setup import load_model, load_tokenizer
+
+    directory = _checkpoint(tmp_path)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        hf_config = json.load(f)
+    hf_config["rope_scaling"] = {"rope_type": "yarnx", "factor": 2.0}
+    with open(path, "w") as f:
+        json.dump(hf_config, f)
+    c = smoke.get_config()
+    c.model.source, c.model.path = "hf", directory
+    exp = ExperimentConfig.from_config_dict(c)
+    with pytest.raises(ConfigError, match=r"model.path=.*rope_type='yarnx'"):
+        load_model(exp.model, exp.rollout, load_tokenizer(exp.model))

@@ -59,6 +59,7 @@ def load_model(
     is sized to it.
 
     Raises:
+      ConfigError: the weight importer refuses the files (naming model.path).
       ValueError: the tokenizer is larger than the model, or
         ``rollout.max_prefill_length + rollout.max_new_tokens`` exceeds the
         model's context (naming the fields).
@@ -67,11 +68,14 @@ def load_model(
         compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk
     )
     need_len = rollout.max_prefill_length + rollout.sampling.max_new_tokens
-    if spec.source == "gguf":
-        config, params = load_gguf(spec.path or smollm2_gguf_path())
-    elif spec.source == "hf":
-        config, params = load_hf(spec.path)
-    else:
+    try:  # a file the importers refuse (unknown RoPE type, activation, tensor) is input
+        if spec.source == "gguf":
+            config, params = load_gguf(spec.path or smollm2_gguf_path())
+        elif spec.source == "hf":
+            config, params = load_hf(spec.path)
+    except ValueError as e:
+        raise ConfigError(f"model.path={spec.path!r} (model.source={spec.source}): {e}") from None
+    if spec.source not in ("gguf", "hf"):
         config, params = get_preset(spec.preset, vocab_size=tokenizer.vocab_size), None
         overrides["max_seq_len"] = max(config.max_seq_len, need_len)
     # Padded embeddings: ids past the tokenizer are masked; a larger tokenizer is refused.
