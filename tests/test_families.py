@@ -24,8 +24,9 @@ import pytest
 
 from jaxflash.models import llama
 from jaxflash.models.config import ModelConfig
+from jaxflash.models.hf_config import config_from_hf_dict, hf_model_type
 from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.weights_hf import config_from_hf_dict, hf_model_type, load_hf, save_hf
+from jaxflash.models.weights_hf import load_hf, save_hf
 
 torch = pytest.importorskip("torch", reason="crosscheck extra (torch) not installed")
 transformers = pytest.importorskip(
