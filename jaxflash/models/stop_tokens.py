@@ -24,6 +24,17 @@ from jaxflash.models.chat_template import ChatTemplateError, render_chat_templat
 _PROBE = "jaxflashProbe7f3a"  # an assistant message no template rewrites
 TEMPLATE_SOURCE = "chat template end of turn"
 
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StopSet:

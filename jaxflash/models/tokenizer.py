@@ -34,22 +34,12 @@ import tokenizers
 
 from jaxflash.models.chat_template import render_chat_template
 from jaxflash.models.stop_tokens import (
+    SPECIAL_TOKEN_NAMES,
     TEMPLATE_SOURCE,
     StopSet,
     build_stop_set,
     template_end_of_turn,
 )
-
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
-"""Named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES)."""
 
 
 class Tokenizer:
@@ -326,14 +316,14 @@ class Tokenizer:
         """See ``tokenizer_files.tokenizer_from_gguf``."""
         from jaxflash.models.tokenizer_files import tokenizer_from_gguf  # noqa: PLC0415
 
-        return tokenizer_from_gguf(path)
+        return cls(**tokenizer_from_gguf(path))
 
     @classmethod
     def from_hf_dir(cls, directory: Any) -> Tokenizer:
         """See ``tokenizer_files.tokenizer_from_hf_dir``."""
         from jaxflash.models.tokenizer_files import tokenizer_from_hf_dir  # noqa: PLC0415
 
-        return tokenizer_from_hf_dir(directory)
+        return cls(**tokenizer_from_hf_dir(directory))
 
     def save_hf(self, directory: Any) -> None:
         """See ``tokenizer_files.save_tokenizer_hf``."""

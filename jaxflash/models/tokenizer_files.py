@@ -21,8 +21,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
-from jaxflash.models.stop_tokens import TEMPLATE_SOURCE, eos_ids_field
-from jaxflash.models.tokenizer import SPECIAL_TOKEN_NAMES, Tokenizer
+from jaxflash.models.stop_tokens import SPECIAL_TOKEN_NAMES, TEMPLATE_SOURCE, eos_ids_field
 
 # llama.cpp token types (gguf.TokenType): 3 = CONTROL (special tokens such as <|im_end|>),
 # 4 = USER_DEFINED (added tokens that are not special).
@@ -59,8 +58,11 @@ def bos_eos_processor(
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
-    """Build the tokenizer stored in a GGUF file.
+def tokenizer_from_gguf(path: str | os.PathLike) -> dict[str, Any]:
+    """Read the tokenizer stored in a GGUF file: ``Tokenizer(**result)`` builds it.
+
+    Returns the ``Tokenizer`` constructor's arguments (this module does not import
+    ``tokenizer.py``, which imports it for ``Tokenizer.from_gguf``).
 
     Special tokens come from ``tokenizer.ggml.{bos,eos,unknown,padding}_token_id``;
     BOS is added by ``encode(add_special_tokens=True)`` iff
@@ -122,12 +124,12 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
         add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
     )
     stops = [(f"GGUF {k}", [int(get(k))]) for k in _GGUF_STOP_KEYS if get(k) is not None]
-    return Tokenizer(
-        tok,
-        special_tokens=special,
-        chat_template=get("tokenizer.chat_template"),
-        stop_sources=stops,
-    )
+    return {
+        "hf_tokenizer": tok,
+        "special_tokens": special,
+        "chat_template": get("tokenizer.chat_template"),
+        "stop_sources": stops,
+    }
 
 
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
@@ -208,8 +210,10 @@ def _token_content(token: Any) -> str | None:
     return token
 
 
-def tokenizer_from_hf_dir(directory: str | os.PathLike) -> Tokenizer:
-    """Load a Hugging Face checkpoint directory's tokenizer, template and stop set.
+def tokenizer_from_hf_dir(directory: str | os.PathLike) -> dict[str, Any]:
+    """Read a Hugging Face checkpoint directory's tokenizer, template and stop set.
+
+    Returns the ``Tokenizer`` constructor's arguments (``Tokenizer.from_hf_dir``).
 
     - ``tokenizer.json``: the tokenizer; its post-processor decides what
       ``encode(add_special_tokens=True)`` adds. tokenizer_config's
@@ -254,11 +258,19 @@ def tokenizer_from_hf_dir(directory: str | os.PathLike) -> Tokenizer:
         ids = eos_ids_field(_read_json(path).get("eos_token_id"), source=path)
         if ids:
             stops.append((source, ids))
-    return Tokenizer(tok, special_tokens=special, chat_template=template, stop_sources=stops)
+    return {
+        "hf_tokenizer": tok,
+        "special_tokens": special,
+        "chat_template": template,
+        "stop_sources": stops,
+    }
 
 
-def save_tokenizer_hf(tokenizer: Tokenizer, directory: str | os.PathLike) -> None:
+def save_tokenizer_hf(tokenizer: Any, directory: str | os.PathLike) -> None:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``.
+
+    ``tokenizer`` is a ``jaxflash.models.tokenizer.Tokenizer`` (typed ``Any``: this
+    module must not import that one, which imports it).
 
     transformers reads them back to the same ids and template; the generation
     config lists the whole stop set, so ``generate`` stops where we do.
