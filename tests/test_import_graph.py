@@ -97,6 +97,52 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+LAYERS = {
+    "types": 0,
+    "failpoints": 0,
+    "sharding": 1,
+    "algorithms": 1,
+    "rewards": 1,
+    "metrics": 1,
+    "report": 1,
+    "models": 2,
+    "data": 2,
+    "envs": 2,
+    "generation": 3,
+    "learner": 3,
+    "replay": 3,
+    "sync": 3,
+    "checkpoint": 3,
+    "sizing": 4,
+    "runtime": 5,
+}
+"""docs/CONTRACTS.md "Layers": a package imports only packages of a lower layer."""
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows between jaxflash packages that do not go down a layer (or name no layer)."""
+    bad = []
+    for module, targets in graph.items():
+        package = module.split(".")[1] if "." in module else None
+        for target in targets:
+            other = target.split(".")[1] if "." in target else None
+            if package is None or other is None or other == package:
+                continue
+            if package not in LAYERS or other not in LAYERS:
+                bad.append(f"{module} -> {target}: package not in LAYERS")
+            elif LAYERS[other] >= LAYERS[package]:
+                bad.append(
+                    f"{module} (layer {LAYERS[package]}) -> {target} (layer {LAYERS[other]})"
+                )
+    return sorted(bad)
+
+
+def test_packages_import_only_lower_layers():
+    assert layer_violations(import_graph()) == []
+    planted = {"jaxflash.models.x": {"jaxflash.envs.y"}, "jaxflash.envs.y": set()}
+    assert layer_violations(planted) == ["jaxflash.models.x (layer 2) -> jaxflash.envs.y (layer 2)"]
+
+
 def test_jaxflash_has_no_import_cycle():
     cycles = import_cycles(import_graph())
     assert not cycles, f"import circles: {cycles}"

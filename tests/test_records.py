@@ -15,7 +15,7 @@ from jaxflash.runtime.learner_batch import empty_reason, learner_batch
 from jaxflash.runtime.scoring import TruncationPolicy, correctness
 from jaxflash.types import FailureReason, FinishReason, Prompt, PromptOutcome, Sample
 
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")
 
 
 def _s(pid, idx, reward, *, n=3, truncated=False, versions=None, components=None):

@@ -14,18 +14,17 @@
 
 import json
 import os
-import re
 
 import pytest
 
 from configs import smoke, smoke_async
+from jaxflash.metrics.reference import undocumented
 from jaxflash.runtime import rlvr
 from jaxflash.runtime.experiment import ExperimentConfig
 from jaxflash.runtime.gen_server import GenerationServer
 from tests.report_fixtures import check_report_pngs
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
 
 
 def _rows(path):
@@ -33,23 +32,8 @@ def _rows(path):
 
 
 def _undocumented(metrics_rows):
-    """Metric names a run wrote that the README's metrics table does not name."""
-    with open(README, encoding="utf-8") as f:
-        readme = f.read()
-    patterns = [
-        (r"^gen\d+_", "gen{i}_"),
-        (r"^(samples_dropped|buffer_dropped|steps_skipped)_.+$", r"\1_<reason>"),
-        (r"^(fresh|replay)_pg_.+$", r"\1_pg_<name>"),
-    ]
-    missing = set()
-    for row in metrics_rows:
-        for key in row:
-            name = key
-            for pattern, repl in patterns:
-                name = re.sub(pattern, repl, name)
-            if key != "step" and f"`{name}`" not in readme:
-                missing.add(key)
-    return missing
+    """Metric names a run wrote that the metrics reference (docs/METRICS.md) does not name."""
+    return undocumented(metrics_rows)
 
 
 @pytest.mark.parametrize("decode_block", [1, pytest.param(4, marks=pytest.mark.slow)])

@@ -281,7 +281,7 @@ STALE_REASONS = ("stale", "surplus_stale")
 
 
 def episode_metrics(groups: Sequence[Group], dropped: Sequence[DroppedGroup]) -> dict[str, Any]:
-    """Per-step episode metrics (README "What a run writes"); {} for RLVR samples.
+    """Per-step episode metrics (docs/METRICS.md); {} for RLVR samples.
 
     Over the step's groups: ``turns_per_episode``, ``env_time_per_turn_s``,
     ``success_rate``, ``invalid_action_rate``, ``sampled_tokens_mean``. The stale

@@ -47,7 +47,7 @@ ROLLOUT_FIELDS = (
     "token_version_min",
     "token_version_max",
 )
-"""Keys of every rollouts.jsonl row, in order (README "What a run writes")."""
+"""Keys of every rollouts.jsonl row, in order (docs/METRICS.md)."""
 
 
 def rollout_row(
@@ -196,7 +196,7 @@ def timeline_row(
 
     Returns:
       {"step", "learner": {"wait", "train", "publish"}: [t0, t1], "gen": [[[t0, t1],
-      ...] per server], "reward": [[t0, t1], ...]} (README "What a run writes").
+      ...] per server], "reward": [[t0, t1], ...]} (docs/METRICS.md).
     """
 
     def rel(span) -> list[float]:

@@ -72,7 +72,7 @@ class MixedStep:
       batch: TrainBatch [rows, T] (None when nothing carries loss).
       samples: fresh samples, then replayed ones (batch row order).
       cycle_b: int8 [rows], 0 fresh / 1 replay (padding rows 0; they carry no tokens).
-      metrics: the composer's per-step metrics (README "replay cycle").
+      metrics: the composer's per-step metrics (docs/REPLAY.md).
     """
 
     batch: TrainBatch | None

@@ -317,7 +317,7 @@ def run(
                 )
             )  # fmt: skip
 
-            # Metrics (README "What a run writes").
+            # Metrics (docs/METRICS.md).
             step_s = clock.now() - t_step
             metrics = {
                 **records.batch_metrics(batch.groups, lb.samples),

@@ -17,11 +17,11 @@ simulated learner (time per trained token, weight-sync time). No threads.
 Extension points: ``Workload(episode=multi_turn(...))`` for agentic episodes (an
 environment latency per turn, the slot freed meanwhile); ``SimConfig.replay_ratio``
 for replayed samples trained per fresh one; ``CostModel.contention`` for shared
-hardware. See README "Simulating pod scale".
+hardware. See docs/SIMULATION.md.
 
 ``simulate.episodes`` runs the real environment manager (every episode its own
 loop, redundancy, env faults) in virtual time against real environments, with or
-without a batch barrier (README "Agentic environments").
+without a batch barrier (docs/ASYNC.md "Agentic environments").
 """
 
 from jaxflash.runtime.simulate.barrier import RoundBarrier
