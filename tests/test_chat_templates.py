@@ -73,13 +73,21 @@ EXPECTED_STOPS = {
     "chatml-generation": {0: ("eos_token",), 2: ("chat template end of turn",)},
     "deepseek-r1-distill": {1: ("eos_token", "generation", "template")},
     "gemma": {1: ("eos_token", "generation"), 6: ("generation", "template")},
+    "gemma3": {1: ("eos_token", "generation"), 6: ("generation", "template")},
     "llama3": {1: ("generation",), 4: ("generation",), 5: ("eos_token", "generation", "template")},
     "mistral": {2: ("eos_token", "generation", "template")},
     "qwen2.5": {0: ("generation",), 2: ("eos_token", "generation", "template")},
     "qwen2.5-base": {0: ("eos_token", "generation"), 2: ("generation", "template")},
+    "qwen3": {0: ("generation",), 2: ("eos_token", "generation", "template")},
     "smollm2": {2: ("eos_token", "generation", "template")},
 }
-BOS = {"deepseek-r1-distill": 0, "gemma": 2, "llama3": 0, "mistral": 1}  # templates writing bos
+BOS = {
+    "deepseek-r1-distill": 0,
+    "gemma": 2,
+    "gemma3": 2,
+    "llama3": 0,
+    "mistral": 1,
+}  # templates writing bos
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +149,63 @@ def test_every_template_renders_some_conversation(pairs):
         assert len(ok) >= 3, (name, ok)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "llama3"])
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3", "llama3"])
 def test_tools_and_tool_calls_equal_transformers(pairs, name):
     hf, ours, _ = pairs[name]
     for messages in (TOOL_CONVERSATION, CONVERSATIONS["user"]):
         theirs, mine = _both(hf, ours, messages, True, tools=TOOLS)
         assert not isinstance(theirs, Exception) and mine == theirs
     assert '"integer"' in mine[1]  # tojson ran (indent=4 for Llama)
+
+
+QWEN3_REASONING = [
+    {"role": "user", "content": "What is 3 + 4?"},
+    {"role": "assistant", "content": "<think>\n3 plus 4 is 7.\n</think>\n\n7"},
+    {"role": "user", "content": "And times 2?"},
+    {"role": "assistant", "reasoning_content": "7 * 2 = 14", "content": "14"},
+    {"role": "user", "content": "Thanks."},
+]
+
+
+@pytest.mark.parametrize("thinking", [None, True, False], ids=["unset", "on", "off"])
+def test_qwen3_thinking_switch_equals_transformers(pairs, thinking):
+    hf, ours, _ = pairs["qwen3"]
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    theirs, mine = _both(hf, ours, CONVERSATIONS["system"], True, **kwargs)
+    assert not isinstance(theirs, Exception) and mine == theirs
+    # Off writes an empty think block after the generation prompt; on / unset leave it open.
+    assert mine[1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == (thinking is False)
+
+
+def test_qwen3_multi_turn_drops_earlier_reasoning_like_transformers(pairs):
+    hf, ours, _ = pairs["qwen3"]
+    for messages in (QWEN3_REASONING, QWEN3_REASONING[:4]):
+        for gen in (True, False):
+            theirs, mine = _both(hf, ours, messages, gen)
+            assert not isinstance(theirs, Exception) and mine == theirs
+    _, (_, text) = _both(hf, ours, QWEN3_REASONING, True)
+    # Turns before the last user query keep their answers and lose their reasoning.
+    assert "3 plus 4" not in text and "7 * 2" not in text and "<|im_start|>assistant\n7" in text
+    # After the last query (a conversation ending with the assistant) it is kept.
+    _, (_, text) = _both(hf, ours, QWEN3_REASONING[:4], False)
+    assert "<think>\n7 * 2 = 14\n</think>\n\n14<|im_end|>" in text
+
+
+def test_gemma3_system_prompt_and_content_parts_equal_transformers(pairs):
+    hf, ours, _ = pairs["gemma3"]
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": " What is 3 + 4? "}]},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "And 5 + 5?"},
+    ]
+    for messages in (CONVERSATIONS["system"], parts):
+        theirs, mine = _both(hf, ours, messages, True)
+        assert not isinstance(theirs, Exception) and mine == theirs
+    # The system prompt is folded into the first user turn (Gemma 3 has no system role).
+    assert "<start_of_turn>user\nBe brief.\n\nWhat is 3 + 4?<end_of_turn>" in mine[1]
+    theirs, mine = _both(hf, ours, [parts[0], parts[2]], True)  # roles must alternate
+    assert isinstance(theirs, Exception) and isinstance(mine, ValueError)
 
 
 def test_gemma_system_role_rejected_with_templates_message(pairs):
