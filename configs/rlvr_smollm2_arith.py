@@ -53,6 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"  # bfloat16 on accelerators (fp32 master weights)
     c.model.remat = True  # rematerialise layer activations in the learner
     c.model.logits_chunk = 64  # tokens per chunk of the vocabulary log-softmax
+    # Variables every chat-template render gets, as JSON: '{"enable_thinking": false}' (Qwen3)
+    c.model.chat_template_kwargs = ""
 
     c.data = ml_collections.ConfigDict()
     # arithmetic | file | math_file | countdown | reasoning_gym:<dataset> | humaneval |

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+from configs import rlvr_smollm2_arith
 from jaxflash.models.chat_template import ChatTemplateError, render_chat_template
 from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
 from tests.chat_fixtures import NAMES, build_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference")
@@ -323,3 +325,34 @@ def test_gguf_template_and_ids_equal_transformers():
         for gen in (True, False):
             theirs, mine = _both(hf, ours, conversation, gen)
             assert mine == theirs
+
+
+def test_run_wide_template_kwargs_turn_qwen3_thinking_off(pairs):
+    hf, ours, _ = pairs["qwen3"]
+    off = ours.with_chat_template(ours.chat_template, template_kwargs={"enable_thinking": False})
+    messages = CONVERSATIONS["user"]
+    expected = hf.apply_chat_template(
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        enable_thinking=False,
+    )
+    assert off.encode_chat(messages) == expected != ours.encode_chat(messages)
+    assert off.stop_ids == ours.stop_ids
+    # A call's own value wins over the run's.
+    assert off.encode_chat(messages, enable_thinking=True) == ours.encode_chat(messages)
+
+
+def test_model_chat_template_kwargs_config_field():
+    c = rlvr_smollm2_arith.get_config()
+    c.model.chat_template_kwargs = '{"enable_thinking": false}'
+    assert ExperimentConfig.from_config_dict(c).model.chat_template_kwargs == {
+        "enable_thinking": False
+    }
+    c.model.chat_template_kwargs = "{enable_thinking: no}"
+    with pytest.raises(ConfigError, match="model.chat_template_kwargs is not valid JSON"):
+        ExperimentConfig.from_config_dict(c)
+    c.model.chat_template_kwargs = "[1, 2]"
+    with pytest.raises(ConfigError, match="model.chat_template_kwargs must be a JSON object"):
+        ExperimentConfig.from_config_dict(c)

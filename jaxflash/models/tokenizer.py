@@ -76,8 +76,12 @@ class Tokenizer:
         eos_token: str | None = None,
         chat_template: str | None = None,
         stop_sources: Iterable[tuple[str, Iterable[int]]] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._tok = hf_tokenizer
+        # Template variables every render gets unless the call overrides them (e.g.
+        # Qwen3's enable_thinking=False for a whole run).
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         named = dict(special_tokens or {})
         if eos_token is not None:
             named["eos_token"] = eos_token
@@ -192,11 +196,17 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat template
 
     def with_chat_template(
-        self, chat_template: str | None, *, extra_stops: Iterable[tuple[str, Iterable[int]]] = ()
+        self,
+        chat_template: str | None,
+        *,
+        extra_stops: Iterable[tuple[str, Iterable[int]]] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Tokenizer:
         """The same tokenizer with another chat template (e.g. a documented plain prompt
         format for a base model whose files carry none, like Gemma 3 270M) and/or more
-        stop ids (``[(source name, ids)]``, e.g. the newline a plain format ends on).
+        stop ids (``[(source name, ids)]``, e.g. the newline a plain format ends on),
+        and/or template variables every render gets (``template_kwargs``, merged over
+        this tokenizer's: ``{"enable_thinking": False}`` for Qwen3).
 
         The stop set keeps every source but the old template's end-of-turn token; the
         new template's end-of-turn token (if it has one) joins it.
@@ -217,6 +227,7 @@ class Tokenizer:
             special_tokens=self.special_tokens,
             chat_template=chat_template,
             stop_sources=stops,
+            template_kwargs={**self.template_kwargs, **(template_kwargs or {})},
         )
 
     def apply_chat_template(
@@ -236,7 +247,8 @@ class Tokenizer:
           messages: ``[{"role": "system"|"user"|"assistant"|..., "content": ...}]``.
           add_generation_prompt: append the assistant header so the model answers next.
           tokenize: return token ids (``encode_chat``) instead of the string.
-          **template_kwargs: extra template variables (``tools``, ``date_string``...).
+          **template_kwargs: extra template variables (``tools``, ``date_string``,
+            ``enable_thinking``...), over the tokenizer's own ``template_kwargs``.
 
         Returns:
           the prompt string, or its ids when ``tokenize``.
@@ -258,7 +270,7 @@ class Tokenizer:
             messages,
             special_tokens=self.special_tokens,
             add_generation_prompt=add_generation_prompt,
-            **template_kwargs,
+            **{**self.template_kwargs, **template_kwargs},
         )
         return self.encode(text) if tokenize else text
 
@@ -301,7 +313,7 @@ class Tokenizer:
             special_tokens=self.special_tokens,
             add_generation_prompt=add_generation_prompt,
             return_generation_spans=True,
-            **template_kwargs,
+            **{**self.template_kwargs, **template_kwargs},
         )
         encoding = self._tok.encode(text, add_special_tokens=False)
         mask = [

@@ -285,6 +285,11 @@ class ExperimentConfig:
         data["task_options"] = _task_options(data.get("task_options", {}))
         env = dict(c.get("env", {}))
         env["options"] = _task_options(env.get("options", {}), "env.options")
+        model = dict(c.get("model", {}))
+        if "chat_template_kwargs" in model:
+            model["chat_template_kwargs"] = _task_options(
+                model["chat_template_kwargs"], "model.chat_template_kwargs"
+            )
         return cls(
             seed=int(c.get("seed", 0)),
             total_steps=int(c.get("total_steps", 10)),
@@ -299,7 +304,7 @@ class ExperimentConfig:
                 weight_transfer=str(mesh.get("weight_transfer", "transfer")),
                 generation_digests=bool(mesh.get("generation_digests", False)),
             ),
-            model=ModelSpec(**c.get("model", {})),
+            model=ModelSpec(**model),
             data=DataSpec(**data),
             rollout=RolloutSpec(sampling=sampling, **r),
             reward=RewardSpec(**c.get("reward", {})),

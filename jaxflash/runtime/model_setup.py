@@ -29,16 +29,18 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     """The model's tokenizer, with its chat template and stop set (``tokenizer.stop_ids``).
 
     A random-init model uses SmolLM2's tokenizer (from the GGUF), so smoke runs
-    render real prompts. ``spec.chat_template`` (when set) replaces the files' template.
+    render real prompts. ``spec.chat_template`` (when set) replaces the files' template;
+    ``spec.chat_template_kwargs`` go to every render.
     """
     if spec.source == "hf":
         tokenizer = Tokenizer.from_hf_dir(spec.path)
     else:
         tokenizer = Tokenizer.from_gguf(spec.path or smollm2_gguf_path())
-    if spec.chat_template or spec.extra_stop_ids:
+    if spec.chat_template or spec.extra_stop_ids or spec.chat_template_kwargs:
         tokenizer = tokenizer.with_chat_template(
             spec.chat_template or tokenizer.chat_template,
             extra_stops=[("model.extra_stop_ids", spec.extra_stop_ids)],
+            template_kwargs=spec.chat_template_kwargs,
         )
     return tokenizer
 

@@ -138,6 +138,8 @@ class ModelSpec:
     it) — the documented plain prompt format of a base model without one.
     ``extra_stop_ids``: token ids that also end a response (e.g. the newline that
     ends a plain-format answer), added to the tokenizer's stop set.
+    ``chat_template_kwargs``: variables every chat-template render gets (prompts,
+    agentic turns, evaluation), e.g. ``{"enable_thinking": false}`` for Qwen3.
     """
 
     source: str = "gguf"
@@ -148,8 +150,15 @@ class ModelSpec:
     logits_chunk: int = 64
     chat_template: str = ""
     extra_stop_ids: tuple[int, ...] = ()
+    chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check(
+            isinstance(self.chat_template_kwargs, Mapping)
+            and all(isinstance(k, str) for k in self.chat_template_kwargs),
+            "model.chat_template_kwargs must be a JSON object with string keys, got "
+            f"{self.chat_template_kwargs!r}",
+        )
         object.__setattr__(self, "extra_stop_ids", tuple(self.extra_stop_ids))
         check(
             all(isinstance(i, int) and i >= 0 for i in self.extra_stop_ids),
