@@ -4,7 +4,7 @@
     python benchmarks/agentic_async.py --quick    # seconds
     python benchmarks/agentic_async.py --real     # wall time, threads, ~3-4 min
 
-The real ``RolloutScheduler`` and environment manager (``runtime.episode_dispatch``)
+The real ``RolloutScheduler`` and environment manager (``runtime.rollout.episode_dispatch``)
 play real FrozenLake maps (4x4, up to ``--turns`` turns), each step wrapped in
 ``envs.latency.LatencyEnv``: a latency drawn from N(μ, σ) truncated at 0. Time is
 virtual (``runtime.simulate.episodes``): the environment's latency and a simulated
@@ -60,9 +60,9 @@ from jaxflash.envs.registry import env_config, make_env  # noqa: E402
 from jaxflash.models.tokenizer import Tokenizer  # noqa: E402
 from jaxflash.models.weights_gguf import smollm2_gguf_path  # noqa: E402
 from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
-from jaxflash.runtime.env_calls import thread_runner  # noqa: E402
-from jaxflash.runtime.episode_groups import EpisodeSettings  # noqa: E402
-from jaxflash.runtime.inbox import Inbox  # noqa: E402
+from jaxflash.runtime.rollout.env_calls import thread_runner  # noqa: E402
+from jaxflash.runtime.rollout.episode_groups import EpisodeSettings  # noqa: E402
+from jaxflash.runtime.rollout.inbox import Inbox  # noqa: E402
 from jaxflash.runtime.simulate.episodes import (  # noqa: E402
     VirtualEnvTime,
     VirtualTurnServer,

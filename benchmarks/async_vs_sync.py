@@ -174,9 +174,9 @@ def precompile_train_buckets(exp) -> list[int]:
     from jaxflash.learner.batching import bucket_length, pack_batch
     from jaxflash.learner.state import create_train_state
     from jaxflash.learner.step import make_train_step
+    from jaxflash.runtime.fleet.placement import carve
     from jaxflash.runtime.model_setup import load_model, load_tokenizer
-    from jaxflash.runtime.placement import carve
-    from jaxflash.runtime.task_setup import build_task
+    from jaxflash.runtime.workloads.task_setup import build_task
     from jaxflash.sharding.rules import LEARNER_RULES
     from jaxflash.types import FinishReason, Prompt, Sample
 
@@ -354,9 +354,9 @@ def main() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-    from jaxflash.runtime import rlvr
-    from jaxflash.runtime.experiment import ExperimentConfig
-    from jaxflash.runtime.placement import carve
+    from jaxflash.runtime import loop as rlvr
+    from jaxflash.runtime.config.experiment import ExperimentConfig
+    from jaxflash.runtime.fleet.placement import carve
 
     N, K, M, p = args.prompts * args.group, args.slots, args.max_new_tokens, args.eos_prob
     model_dir = os.path.join(workdir, "model")

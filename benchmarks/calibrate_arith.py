@@ -45,8 +45,8 @@ def main() -> None:
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.rewards.base import combined
-    from jaxflash.runtime.evaluation import evaluate
-    from jaxflash.runtime.reward_pool import RewardPool
+    from jaxflash.runtime.rollout.reward_pool import RewardPool
+    from jaxflash.runtime.workloads.evaluation import evaluate
     from jaxflash.types import SamplingParams
 
     if args.model == "gemma3":

@@ -41,8 +41,8 @@ def main() -> None:
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.rewards.code_reward import CodeReward
-    from jaxflash.runtime.evaluation import evaluate
-    from jaxflash.runtime.reward_pool import RewardPool
+    from jaxflash.runtime.rollout.reward_pool import RewardPool
+    from jaxflash.runtime.workloads.evaluation import evaluate
     from jaxflash.types import SamplingParams
 
     path = smollm2_gguf_path()

@@ -76,10 +76,10 @@ class Setup:
         from jaxflash.data.prompts import PromptSource
         from jaxflash.learner.state import create_train_state, state_shardings
         from jaxflash.learner.step import make_train_step
-        from jaxflash.runtime.experiment import ExperimentConfig
+        from jaxflash.runtime.config.experiment import ExperimentConfig
+        from jaxflash.runtime.fleet.placement import carve
         from jaxflash.runtime.model_setup import load_model, load_tokenizer, make_engine
-        from jaxflash.runtime.placement import carve
-        from jaxflash.runtime.task_setup import build_task
+        from jaxflash.runtime.workloads.task_setup import build_task
         from jaxflash.sharding.rules import LEARNER_RULES
         from jaxflash.types import Prompt
 
@@ -199,8 +199,8 @@ class Setup:
     def learner_step(self, length: int) -> tuple[float, int]:
         """(seconds, rows x T) of one step as ``rlvr.run`` runs it."""
         from jaxflash.algorithms.advantages import get_advantage_estimator
-        from jaxflash.runtime.learner_batch import learner_batch
-        from jaxflash.runtime.scoring import TruncationPolicy
+        from jaxflash.runtime.rollout.scoring import TruncationPolicy
+        from jaxflash.runtime.workloads.learner_batch import learner_batch
 
         groups = self.groups(length, first=length)
         t0 = time.perf_counter()
@@ -320,7 +320,7 @@ def calibrate(
     import numpy as np
 
     from jaxflash.runtime.model_setup import make_reward
-    from jaxflash.runtime.reward_pool import RewardPool
+    from jaxflash.runtime.rollout.reward_pool import RewardPool
 
     load0 = os.getloadavg()
     fresh = setup is None

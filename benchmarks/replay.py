@@ -20,7 +20,7 @@ generated, the scheduler's ``samples_generated``; default 640 = the 20 steps of
 * ``adaptive``: as ``replay`` with ``controller.kind=adaptive`` (rho, alpha <= 2 and
   the requests in flight follow the measured rates) and ``controller.elastic`` (its
   role split moves generation slices into and out of the learner live,
-  ``runtime.elastic``) where the learner mesh can grow by one slice (data x tensor
+  ``runtime.control.elastic``) where the learner mesh can grow by one slice (data x tensor
   of ``mesh.learner`` divides the slice size: the real config's fsdp-only learner
   can; the tiny config's tensor = 2 learner cannot, so there it is "+ adaptive" only).
 
@@ -113,7 +113,7 @@ def make_config(
     can take); the run stops at the budget through ``stop_after``. ``eval.every``
     puts an evaluation every ``eval_samples`` fresh samples at the start rho.
     """
-    from jaxflash.runtime.experiment import ExperimentConfig
+    from jaxflash.runtime.config.experiment import ExperimentConfig
 
     c = _load(path)
     for item in overrides or ():
@@ -245,7 +245,7 @@ def mean_std(xs: list[float], unit: str = "", missing: str = "never") -> str:
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every (seed, mode) run; their curves and run facts."""
-    from jaxflash.runtime import rlvr
+    from jaxflash.runtime import loop as rlvr
 
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
     root = args.workdir or tempfile.mkdtemp(prefix="replay_bench_")

@@ -91,8 +91,8 @@ def main() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-    from jaxflash.runtime import rlvr
-    from jaxflash.runtime.experiment import ExperimentConfig
+    from jaxflash.runtime import loop as rlvr
+    from jaxflash.runtime.config.experiment import ExperimentConfig
     from jaxflash.runtime.simulate import CostModel, simulate
 
     model_dir = os.path.join(workdir, "model")

@@ -241,7 +241,7 @@ def experiment_class() -> type:
     """
     if _EXPERIMENT_CLASS:
         return _EXPERIMENT_CLASS[0]
-    from jaxflash.runtime.experiment import ExperimentConfig
+    from jaxflash.runtime.config.experiment import ExperimentConfig
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class ExperimentWithImportance(ExperimentConfig):
@@ -263,7 +263,7 @@ def experiment_class() -> type:
 def lagged_server_factory(lag: int):
     """``server_factory`` for ``rlvr.run``: a GenerationServer that, when handed version v,
     installs the weights of version max(0, v - lag) (under the label v)."""
-    from jaxflash.runtime.gen_server import GenerationServer
+    from jaxflash.runtime.fleet.gen_server import GenerationServer
 
     class LaggedServer(GenerationServer):
         def __init__(self, *a: Any, **kw: Any) -> None:
@@ -397,7 +397,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "xla_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    from jaxflash.runtime import rlvr
+    from jaxflash.runtime import loop as rlvr
 
     model_dir = os.path.join(args.workdir, "model")
     if not os.path.exists(os.path.join(model_dir, "config.json")):

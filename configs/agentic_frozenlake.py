@@ -2,7 +2,7 @@
 
 Each group is one FrozenLake map (an environment seed of the train split) played
 ``group_size`` times; every turn is one request to the generation servers, and the
-environment manager (``runtime.episode_dispatch``) runs each episode as its own
+environment manager (``runtime.rollout.episode_dispatch``) runs each episode as its own
 loop: no barrier between episodes (ROLL Flash's environment-level async, arXiv
 2510.11345). Only the tokens the policy sampled carry loss.
 

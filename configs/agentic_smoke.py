@@ -3,7 +3,7 @@
     python launch/tpu_pod.py --config configs/agentic_smoke.py --workdir runs/agentic_smoke
 
 About a minute on 2 CPU cores (45 s after the imports). Same code path as
-configs/agentic_frozenlake.py (``runtime.rlvr`` with the environment manager); a
+configs/agentic_frozenlake.py (``runtime.loop`` with the environment manager); a
 random model rarely writes a
 valid ``<answer>`` so most turns are invalid actions (penalty -0.01) -- it checks
 plumbing (episodes, masks, redundancy, counters), not learning. Asynchronous on

@@ -4,7 +4,7 @@
 
 A few minutes on 2 CPU cores (tiny random model, alpha = 1). The learner starts on
 devices 0-5 (fsdp 6: every learner size forms a mesh), generation slices [6] and [7].
-A fixed schedule moves devices at step boundaries (``runtime.elastic``): after step 2
+A fixed schedule moves devices at step boundaries (``runtime.control.elastic``): after step 2
 the learner takes slice [6] (its server stops, its requests are re-queued on [7]; the
 state is resharded device to device onto 7 devices), after step 4 it gives [6] back (a
 new server there gets the current weights first). metrics.jsonl shows

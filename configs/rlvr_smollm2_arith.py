@@ -150,7 +150,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every = 1  # learner steps between checkpoints
     c.checkpoint.max_to_keep = 2
 
-    # ReFlow's dual replay cycle (jaxflash.runtime.replay_spec); ratio 0 = no replay.
+    # ReFlow's dual replay cycle (jaxflash.runtime.config.replay_spec); ratio 0 = no replay.
     placeholder = ml_collections.config_dict.placeholder
     c.replay = ml_collections.ConfigDict()
     c.replay.ratio = 0.0  # rho: replayed share of each learner batch, in [0, 1)

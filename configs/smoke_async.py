@@ -3,7 +3,7 @@
     python launch/tpu_pod.py --config configs/smoke_async.py --workdir runs/smoke_async
 
 About a minute on 2 CPU cores. Same code path as every job
-(`runtime.rlvr`): two generation servers on their own fake CPU device
+(`runtime.loop`): two generation servers on their own fake CPU device
 each, queue scheduling, weights published while generation continues, and a
 staleness bound of 2 policy versions.
 """

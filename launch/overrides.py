@@ -21,7 +21,7 @@ from typing import Any
 
 from absl import flags
 
-from jaxflash.runtime.specs import unknown_key_message
+from jaxflash.runtime.config.specs import unknown_key_message
 
 
 def _config_file(argv: Sequence[str]) -> tuple[str, str | None] | None:

@@ -12,7 +12,7 @@ program first (TPU slice metadata, or ``JAX_COORDINATOR_ADDRESS`` /
 ``learner`` (default): the RL loop, in process 0 of the learner program (the
 controller), while its other processes follow process 0's learner commands;
 ``generation``: a generation program serving rollouts over gRPC
-(``runtime.gen_program``) on ``--port``, reached by a controller whose
+(``runtime.fleet.gen_program``) on ``--port``, reached by a controller whose
 ``mesh.generation_addresses`` lists it.
 
 On CPU the fake device count comes from `config.mesh.num_cpu_devices`, set here
@@ -96,7 +96,7 @@ def _serve_generation() -> None:
     """This host is a generation program: serve the controller over gRPC until told to stop."""
     import jax
 
-    from jaxflash.runtime.gen_program import serve
+    from jaxflash.runtime.fleet.gen_program import serve
     from jaxflash.sharding.distributed import advertised_host
 
     if jax.process_count() > 1:
@@ -113,9 +113,9 @@ def _learner(exp, console) -> None:
     """Process 0 runs the RL loop (the controller); the others follow its learner calls."""
     import jax
 
-    from jaxflash.runtime.learner_links import LeaderLinks
-    from jaxflash.runtime.learner_program import follow
-    from jaxflash.runtime.rlvr import run
+    from jaxflash.runtime.fleet.learner_links import LeaderLinks
+    from jaxflash.runtime.fleet.learner_program import follow
+    from jaxflash.runtime.loop import run
     from jaxflash.sharding.distributed import advertised_host
 
     if jax.process_count() == 1:
@@ -164,8 +164,8 @@ def main(argv: list[str]) -> None:
         )
         sys.exit(2)
     _set_cpu_device_count(_devices(config, role))
+    from jaxflash.runtime.config.specs import ConfigError
     from jaxflash.runtime.console import Console
-    from jaxflash.runtime.specs import ConfigError
     from jaxflash.sharding.distributed import initialize_from_env
     from jaxflash.types import RunStoppedError
 
@@ -181,13 +181,13 @@ def main(argv: list[str]) -> None:
                 console.close()
                 _serve_generation()
             # Library code never sees the ConfigDict: it becomes validated dataclasses here.
-            from jaxflash.runtime.experiment import ExperimentConfig
+            from jaxflash.runtime.config.experiment import ExperimentConfig
 
             exp = ExperimentConfig.from_config_dict(config)
             # TensorFlow writes its start-up lines (oneDNN, "no CUDA drivers") to fd 2
             # before any log level applies: hidden, unless --verbosity was given.
             with native_stderr_hidden(not verbose):
-                from jaxflash.runtime import rlvr  # noqa: F401  (the slow imports)
+                from jaxflash.runtime import loop as rlvr  # noqa: F401  (the slow imports)
         if _DRY_RUN.value:
             from jaxflash.runtime.dry_run_plan import dry_run_report
 

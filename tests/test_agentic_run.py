@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from configs import agentic_frozenlake, agentic_smoke
-from jaxflash.runtime.episode_groups import EPISODE_ENDS
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.rollout.episode_groups import EPISODE_ENDS
 from tests.test_rlvr import _undocumented
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,8 +76,8 @@ def test_train_envs_of_one_group_draw_their_own_latencies():
     """Redundancy needs the episodes of one map to straggle independently: each train
     environment's latency stream is seeded by its instance number, not by the map."""
     from jaxflash.envs.latency import LatencyEnv  # noqa: PLC0415
-    from jaxflash.runtime.agentic import EpisodeRollout  # noqa: PLC0415
     from jaxflash.runtime.model_setup import load_tokenizer  # noqa: PLC0415
+    from jaxflash.runtime.workloads.agentic import EpisodeRollout  # noqa: PLC0415
 
     exp = _exp(agentic_smoke, **{"env.latency_mean_s": 1.0, "env.latency_std_s": 1.0})
     rollout = EpisodeRollout(exp, load_tokenizer(exp.model))
@@ -135,7 +135,7 @@ def test_agentic_resume_on_disjoint_slices_trains_no_group_twice(tmp_path):
     """α = 1 on disjoint slices: 2 steps, then the same workdir resumed to 3. Groups in
     flight at the checkpoint are played again (episodes running then are counted
     ``episodes_aborted_on_resume``), no episode is trained twice, the books add up."""
-    from jaxflash.runtime import rlvr  # noqa: PLC0415
+    from jaxflash.runtime import loop as rlvr  # noqa: PLC0415
 
     c = agentic_smoke.get_config()
     c.mesh.colocated = False

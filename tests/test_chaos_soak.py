@@ -2,7 +2,7 @@
 hangs on a set share of responses; the run completes and its books balance.
 
 The controller and learner run in this test process; two generation programs
-are child processes (``runtime.gen_program``). A killer thread SIGKILLs one of
+are child processes (``runtime.fleet.gen_program``). A killer thread SIGKILLs one of
 them at seeded exponential intervals (mean ``KILL_MEAN_S``, at most
 ``MAX_KILLS``), only while the other one serves, so the run always has a server;
 the reward (``tests.reward_fixtures.chaos_reward``) hangs on the share
@@ -20,8 +20,8 @@ import time
 import pytest
 
 from configs import smoke_async
-from jaxflash.runtime import rlvr
-from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime import loop as rlvr
+from jaxflash.runtime.config.experiment import ExperimentConfig
 from tests.kill_campaign import check_books, rows
 from tests.reward_fixtures import chaos_hangs
 

@@ -16,7 +16,7 @@ import pytest
 from configs import rlvr_smollm2_arith
 from jaxflash.models.chat_template import ChatTemplateError, render_chat_template
 from jaxflash.models.tokenizer import Tokenizer
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from tests.chat_fixtures import NAMES, build_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference")

@@ -13,8 +13,8 @@ from jaxflash.data.files import RowFailure
 from jaxflash.data.tasks import make_task
 from jaxflash.rewards.code_reward import CodeReward, code_answer, extract_program, grading_steps
 from jaxflash.rewards.sandbox import Sandbox
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
-from jaxflash.runtime.reward_pool import RewardPool
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.rollout.reward_pool import RewardPool
 from jaxflash.types import FailureReason
 
 CHECK = Sandbox().check()
@@ -216,8 +216,8 @@ def test_the_reward_pool_scores_code_and_survives_hostile_programs():
 
 def test_an_unavailable_sandbox_stops_the_run_at_config_time_unless_allowed(monkeypatch):
     from jaxflash.envs import tool_env
+    from jaxflash.runtime.config.specs import RewardSpec
     from jaxflash.runtime.model_setup import make_reward
-    from jaxflash.runtime.specs import RewardSpec
 
     def broken(self):
         return Sandbox(python="/nonexistent/python3", allow_unsandboxed=self.allow_unsandboxed)
@@ -240,7 +240,7 @@ def test_step_metrics_count_sandbox_outcomes():
     import numpy as np
 
     from jaxflash.replay.groups import Group
-    from jaxflash.runtime import records
+    from jaxflash.runtime.rollout import records
     from jaxflash.types import FinishReason, Sample
 
     def sample(i, outcome):

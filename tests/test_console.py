@@ -11,9 +11,9 @@ import time
 import pytest
 
 from configs import rlvr_smollm2_arith, smoke
-from jaxflash.runtime import records
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.rollout import records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

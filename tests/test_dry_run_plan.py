@@ -3,9 +3,9 @@
 import pytest
 
 from configs import smoke_async
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.config.specs import ConfigError
 from jaxflash.runtime.dry_run_plan import dry_run_report
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.specs import ConfigError
 
 
 def test_the_report_covers_the_configs_meshes_and_batch():

@@ -14,12 +14,12 @@ import collections
 import pytest
 
 from jaxflash.replay.controller import Decision
-from jaxflash.runtime import records
-from jaxflash.runtime.controller_setup import fixed_decisions
-from jaxflash.runtime.elastic_spec import check_elastic, learner_axes
-from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, check_replay_combination
-from jaxflash.runtime.server_pool import RetiredServer
-from jaxflash.runtime.specs import ConfigError, MeshSpec
+from jaxflash.runtime.config.elastic_spec import check_elastic, learner_axes
+from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec, check_replay_combination
+from jaxflash.runtime.config.specs import ConfigError, MeshSpec
+from jaxflash.runtime.control.controller_setup import fixed_decisions
+from jaxflash.runtime.rollout import records
+from jaxflash.runtime.rollout.server_pool import RetiredServer
 from jaxflash.types import PromptOutcome
 from tests.test_scheduler_parts import VirtualServer, _virtual_scheduler, drive
 

@@ -14,7 +14,7 @@ back (a new server there gets the current weights first). Checked:
 * every re-queued request is counted (the pool's count = the scheduler's) and the
   prompt books add up; nothing is trained twice;
 * resume: a checkpoint saved on the grown layout restores on a fresh start, which
-  moves back to the grown split before its first step (``runtime.elastic``).
+  moves back to the grown split before its first step (``runtime.control.elastic``).
 """
 
 import collections
@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from configs import elastic_smoke
-from jaxflash.runtime import rlvr
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.gen_server import GenerationServer
-from jaxflash.runtime.learner_program import LearnerProgram
+from jaxflash.runtime import loop as rlvr
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.fleet.gen_server import GenerationServer
+from jaxflash.runtime.fleet.learner_program import LearnerProgram
 from tests.test_rlvr import _undocumented
 
 ENDS = ("trained", "filtered", "stale", "failed")

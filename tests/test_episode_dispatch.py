@@ -21,10 +21,10 @@ from jaxflash.envs.registry import env_config, make_env
 from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
 from jaxflash.runtime.clock import RealClock, VirtualClock
-from jaxflash.runtime.env_calls import thread_runner
-from jaxflash.runtime.episode_groups import EPISODE_ENDS, EpisodeSettings
-from jaxflash.runtime.inbox import Inbox
-from jaxflash.runtime.ledger import PromptLedger
+from jaxflash.runtime.rollout.env_calls import thread_runner
+from jaxflash.runtime.rollout.episode_groups import EPISODE_ENDS, EpisodeSettings
+from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.simulate.episodes import (
     VirtualEnvTime,
     VirtualTurnServer,

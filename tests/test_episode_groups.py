@@ -10,7 +10,7 @@ import pytest
 
 from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.registry import env_config, make_env
-from jaxflash.runtime.episode_groups import EpisodeGroup, EpisodeSettings
+from jaxflash.runtime.rollout.episode_groups import EpisodeGroup, EpisodeSettings
 from jaxflash.types import Prompt
 from tests.envs_fixtures import chatml_tokenizer
 

@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import rlvr_smollm2_arith, smoke  # noqa: E402
 from jaxflash.metrics.writer import MetricsWriter  # noqa: E402
-from jaxflash.runtime.experiment import ExperimentConfig  # noqa: E402
-from jaxflash.runtime.ledger import LedgerError, PromptLedger  # noqa: E402
+from jaxflash.runtime.config.experiment import ExperimentConfig  # noqa: E402
+from jaxflash.runtime.rollout.ledger import LedgerError, PromptLedger  # noqa: E402
 from jaxflash.types import FailureReason, PromptOutcome  # noqa: E402
 
 

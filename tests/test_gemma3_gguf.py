@@ -145,7 +145,7 @@ def test_greedy_continuations_match_transformers(gemma3):
 def test_rlvr_config_plain_prompt_format(gemma3):
     """configs/rlvr_gemma3_arith.py: the documented plain format and its newline stops."""
     from configs import rlvr_gemma3_arith
-    from jaxflash.runtime.experiment import ExperimentConfig
+    from jaxflash.runtime.config.experiment import ExperimentConfig
 
     exp = ExperimentConfig.from_config_dict(rlvr_gemma3_arith.get_config())
     assert exp.model.path == gemma3["path"] and exp.model.extra_stop_ids == (107, 108)

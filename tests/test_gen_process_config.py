@@ -3,8 +3,8 @@
 import pytest
 
 from configs import smoke_async
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.specs import ConfigError
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.config.specs import ConfigError
 
 
 def _config(**mesh):

@@ -2,7 +2,7 @@
 
 The controller + learner run in this test process (8 fake CPU devices, learner on
 6 of them); each generation slice is its own JAX program, a child process
-(``runtime.gen_program``) with one fake device, reached over loopback gRPC and
+(``runtime.fleet.gen_program``) with one fake device, reached over loopback gRPC and
 pulling every policy version from the learner's ``WeightSender``.
 
 Checked:
@@ -24,9 +24,10 @@ import grpc
 import pytest
 
 from configs import smoke_async
-from jaxflash.runtime import rlvr, rpc_wire
+from jaxflash.runtime import loop as rlvr
+from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
-from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.fleet import rpc_wire
 from tests.test_rlvr import _undocumented
 
 

@@ -143,6 +143,55 @@ def test_packages_import_only_lower_layers():
     assert layer_violations(planted) == ["jaxflash.models.x (layer 2) -> jaxflash.envs.y (layer 2)"]
 
 
+RUNTIME_FLOORS = {
+    "clock": 0,
+    "interrupt": 0,
+    "console": 0,
+    "config": 1,
+    "rollout": 2,
+    "model_setup": 3,
+    "resume": 3,
+    "fleet": 4,
+    "workloads": 4,
+    "control": 5,
+    "simulate": 5,
+    "loop": 6,
+    "dry_run_plan": 6,
+}
+"""runtime/'s rooms by floor (docs/LAYOUT.md): a room imports only rooms of lower floors."""
+
+
+def runtime_floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows between runtime rooms that do not go down a floor (or name no floor)."""
+    bad = []
+    prefix = "jaxflash.runtime."
+    for module, targets in graph.items():
+        if not module.startswith(prefix):
+            continue
+        room = module[len(prefix) :].split(".")[0]
+        for target in targets:
+            if not target.startswith(prefix):
+                continue
+            other = target[len(prefix) :].split(".")[0]
+            if other == room:
+                continue
+            if room not in RUNTIME_FLOORS or other not in RUNTIME_FLOORS:
+                bad.append(f"{module} -> {target}: room not in RUNTIME_FLOORS")
+            elif RUNTIME_FLOORS[other] >= RUNTIME_FLOORS[room]:
+                bad.append(
+                    f"{module} (floor {RUNTIME_FLOORS[room]}) -> {target} "
+                    f"(floor {RUNTIME_FLOORS[other]})"
+                )
+    return sorted(bad)
+
+
+def test_runtime_rooms_import_only_lower_floors():
+    assert runtime_floor_violations(import_graph()) == []
+    entries = [p for p in (ROOT / "runtime").iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= 15, sorted(p.name for p in entries)
+    assert {p.name.removesuffix(".py") for p in entries} - {"__init__"} == set(RUNTIME_FLOORS)
+
+
 def test_jaxflash_has_no_import_cycle():
     cycles = import_cycles(import_graph())
     assert not cycles, f"import circles: {cycles}"

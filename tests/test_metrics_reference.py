@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from jaxflash.metrics import reference
-from jaxflash.runtime import records
+from jaxflash.runtime.rollout import records
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")
 

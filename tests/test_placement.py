@@ -3,8 +3,8 @@
 import jax
 import pytest
 
-from jaxflash.runtime.experiment import MeshSpec
-from jaxflash.runtime.placement import carve
+from jaxflash.runtime.config.experiment import MeshSpec
+from jaxflash.runtime.fleet.placement import carve
 
 
 def _ids(mesh):

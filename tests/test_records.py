@@ -10,9 +10,9 @@ import pytest
 
 from jaxflash.algorithms.advantages import get_advantage_estimator
 from jaxflash.replay.groups import DroppedGroup, Group
-from jaxflash.runtime import records
-from jaxflash.runtime.learner_batch import empty_reason, learner_batch
-from jaxflash.runtime.scoring import TruncationPolicy, correctness
+from jaxflash.runtime.rollout import records
+from jaxflash.runtime.rollout.scoring import TruncationPolicy, correctness
+from jaxflash.runtime.workloads.learner_batch import empty_reason, learner_batch
 from jaxflash.types import FailureReason, FinishReason, Prompt, PromptOutcome, Sample
 
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")

@@ -5,8 +5,8 @@ measurements, the real scheduler under a VirtualClock (tests/test_scheduler_part
 import numpy as np
 import pytest
 
-from jaxflash.runtime.replay_cycle import ReplayCycle
-from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec
+from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
+from jaxflash.runtime.control.replay_cycle import ReplayCycle
 from tests.test_scheduler_parts import _virtual_scheduler, drive
 
 B, G = 8, 2  # rollout.prompts_per_step, group_size

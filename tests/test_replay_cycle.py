@@ -11,10 +11,10 @@ import pytest
 
 from configs import replay_smoke, smoke
 from jaxflash.replay.controller import AdaptiveController, ControllerInputs, Decision
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
-from jaxflash.runtime.learner_batch import LearnerBatch
-from jaxflash.runtime.replay_cycle import ReplayCycle
-from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
+from jaxflash.runtime.control.replay_cycle import ReplayCycle
+from jaxflash.runtime.workloads.learner_batch import LearnerBatch
 from tests.replay_fixtures import make_group
 
 # ----------------------------------------------------------------------------- config

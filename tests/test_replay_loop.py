@@ -20,8 +20,8 @@ import pytest
 from configs import replay_smoke
 from jaxflash.replay.controller import AdaptiveController, ControllerInputs, Decision
 from jaxflash.replay.dual_cycle import fresh_groups_needed
-from jaxflash.runtime import rlvr
-from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime import loop as rlvr
+from jaxflash.runtime.config.experiment import ExperimentConfig
 from tests.test_rlvr import _undocumented
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jaxflash.rewards import RewardResult
-from jaxflash.runtime.reward_pool import RewardPool, Scored
+from jaxflash.runtime.rollout.reward_pool import RewardPool, Scored
 from jaxflash.types import FailureReason
 
 

@@ -2,7 +2,7 @@
 
 * Colocated, α = 0 reproduces the previous synchronous loop prompt for prompt: the
   golden results in tests/data/sync_golden_smoke.json were recorded from it
-  (``runtime.rlvr`` at commit 45e787d, before it became this loop's α = 0 case).
+  (``runtime.loop`` at commit 45e787d, before it became this loop's α = 0 case).
 * α = 0 on disjoint slices reproduces the colocated run: same prompt ids, groups,
   training order, bit-equal tokens; losses to float32 rounding.
 * α = 2 (configs/smoke_async.py): every trained sample has 0 <= staleness <= 2,
@@ -19,9 +19,9 @@ import pytest
 
 from configs import smoke, smoke_async
 from jaxflash.metrics.reference import undocumented
-from jaxflash.runtime import rlvr
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.gen_server import GenerationServer
+from jaxflash.runtime import loop as rlvr
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.fleet.gen_server import GenerationServer
 from tests.report_fixtures import check_report_pngs
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxflash.runtime.rollout_spec import RolloutSpec
-from jaxflash.runtime.specs import ConfigError
+from jaxflash.runtime.config.rollout_spec import RolloutSpec
+from jaxflash.runtime.config.specs import ConfigError
 
 
 @pytest.mark.parametrize(

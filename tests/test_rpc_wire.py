@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxflash.runtime import rpc_wire
-from jaxflash.runtime.rpc_wire import Status, WeightOffer, WireError
+from jaxflash.runtime.fleet import rpc_wire
+from jaxflash.runtime.fleet.rpc_wire import Status, WeightOffer, WireError
 from jaxflash.types import FinishReason, GenerationRequest, Sample, SamplingParams
 
 

@@ -14,9 +14,9 @@ import pytest
 
 from configs import smoke
 from jaxflash.data.epochs import EpochShuffledRows
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.gen_server import GenerationServer
-from jaxflash.runtime.rlvr import run
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.fleet.gen_server import GenerationServer
+from jaxflash.runtime.loop import run
 from jaxflash.types import RunStoppedError
 
 

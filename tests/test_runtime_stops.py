@@ -33,9 +33,9 @@ from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_hf import save_hf
+from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.rlvr import run
+from jaxflash.runtime.loop import run
 from tests.chat_fixtures import build_checkpoint
 
 IM_END, ENDOFTEXT = 2, 0
@@ -124,7 +124,7 @@ def test_stop_set_reward_and_rerun_end_to_end(tmp_path):
 def test_weights_the_importer_refuses_are_a_config_error_naming_model_path(tmp_path):
     # Found by a new-user trial: an unknown rope_type in config.json was a traceback
     # (exit 1) from the model load; it is input, so it is a one-line config error.
-    from jaxflash.runtime.experiment import ConfigError
+    from jaxflash.runtime.config.experiment import ConfigError
     from jaxflash.runtime.model_setup import load_model, load_tokenizer
 
     directory = _checkpoint(tmp_path)

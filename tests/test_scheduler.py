@@ -16,9 +16,9 @@ import pytest
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import GroupFilter
 from jaxflash.rewards.base import RewardResult
-from jaxflash.runtime.ledger import PromptLedger
-from jaxflash.runtime.reward_pool import Scored
-from jaxflash.runtime.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.reward_pool import Scored
+from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
 from jaxflash.types import (
     FailureReason,
     FinishReason,

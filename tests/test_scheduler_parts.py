@@ -17,13 +17,13 @@ import pytest
 from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.rewards.base import RewardResult
-from jaxflash.runtime.admission import Admission
 from jaxflash.runtime.clock import RealClock, VirtualClock
-from jaxflash.runtime.ledger import PromptLedger
-from jaxflash.runtime.outstanding import Outstanding, OutstandingTable
-from jaxflash.runtime.reward_pool import Scored
-from jaxflash.runtime.scheduler import Inbox, RolloutScheduler
-from jaxflash.runtime.server_pool import ServerPool, Submitted
+from jaxflash.runtime.rollout.admission import Admission
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
+from jaxflash.runtime.rollout.reward_pool import Scored
+from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.rollout.server_pool import ServerPool, Submitted
 from jaxflash.types import (
     FailureReason,
     FinishReason,
@@ -485,7 +485,7 @@ def test_every_failure_reason_is_counted_exactly(tmp_path, placement):
     death (fake servers): each prompt fails with its own reason, none is "other"."""
     from jaxflash.data.files import load_rows
     from jaxflash.data.prompts import PromptSource
-    from jaxflash.runtime.reward_pool import RewardPool
+    from jaxflash.runtime.rollout.reward_pool import RewardPool
     from tests.reward_fixtures import flaky_reward
 
     lines = [

@@ -15,7 +15,7 @@ import pytest
 
 from jaxflash.replay.groups import GroupFilter
 from jaxflash.runtime.clock import VirtualClock
-from jaxflash.runtime.outstanding import Outstanding, OutstandingTable
+from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.simulate import (
     Contention,
     CostModel,

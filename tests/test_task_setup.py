@@ -8,8 +8,8 @@ import pytest
 
 from configs import rlvr_smollm2_arith
 from jaxflash.data.epochs import EpochShuffledRows
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
-from jaxflash.runtime.task_setup import (
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.workloads.task_setup import (
     SAMPLE_ROWS,
     build_task,
     eval_prompts,
@@ -114,7 +114,7 @@ def test_task_errors_name_the_data_fields(tmp_path):
 
 
 def test_a_run_whose_prompts_cannot_fit_stops_before_the_model_loads(tmp_path):
-    from jaxflash.runtime.rlvr import run
+    from jaxflash.runtime.loop import run
 
     path = _file(tmp_path, [90, 100])
     exp = _exp(

@@ -7,13 +7,13 @@ import pytest
 
 from configs import agentic_smoke, smoke
 from jaxflash.data.prompts import PromptSource
-from jaxflash.runtime.agentic import EnvGroupSource, EpisodeRollout
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec, check_replay_learner
 from jaxflash.runtime.console import Console
-from jaxflash.runtime.experiment import ConfigError, ExperimentConfig
-from jaxflash.runtime.replay_spec import ControllerSpec, ReplaySpec, check_replay_learner
 from jaxflash.runtime.resume import checkpoint_meta
-from jaxflash.runtime.task_workload import TaskWorkload
-from jaxflash.runtime.workload import make_workload
+from jaxflash.runtime.workloads.agentic import EnvGroupSource, EpisodeRollout
+from jaxflash.runtime.workloads.task_workload import TaskWorkload
+from jaxflash.runtime.workloads.workload import make_workload
 
 
 def test_make_workload_picks_the_task_or_the_environment_once():

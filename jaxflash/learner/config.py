@@ -93,7 +93,7 @@ class LearnerConfig:
         same jitted step; the step then also reports importance-ratio statistics
         and ESS per cycle. None (default): batches have no replayed rows (one with
         any is refused) and one loss applies to every row. Runs set it from
-        ``replay.*`` (``runtime.replay_spec``).
+        ``replay.*`` (``runtime.config.replay_spec``).
       replay_loss_kwargs: hyper-parameters of ``replay_loss``.
       replay_ratio_against: pi_old of the replayed rows, as ``ratio_against``
         ("proximal" for "decoupled_ppo" / "tis": AReaL's decoupled objective with

@@ -487,7 +487,8 @@ def render_markdown() -> str:
             "",
             "Per step, in `<workdir>/metrics.jsonl` (and TensorBoard, same names; `step` ="
             " the policy version after the step). Both placements (colocated and disjoint)"
-            " write the same metrics and rows, each built once (`jaxflash/runtime/records.py`).",
+            " write the same metrics and rows, each built once"
+            " (`jaxflash/runtime/rollout/records.py`).",
             "",
             *_table("metric", METRICS),
             "",

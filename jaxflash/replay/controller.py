@@ -40,8 +40,8 @@ after that many consecutive steps bound the same way (hysteresis). A
 ``FixedSchedule`` has the same interface for ablations.
 
 Applied vs proposed: the runtime applies rho, alpha and the requests in flight at
-the next step boundary (``runtime.replay_cycle``), and the role split too when the
-elastic pool is on (``controller.elastic``, ``runtime.elastic``); it reports the
+the next step boundary (``runtime.control.replay_cycle``), and the role split too when the
+elastic pool is on (``controller.elastic``, ``runtime.control.elastic``); it reports the
 split actually in force through ``applied``. A proposed move that was not applied
 (elastic off) leaves the controller on the old split without resetting its rate
 averages (nothing moved), and the proposal is logged as ``ctl_proposed_*``.

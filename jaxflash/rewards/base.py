@@ -6,7 +6,7 @@ training samples and evaluation samples, so a number on a dashboard means the
 same thing in both places.
 
 Reward functions here are plain, synchronous and free of timeouts: deadlines
-are enforced by `jaxflash.runtime.reward_pool`, which runs them in worker
+are enforced by `jaxflash.runtime.rollout.reward_pool`, which runs them in worker
 processes and kills a worker that hangs.
 """
 

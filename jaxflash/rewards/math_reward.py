@@ -60,7 +60,7 @@ that a single-valued label never equals (``\\boxed{2} or \\boxed{3}`` vs "3"
 
 Math-Verify's own timeouts use SIGALRM, which raises off the main thread; they
 are disabled here (``parsing_timeout=None``, ``timeout_seconds=None``) and
-deadlines are enforced by `jaxflash.runtime.reward_pool` instead (it kills a
+deadlines are enforced by `jaxflash.runtime.rollout.reward_pool` instead (it kills a
 worker process that runs past its deadline).
 """
 

@@ -17,9 +17,9 @@ from typing import Any
 import jax
 
 from jaxflash.models.config import ModelConfig, get_preset
-from jaxflash.runtime.experiment import ExperimentConfig
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.config.specs import ConfigError
 from jaxflash.runtime.model_setup import engine_config
-from jaxflash.runtime.specs import ConfigError
 
 ASSUMED_PROMPT_TOKENS = 256
 """Prompt length assumed when the config derives it from the data at run time."""

@@ -1,5 +1,5 @@
 """Building the pieces a run needs from its ExperimentConfig: tokenizer, model, reward,
-engine (the task: ``runtime.task_setup``)."""
+engine (the task: ``runtime.workloads.task_setup``)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
 from jaxflash.rewards.base import REWARD_FNS, combined
 from jaxflash.rewards.code_reward import CodeReward
-from jaxflash.runtime.experiment import (
+from jaxflash.runtime.config.experiment import (
     ConfigError,
     ExperimentConfig,
     ModelSpec,
     RewardSpec,
 )
-from jaxflash.runtime.rollout_spec import RolloutSpec
+from jaxflash.runtime.config.rollout_spec import RolloutSpec
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:

@@ -18,8 +18,8 @@ from jaxflash.learner.state import (
 )
 from jaxflash.metrics.writer import truncate_jsonl
 from jaxflash.models.config import ModelConfig
-from jaxflash.runtime.experiment import ExperimentConfig
-from jaxflash.runtime.ledger import PromptLedger
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.sharding.rules import LEARNER_RULES
 
 log = logging.getLogger(__name__)

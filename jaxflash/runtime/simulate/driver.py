@@ -31,9 +31,9 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.clock import VirtualClock
-from jaxflash.runtime.inbox import Inbox
-from jaxflash.runtime.ledger import PromptLedger
-from jaxflash.runtime.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler
 from jaxflash.runtime.simulate.barrier import RoundBarrier
 from jaxflash.runtime.simulate.costs import CostModel
 from jaxflash.runtime.simulate.learner import SimLearner, StepRecord

@@ -1,7 +1,7 @@
 """The real environment manager in virtual time: environment-level async vs a batch barrier.
 
 The agentic counterpart of ``simulate.driver``: the real ``RolloutScheduler`` with
-its environment manager (``runtime.episode_dispatch``), real environments (e.g.
+its environment manager (``runtime.rollout.episode_dispatch``), real environments (e.g.
 FrozenLake wrapped in ``envs.latency.LatencyEnv``), and two simulated parts whose
 time is a ``VirtualClock``:
 
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from jaxflash.replay.group_buffer import GroupBuffer
-from jaxflash.runtime.agentic import EnvGroupSource
 from jaxflash.runtime.clock import VirtualClock
-from jaxflash.runtime.episode_groups import EpisodeSettings
-from jaxflash.runtime.inbox import Inbox
-from jaxflash.runtime.ledger import PromptLedger
-from jaxflash.runtime.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
+from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.workloads.agentic import EnvGroupSource
 from jaxflash.types import FinishReason, GenerationRequest, Sample, SamplingParams
 
 Reply = Callable[[GenerationRequest], Sequence[int]]

@@ -15,7 +15,7 @@ import re
 
 from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.clock import VirtualClock
-from jaxflash.runtime.reward_pool import Scored
+from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.simulate.costs import RewardCost
 from jaxflash.runtime.simulate.workload import Workload
 

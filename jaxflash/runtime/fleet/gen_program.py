@@ -1,0 +1,410 @@
+"""A generation program: its own JAX program serving rollouts to the controller over gRPC.
+
+On a pod each generation slice is a separate JAX program (a multi-controller JAX
+job needs all of its hosts, so one job cannot be split between a learner and
+generators without Pathways). This module is that program: a gRPC server
+(``rpc_wire.SERVICE``, loopback by default, JSON headers + raw arrays, no pickle)
+in front of one ``GenerationServer`` thread driving a ``LlamaEngine`` on this
+process's devices. The controller talks to it through ``RemoteGenerationServer``
+(``runtime.fleet.remote_server``), which fits the scheduler's
+``GenerationServerProtocol``.
+
+    python -m jaxflash.runtime.fleet.gen_program --host 127.0.0.1 --port 0 [--parent_pid P]
+
+prints one JSON line ``{"event": "listening", "address": "host:port", "pid": ...}``
+and serves until ``Shutdown`` (or its parent process dies, with ``--parent_pid``).
+
+Calls (each reply carries an ``rpc_wire.Status``):
+
+- ``Configure``: model config, engine config, mesh axes, partial-rollout policy,
+  stop ids, transfer method. Builds the engine and a ``WeightReceiver`` on its
+  own devices; replies with the receiver's layout (JSON), which the learner
+  stages its weights for. Idempotent for an equal config; another is BAD_CONFIG.
+- ``Update``: a ``WeightOffer`` (version + the learner processes' sender
+  addresses). A puller thread pulls exactly that version (double-buffered: the
+  server keeps generating with its installed weights until every block arrived)
+  and hands it to the server, which applies it between two decode steps. The
+  first install starts the server.
+- ``Submit`` / ``Abort`` / ``Stats``: the ``GenerationServer`` calls.
+- ``Events`` (server streaming): finished samples, the applied version when it
+  changes, installs, failed pulls, heartbeats, and ``down`` when the loop died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from jaxflash.runtime.fleet import rpc_wire
+from jaxflash.runtime.fleet.rpc_wire import Status, WeightOffer, reply
+
+HEARTBEAT_S = 0.5
+"""Seconds between heartbeats on the event stream (the controller's liveness signal)."""
+
+
+class GenerationProgram:
+    """The service behind a generation program's gRPC server (thread-safe).
+
+    Args:
+      host: interface of this program's jax transfer server (the receiving end
+        of weight pulls).
+      heartbeat_s: seconds between heartbeat events.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", heartbeat_s: float = HEARTBEAT_S):
+        self._host = host
+        self._heartbeat_s = float(heartbeat_s)
+        self._cond = threading.Condition()
+        # Guarded by _cond:
+        self._config: dict[str, Any] | None = None
+        self._target: WeightOffer | None = None
+        self._installed: int | None = None
+        self._fatal: str | None = None
+        self._subscriber = 0
+        self._counts: collections.Counter = collections.Counter()
+        # Set once by configure (under _cond), read-only afterwards:
+        self._engine: Any = None
+        self._receiver: Any = None
+        self._layout_json: dict[str, Any] | None = None
+        self._server: Any = None  # GenerationServer, built at the first install
+        self._events: queue.Queue = queue.Queue()
+        self.stopped = threading.Event()
+        self._puller = threading.Thread(target=self._pull_loop, name="gen-puller", daemon=True)
+
+    # ------------------------------------------------------------ the calls
+
+    def configure(self, header: dict[str, Any]) -> bytes:
+        config = {k: header[k] for k in _CONFIG_KEYS if k in header}
+        missing = sorted(set(_CONFIG_KEYS) - set(config))
+        if missing:
+            return reply(Status.BAD_CONFIG, error=f"Configure is missing {missing}")
+        with self._cond:
+            if self._config is not None:
+                if self._config != config:
+                    return reply(
+                        Status.BAD_CONFIG,
+                        error="this generation program already runs another configuration "
+                        f"(differs in {sorted(k for k in config if config[k] != self._config[k])})",
+                    )
+                return reply(Status.OK, layout=self._layout_json, pid=os.getpid())
+            try:
+                self._build(config)
+            except Exception as err:  # a config this program cannot run: say why
+                return reply(Status.BAD_CONFIG, error=f"{type(err).__name__}: {err}")
+            self._config = config
+            self._puller.start()
+            return reply(Status.OK, layout=self._layout_json, pid=os.getpid())
+
+    def _build(self, config: dict[str, Any]) -> None:
+        import jax  # noqa: PLC0415  (jax is imported once the program has its devices)
+
+        from jaxflash.generation.engine_state import EngineConfig  # noqa: PLC0415
+        from jaxflash.models.config import ModelConfig  # noqa: PLC0415
+        from jaxflash.models.llama import abstract_params  # noqa: PLC0415
+        from jaxflash.runtime.model_setup import build_engine  # noqa: PLC0415
+        from jaxflash.sharding.mesh import make_mesh  # noqa: PLC0415
+        from jaxflash.sync.transfer_receiver import WeightReceiver  # noqa: PLC0415
+
+        model_config = ModelConfig(**config["model_config"])
+        axes = {k: int(v) for k, v in config["mesh"].items()}
+        n = 1
+        for size in axes.values():
+            n *= size
+        if n > jax.device_count():
+            raise ValueError(f"mesh {axes} needs {n} devices; there are {jax.device_count()}")
+        mesh = make_mesh(jax.devices()[:n], axes)
+        engine, shardings = build_engine(model_config, EngineConfig(**config["engine"]), mesh)
+        template = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_params(model_config),
+            shardings,
+        )
+        self._engine = engine
+        self._receiver = WeightReceiver(template, host=self._host)
+        self._layout_json = self._receiver.layout.to_json()
+
+    def update(self, header: dict[str, Any]) -> bytes:
+        """Pull ``header["offer"]``; with ``wait``, reply only once it is installed.
+
+        Waiting is what keeps α exact: a request submitted after the reply is started
+        at the new version (the server applies the install before its next prefill),
+        as with a thread server given new params. DOWN when not installed within
+        ``timeout_s`` (failed pulls are retried until then).
+        """
+        offer = WeightOffer.from_json(header["offer"])
+        with self._cond:
+            if self._config is None:
+                return reply(Status.DOWN, error="not configured")
+            if self._target is None or offer.version > self._target.version:
+                self._target = offer
+                self._cond.notify_all()
+            if not header.get("wait"):
+                return reply(Status.OK)
+            end = time.monotonic() + float(header.get("timeout_s", 120.0))
+            while self._installed is None or self._installed < offer.version:
+                if self._fatal is not None or self.stopped.is_set():
+                    return reply(Status.DOWN, error=self._fatal or "shutting down")
+                left = end - time.monotonic()
+                if left <= 0:
+                    return reply(
+                        Status.DOWN, error=f"version {offer.version} not installed in time"
+                    )
+                self._cond.wait(min(left, 0.5))
+        return reply(Status.OK)
+
+    def submit(self, message: bytes) -> bytes:
+        try:
+            request = rpc_wire.decode_request(message)
+        except ValueError as err:  # WireError or bad sampling values: this request only
+            return reply(Status.REJECTED, error=str(err))
+        server = self._live_server()
+        if isinstance(server, bytes):
+            return server
+        try:
+            server.submit(request)
+        except ValueError as err:
+            return reply(Status.REJECTED, error=str(err))
+        except Exception as err:
+            return reply(Status.DOWN, error=repr(err))
+        return reply(Status.OK)
+
+    def abort(self, header: dict[str, Any]) -> bytes:
+        server = self._live_server()
+        if isinstance(server, bytes):
+            return server
+        try:
+            return reply(Status.OK, aborted=server.abort_prompt(int(header["prompt_id"])))
+        except Exception as err:
+            return reply(Status.DOWN, error=repr(err))
+
+    def stats(self, header: dict[str, Any]) -> bytes:
+        del header
+        server = self._live_server()
+        if isinstance(server, bytes):
+            return server
+        try:
+            stats = server.stats()
+        except Exception as err:
+            return reply(Status.DOWN, error=repr(err))
+        with self._cond:
+            counts = dict(self._counts)
+        receiver = self._receiver.stats
+        return reply(
+            Status.OK,
+            stats=stats,
+            program={**counts, "pull_bytes": receiver.bytes, "pid": os.getpid()},
+        )
+
+    def shutdown(self, header: dict[str, Any]) -> bytes:
+        del header
+        with self._cond:
+            self.stopped.set()
+            self._cond.notify_all()
+        if self._server is not None:
+            try:
+                self._server.stop(timeout_s=10)
+            except Exception:  # shutting down anyway
+                pass
+        return reply(Status.OK)
+
+    def events(self, message: bytes, context: grpc.ServicerContext):
+        """Server-streaming: one subscriber at a time (a newer one ends the older)."""
+        del message
+        with self._cond:
+            self._subscriber += 1
+            me = self._subscriber
+        version = None
+        beat = 0.0
+        yield rpc_wire.encode({"type": "hello", "pid": os.getpid()})
+        while not self.stopped.is_set() and context.is_active():
+            with self._cond:
+                if self._subscriber != me:
+                    return
+                fatal = self._fatal
+            if fatal is not None:
+                yield rpc_wire.encode({"type": "down", "error": fatal})
+                return
+            try:
+                header, arrays = self._events.get(timeout=min(0.05, self._heartbeat_s))
+                yield rpc_wire.encode(header, arrays)
+            except queue.Empty:
+                pass
+            server = self._server
+            if server is not None:
+                try:
+                    server.check()
+                except Exception as err:
+                    with self._cond:
+                        self._fatal = f"generation loop failed: {err!r}"
+                    continue
+                if server.version != version:
+                    version = server.version
+                    yield rpc_wire.encode({"type": "version", "version": int(version)})
+            now = time.monotonic()
+            if now >= beat:
+                beat = now + self._heartbeat_s
+                yield rpc_wire.encode({"type": "heartbeat"})
+
+    # ------------------------------------------------------------ the puller thread
+
+    def _live_server(self) -> Any:
+        """The server, or a DOWN reply (not configured, no weights yet, or failed)."""
+        with self._cond:
+            if self._fatal is not None:
+                return reply(Status.DOWN, error=self._fatal)
+            if self._server is None:
+                return reply(Status.DOWN, error="no weights installed yet")
+            return self._server
+
+    def _pull_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self.stopped.is_set() and (
+                        self._target is None
+                        or (self._installed is not None and self._target.version <= self._installed)
+                    ):
+                        self._cond.wait()
+                    if self.stopped.is_set():
+                        return
+                    offer = self._target
+                self._pull(offer)
+        except BaseException as err:  # surfaced as "down" on the event stream
+            with self._cond:
+                self._fatal = f"weight puller failed: {err!r}"
+
+    def _pull(self, offer: WeightOffer) -> None:
+        from jaxflash.runtime.fleet.gen_server import GenerationServer  # noqa: PLC0415
+        from jaxflash.sync.transfer_digest import tree_digest  # noqa: PLC0415
+        from jaxflash.sync.transfer_wire import TransferError, TransferErrorKind  # noqa: PLC0415
+
+        cfg = self._config
+        transfer = cfg["transfer"]
+        self._events.put(({"type": "pulling", "version": offer.version}, {}))
+        t0 = time.perf_counter()
+        try:
+            current = self._receiver.pull(
+                list(offer.senders),
+                method=transfer["method"],
+                chunk_bytes=int(transfer["chunk_bytes"]),
+                timeout_s=float(transfer["timeout_s"]),
+                version=offer.version,
+            )
+        except TransferError as err:
+            with self._cond:
+                self._counts[f"pull_failed_{err.kind.value}"] += 1
+                # VERSION: the learner moved on; a newer Update follows at once. Others
+                # (a learner restarting): retry after a pause, never with mixed weights.
+                self._cond.wait(0.2 if err.kind is TransferErrorKind.VERSION else 1.0)
+            self._events.put(
+                ({"type": "pull_failed", "version": offer.version, "kind": err.kind.value,
+                  "error": str(err)}, {})
+            )  # fmt: skip
+            return
+        seconds = time.perf_counter() - t0
+        if self._server is None:
+            server = GenerationServer(
+                str(cfg["name"]),
+                self._engine,
+                current.params,
+                policy_version=current.version,
+                stop_ids=[int(i) for i in cfg["stop_ids"]],
+                partial_rollout=str(cfg["partial_rollout"]),
+                on_finished=self._on_finished,
+            )
+            server.start()
+            with self._cond:
+                self._server = server
+        else:
+            self._server.update_weights(current.params, current.version)
+        event = {"type": "installed", "version": current.version, "seconds": seconds,
+                 "method": transfer["method"], "bytes": self._receiver.stats.bytes}  # fmt: skip
+        if cfg.get("digests"):
+            event["digest"] = tree_digest(current.params)
+        with self._cond:
+            self._installed = current.version
+            self._cond.notify_all()  # an Update waiting for this version replies now
+            self._counts["pulls"] += 1
+        self._events.put((event, {}))
+
+    def _on_finished(self, sample: Any) -> None:
+        self._events.put(rpc_wire.sample_message(sample))
+
+    # ------------------------------------------------------------ gRPC wiring
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn, raw: bool = False):
+            def call(message: bytes, context: grpc.ServicerContext) -> bytes:
+                del context
+                if raw:
+                    return fn(message)
+                header, _ = rpc_wire.decode(message)
+                return fn(header)
+
+            return grpc.unary_unary_rpc_method_handler(call)
+
+        methods = {
+            "Configure": unary(self.configure),
+            "Update": unary(self.update),
+            "Submit": unary(self.submit, raw=True),
+            "Abort": unary(self.abort),
+            "Stats": unary(self.stats),
+            "Shutdown": unary(self.shutdown),
+            "Events": grpc.unary_stream_rpc_method_handler(self.events),
+        }
+        return grpc.method_handlers_generic_handler(rpc_wire.SERVICE, methods)
+
+
+_CONFIG_KEYS = (
+    "name", "model_config", "engine", "mesh", "partial_rollout", "stop_ids", "transfer", "digests",
+)  # fmt: skip
+
+
+def serve(
+    *, host: str = "127.0.0.1", port: int = 0, parent_pid: int | None = None, out: Any = None
+) -> int:
+    """Run a generation program until ``Shutdown`` (or its parent dies); returns 0.
+
+    Args:
+      host: interface to listen on (loopback by default; a pod host's address
+        reachable from the controller).
+      port: gRPC port (0 picks one; the "listening" line says which).
+      parent_pid: exit when this process is no longer the parent (a controller
+        that was killed leaves no generation process behind).
+      out: where the "listening" JSON line goes (default stdout).
+    """
+    program = GenerationProgram(host=host)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=rpc_wire.GRPC_OPTIONS)
+    server.add_generic_rpc_handlers([program.handler()])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    line = {"event": "listening", "address": f"{host}:{bound}", "pid": os.getpid()}
+    print(json.dumps(line), file=out or sys.stdout, flush=True)
+    while not program.stopped.wait(0.5):
+        if parent_pid is not None and os.getppid() != parent_pid:
+            os._exit(3)  # orphaned: the controller is gone (SIGKILL leaves no clean-up)
+    server.stop(grace=2).wait()
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="jaxflash generation program (gRPC)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--parent_pid", type=int, default=None)
+    args = ap.parse_args()
+    sys.exit(serve(host=args.host, port=args.port, parent_pid=args.parent_pid))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The learner as one SPMD JAX program, driven by the controller in its process 0.
+
+``LearnerProgram`` owns the learner's state and every learner operation the RL
+loop needs: ``train`` (the jitted step), ``skip`` (an empty step: the version
+still advances), ``offer`` (stage the params in a generation program's layout and
+offer them through this process's ``WeightSender``), ``save`` (a checkpoint) and
+``preempted`` (did every process agree to stop here?).
+
+With one process each call runs here. With several (``jax.distributed``;
+``jax.process_count() > 1``), process 0 runs the controller and posts each call
+to the others through ``LeaderLinks`` *before* running it; the others run
+``follow``, which applies the same calls in the same order, so every process
+issues the same collectives (the train step, the staging reshard, Orbax's save)
+and holds the same state.
+
+Preemption (SIGTERM). Multi-process: JAX's preemption service catches SIGTERM on
+any process and ``multihost_utils.reached_preemption_sync_point(step)`` returns
+True on every process at the same step (the max step any process reported, + 1),
+so all of them save that step and exit cleanly. One process: a SIGTERM handler
+sets a flag read at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxflash import failpoints
+from jaxflash.checkpoint.checkpointer import CheckpointMeta
+from jaxflash.learner.state import state_shardings
+from jaxflash.learner.step import make_train_step
+from jaxflash.models.config import ModelConfig
+from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.fleet.learner_links import FollowerLink, LeaderLinks
+from jaxflash.runtime.resume import finished_step, init_or_restore_learner
+from jaxflash.sharding.rules import LEARNER_RULES
+from jaxflash.sync.reshard import LayoutCache, ReshardReport, reshard
+from jaxflash.sync.transfer_layout import TreeLayout, stage_for_layout
+from jaxflash.sync.transfer_sender import WeightSender
+from jaxflash.types import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+class SenderPump:
+    """A thread answering a ``WeightSender``'s requests (generation programs pulling)."""
+
+    def __init__(self, sender: WeightSender):
+        self.sender = sender
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weight-sender", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sender.serve(0.05)
+            except Exception as err:  # one bad request must not stop the learner
+                log.warning("weight sender: %r", err)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sender.close()
+
+
+class LearnerProgram:
+    """The learner state and its operations, the same on every learner process.
+
+    Args:
+      exp, model_config, imported_params, mesh, workdir: as
+        ``runtime.resume.init_or_restore_learner`` (restores the latest checkpoint).
+      sender: this process's ``WeightSender`` (generation programs pull from it),
+        or None when generation runs in this process (threads).
+      links: ``LeaderLinks`` on process 0 of a multi-process learner (None otherwise).
+      leader: False on the other processes (``follow``): nothing is posted and the
+        metrics, ledger and run records are process 0's business.
+    """
+
+    def __init__(
+        self,
+        exp: ExperimentConfig,
+        model_config: ModelConfig,
+        imported_params: Any,
+        mesh: Mesh,
+        workdir: str,
+        *,
+        sender: WeightSender | None = None,
+        links: LeaderLinks | None = None,
+        leader: bool = True,
+    ):
+        self._links = links
+        self._leader = leader
+        if links is not None:
+            links.post("setup", max_prompt_tokens=int(exp.data.max_prompt_tokens))
+        self.state, self.meta, self.ledger, self.checkpointer = init_or_restore_learner(
+            exp, model_config, imported_params, mesh, workdir, records=leader
+        )
+        # Per learner mesh: the jitted step and the state's shardings, built once per
+        # device layout (an elastic move back to a layout reuses its compiled step).
+        self._per_mesh = LayoutCache(
+            lambda m: (
+                make_train_step(model_config, exp.learner, m, LEARNER_RULES),
+                state_shardings(model_config, exp.learner, m, LEARNER_RULES),
+            )
+        )
+        self.mesh = mesh
+        self._train_step, self._shardings = self._per_mesh(mesh)
+        self._pump = None if sender is None else SenderPump(sender)
+        self._sigterm = False
+        self._previous_handler = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # ------------------------------------------------------------ what the loop calls
+
+    @property
+    def step(self) -> int:
+        """Learner steps taken == the policy version of ``params``."""
+        return int(jax.device_get(self.state.step))
+
+    @property
+    def params(self) -> Any:
+        return self.state.params
+
+    @property
+    def senders(self) -> tuple[str, ...]:
+        """Every learner process's ``WeightSender`` address, in process order."""
+        if self._pump is None:
+            return ()
+        others = () if self._links is None else self._links.follower_senders
+        return (self._pump.sender.address, *others)
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One jitted learner step on a host batch; its metrics as floats."""
+        arrays = {
+            f.name: np.asarray(getattr(batch, f.name))
+            for f in dataclasses.fields(batch)
+            if getattr(batch, f.name) is not None  # cycle_bt None: all fresh
+        }
+        self._post("train", arrays)
+        self.state, metrics = self._train_step(self.state, batch)
+        failpoints.reach("learner_step")
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def skip(self) -> None:
+        """A step with nothing to train: the version advances, the weights do not."""
+        self._post("skip")
+        self.state = self.state.replace(
+            step=jax.device_put(self.state.step + 1, self._shardings.step)
+        )
+
+    @property
+    def train_steps(self) -> list[Any]:
+        """The jitted steps built so far, one per learner mesh layout (``trace_count`` each)."""
+        return [step for step, _ in self._per_mesh.values()]
+
+    def move_to(self, mesh: Mesh) -> ReshardReport:
+        """Put the state on ``mesh`` (the elastic pool's new learner devices) and use its step.
+
+        Params and optimizer state are copied device to device (``sync.reshard``),
+        bit for bit; the jitted step and shardings come from the per-layout cache
+        (compiled once per layout). Between steps only (the old state is dropped).
+
+        Raises:
+          RuntimeError: a multi-process learner (every process would have to move;
+            refused at start by ``runtime.elastic.check_elastic``).
+        """
+        if self._links is not None or not self._leader:
+            raise RuntimeError("LearnerProgram.move_to: one learner process only")
+        step, shardings = self._per_mesh(mesh)
+        self.state, report = reshard(self.state, shardings)
+        self._train_step, self._shardings, self.mesh = step, shardings, mesh
+        return report
+
+    def offer(self, layout: TreeLayout) -> tuple[str, ...]:
+        """Stage ``params`` in a generation program's ``layout`` and offer them as
+        version ``step`` on every process; returns the senders' addresses.
+
+        Raises:
+          RuntimeError: built without a sender. LayoutMismatchError: see
+            ``stage_for_layout``.
+        """
+        if self._pump is None:
+            raise RuntimeError("LearnerProgram.offer: built without a WeightSender")
+        self._post("offer", layout=layout.to_json())
+        staged = stage_for_layout(self.state.params, layout)
+        self._pump.sender.offer(staged, self.step)
+        return self.senders
+
+    def preempted(self, step: int) -> bool:
+        """True when the learner must save ``step`` and stop (every process agrees)."""
+        self._post("sync_point", step=int(step))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+        return self._sigterm
+
+    def save(self, meta: CheckpointMeta) -> None:
+        """Checkpoint the state with ``meta`` (meta.step == step)."""
+        self._post("save", meta=meta.to_json())
+        self.checkpointer.save(self.state, meta)
+
+    def close(self) -> None:
+        """Wait for pending saves, stop the sender; followers exit."""
+        try:
+            self._post("close")
+            self.checkpointer.close()
+        finally:
+            if self._pump is not None:
+                self._pump.close()
+            if self._links is not None:
+                self._links.close()
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+
+    # ------------------------------------------------------------ followers
+
+    def apply(self, op: str, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bool:
+        """Run one command posted by process 0; False once it said close.
+
+        Raises:
+          ValueError: an unknown command.
+        """
+        if op == "train":
+            self.train(TrainBatch(**arrays))
+        elif op == "skip":
+            self.skip()
+        elif op == "offer":
+            self.offer(TreeLayout.from_json(header["layout"]))
+        elif op == "sync_point":
+            if self.preempted(int(header["step"])):
+                log.warning("preemption: every learner process saves step %d", header["step"])
+        elif op == "save":
+            self.save(CheckpointMeta.from_json(header["meta"]))
+        elif op == "close":
+            self.close()
+            return False
+        else:
+            raise ValueError(f"unknown learner command {op!r}")
+        return True
+
+    def _post(self, op: str, arrays: dict[str, np.ndarray] | None = None, **fields: Any) -> None:
+        if self._links is not None:
+            self._links.post(op, arrays, **fields)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        del signum, frame
+        log.warning("SIGTERM: saving at the end of this step, then stopping")
+        self._sigterm = True
+
+
+def follow(exp: ExperimentConfig, workdir: str, *, host: str = "127.0.0.1") -> int:
+    """A learner process other than 0: run process 0's learner commands until it closes.
+
+    Builds the same learner (after process 0 says which prompt length it derived)
+    and applies every posted command. Returns 0 when process 0 closed (or
+    exited before the learner was built: a finished run or a config error there).
+
+    Raises:
+      ConnectionError: process 0 vanished mid-run.
+    """
+    from jaxflash.runtime.fleet.placement import carve  # noqa: PLC0415
+    from jaxflash.runtime.model_setup import load_model, load_tokenizer  # noqa: PLC0415
+
+    sender = WeightSender(host=host) if exp.mesh.generation_processes else None
+    link = FollowerLink(sender_address="" if sender is None else sender.address)
+    try:
+        header, _ = link.next()
+        if header["op"] == "finished_step":  # process 0 checks whether the run is done
+            finished_step(workdir, exp.total_steps)  # (opening the checkpoints is collective)
+            header, _ = link.next()
+        if header["op"] == "exit":
+            return 0
+        if header["op"] != "setup":
+            raise ValueError(f"expected the setup command first, got {header['op']!r}")
+        exp = exp.with_prompt_lengths(int(header["max_prompt_tokens"]))
+        tokenizer = load_tokenizer(exp.model)
+        model_config, imported = load_model(exp.model, exp.rollout, tokenizer)
+        placement = carve(exp.mesh)
+        program = LearnerProgram(
+            exp, model_config, imported, placement.learner, workdir, sender=sender, leader=False
+        )
+        del imported
+        while True:
+            header, arrays = link.next()
+            if header["op"] == "exit":
+                program.close()
+                return 0
+            if not program.apply(header.pop("op"), header, arrays):
+                try:  # closed: wait for process 0 to say exit (or to go away)
+                    link.next()
+                except ConnectionError:
+                    pass
+                return 0
+    finally:
+        link.close()

@@ -1,0 +1,276 @@
+"""Dispatching prompts' samples to generation servers and scoring them, without threads.
+
+The per-sample work of queue scheduling (ROLL Flash, arXiv 2510.11345 §5.1): each
+admitted prompt becomes G single-sample requests (prompt replication), each routed
+on its own (``runtime.routing.RequestRouter``: best server, deadlines and retries,
+dead servers); each finished sample is scored at once (no batch barrier) and filed
+in the ``GroupBuffer``. A prompt the router cannot generate fails with the
+router's ``FailureReason``; with no server left admission halts.
+
+Servers and the reward pool report back through an ``Inbox`` (thread-safe); all
+other state is touched only by whoever calls ``poll`` (the scheduler's pump
+thread, or a simulator driving a ``VirtualClock``), under the scheduler's lock.
+The environment manager (``runtime.rollout.episode_dispatch``) offers the same methods
+for episodes, so the scheduler and ``BatchAssembler`` drive either.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any
+
+from jaxflash import failpoints
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.runtime.clock import Clock
+from jaxflash.runtime.rollout.admission import Admission, admit_all
+from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.routing import RequestRouter
+from jaxflash.runtime.rollout.scoring import (
+    Scorer,
+    TruncationPolicy,
+    apply_score,
+    response_text,
+    reward_item,
+    unavailable,
+)
+from jaxflash.runtime.rollout.server_pool import ServerPool
+from jaxflash.types import GenerationRequest, Prompt, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+_MAX_SPANS = 100_000  # scoring spans kept for the timeline between two reads
+
+
+class Dispatcher:
+    """Admits prompts, dispatches their samples, scores what comes back.
+
+    Args:
+      pool: the generation servers.
+      inbox: the servers' and reward futures' report queue.
+      admission: capacity over the prompt source.
+      ledger: every prompt taken enters it here.
+      buffer: scored samples (or failures) go here.
+      scorer: ``submit((text, answer, item_id)) -> Future[Scored]``.
+      tokenizer: ``response_text(ids)`` (the text up to the first stop id).
+      group_size: G requests per prompt.
+      sampling, seed: of every request (the sampling RNG is keyed per sample).
+      policy_version: the version the servers hold at the start.
+      sample_deadline_s, max_retries: per-sample deadline and retries after it.
+      truncation: what a truncated response gets.
+      counters: the run's counters (restored from a checkpoint; they keep adding up).
+      clock: time of dispatch and deadlines.
+      prompt_replication: each of a prompt's G samples goes to the best server on
+        its own (ROLL Flash §5.1.2); False keeps them together on the server
+        chosen for the first (the baseline that generates a prompt's group as one
+        request).
+    """
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        inbox: Inbox,
+        admission: Admission,
+        ledger: PromptLedger,
+        buffer: GroupBuffer,
+        scorer: Scorer,
+        *,
+        tokenizer: Any,
+        group_size: int,
+        sampling: SamplingParams,
+        seed: int,
+        policy_version: int,
+        sample_deadline_s: float,
+        max_retries: int,
+        truncation: TruncationPolicy,
+        counters: collections.Counter,
+        clock: Clock,
+        prompt_replication: bool = True,
+    ) -> None:
+        self.pool, self.inbox, self.admission = pool, inbox, admission
+        self.ledger, self.buffer, self.scorer = ledger, buffer, scorer
+        self.tokenizer, self.G = tokenizer, group_size
+        self.sampling, self.seed = sampling, seed
+        self.truncation, self.counters, self.clock = truncation, counters, clock
+        self.prompt_replication = prompt_replication
+        self.router = RequestRouter(
+            pool,
+            policy_version=policy_version,
+            sample_deadline_s=sample_deadline_s,
+            max_retries=max_retries,
+            counters=counters,
+            clock=clock,
+            on_failed=self.buffer.fail,
+            on_halt=self._halt,
+        )
+        self.scoring: dict[tuple[int, int], Any] = {}  # key -> sample awaiting its reward
+        # Reward scoring spans (submit, scored) in clock seconds, for the run's timeline.
+        self._scoring_since: dict[tuple[int, int], float] = {}
+        self.score_spans: list[tuple[float, float]] = []
+
+    # ------------------------------------------------------------------ one step
+
+    def poll(self) -> int:
+        """Handle reports, server deaths and deadlines, then admit; returns events handled."""
+        events = self.inbox.drain()
+        for kind, sample, *rest in events:
+            if kind == "generated":
+                self._on_generated(sample)
+            else:
+                self._on_scored(sample, rest[0])
+        if self.router.check():  # a restarted generation process: admit again
+            self.admission.halted = False
+        self.admit()
+        return len(events)
+
+    def idle(self) -> bool:
+        """Nothing in flight or being scored, nothing to report, nothing admissible."""
+        return (
+            not self.router.table
+            and not self.scoring
+            and self.inbox.empty()
+            and not self.admission.can_admit()
+        )
+
+    def admit(self) -> int:
+        """Admit prompts while capacity allows (each becomes G requests); how many."""
+        return admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
+
+    def dispatch_prompt(self, prompt: Prompt) -> None:
+        """Send all G samples of ``prompt`` (stops at the first that fails)."""
+        server = -1
+        for i in range(self.G):
+            server = self.router.dispatch(self._request(prompt, i), prefer=server)
+            if server < 0:
+                break
+            if self.prompt_replication:
+                server = -1
+
+    def abort_prompt(self, prompt_id: int) -> None:
+        """Abort a prompt's outstanding samples on every server holding one (counted)."""
+        self.router.abort_prompt(prompt_id)
+
+    # ------------------------------------------------------------------ for the batch side
+
+    @property
+    def version(self) -> int:
+        """The published policy version the servers were handed last."""
+        return self.router.version
+
+    def publish(self, version: int) -> None:
+        """The learner published ``version`` (ValueError unless it increases)."""
+        self.router.publish(version)
+
+    @property
+    def first_request_at(self) -> float | None:
+        """Clock time of the first sample sent to a server (None before)."""
+        return self.router.first_request_at
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.router.table)
+
+    @property
+    def num_scoring(self) -> int:
+        return len(self.scoring)
+
+    def next_deadline(self) -> float | None:
+        """Clock time at which the oldest outstanding sample misses its deadline."""
+        return self.router.next_deadline()
+
+    def in_flight(self) -> list[int]:
+        """Prompts with at least one sample on a server, sorted."""
+        return self.router.in_flight()
+
+    def outstanding(self, prompt_id: int) -> int:
+        """Samples of ``prompt_id`` on a server."""
+        return self.router.outstanding(prompt_id)
+
+    def start_estimate(self, prompt_id: int) -> float:
+        """The start version the prompt's group will have (``OutstandingTable``)."""
+        return self.router.start_estimate(prompt_id)
+
+    def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
+        """Drop a prompt's start record (trained, dropped or regenerated); with
+        ``scoring``, also its samples awaiting a reward (their scores come back late)."""
+        self.router.table.forget(prompt_id)
+        if scoring:
+            for key in [k for k in self.scoring if k[0] == prompt_id]:
+                del self.scoring[key]
+                self._scoring_since.pop(key, None)
+
+    def server_died(self, i: int) -> None:
+        """Server i was found dead (the pool reports each death once): reroute its samples."""
+        self.router.server_died(i)
+
+    def server_retired(self, i: int) -> int:
+        """Server i left the pool (elastic move, stopped): re-queue its requests elsewhere."""
+        return self.router.retire(i)
+
+    def stats(self) -> dict[str, Any]:
+        """Instantaneous queue state for metrics.jsonl."""
+        return {"samples_outstanding": self.num_outstanding, "samples_scoring": self.num_scoring}
+
+    def _request(self, prompt: Prompt, index: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_id=prompt.prompt_id,
+            sample_index=index,
+            prompt_tokens=prompt.prompt_tokens,
+            sampling=self.sampling,
+            seed=self.seed,
+        )
+
+    def take_score_spans(self) -> list[tuple[float, float]]:
+        """(submitted, scored) clock times of the rewards scored since the last call."""
+        spans, self.score_spans = self.score_spans, []
+        return spans
+
+    def _halt(self) -> None:
+        self.admission.halted = True
+        log.error("every generation server died: failing the prompts in flight")
+
+    # ------------------------------------------------------------------ coming back
+
+    def _on_generated(self, sample: Any) -> None:
+        if self.router.received(sample) is None:
+            return
+        key = (int(sample.prompt_id), int(sample.sample_index))
+        sample.response_text = response_text(sample, self.tokenizer)
+        prompt = self.admission.prompt(key[0])
+        if prompt is None:  # released meanwhile: nothing will take this sample
+            self.counters["samples_late"] += 1
+            return
+        self.scoring[key] = sample
+        self._scoring_since[key] = self.clock.now()
+        try:
+            future = self.scorer.submit(reward_item(sample, prompt.answer))
+        except Exception as err:  # the pool is closed or broken: fail, never hang
+            self._score(sample, unavailable(err))
+            return
+        future.add_done_callback(lambda f, s=sample: self.inbox.scored(s, f))
+
+    def _on_scored(self, sample: Any, future: Any) -> None:
+        try:
+            scored = future.result()
+        except Exception as err:
+            scored = unavailable(err)
+        self._score(sample, scored)
+
+    def _score(self, sample: Any, scored: Any) -> None:
+        key = (int(sample.prompt_id), int(sample.sample_index))
+        if self.scoring.get(key) is not sample:
+            self.counters["samples_late"] += 1  # its prompt was aborted meanwhile
+            return
+        del self.scoring[key]
+        since = self._scoring_since.pop(key, None)
+        if since is not None and len(self.score_spans) < _MAX_SPANS:
+            self.score_spans.append((since, self.clock.now()))
+        if not self.admission.is_active(key[0]) or key in self.router.table:
+            self.counters["samples_late"] += 1  # prompt closed or resubmitted meanwhile
+            return
+        failure = apply_score(sample, scored, self.truncation)
+        self.counters["samples_scored"] += 1
+        self.buffer.add(sample, failure=failure)
+        failpoints.reach("rollout_scored")

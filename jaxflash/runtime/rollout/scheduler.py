@@ -1,0 +1,454 @@
+"""The rollout scheduler: keeps generation servers fed and hands the learner batches.
+
+    prompts ─► Admission ((α+1)·B) ─► Dispatcher: G single-sample requests ─► ServerPool
+       ▲                                                                       │
+       │                                        reward per sample ◄── Inbox ◄──┘
+    publish(v+1): release ◄── learner ◄── next_batch ◄── BatchAssembler ◄── GroupBuffer
+
+Built from thread-free parts, each with its own tests: ``OutstandingTable``,
+``Admission``, ``ServerPool``, ``Dispatcher``, ``BatchAssembler``. Their work is
+reachable without threads (``poll``, ``try_batch``, ``publish``); the scheduler
+adds only the pump thread that calls ``poll`` in a loop and the blocking
+``next_batch``. A simulator drives the same object without threads under a
+``VirtualClock`` (``runtime.clock``).
+
+Driving it without threads (a discrete-event simulator; see
+tests/test_scheduler_parts.py for a complete driver)::
+
+    clock, inbox = VirtualClock(), Inbox()
+    servers = [SimServer(on_finished=inbox.generated, clock=clock) for _ in range(n)]
+    sched = RolloutScheduler(servers, inbox, source, ledger, buffer, scorer, ..., clock=clock)
+    while v < steps:
+        sched.poll()
+        batch = sched.try_batch(v)
+        if batch is None:  # jump to the next event; servers deliver what is due
+            clock.advance_to(min(next server completion, sched.next_deadline()))
+            continue
+        clock.advance(learner time)
+        sched.mark_trained(batch.groups)
+        v += 1
+        sched.publish([None] * n, v)
+
+With α = 0 (capacity B, release at publish) the next prompts start at the new
+version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
+
+Agentic RL: given ``episodes`` (``EpisodeSettings``), a "prompt" is a group of
+episodes sharing an environment seed and the environment manager
+(``runtime.episode_dispatch.EpisodeDispatcher``) takes the ``Dispatcher``'s place:
+every episode runs as its own loop, each turn one request to the servers; the
+admission, staleness gate, batches, ledger and threads here are the same.
+Threads: servers and reward futures only append to the ``Inbox``; everything
+else runs under this scheduler's lock, and no lock of ours is held while a
+server calls back, so the two can never deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from jaxflash.data.prompts import PromptFailure
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.replay.groups import Group
+from jaxflash.runtime.clock import Clock, RealClock
+from jaxflash.runtime.rollout.admission import Admission
+from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
+from jaxflash.runtime.rollout.dispatch import Dispatcher
+from jaxflash.runtime.rollout.episode_dispatch import EpisodeDispatcher
+from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
+from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.scoring import Scorer, TruncationPolicy
+from jaxflash.runtime.rollout.server_pool import GenerationServerProtocol, ServerPool, Submitted
+from jaxflash.types import Prompt, PromptOutcome, SamplingParams
+
+__all__ = ["Batch", "Inbox", "RolloutScheduler"]
+
+
+class BooksSnapshot(NamedTuple):
+    """What ``RolloutScheduler.snapshot`` takes under one lock (a checkpoint's books).
+
+    Attributes:
+      ledger: ``PromptLedger.state_dict()`` (its in-flight prompts are generated again).
+      counters: the scheduler's prompts_* / samples_* counters.
+      cursor: the data source's cursor.
+      buffer: ``GroupBuffer.state_dict()`` (the buffer_* counters).
+    """
+
+    ledger: dict[str, Any]
+    counters: dict[str, int]
+    cursor: int
+    buffer: dict[str, int]
+
+
+class RolloutScheduler:
+    """Queue scheduling over generation servers with a per-sample staleness bound α.
+
+    Args:
+      servers: the generation servers (``GenerationServerProtocol``), built with
+        ``on_finished=inbox.generated``; started by ``start``.
+      inbox: where servers and reward futures report back.
+      source: prompt source (``take(n)``; ``cursor`` for checkpoints).
+      ledger: the run's PromptLedger.
+      buffer: GroupBuffer of group size G.
+      scorer: reward pool (``submit(item) -> Future[Scored]``); None with ``episodes``
+        (the environment gives the rewards).
+      tokenizer: ``response_text(ids)`` (the text up to the first stop id).
+      batch_prompts: B groups per learner step.
+      group_size: G samples per prompt.
+      async_ratio: α >= 0.
+      sampling, seed: of every request.
+      policy_version: the version the servers hold now.
+      stale_policy: "drop" | "regenerate".
+      sample_deadline_s, max_retries: per-sample deadline (queue time on the
+        server included) and retries before the prompt fails.
+      truncation: what a truncated response gets.
+      resume_prompts: prompts in flight at the checkpoint (open in the ledger),
+        regenerated first (``prompts_regenerated_on_resume``).
+      counters: counters restored from a checkpoint (they keep adding up).
+      refill_dropped: dynamic sampling: a dropped prompt's capacity returns at
+        once (up to B per step) instead of at the next ``publish``.
+      clock: time source (default: real time).
+      prompt_replication: False keeps a prompt's G samples on one server (see
+        ``Dispatcher``); the default sends each to the best server.
+      episodes: agentic RL: the source yields groups (``Prompt.meta["env_seed"]``) and
+        each is played as G episodes (+ redundancy) by ``EpisodeDispatcher``.
+
+    Raises:
+      ValueError: B < 1, G < 1, α < 0, an unknown stale_policy, no scorer without
+        ``episodes``, or prompt_replication=False with ``episodes`` (every turn is
+        routed on its own).
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[GenerationServerProtocol],
+        inbox: Inbox,
+        source: Any,
+        ledger: PromptLedger,
+        buffer: GroupBuffer,
+        scorer: Scorer | None,
+        *,
+        tokenizer: Any,
+        batch_prompts: int,
+        group_size: int,
+        async_ratio: int,
+        sampling: SamplingParams,
+        seed: int,
+        policy_version: int = 0,
+        stale_policy: str = "drop",
+        sample_deadline_s: float = 600.0,
+        max_retries: int = 1,
+        truncation: TruncationPolicy | None = None,
+        resume_prompts: Sequence[Prompt | PromptFailure] = (),
+        counters: dict[str, int] | None = None,
+        refill_dropped: bool = False,
+        clock: Clock | None = None,
+        prompt_replication: bool = True,
+        episodes: EpisodeSettings | None = None,
+    ) -> None:
+        if batch_prompts < 1 or group_size < 1 or async_ratio < 0:
+            raise ValueError(
+                f"need batch_prompts >= 1, group_size >= 1, async_ratio >= 0; got "
+                f"{batch_prompts}, {group_size}, {async_ratio}"
+            )
+        if stale_policy not in ("drop", "regenerate"):
+            raise ValueError(f"stale_policy must be drop | regenerate, got {stale_policy!r}")
+        if episodes is None and scorer is None:
+            raise ValueError("RolloutScheduler needs a scorer (or episodes, scored by their env)")
+        if episodes is not None and not prompt_replication:
+            raise ValueError("prompt_replication=False has no meaning for episodes")
+        self.B = batch_prompts
+        self.ledger, self.buffer, self.source = ledger, buffer, source
+        self.truncation = truncation or TruncationPolicy()
+        self.clock = clock or RealClock()
+        self.counters: collections.Counter = collections.Counter(counters or {})
+        self.counters["prompts_regenerated_on_resume"] += len(resume_prompts)
+        self.pool = ServerPool(servers)
+        self.admission = Admission(
+            source,
+            capacity=(async_ratio + 1) * batch_prompts,
+            refill_budget=batch_prompts if refill_dropped else 0,
+            resume=resume_prompts,
+        )
+        common = dict(
+            group_size=group_size,
+            sampling=sampling,
+            seed=seed,
+            policy_version=policy_version,
+            sample_deadline_s=sample_deadline_s,
+            max_retries=max_retries,
+            counters=self.counters,
+            clock=self.clock,
+        )
+        parts = (self.pool, inbox, self.admission, ledger, buffer)
+        self.dispatcher: Dispatcher | EpisodeDispatcher
+        if episodes is None:
+            self.dispatcher = Dispatcher(
+                *parts,
+                scorer,
+                tokenizer=tokenizer,
+                truncation=self.truncation,
+                prompt_replication=prompt_replication,
+                **common,
+            )
+        else:
+            self.dispatcher = EpisodeDispatcher(*parts, settings=episodes, **common)
+        self.assembler = BatchAssembler(
+            self.dispatcher,
+            self.admission,
+            buffer,
+            ledger,
+            batch_prompts=batch_prompts,
+            async_ratio=async_ratio,
+            stale_policy=stale_policy,
+            truncation=self.truncation,
+            refill_dropped=refill_dropped,
+            counters=self.counters,
+        )
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ thread-free API
+
+    def poll(self) -> int:
+        """One pump step (reports, deaths, deadlines, admission); events handled."""
+        with self._changed:
+            n = self.dispatcher.poll()
+            self._changed.notify_all()
+            return n
+
+    def try_batch(self, learner_version: int) -> Batch | None:
+        """The batch for the step at ``learner_version`` if complete, else None (never blocks).
+
+        See ``BatchAssembler.take``.
+
+        Raises:
+          RuntimeError: every generation server died and nothing is left to hand out.
+        """
+        with self._changed:
+            batch = self.assembler.take(learner_version)
+            if batch is not None:
+                self._changed.notify_all()
+            return batch
+
+    def reconfigure(self, *, batch_prompts: int, async_ratio: int, prompts_in_flight: int) -> None:
+        """Step boundary: new B, α and admission capacity (a controller's decision).
+
+        Call between ``next_batch`` calls (after a batch was returned). The next
+        batch takes ``batch_prompts`` groups with staleness <= ``async_ratio``;
+        at most ``prompts_in_flight`` prompts are admitted and not yet released. A
+        lower capacity admits nothing new until enough prompts are released (the
+        ones admitted finish; none is aborted); a lower α drops groups that are now
+        too stale at the next batch, counted as usual (``samples_dropped_stale``).
+        With dynamic sampling the refill budget follows B.
+
+        Raises:
+          ValueError: batch_prompts < 1, async_ratio < 0, or prompts_in_flight <
+            batch_prompts (no batch could ever be completed).
+          RuntimeError: a batch is being assembled (not a step boundary).
+        """
+        if batch_prompts < 1 or async_ratio < 0 or prompts_in_flight < batch_prompts:
+            raise ValueError(
+                f"reconfigure needs batch_prompts >= 1, async_ratio >= 0 and prompts_in_flight "
+                f">= batch_prompts; got {batch_prompts}, {async_ratio}, {prompts_in_flight}"
+            )
+        with self._changed:
+            if self.assembler.forming is not None:
+                raise RuntimeError("reconfigure between batches only (a batch is being assembled)")
+            self.B = self.assembler.B = batch_prompts
+            self.assembler.alpha = async_ratio
+            self.admission.capacity = prompts_in_flight
+            if self.admission.refill_budget:
+                self.admission.refill_budget = batch_prompts
+            self._changed.notify_all()
+
+    def retire_server(self, i: int, timeout_s: float = 60.0) -> int:
+        """Step boundary: take server i out for good (its devices join the learner).
+
+        Under the lock, so no request can reach it meanwhile: it leaves the pool,
+        is stopped (its unfinished work dropped), whatever it finished before
+        stopping is taken as usual (``poll``), and its requests still outstanding
+        are re-queued on the other servers (``RequestRouter.retire``, counted
+        ``samples_requeued``; ROLL's partial_gpu_mode shrinks its generation
+        servers the same way). Returns how many were re-queued.
+
+        Raises:
+          ValueError: see ``ServerPool.retire``. TimeoutError: it did not stop.
+        """
+        with self._changed:
+            server = self.pool.retire(i)
+            server.stop(timeout_s)
+            self.dispatcher.poll()
+            requeued = self.dispatcher.server_retired(i)
+            self._changed.notify_all()
+            return requeued
+
+    def add_server(self, server: GenerationServerProtocol) -> int:
+        """Step boundary: a new server (devices the learner gave back), already holding
+        the published weights; started now if the scheduler runs (else by ``start``).
+        Returns its index."""
+        with self._changed:
+            i = self.pool.add(server)
+            if self._thread is not None:
+                server.start()
+            self._changed.notify_all()
+            return i
+
+    def count(self, *names: str) -> None:
+        """Add 1 to each named counter (the loop's own counts live with the scheduler's)."""
+        with self._lock:
+            for name in names:
+                self.counters[name] += 1
+
+    def mark_trained(self, groups: Sequence[Group]) -> None:
+        """Close a batch's prompts in the ledger (their capacity returns at ``publish``).
+
+        TRAINED, or FILTERED "all_truncated" when no sample of the group carried
+        loss (``truncation="mask"`` with every sample truncated).
+        """
+        with self._lock:
+            for g in groups:
+                if self.truncation.masks_all(g.samples):
+                    self.ledger.close(g.prompt_id, PromptOutcome.FILTERED, ALL_TRUNCATED)
+                else:
+                    self.ledger.close(g.prompt_id, PromptOutcome.TRAINED, "trained")
+            self.ledger.check()
+
+    def publish(self, params_by_server: Sequence[Any], version: int) -> float:
+        """Hand version ``version`` to every live server (non-blocking) and release capacity.
+
+        Args:
+          params_by_server: params already on each server's mesh (``sync.publish``).
+          version: the new policy version (greater than every previous one).
+
+        Returns:
+          Seconds spent handing the weights over.
+        """
+        t0 = self.clock.now()
+        with self._changed:
+            for i, params in enumerate(params_by_server):
+                if self.pool.update(i, params, version) is Submitted.DIED:
+                    self.dispatcher.server_died(i)
+            self.dispatcher.publish(version)
+            self.assembler.release()
+            for prompt in self.admission.release():  # surplus prompts, fresh at this version
+                self.dispatcher.dispatch_prompt(prompt)
+            self._changed.notify_all()
+        return self.clock.now() - t0
+
+    # ------------------------------------------------------------------ threads
+
+    def start(self) -> None:
+        """Start the servers and the pump thread."""
+        self.pool.start()
+        self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
+        self._thread.start()
+
+    def next_batch(
+        self,
+        learner_version: int,
+        timeout_s: float = 3600.0,
+        stop: Callable[[], None] | None = None,
+    ) -> Batch:
+        """``try_batch`` until it returns, waiting for the pump in between.
+
+        Args:
+          stop: called before every wait slice (<= 0.5 s); what it raises ends the
+            wait (the loop's Ctrl-C, ``runtime.interrupt``).
+
+        Raises:
+          TimeoutError: no batch within ``timeout_s`` (naming the counts).
+          RuntimeError: the pump thread died, or every generation server died.
+        """
+        t0 = self.clock.now()
+        with self._changed:
+            while True:
+                if stop is not None:
+                    stop()
+                if self._error is not None:
+                    raise RuntimeError(f"rollout scheduler failed: {self._error!r}")
+                batch = self.try_batch(learner_version)
+                if batch is not None:
+                    batch.wait_s = self.clock.now() - t0
+                    return batch
+                left = timeout_s - (self.clock.now() - t0)
+                if left <= 0:
+                    raise TimeoutError(
+                        f"next_batch: {len(self.assembler.forming.groups)}/{self.B} groups after "
+                        f"{timeout_s}s at learner version {learner_version}: {self.stats()}"
+                    )
+                self.clock.wait(self._changed, min(left, 0.5))
+
+    def close(self) -> None:
+        """Stop the pump, abort every outstanding request (counted), stop the servers."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for pid in self.dispatcher.in_flight():
+                self.dispatcher.abort_prompt(pid)
+        self.pool.stop()
+
+    def _pump(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.dispatcher.inbox.wait(self.clock, 0.02)
+                self.poll()
+        except BaseException as err:  # surfaced by next_batch
+            with self._changed:
+                self._error = err
+                self._changed.notify_all()
+
+    # ------------------------------------------------------------------ books
+
+    def snapshot(self) -> BooksSnapshot:
+        """The books, consistent with each other, for a checkpoint."""
+        with self._lock:
+            counts = {k: int(v) for k, v in self.counters.items()}
+            return BooksSnapshot(
+                self.ledger.state_dict(), counts, int(self.source.cursor), self.buffer.state_dict()
+            )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus instantaneous queue state, for metrics.jsonl."""
+        with self._lock:
+            out = {k: int(v) for k, v in sorted(self.counters.items())}
+            out.update(
+                prompts_active=len(self.admission),
+                sched_batch_prompts=self.B,
+                sched_async_ratio=self.assembler.alpha,
+                sched_prompts_capacity=self.admission.capacity,
+                **self.dispatcher.stats(),
+                **{f"buffer_{k}": v for k, v in self.buffer.counts().items()},
+                **self.ledger.metrics(),
+            )
+            return out
+
+    def take_timeline_spans(self) -> dict[str, Any]:
+        """Busy spans per server and reward-scoring spans since the last call (clock
+        seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
+        server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
+        with self._lock:
+            take = getattr(self.dispatcher, "take_score_spans", None)
+            return {"gen": self.pool.take_busy_spans(), "reward": take() if take else []}
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each server's cumulative ``stats()`` ({} once dead)."""
+        return self.pool.stats()
+
+    def next_deadline(self) -> float | None:
+        """Clock time at which the oldest outstanding sample misses its deadline (None if
+        nothing is out): the next event a discrete-event driver must ``poll`` at."""
+        with self._lock:
+            return self.dispatcher.next_deadline()
+
+    @property
+    def first_request_at(self) -> float | None:
+        """Clock time of the first sample sent to a server (None before)."""
+        return self.dispatcher.first_request_at

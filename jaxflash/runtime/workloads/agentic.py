@@ -1,0 +1,328 @@
+"""What an agentic run adds around the one loop (``runtime.loop``): environments as data.
+
+With ``env.name`` set, ``rlvr.run``'s workload (``runtime.workloads.workload``) is an
+``EpisodeRollout`` instead of a prompt task and a reward pool:
+
+* groups: ``EnvGroupSource`` yields group ``g`` = environment seed ``g`` of the
+  train split (a ``Prompt`` placeholder whose ``meta["env_seed"]`` the environment
+  manager reads; the cursor goes into the checkpoint like a data cursor), played
+  by ``RolloutScheduler(episodes=...)`` (``runtime.rollout.episode_dispatch``);
+* the learner batch: per-token advantages over each group's episodes
+  (``envs.training.sample_token_advantages``, trajectory or step level), packed
+  with the response mask (``learner.episode_batching.pack_episode_batch``: only
+  sampled tokens carry loss);
+* evaluation: success rate on the eval split's seeds, mean@n with its standard
+  error over seeds (``envs.calibration.calibrate_success``, lockstep rounds with
+  the run's engine and current weights), reported as ``eval_accuracy``;
+* per-step episode metrics (``episode_metrics``), including the bias of dropping
+  stale groups (tinker-cookbook PR #822, prime-rl PR #2960: hard, slow problems
+  are the ones that go stale).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxflash.envs.calibration import calibrate_success
+from jaxflash.envs.chat import TurnRenderer
+from jaxflash.envs.registry import env_config, make_env
+from jaxflash.envs.training import sample_token_advantages
+from jaxflash.learner.episode_batching import pack_episode_batch
+from jaxflash.replay.groups import DroppedGroup, Group
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.rollout.env_calls import close_env
+from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
+from jaxflash.runtime.workloads.learner_batch import LearnerBatch
+from jaxflash.runtime.workloads.task_setup import PromptLengths
+from jaxflash.types import Prompt, PromptOutcome, Sample
+
+FIRST_PROMPTS_MEASURED = 16
+"""Seeds of each split whose first prompt is rendered at start to check it fits."""
+
+
+class EnvGroupSource:
+    """Groups 0, 1, 2, ...: group g plays environment seed g (``take``, ``cursor``).
+
+    Args:
+      env_name: for the placeholder's text.
+      start: the first group id (a checkpoint's cursor).
+    """
+
+    def __init__(self, env_name: str, *, start: int = 0) -> None:
+        self.env_name, self.cursor = env_name, int(start)
+
+    def group(self, group_id: int) -> Prompt:
+        """The placeholder ``Prompt`` of a group (its tokens come from the environment)."""
+        return Prompt(
+            prompt_id=group_id,
+            text=f"{self.env_name} seed {group_id}",
+            prompt_tokens=np.zeros((0,), np.int32),
+            answer="",
+            meta={"env_seed": group_id},
+        )
+
+    def take(self, n: int) -> list[Prompt]:
+        out = [self.group(self.cursor + i) for i in range(n)]
+        self.cursor += n
+        return out
+
+
+class EpisodeRollout:
+    """The environment side of an agentic experiment.
+
+    Args:
+      exp: a validated experiment with ``env.name`` set.
+      tokenizer: the policy's tokenizer (chat template, stop ids).
+
+    Raises:
+      ConfigError: the environment cannot be built, or a first prompt (rendered
+        for ``FIRST_PROMPTS_MEASURED`` seeds of each split) does not leave room for
+        a turn in ``env.max_context_tokens`` (names the field).
+    """
+
+    def __init__(self, exp: ExperimentConfig, tokenizer: Any) -> None:
+        spec = exp.env
+        if not spec.name:
+            raise ValueError("EpisodeRollout needs env.name")
+        self.exp, self.spec, self.tokenizer = exp, spec, tokenizer
+        self.limits = env_config(spec.name, **spec.env_options("train"))
+        self.renderer = TurnRenderer(tokenizer, system_prompt=spec.system_prompt or None)
+        self._latency = spec.latency()
+        self._instances = itertools.count()
+        self.make_eval_env: Callable[[], Any] = functools.partial(
+            make_env, spec.name, **spec.env_options("eval")
+        )
+        self.first_prompt_lengths = self._measure_first_prompts()
+
+    def make_train_env(self) -> Any:
+        """A fresh train-split environment; with ``env.latency_*`` each instance draws its
+        own latencies (seeded by the instance number), so the episodes of a group (one
+        map) straggle independently -- what redundancy is for."""
+        k = next(self._instances)
+        latency = self._latency and dataclasses.replace(self._latency, seed=k)
+        return make_env(self.spec.name, latency=latency, **self.spec.env_options("train"))
+
+    def _measure_first_prompts(self) -> list[int]:
+        lengths = []
+        for make in (
+            functools.partial(make_env, self.spec.name, **self.spec.env_options(split))
+            for split in ("train", "eval")
+        ):
+            try:  # a tool environment whose sandbox cannot start says why here
+                env = make()
+            except RuntimeError as e:
+                raise ConfigError(f"env.name={self.spec.name!r}: {e}") from None
+            try:
+                for seed in range(FIRST_PROMPTS_MEASURED):
+                    lengths.append(len(self.renderer.first_prompt(env.reset(seed))))
+            except Exception as e:
+                raise ConfigError(f"env.name={self.spec.name!r}: reset failed: {e!r}") from None
+            finally:
+                close_env(env, collections.Counter())
+        room = self.spec.max_context_tokens - max(lengths)
+        if room < 2:
+            raise ConfigError(
+                f"env.max_context_tokens={self.spec.max_context_tokens} leaves no room for a "
+                f"turn after the first prompt ({max(lengths)} tokens); raise it"
+            )
+        return lengths
+
+    def prompt_lengths(self) -> PromptLengths:
+        """The first prompts measured, as ``run_config.json`` records a task's."""
+        lens = self.first_prompt_lengths
+        return PromptLengths(
+            measured=len(lens),
+            every_row=False,
+            shortest=min(lens),
+            longest=max(lens),
+            limit=self.exp.rollout.max_prefill_length,
+            derived=True,
+            too_long=0,
+        )
+
+    def batch_timeout_s(self) -> float:
+        """How long the loop waits for a batch before giving up (a safety net: every
+        turn and environment call has its own deadline, retried or restarted)."""
+        r, limits = self.exp.rollout, self.limits
+        turn_s = r.sample_deadline_s * (r.max_retries + 1) + limits.step_timeout_s
+        episode_s = limits.step_timeout_s + limits.max_turns * turn_s
+        return episode_s * (self.spec.max_env_restarts + 1) * (r.async_ratio + 1)
+
+    def describe(self) -> str:
+        """One console line."""
+        s, lens = self.spec, self.first_prompt_lengths
+        return (
+            f"environment {s.name} ({self.limits.max_turns} turns x "
+            f"{self.limits.max_tokens_per_turn} tokens, step deadline "
+            f"{self.limits.step_timeout_s:g} s); first prompts {min(lens)}-{max(lens)} tokens, "
+            f"context limit {s.max_context_tokens} (env.max_context_tokens); "
+            f"{self.exp.rollout.group_size} + {self.exp.rollout.group_redundancy} episodes "
+            f"per group; {s.advantage_level}-level advantages"
+        )
+
+    # ------------------------------------------------------------------ the scheduler's parts
+
+    def source(self, start: int) -> EnvGroupSource:
+        return EnvGroupSource(self.spec.name, start=start)
+
+    def resume(self, source: EnvGroupSource, open_ids: Sequence[int]) -> tuple[Prompt, ...]:
+        """Groups in flight at the checkpoint: played again from scratch."""
+        return tuple(source.group(g) for g in sorted(open_ids))
+
+    def reward_pool(self, clock: Any) -> None:
+        """No reward workers: the environments score the episodes."""
+        return None
+
+    def settings(self) -> EpisodeSettings:
+        return EpisodeSettings(
+            make_env=self.make_train_env,
+            renderer=self.renderer,
+            limits=self.limits,
+            max_context_tokens=self.spec.max_context_tokens,
+            redundancy=self.exp.rollout.group_redundancy,
+            max_env_restarts=self.spec.max_env_restarts,
+        )
+
+    # ------------------------------------------------------------------ learner, evaluation
+
+    def learner_batch(
+        self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int
+    ) -> LearnerBatch:
+        """Per-token advantages of the groups' episodes, packed with their response masks.
+
+        Only tokens the policy sampled carry loss (``pack_episode_batch``); an episode's
+        scalar entry in ``LearnerBatch.advantages`` is the mean over its sampled tokens.
+        """
+        if not groups:
+            return LearnerBatch(None, (), np.zeros((0,), np.float32))
+        per_token = sample_token_advantages(
+            [g.samples for g in groups],
+            level=self.spec.advantage_level,
+            gamma=self.spec.gamma,
+            estimator=self.exp.advantage,
+        )
+        samples = tuple(s for g in groups for s in g.samples)
+        advantages = [a for row in per_token for a in row]
+        scalar = np.array(
+            [
+                a[np.asarray(s.response_mask) > 0].mean()
+                for s, a in zip(samples, advantages, strict=True)
+            ],
+            np.float32,
+        )
+        batch = pack_episode_batch(
+            samples, advantages, pad_id=pad_id, max_len=max_len, num_sequences=num_sequences
+        )
+        return LearnerBatch(batch, samples, scalar)
+
+    @property
+    def eval_size(self) -> int:
+        """Held-out seeds (``env.eval_seeds``; 0: no evaluation)."""
+        return self.spec.eval_seeds
+
+    def describe_eval(self) -> str:
+        return f"{self.eval_size} seeds x {self.exp.eval.samples_per_prompt} episodes"
+
+    def evaluate(
+        self,
+        engine: Any,
+        params: Any,
+        reward_pool: None = None,
+        *,
+        version: int,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> dict[str, float]:
+        """Held-out success: ``env.eval_seeds`` eval-split seeds x ``eval.samples_per_prompt``
+        episodes with the engine at ``params`` (lockstep rounds of ``rollout.num_slots``);
+        the environments score them (``reward_pool``: None, the ``Workload`` signature)."""
+        from jaxflash.generation.slot_loop import run_requests  # noqa: PLC0415
+
+        def generate(requests: Sequence[Any]) -> list[Sample]:
+            return run_requests(
+                engine,
+                params,
+                list(requests),
+                policy_version=version,
+                stop_ids=self.tokenizer.stop_ids,
+            )
+
+        res = calibrate_success(
+            self.make_eval_env,
+            self.renderer,
+            generate,
+            seeds=list(range(self.spec.eval_seeds)),
+            n=self.exp.eval.samples_per_prompt,
+            sampling=self.exp.rollout.sampling,
+            max_context_tokens=self.spec.max_context_tokens,
+            episodes_per_batch=self.exp.rollout.num_slots,
+            sampling_seed=self.exp.seed,
+            progress=progress,
+        )
+        return {
+            "eval_accuracy": res.success_mean,
+            "eval_accuracy_stderr": res.success_stderr,
+            "eval_prompts": len(res.seeds),
+            "eval_failed": res.env_failures,
+            "eval_invalid_action_rate": res.invalid_action_rate,
+            "eval_turns_per_episode": res.mean_turns,
+        }
+
+
+# ------------------------------------------------------------------ metrics
+
+STALE_REASONS = ("stale", "surplus_stale")
+
+
+def episode_metrics(groups: Sequence[Group], dropped: Sequence[DroppedGroup]) -> dict[str, Any]:
+    """Per-step episode metrics (docs/METRICS.md); {} for RLVR samples.
+
+    Over the step's groups: ``turns_per_episode``, ``env_time_per_turn_s``,
+    ``success_rate``, ``invalid_action_rate``, ``sampled_tokens_mean``. The stale
+    bias, over groups dropped as stale this step (``stale``, ``surplus_stale``; a
+    surplus group counts only its episodes that had finished, the fast ones, so the
+    gap is understated): ``stale_dropped_episodes`` and their ``stale_dropped_``
+    ``turns_mean``, ``success_rate``, ``sampled_tokens_mean``, ``reward_mean``, next to
+    the trained values above and ``reward_mean``.
+    """
+    trained = [s for g in groups for s in g.samples if _is_episode(s)]
+    stale = [
+        s
+        for d in dropped
+        if d.outcome == PromptOutcome.STALE and d.reason in STALE_REASONS
+        for s in d.samples
+        if _is_episode(s)
+    ]
+    if not trained and not stale:
+        return {}
+    out: dict[str, Any] = {}
+    if trained:
+        turns = sum(s.reward_info["turns"] for s in trained)
+        out.update(
+            turns_per_episode=turns / len(trained),
+            env_time_per_turn_s=sum(s.reward_info["env_time_s"] for s in trained) / turns,
+            success_rate=float(np.mean([s.reward_info["success"] for s in trained])),
+            invalid_action_rate=sum(s.reward_info["invalid_actions"] for s in trained) / turns,
+            sampled_tokens_mean=float(np.mean([np.sum(s.response_mask) for s in trained])),
+        )
+    out["stale_dropped_episodes"] = len(stale)
+    if stale:
+        out.update(
+            stale_dropped_turns_mean=float(np.mean([s.reward_info["turns"] for s in stale])),
+            stale_dropped_success_rate=float(np.mean([s.reward_info["success"] for s in stale])),
+            stale_dropped_sampled_tokens_mean=float(
+                np.mean([np.sum(s.response_mask) for s in stale])
+            ),
+            stale_dropped_reward_mean=float(np.mean([s.reward for s in stale])),
+        )
+    return out
+
+
+def _is_episode(sample: Sample) -> bool:
+    return sample.response_mask is not None and "turns" in (sample.reward_info or {})
