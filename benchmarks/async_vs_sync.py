@@ -4,7 +4,7 @@
     python benchmarks/async_vs_sync.py --steps 10 --alphas 1,2,4,8 --eos_prob 0.05
 
 What runs. One invocation runs every mode in turn, in this process, through the
-runtime's one loop (``runtime.rlvr.run``) from configs built here with
+runtime's one loop (``runtime.loop.run``) from configs built here with
 ``ExperimentConfig.from_config_dict``; every number below is read back from each
 run's metrics.jsonl / rollouts.jsonl. Same seed, prompts, model, decode slots and
 number of learner steps (B prompts x G samples each) in every mode.

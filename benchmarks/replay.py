@@ -7,7 +7,7 @@
     python benchmarks/replay.py --model tiny --seeds 1 --no_sim
     python benchmarks/replay.py --sim_only          # the simulator part alone, ~1 min
 
-Real runs (``runtime.rlvr.run`` in this process, one workdir each), four
+Real runs (``runtime.loop.run`` in this process, one workdir each), four
 configurations, each spending the same generation budget (``--budget`` samples
 generated, the scheduler's ``samples_generated``; default 640 = the 20 steps of
 8 prompts x 4 samples of the README's real-model result) with the same seed(s):

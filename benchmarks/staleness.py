@@ -32,7 +32,7 @@ attends to a different input offset; copying 3 digits learned no faster here.
 Modes (each result row says which):
 
 * ``sched`` — staleness made real by the runtime's own scheduler
-  (``runtime.rlvr.run``, as the real runs): α = 0 is the colocated synchronous
+  (``runtime.loop.run``, as the real runs): α = 0 is the colocated synchronous
   run; α >= 1 runs the learner on device 0 and one generation slice on device 1
   with ``rollout.async_ratio = α`` (queue scheduling, weights published while
   generation continues, groups older than α dropped and counted). Staleness per
@@ -391,7 +391,7 @@ def save(args: argparse.Namespace, runs: list[dict[str, Any]], *, partial: bool)
 
 
 def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every run of the grid, through ``runtime.rlvr.run``; their curves and facts."""
+    """Every run of the grid, through ``runtime.loop.run``; their curves and facts."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "xla_cache"))

@@ -22,7 +22,7 @@ the same --workdir resumes from the last complete checkpoint (a finished run
 says so and exits). A bad override or setting exits with status 2 and one line
 naming the field (``launch/overrides.py``); long phases print a progress line
 after ``--progress_every_s`` seconds of silence. One loop,
-`runtime.rlvr.run`, serves both placements: `mesh.colocated=True` (one generation
+`runtime.loop.run`, serves both placements: `mesh.colocated=True` (one generation
 server on the learner's devices, async_ratio 0: the synchronous baseline) and
 disjoint slices (`--config.mesh.colocated=False`, e.g. `configs/smoke_async.py`).
 """

@@ -1,5 +1,5 @@
 """The controller's decision is put in force at the next step: ReplayCycle.scheduler_settings
--> RolloutScheduler.reconfigure, as runtime.rlvr does after every step. Synthetic rate
+-> RolloutScheduler.reconfigure, as runtime.loop does after every step. Synthetic rate
 measurements, the real scheduler under a VirtualClock (tests/test_scheduler_parts.py)."""
 
 import numpy as np
