@@ -187,7 +187,7 @@ def test_adaptive_role_split_goes_to_move_and_the_controller_learns_the_split_in
     """The adaptive controller's proposals (test_replay_cycle's gen-bound then
     train-bound rows) are handed to ``move``; what it returns is the split in force,
     logged as ctl_*_devices and reported to the controller through ``applied``."""
-    from tests.test_replay_cycle import _cycle, _row
+    from tests.test_replay_cycle import _after, _control, _row
 
     spec = ControllerSpec(kind="adaptive", move_patience=2)
     replay = ReplaySpec(ratio=0.25, max_age=2)
@@ -199,14 +199,16 @@ def test_adaptive_role_split_goes_to_move_and_the_controller_learns_the_split_in
     ]
 
     def run(refuse: bool):
-        cycle = _cycle(replay=replay, controller=spec, samples_generated=100, device_floors=floors)
+        control = _control(
+            replay=replay, controller=spec, samples_generated=100, device_floors=floors
+        )
         asked = []
 
         def move(n):
             asked.append(n)
-            return cycle.decision.learner_devices if refuse else n
+            return control.decision.learner_devices if refuse else n
 
-        logged = [cycle.control_from(r, next_version=s + 1, move=move) for s, r in enumerate(rows)]
+        logged = [_after(control, r, s + 1, move=move) for s, r in enumerate(rows)]
         return asked, logged
 
     asked, logged = run(refuse=False)

@@ -1,29 +1,34 @@
-"""The controller's decision is put in force at the next step: ReplayCycle.scheduler_settings
+"""The controller's decision is put in force at the next step: StepControl.after_step's plan
 -> RolloutScheduler.reconfigure, as runtime.loop does after every step. Synthetic rate
 measurements, the real scheduler under a VirtualClock (tests/test_scheduler_parts.py)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
 from jaxflash.runtime.control.replay_cycle import ReplayCycle
+from jaxflash.runtime.control.step_control import StepControl, StepReport
 from tests.test_scheduler_parts import _virtual_scheduler, drive
 
 B, G = 8, 2  # rollout.prompts_per_step, group_size
 
 
-def _measured(cycle, v, generated, *, gen_per_s, train_per_s, queue):
-    """control() with one second of step: gen_per_s fresh samples generated, the
+def _measured(control, v, generated, *, gen_per_s, train_per_s, queue):
+    """after_step() with one second of step: gen_per_s fresh samples generated, the
     learner training train_per_s samples per second, ``queue`` samples waiting."""
-    return cycle.control(
-        next_version=v,
-        samples_generated=generated + gen_per_s,
-        step_s=1.0,
-        trained_samples=16,
-        train_s=16 / train_per_s,
-        queue_samples=queue,
-        staleness_mean=0.5,
-        replay_ess=0.9,
+    return control.after_step(
+        StepReport(
+            next_version=v,
+            samples_generated=generated + gen_per_s,
+            step_s=1.0,
+            trained_samples=16,
+            train_s=16 / train_per_s,
+            queue_samples=queue,
+            staleness_mean=0.5,
+            replay_ess=0.9,
+        )
     )
 
 
@@ -37,18 +42,19 @@ def _step(sched, clock, servers, v):
 
 def test_the_next_step_runs_under_the_controllers_decision():
     spec = ControllerSpec(kind="adaptive", move_patience=1, smoothing=1.0)  # no EMA
-    cycle = ReplayCycle(
-        ReplaySpec(ratio=0.5, max_age=3, drop_uniform_groups=False),
+    replay = ReplaySpec(ratio=0.5, max_age=3, drop_uniform_groups=False)
+    cycle = ReplayCycle(replay, spec, batch_prompts=B, group_size=G, seed=0)
+    control = StepControl(
+        replay,
         spec,
         batch_prompts=B,
         group_size=G,
         async_ratio=2,  # the user's maximum alpha
         learner_devices=6,
         generation_devices=2,
-        seed=0,
     )
     # rho 0.5: 4 fresh groups of the 8; alpha 2: (2 + 1) * 4 prompts in flight.
-    first = cycle.scheduler_settings()
+    first = dataclasses.asdict(control.plan().scheduler)
     assert first == {"batch_prompts": 4, "async_ratio": 2, "prompts_in_flight": 12}
     # Rows of the compiled step: at every reachable rho (0 .. 0.75 in steps of 0.125)
     # fresh + replayed = round((1 - rho) 8) * 2 + the replayed share = 16.
@@ -64,10 +70,11 @@ def test_the_next_step_runs_under_the_controllers_decision():
 
     # Training-bound (100 samples/s generated, 16/s trained, a deep queue): rho and alpha
     # go down -> 5 fresh groups (round(0.625 * 8)), (1 + 1) * 5 = 10 prompts in flight.
-    m = _measured(cycle, 1, 0, gen_per_s=100, train_per_s=16, queue=200)
+    plan = _measured(control, 1, 0, gen_per_s=100, train_per_s=16, queue=200)
+    m = plan.metrics
     assert (m["ctl_replay_ratio"], m["ctl_async_ratio"]) == (0.375, 1)
     assert m["ctl_requests_in_flight"] == 20
-    sched.reconfigure(**cycle.scheduler_settings())
+    sched.reconfigure(**dataclasses.asdict(plan.scheduler))
     stats = sched.stats()
     assert (stats["sched_batch_prompts"], stats["sched_async_ratio"]) == (5, 1)
     assert stats["sched_prompts_capacity"] == 10
@@ -79,6 +86,7 @@ def test_the_next_step_runs_under_the_controllers_decision():
         [s for g in batch.groups for s in g.samples],
         np.zeros(10, np.float32),
         learner_version=1,
+        replay_ratio=control.replay_ratio,
         pad_id=0,
         max_len=64,
     )
@@ -87,10 +95,11 @@ def test_the_next_step_runs_under_the_controllers_decision():
 
     # Generation-bound (2 samples/s for a learner doing 160/s, nothing queued): rho and
     # alpha go up again, and a device is proposed for generation -- not moved.
-    m = _measured(cycle, 2, 100, gen_per_s=2, train_per_s=160, queue=0)
+    plan = _measured(control, 2, 100, gen_per_s=2, train_per_s=160, queue=0)
+    m = plan.metrics
     assert (m["ctl_replay_ratio"], m["ctl_async_ratio"]) == (0.5, 2)
     assert (m["ctl_proposed_generation_devices"], m["ctl_generation_devices"]) == (3, 2)
-    sched.reconfigure(**cycle.scheduler_settings())
+    sched.reconfigure(**dataclasses.asdict(plan.scheduler))
     assert len(_step(sched, clock, servers, 2).groups) == 4
     assert sched.stats()["sched_prompts_capacity"] == 12
     assert sched.stats()["prompts_active"] == 12  # raised capacity is used at once

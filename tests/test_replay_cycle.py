@@ -14,6 +14,7 @@ from jaxflash.replay.controller import AdaptiveController, ControllerInputs, Dec
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
 from jaxflash.runtime.control.replay_cycle import ReplayCycle
+from jaxflash.runtime.control.step_control import StepControl, StepReport
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
 from tests.replay_fixtures import make_group
 
@@ -153,19 +154,48 @@ def test_replay_correction_sets_the_learners_replay_loss(correction, kwargs, aga
 # ----------------------------------------------------------------------------- the batch
 
 
-def _cycle(replay=None, controller=None, state=None, **kw):
+REPLAY = ReplaySpec(ratio=0.5, max_age=2, max_reuse=1, drop_uniform_groups=False)
+
+
+def _cycle(replay=None, controller=None, state=None):
     return ReplayCycle(
-        replay or ReplaySpec(ratio=0.5, max_age=2, max_reuse=1, drop_uniform_groups=False),
+        replay or REPLAY,
+        controller or ControllerSpec(),
+        batch_prompts=4,
+        group_size=2,
+        seed=0,
+        state=state,
+    )
+
+
+def _control(replay=None, controller=None, state=None, **kw):
+    return StepControl(
+        replay or REPLAY,
         controller or ControllerSpec(),
         batch_prompts=4,
         group_size=2,
         async_ratio=0,
         learner_devices=6,
         generation_devices=2,
-        seed=0,
         state=state,
         **kw,
     )
+
+
+def _after(control, row, next_version, move=None):
+    """The step controller fed one metrics-like row (the loop builds the report from
+    the values these names stand for); returns its ctl_* metrics."""
+    report = StepReport(
+        next_version=next_version,
+        samples_generated=row["samples_generated"],
+        step_s=row["step_time_s"],
+        train_s=row["train_time_s"],
+        trained_samples=row["sequences"],
+        queue_samples=row["buffer_pending"] * 2,
+        staleness_mean=row["staleness_mean"],
+        replay_ess=row.get("replay_ess_token"),
+    )
+    return control.after_step(report, move=move).metrics
 
 
 def _fresh(step: int) -> LearnerBatch:
@@ -177,7 +207,7 @@ def _fresh(step: int) -> LearnerBatch:
 
 def test_mixed_batch_rows_labels_and_stored_behaviour_logprobs():
     cycle = _cycle()
-    assert cycle.fresh_prompts == 2 and cycle.rows == 8  # B=4 groups: 2 fresh + 4 replayed
+    assert _control().fresh_prompts == 2 and cycle.rows == 8  # B=4 groups: 2 fresh + 4 replayed
     first, m1 = cycle.step_batch(_fresh(0), learner_version=0, pad_id=0, max_len=64)
     assert m1["cycle_replay_samples"] == 0 and m1["cycle_replay_shortfall"] == 4
     assert first.input_ids_bt.shape[0] == 8  # padded to the fixed row count
@@ -228,14 +258,14 @@ def _row(step, *, generated, step_s, train_s, pending, ess=None):
 def test_logged_decisions_are_the_controllers_and_resume_continues_them():
     spec = ControllerSpec(kind="adaptive", move_patience=2)
     replay = ReplaySpec(ratio=0.25, max_age=2)
-    cycle = _cycle(replay=replay, controller=spec, samples_generated=100)
+    control = _control(replay=replay, controller=spec, samples_generated=100)
     # Slow generation (gen-bound) for 3 steps, then a flood (train-bound) for 3.
     rows = [_row(s, generated=100 + 2 * s, step_s=1.0, train_s=0.1, pending=0) for s in (1, 2, 3)]
     rows += [
         _row(s, generated=106 + 200 * (s - 3), step_s=1.0, train_s=1.0, pending=8, ess=0.9)
         for s in (4, 5, 6)
     ]
-    logged = [cycle.control_from(r, next_version=s + 1) for s, r in enumerate(rows)]
+    logged = [_after(control, r, s + 1) for s, r in enumerate(rows)]
     assert all(json.dumps(m) for m in logged)  # metrics.jsonl-able
     # The same inputs fed to a controller told what was applied give the same decisions.
     ref = AdaptiveController(
@@ -266,18 +296,18 @@ def test_logged_decisions_are_the_controllers_and_resume_continues_them():
     assert proposed == [2, 3, 2, 2, 1, 2]
     assert all((m["ctl_learner_devices"], m["ctl_generation_devices"]) == (6, 2) for m in logged)
     assert logged[0]["ctl_in_gen_rate"] == pytest.approx(2.0)  # 102 - 100 in 1 s
-    assert cycle.replay_ratio == rho[-1]  # the next step's rho
+    assert control.replay_ratio == rho[-1]  # the next step's rho
     # A skipped step (nothing trained) measures no training rate: no update, no row.
     skipped = dict(rows[-1], sequences=0)
-    assert cycle.control_from(skipped, next_version=7) == {}
-    assert cycle.replay_ratio == rho[-1]
+    assert _after(control, skipped, 7) == {}
+    assert control.replay_ratio == rho[-1]
 
-    # A cycle rebuilt from the checkpointed state continues with the same decisions.
-    saved = json.loads(json.dumps(cycle.state_dict()))
-    again = _cycle(replay=replay, controller=spec, state=saved, samples_generated=706)
-    assert again.replay_ratio == cycle.replay_ratio
+    # A controller rebuilt from the checkpointed state continues with the same decisions.
+    saved = json.loads(json.dumps(control.state_dict()))
+    again = _control(replay=replay, controller=spec, state=saved, samples_generated=706)
+    assert again.replay_ratio == control.replay_ratio
     nxt = _row(7, generated=720, step_s=1.0, train_s=0.5, pending=0, ess=0.8)
-    assert again.control_from(nxt, next_version=8) == cycle.control_from(nxt, next_version=8)
+    assert _after(again, nxt, 8) == _after(control, nxt, 8)
 
 
 def test_restored_cycle_draws_the_same_replay_batches():

@@ -42,6 +42,7 @@ are generated again from scratch, never trained twice (``prompts_regenerated_on_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from jaxflash.runtime.config.replay_spec import check_replay_learner
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
 from jaxflash.runtime.control.elastic import make_elastic
 from jaxflash.runtime.control.replay_cycle import make_replay_cycle
+from jaxflash.runtime.control.step_control import StepReport, make_step_control
 from jaxflash.runtime.fleet.fleets import make_fleet
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.fleet.learner_links import LeaderLinks
@@ -172,17 +174,20 @@ def run(
     # ------------------------------------------------------------ data, rewards, scheduler
     r = exp.rollout
     B, G = r.prompts_per_step, r.group_size
-    # ReFlow's replay cycle (runtime.replay_cycle; None without replay): B - fresh groups
-    # of every learner batch come from the replay buffer instead of the servers.
-    cycle = make_replay_cycle(
+    # ReFlow's replay cycle (control.replay_cycle; None without replay): B - fresh groups
+    # of every learner batch come from the replay buffer instead of the servers. The step
+    # controller (control.step_control; None likewise) owns the decision in force: rho,
+    # alpha, requests in flight, the role split (a resumed run continues the checkpoint's).
+    cycle = make_replay_cycle(exp, extra=meta.extra)
+    control = make_step_control(
         exp,
-        learner_mesh=placement.learner,
-        generation_meshes=placement.generation,
+        learner_devices=int(placement.learner.devices.size),
+        generation_devices=sum(int(m.devices.size) for m in placement.generation),
         extra=meta.extra,
     )
-    # Fresh groups per step and alpha: the replay cycle's decision in force (its rho
-    # takes a share of the B groups; a resumed run continues the checkpointed one).
-    B, alpha = (cycle.fresh_prompts, cycle.decision.async_ratio) if cycle else (B, r.async_ratio)
+    B, alpha = (
+        (control.fresh_prompts, control.decision.async_ratio) if control else (B, r.async_ratio)
+    )
     source = workload.source(meta.data_cursor)
     resume = workload.resume(source, ledger.open_ids)
     reward_pool = workload.reward_pool(clock)  # None: the environments score episodes
@@ -214,7 +219,7 @@ def run(
     elastic = make_elastic(
         exp, learner=learner, fleet=fleet, scheduler=scheduler, placement=placement,
         server_kwargs=server_kwargs, extra=meta.extra,
-        learner_devices=cycle.decision.learner_devices if cycle else None,
+        learner_devices=control.decision.learner_devices if control else None,
     )  # fmt: skip
     pack = dict(pad_id=tokenizer.pad_id, max_len=model_config.max_seq_len)  # batch rows
     compiled = {"engine": False, "learner": False}  # for the console's notes
@@ -274,7 +279,9 @@ def run(
             stale = np.array([version - start_version_of(s) for s in lb.samples], np.int64)
             train_batch, replay_metrics = lb.batch, {}
             if cycle is not None:  # + the replay cycle at rho, rows labelled by cycle
-                train_batch, replay_metrics = cycle.step_batch(lb, learner_version=version, **pack)
+                train_batch, replay_metrics = cycle.step_batch(
+                    lb, learner_version=version, replay_ratio=control.replay_ratio, **pack
+                )
 
             # 6. Train (jitted once per batch shape; state donated) -- or skip an empty step.
             t_train = clock.now()
@@ -298,6 +305,7 @@ def run(
             # Books as of now, before publish frees capacity: the checkpoint's in-flight
             # prompts are exactly those admitted under the weights being replaced.
             snapshot, sched_stats = scheduler.snapshot(), scheduler.stats()
+            generated, groups_pending = scheduler.progress()
             servers_now = scheduler.server_stats()
             gen = records.server_metrics(servers_before, servers_now, version)
             servers_before = servers_now
@@ -338,14 +346,26 @@ def run(
                 **sched_stats,
                 "prompt_outcomes": ledger.outcomes,
             }
-            if cycle is not None:  # the controller's inputs and decision, in force from
-                # the next step: rho (fresh groups, replayed samples), alpha, the
-                # requests in flight (staleness bound, admission capacity) and, with
-                # the elastic pool, the role split (devices move here)
-                move = elastic.move_to if elastic is not None else None
-                metrics.update(cycle.control_from(metrics, next_version=version, move=move))
-                scheduler.reconfigure(**cycle.scheduler_settings())
-                B = cycle.fresh_prompts
+            if control is not None:  # the step controller's plan, in force from the next
+                # step: rho (fresh groups, replayed samples), alpha, the requests in flight
+                # (staleness bound, admission capacity) and, with the elastic pool, the
+                # role split (devices move here)
+                report = StepReport(
+                    next_version=version,
+                    samples_generated=generated,
+                    step_s=step_s,
+                    train_s=train_s,
+                    trained_samples=int(step_metrics.get("sequences", 0)),
+                    queue_samples=groups_pending * G,
+                    staleness_mean=float(stale.mean()) if stale.size else 0.0,
+                    replay_ess=step_metrics.get("replay_ess_token"),
+                )
+                plan = control.after_step(
+                    report, move=elastic.move_to if elastic is not None else None
+                )
+                metrics.update(plan.metrics)
+                scheduler.reconfigure(**dataclasses.asdict(plan.scheduler))
+                B = plan.fresh_prompts
             if elastic is not None:
                 metrics.update(elastic.step_metrics())
             stopping = stop_after is not None and bool(stop_after(metrics))
@@ -362,7 +382,7 @@ def run(
             preempted = learner.preempted(version)
             last = version == exp.total_steps or preempted or stopping
             if version % exp.checkpoint.every == 0 or last:
-                replay = cycle.state_dict() if cycle else None
+                replay = {**cycle.state_dict(), **control.state_dict()} if cycle else None
                 pool = elastic.state_dict() if elastic else None
                 learner.save(checkpoint_meta(version, snapshot, replay, pool))
             if preempted:

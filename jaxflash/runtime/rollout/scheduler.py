@@ -430,6 +430,14 @@ class RolloutScheduler:
             )
             return out
 
+    def progress(self) -> tuple[int, int]:
+        """(samples generated since the run began, groups pending in the buffer): the
+        step controller's view of supply and queue (``control.step_control.StepReport``)."""
+        with self._lock:
+            return int(self.counters.get("samples_generated", 0)), int(
+                self.buffer.counts()["pending"]
+            )
+
     def take_timeline_spans(self) -> dict[str, Any]:
         """Busy spans per server and reward-scoring spans since the last call (clock
         seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
