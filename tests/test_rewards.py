@@ -246,3 +246,29 @@ def test_math_reward_failed_parse_never_matches():
     assert not answers_match(["\\frac{"], ["\\frac{"], rel_tol=1e-6, abs_tol=0.0)
     two = sympy.Integer(2)
     assert answers_match([two, "2"], [two, "2"], rel_tol=1e-6, abs_tol=0.0)
+
+
+@pytest.mark.parametrize(
+    "response, label, score",
+    [
+        (" 0+63", "63", 0.0),  # what Gemma 3 270M learned in 10 steps: the question echoed
+        (" 0+ 63.", "63", 0.0),
+        ("\\boxed{70-7}", "63", 0.0),
+        ("\\boxed{9 \\times 7}", "63", 0.0),
+        ("\\boxed{9 \\cdot 7}", "63", 0.0),
+        ("2^6-1", "63", 0.0),
+        ("(60)+3", "63", 0.0),
+        (" 0 - 63", "-63", 0.0),
+        ("63", "63", 1.0),
+        ("0 + 63 = 63", "63", 1.0),  # working shown, then the number
+        ("-63", "-63", 1.0),
+        ("\\boxed{\\frac{126}{2}}", "63", 1.0),  # a fraction is a number
+        ("3/4", "0.75", 1.0),
+        ("\\boxed{6.3 \\times 10^{1}}", "63", 1.0),  # scientific notation is a number
+        ("\\boxed{3+4i}", "3+4i", 1.0),  # a label that is an expression: the plain rule
+        ("\\boxed{2\\sqrt{3}}", "2\\sqrt{3}", 1.0),
+        ("64", "23+41", 1.0),
+    ],
+)
+def test_a_number_is_answered_with_a_number_not_the_question_restated(response, label, score):
+    assert math_answer_reward(response, label).score == score

@@ -50,6 +50,14 @@ evaluate differences to 15 digits with ``chop``, so ``1/2^98`` equals
    as ``1.5 * e - 7`` with Euler's e) is rewritten as the plain decimal it
    denotes (``0.00000015``, exactly, via ``decimal``) in both the response and
    the label before parsing; exponents beyond +-64 are left alone.
+6. **A number is answered with a number.** When the label is a plain number
+   (``63``, ``-2.5``, ``3/4``, ``\\frac{3}{4}``), an answer that is arithmetic on
+   numbers (``0+63``, ``70 - 7``, ``9 \\times 7``, ``2^6 - 1``) scores 0: Math-Verify
+   evaluates it and says equal, so a policy learns to restate the question
+   ("What is 0 + 63?" -> " 0+63"), which a 10-step run on Gemma 3 270M did (held-out
+   accuracy 6 % -> 99.5 % with every answer an echo). A fraction is a number, and
+   so is scientific notation (``6.3 \\times 10^{1}``); labels that are themselves
+   expressions (``3+4i``, ``2\\sqrt{3}``, ``\\frac{1}{2^{99}}``) keep the plain rule.
 
 Several boxed answers: Math-Verify reads every ``\\boxed{}`` of the response
 and joins the distinct ones into one set. The same value boxed twice counts
@@ -241,6 +249,31 @@ _MATH_VERIFY_NUMERIC_EQ = grader.sympy_numeric_eq
 grader.sympy_numeric_eq = _numeric_eq  # looked up by name in grader.sympy_expr_eq
 
 
+_PLAIN_NUMBER_LABEL = re.compile(
+    r"^\s*-?\s*(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?\s*$"
+    r"|^\s*-?\s*\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}\s*$"
+)
+# An operator between two numbers (or a closing bracket and a number): arithmetic that
+# the verifier would evaluate. "/" and \frac are fractions, i.e. numbers; a power of ten
+# after a product sign is scientific notation.
+_ARITHMETIC = re.compile(
+    r"(?:\d|\)|\})\s*(?:[+*×÷^−-]|\\times|\\cdot|\\div|\\ast)\s*(?:\d|\(|\\[dt]?frac|-\s*\d)"
+)
+_SCIENTIFIC_TIMES = re.compile(r"(?:[*×]|\\times|\\cdot)\s*10\s*\^\s*\{?\s*[-+−]?\s*\d+\s*\}?")
+
+
+def plain_number_label(answer: str) -> bool:
+    """True if the label is a plain number: an integer, decimal or simple fraction."""
+    return bool(_PLAIN_NUMBER_LABEL.match(normalize_scientific(answer.strip()).strip("$ ")))
+
+
+def arithmetic_on_numbers(text: str) -> bool:
+    """True if ``text`` (an extracted answer) is unevaluated arithmetic on numbers, e.g.
+    ``0+63`` or ``9 \\times 7`` (not ``-63``, ``3/4``, ``\\frac{3}{4}`` or
+    ``6.3 \\times 10^{1}``)."""
+    return bool(_ARITHMETIC.search(_SCIENTIFIC_TIMES.sub("", text)))
+
+
 def answers_match(gold: list, pred: list, *, rel_tol: float, abs_tol: float) -> bool:
     """Exact comparison first, tolerance only for inexact numbers (module docstring).
 
@@ -325,6 +358,8 @@ class MathAnswerReward:
         if not pred:
             return RewardResult(score=0.0, components={"correct": 0.0, "answer_found": 0.0})
         correct = answers_match(list(gold), pred, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+        if correct and plain_number_label(answer) and arithmetic_on_numbers(str(pred[-1])):
+            correct = False  # the question restated, not answered (module docstring, 6)
         score = 1.0 if correct else 0.0
         return RewardResult(score=score, components={"correct": score, "answer_found": 1.0})
 
