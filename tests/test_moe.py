@@ -28,7 +28,7 @@ from jaxflash.models.hf_config import config_from_hf_dict, hf_model_type
 from jaxflash.models.logprobs import target_logprobs
 from jaxflash.models.weights_hf import load_hf, save_hf
 from jaxflash.sharding.mesh import make_mesh
-from jaxflash.sharding.rules import LEARNER_RULES
+from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_spec
 from jaxflash.types import FinishReason, Sample, SamplingParams, TrainBatch
 from tests.test_engine import NO_EOS, SAMPLING, learner_logprobs
 from tests.test_engine import request as engine_request
@@ -75,7 +75,13 @@ def _hf_moe(norm_topk_prob: bool):
     return model
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["renorm", "no_renorm"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(True, id="renorm"),
+        pytest.param(False, id="no_renorm", marks=pytest.mark.slow),
+    ],
+)
 def hf_moe(request, tmp_path_factory):
     """(transformers model, our config, our params) imported from save_pretrained."""
     model = _hf_moe(request.param)
@@ -339,10 +345,32 @@ def test_moe_grads_are_micro_batch_invariant_with_aux_loss(grads):
     _assert_trees_close(g2, g1, 1e-5)
 
 
+def test_expert_axis_rules_split_experts():
+    """The ``expert`` logical axis maps to the ``expert`` mesh axis in both roles; the
+    router stays whole; batch rows also split over ``expert`` in the learner."""
+    axes, shapes = llama.logical_axes(MOE)["layers"], llama.abstract_params(MOE)["layers"]
+    learner = make_mesh(jax.devices(), {"fsdp": 2, "expert": 4})
+    generator = make_mesh(jax.devices(), {"expert": 2, "tensor": 4})
+
+    def spec(name, mesh, rules):
+        return logical_to_spec(axes[name], mesh, rules, shapes[name].shape)
+
+    P = jax.sharding.PartitionSpec
+    assert spec("w_gate_ledf", learner, LEARNER_RULES) == P(None, "expert", "fsdp", None)
+    assert spec("w_down_lefd", learner, LEARNER_RULES) == P(None, "expert", None, "fsdp")
+    assert spec("w_router_lde", learner, LEARNER_RULES) == P(None, "fsdp", None)
+    assert spec("w_gate_ledf", generator, GENERATOR_RULES) == P(None, "expert", None, "tensor")
+    assert spec("w_router_lde", generator, GENERATOR_RULES) == P(None, None, None)
+    assert logical_to_spec(("batch", "seq"), learner, LEARNER_RULES, (8, 16)) == P(
+        ("fsdp", "expert"), None
+    )
+
+
 def _copy(batch):
     return TrainBatch(**{k: np.array(v) for k, v in vars(batch).items()})
 
 
+@pytest.mark.slow  # one more train-step compile (~30 s of CPU here)
 def test_expert_sharded_train_step_compiles_once_and_equals_unsharded(moe_batch, grads):
     """Experts split 4 ways over the ``expert`` mesh axis (embed 2 ways over fsdp) on
     the 8 fake devices: the step traces once for 2 steps; its first step's metrics
