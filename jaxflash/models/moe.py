@@ -14,9 +14,10 @@ describe the same router; Qwen3 (arXiv 2505.09388) uses it with k = 8 of 128.
 
 Expert compute is a grouped matmul: the N·k (token, expert) assignments are sorted
 by expert and ``jax.lax.ragged_dot`` multiplies each contiguous group by its own
-expert's matrix (``experts_ragged``). XLA lowers ``ragged_dot`` to a grouped GEMM on
-TPU and GPU; on CPU jax expands it to a masked dense product (E times the FLOPs),
-which is fine for tests, not for speed. ``experts_dense`` runs every expert on every
+expert's matrix (``experts_ragged``). jax 0.10 lowers ``ragged_dot`` to
+``chlo.ragged_dot`` on TPU and to a Pallas/Triton kernel or ``chlo.ragged_dot`` on GPU
+(neither measured here); on CPU it expands it to a masked dense product (E times the
+FLOPs), which is fine for tests, not for speed. ``experts_dense`` runs every expert on every
 token and weights by the sparse combine matrix: the reference the tests compare
 with (same math, no sorting).
 
