@@ -15,7 +15,7 @@ def test_colocated_runs_one_server_on_the_learners_devices():
     p = carve(MeshSpec(learner={"fsdp": 4, "tensor": 2}, generation={"tensor": 2}))
     assert p.colocated and _ids(p.learner) == list(range(8))
     assert [_ids(m) for m in p.generation] == [[0, 1]]
-    assert dict(p.learner.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(p.learner.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
     assert p.describe() == "learner devices 0-7, generation [0-1] (colocated)"
 
 

@@ -26,9 +26,12 @@ def test_make_mesh_layout_and_errors():
     devices = jax.devices()
     assert len(devices) == 8
     mesh = make_mesh(devices, {"fsdp": 2, "tensor": 4})
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 4}
     # tensor varies fastest: the first tensor group is devices 0..3.
-    assert list(mesh.devices[0, 0]) == devices[:4]
+    assert list(mesh.devices[0, 0, 0]) == devices[:4]
+    # expert sits between fsdp and tensor: with tensor 2, expert groups are 0/2/4/6.
+    mesh = make_mesh(devices, {"expert": 4, "tensor": 2})
+    assert list(mesh.devices[0, 0, :, 0]) == [devices[i] for i in (0, 2, 4, 6)]
     with pytest.raises(ValueError, match="multiply to 6, but 8 devices"):
         make_mesh(devices, {"data": 3, "tensor": 2})
     with pytest.raises(ValueError, match=r"unknown axis names \['model'\]"):

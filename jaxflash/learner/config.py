@@ -99,6 +99,14 @@ class LearnerConfig:
         ("proximal" for "decoupled_ppo" / "tis": AReaL's decoupled objective with
         the stored behaviour logprobs as mu; "behaviour": clip or weight against the
         stored behaviour logprobs themselves, as RePO / CISPO / M2PO do).
+      router_aux_loss_coef: weight of the mixture-of-experts load-balancing loss
+        (``models.moe.load_balancing_loss``, Switch arXiv 2101.03961, as transformers'
+        Qwen3-MoE computes it) over the loss-masked tokens, added to the loss and
+        reported as ``router_aux_loss``; needs a model with experts. 0 (default)
+        disables it, as transformers does unless ``output_router_logits`` (the
+        checkpoint's own ``ModelConfig.router_aux_loss_coef`` is not applied). With
+        more than one micro-batch it costs one extra forward pass per step (the
+        batch's expert loads, so the loss stays micro-batch invariant).
     """
 
     lr: float = 1e-6
@@ -124,6 +132,7 @@ class LearnerConfig:
     replay_loss: str | None = None
     replay_loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replay_ratio_against: str = "behaviour"
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -187,7 +196,7 @@ class LearnerConfig:
                 "LearnerConfig.aggregation_max_tokens must be >= 1 for "
                 f"'seq-mean-token-sum-norm', got {self.aggregation_max_tokens}"
             )
-        for name in ("kl_coef", "entropy_coef"):
+        for name in ("kl_coef", "entropy_coef", "router_aux_loss_coef"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"LearnerConfig.{name} must be finite and >= 0, got {value}")

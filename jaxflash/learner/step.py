@@ -10,7 +10,9 @@ batch was split ("Micro-batch invariance", tests/test_learner.py).
 Per micro-batch: forward -> h [b, T, D] -> chunked log q(target) and entropy
 under the sampling distribution (temperature / top-k / top-p, the same q the
 engine sampled from) -> policy loss (``POLICY_LOSSES``) + optional entropy bonus
-+ optional k3 KL to reference params.
++ optional k3 KL to reference params + optional router load-balancing loss
+(mixture-of-experts models, ``LearnerConfig.router_aux_loss_coef``; its expert loads
+are the whole batch's, so it too is micro-batch invariant).
 
 Dual replay cycle (``LearnerConfig.replay_loss``, ``learner.cycles``): the batch's
 ``cycle_bt`` labels rows fresh or replayed; the fresh rows take ``loss`` and the
@@ -45,8 +47,9 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.state import TrainState, param_shardings, state_shardings
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import forward, unembed
+from jaxflash.models.llama import forward, forward_with_router_logits, unembed
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.moe import expert_load, load_balancing_loss
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import TrainBatch
 
@@ -63,9 +66,16 @@ _MEAN_METRICS = (
 )
 
 
-def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False):
-    h_btd, _ = forward(params, mc, mb["input_ids_bt"], mb["positions_bt"])
-    return target_logprobs(
+def _logprobs(
+    params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False, router=False
+):
+    """(logp_bt, entropy_bt[, full_logp_bt], router logits [L, b, T, E] or None)."""
+    ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
+    if router:
+        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt)
+    else:
+        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt), None
+    return *target_logprobs(
         h_btd,
         unembed(params, mc),
         mb["target_ids_bt"],
@@ -75,21 +85,45 @@ def _logprobs(params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_v
         chunk=lc.logprob_chunk,
         valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
         full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
-    )
+    ), router_lbte
+
+
+def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig) -> jax.Array:
+    """float32 [E] top-k assignments over the whole batch's loss-masked tokens (a
+    forward pass per micro-batch, no gradient)."""
+
+    def one(mb):
+        _, router_lbte = forward_with_router_logits(
+            params, mc, mb["input_ids_bt"], mb["positions_bt"]
+        )
+        return expert_load(router_lbte, mb["loss_mask_bt"] > 0, mc.n_experts_per_token)
+
+    return jnp.sum(jax.lax.map(one, batch), axis=0)
 
 
 def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Callable:
     """Loss of one micro-batch, normalised by whole-batch counts.
 
     Returns:
-      ``loss_fn(params, ref_params, mb, num_tokens, num_sequences, version) ->
-      (loss, aux)``: ``mb`` holds TrainBatch fields [b, T]; ``num_tokens`` /
-      ``num_sequences`` are float32 scalars of the *whole* batch; ``version`` is
-      the int32 learner step (the policy version of ``params``). ``loss`` is this
-      micro-batch's share of the batch loss (shares sum to the batch loss); ``aux``
-      holds sums / maxima that ``train_step`` combines into metrics.
+      ``loss_fn(params, ref_params, mb, num_tokens, num_sequences, version,
+      expert_load_e=None) -> (loss, aux)``: ``mb`` holds TrainBatch fields [b, T];
+      ``num_tokens`` / ``num_sequences`` are float32 scalars of the *whole* batch;
+      ``version`` is the int32 learner step (the policy version of ``params``);
+      ``expert_load_e`` the whole batch's float32 [E] expert loads (router aux loss;
+      None: this micro-batch is the whole batch). ``loss`` is this micro-batch's share
+      of the batch loss (shares sum to the batch loss); ``aux`` holds sums / maxima
+      that ``train_step`` combines into metrics.
+
+    Raises:
+      ValueError: ``router_aux_loss_coef`` > 0 for a model without experts.
     """
     mc, lc = model_config, learner_config
+    use_router = lc.router_aux_loss_coef > 0
+    if use_router and not mc.is_moe:
+        raise ValueError(
+            f"LearnerConfig.router_aux_loss_coef={lc.router_aux_loss_coef} needs a model "
+            "with experts (ModelConfig.n_experts > 0)"
+        )
     policy_term = cycles.make_policy_term(lc)
 
     def agg(x_bt, mask_bt, n_tok, n_seq):
@@ -102,10 +136,12 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             max_tokens=lc.aggregation_max_tokens,
         )
 
-    def loss_fn(params, ref_params, mb, num_tokens, num_sequences, version):
+    def loss_fn(params, ref_params, mb, num_tokens, num_sequences, version, expert_load_e=None):
         mask_bt = mb["loss_mask_bt"]
         valid_bt = mask_bt > 0
-        logp_bt, ent_bt, *full_bt = _logprobs(params, mb, mc, lc, full_vocab=lc.uses_reference)
+        logp_bt, ent_bt, *full_bt, router_lbte = _logprobs(
+            params, mb, mc, lc, full_vocab=lc.uses_reference, router=use_router
+        )
         mu_bt = mb["behaviour_logp_bt"]
         cycle_bt = mb.get("cycle_bt")  # read only with a replay loss (a dict may lack it)
         pg_bt, m = policy_term(logp_bt, mu_bt, mb["advantages_bt"], mask_bt, cycle_bt)
@@ -121,6 +157,17 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             kl_bt = kl_k3(full_bt[0], ref_full_bt, mask_bt)
             loss = loss + lc.kl_coef * agg(kl_bt, mask_bt, num_tokens, num_sequences)
             kl_sum = jnp.sum(jnp.where(valid_bt, kl_bt, 0.0))
+        router_aux = {}
+        if use_router:  # this micro-batch's share of the whole batch's loss
+            aux_loss = load_balancing_loss(
+                router_lbte,
+                valid_bt,
+                mc.n_experts_per_token,
+                load_e=expert_load_e,
+                num_rows=mc.n_layers * num_tokens,
+            )
+            loss = loss + lc.router_aux_loss_coef * aux_loss
+            router_aux["router_aux_loss"] = jax.lax.stop_gradient(aux_loss)
         sg = jax.lax.stop_gradient
         gap_bt = jnp.where(valid_bt, jnp.abs(sg(logp_bt) - mu_bt), 0.0)
         current_bt = valid_bt & (mb["token_versions_bt"] == version)
@@ -137,6 +184,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             "ratio_min": jnp.where(n > 0, m["ratio_min"], jnp.inf),
             "nonfinite_count": m["nonfinite_count"],
             **{f"{k}_sum": m[k] * n for k in _MEAN_METRICS if k in m},
+            **router_aux,
         }
         if lc.dual_cycle:  # per-cycle loss metrics and ratio stats, from this forward pass
             aux.update(cycles.loss_aux(m))
@@ -180,11 +228,14 @@ def make_grad_fn(
 
     def grad_fn(params, ref_params, batch, version):
         num_tokens, num_sequences = batch_normalizers(batch["loss_mask_bt"])
+        load_e = None  # one micro-batch: its own expert loads are the batch's
+        if learner_config.router_aux_loss_coef > 0 and batch["input_ids_bt"].shape[0] > 1:
+            load_e = _batch_expert_load(params, batch, model_config)
 
         def body(carry, mb):
             loss_acc, grads_acc, aux_acc = carry
             (loss, aux), grads = value_and_grad(
-                params, ref_params, mb, num_tokens, num_sequences, version
+                params, ref_params, mb, num_tokens, num_sequences, version, load_e
             )
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             aux_acc = {k: _combine(k)(aux_acc[k], v) for k, v in aux.items()}
@@ -192,7 +243,9 @@ def make_grad_fn(
 
         first = jax.tree.map(lambda x: x[0], batch)
         aux_shape = jax.eval_shape(
-            lambda: loss_fn(params, ref_params, first, num_tokens, num_sequences, version)[1]
+            lambda: loss_fn(params, ref_params, first, num_tokens, num_sequences, version, load_e)[
+                1
+            ]
         )
         aux0 = {k: jnp.full(s.shape, _identity(k), s.dtype) for k, s in aux_shape.items()}
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -219,6 +272,8 @@ def make_grad_fn(
             "sequences": num_sequences,
             **{k: aux[f"{k}_sum"] / denom for k in _MEAN_METRICS if f"{k}_sum" in aux},
         }
+        if "router_aux_loss" in aux:  # the sum of micro-batch shares: the batch's value
+            metrics["router_aux_loss"] = aux["router_aux_loss"]
         if learner_config.dual_cycle:
             metrics.update(cycles.loss_metrics(aux))
             metrics.update(cycles.importance_metrics(aux))
@@ -300,6 +355,8 @@ def make_train_step(
       clipping), lr (used for this update), entropy and kl (token means), clip_frac
       (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
       logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences;
+      with ``router_aux_loss_coef`` > 0 also router_aux_loss (the unweighted
+      load-balancing loss of the batch);
       with ``replay_loss`` also, per cycle c in fresh / replay, c_ratio_mean / _max /
       _min, c_ess_token, c_ess_seq, c_ratio_tokens, c_sequences (importance ratios
       pi_theta / mu, ``learner.cycles.importance_metrics``) and c_pg_<name> (each
@@ -364,7 +421,7 @@ def make_logprob_fn(
     p_shard = param_shardings(mc, mesh, rules)
 
     def fn(params, batch):
-        return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc), batch)
+        return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc)[:2], batch)
 
     jitted = jax.jit(fn, in_shardings=(p_shard, b_shard))
 

@@ -1,9 +1,10 @@
-"""Model configuration of the one decoder (Llama, Qwen2/3, Mistral, Gemma 3): frozen,
+"""Model configuration of the one decoder (Llama, Qwen2/3, Qwen3-MoE, Mistral, Gemma 3): frozen,
 validated, presets. Each field names one real architectural difference; a family is a
 combination of fields, never a subclass.
 
 Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
-K key/value heads, H head dim, F MLP hidden width, L layers, S cache length.
+K key/value heads, H head dim, F MLP hidden width, L layers, S cache length,
+E experts, k experts per token.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ class ModelConfig:
         Gemma 3 interleaves 5 sliding : 1 full). Empty: every layer is full.
       rope_local_theta: RoPE base of sliding layers (Gemma 3: 10000); None uses
         rope_theta.
+      n_experts: E routed experts replacing the MLP of every layer (Qwen3-MoE; HF
+        ``num_experts``); 0: a dense MLP (``d_ff``). No shared expert; every layer is a
+        MoE layer (HF ``decoder_sparse_step`` other than 1 and ``mlp_only_layers``
+        are refused at import). See jaxflash/models/moe.py.
+      n_experts_per_token: k experts each token is routed to (HF
+        ``num_experts_per_tok``); 1 <= k <= E with experts, else 0.
+      moe_d_ff: hidden width of one expert's SwiGLU (HF ``moe_intermediate_size``);
+        ``d_ff`` is then unused by the model (kept for config.json round trips).
+      norm_topk_prob: renormalise the k selected router probabilities to sum to 1
+        (HF ``norm_topk_prob``; Qwen3-MoE checkpoints set it).
+      router_aux_loss_coef: the checkpoint's load-balancing loss weight (HF
+        ``router_aux_loss_coef``), kept for export; the learner applies
+        ``LearnerConfig.router_aux_loss_coef``, not this.
     """
 
     vocab_size: int
@@ -108,6 +122,11 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None
+    n_experts: int = 0
+    n_experts_per_token: int = 0
+    moe_d_ff: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         # JSON (a generation program's config) brings lists back: keep the config hashable.
@@ -147,6 +166,7 @@ class ModelConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self._check_variants()
+        self._check_experts()
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(
@@ -203,6 +223,29 @@ class ModelConfig:
                 "ModelConfig.sliding_window must be set exactly when layer_types has a "
                 f"sliding_attention layer (sliding_window={window!r})"
             )
+
+    def _check_experts(self) -> None:
+        e, k, f = self.n_experts, self.n_experts_per_token, self.moe_d_ff
+        for name, value in (("n_experts", e), ("n_experts_per_token", k), ("moe_d_ff", f)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name} must be an int >= 0, got {value!r}")
+        if e == 0 and (k or f or self.norm_topk_prob):
+            raise ValueError(
+                "ModelConfig.n_experts_per_token / moe_d_ff / norm_topk_prob need n_experts > 0 "
+                f"(got n_experts_per_token={k}, moe_d_ff={f}, norm_topk_prob={self.norm_topk_prob})"
+            )
+        if e and not 1 <= k <= e:
+            raise ValueError(f"ModelConfig.n_experts_per_token={k} must be in [1, n_experts={e}]")
+        if e and f < 1:
+            raise ValueError(f"ModelConfig.moe_d_ff must be >= 1 with n_experts={e}, got {f}")
+        coef = self.router_aux_loss_coef
+        if not (isinstance(coef, int | float) and coef >= 0):
+            raise ValueError(f"ModelConfig.router_aux_loss_coef must be >= 0, got {coef!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a routed mixture of experts (``n_experts > 0``)."""
+        return self.n_experts > 0
 
     def layer_is_sliding(self, i: int) -> bool:
         """Whether layer ``i`` uses sliding-window attention (and the local RoPE base)."""
@@ -390,6 +433,27 @@ _PRESETS = {
         **_GEMMA3,
         layer_types=_gemma3_layers(26),
     ),
+    # Qwen/Qwen3-30B-A3B(-Base): 128 routed experts, 8 per token, no shared expert;
+    # context 40960. intermediate_size 6144 is only for dense layers, which it has none of.
+    "qwen3_30b_a3b": dict(
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=6144,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        n_experts=128,
+        n_experts_per_token=8,
+        moe_d_ff=768,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
+        max_seq_len=8192,
+    ),
     # Same architecture at toy size, for tests.
     "tiny": dict(
         vocab_size=512,
@@ -405,6 +469,26 @@ _PRESETS = {
         max_seq_len=128,
         logits_chunk=16,
     ),
+    # Qwen3-MoE at toy size, for tests: 8 experts, top-2, renormalised.
+    "tiny_moe": dict(
+        vocab_size=512,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_ff=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        n_experts=8,
+        n_experts_per_token=2,
+        moe_d_ff=32,
+        norm_topk_prob=True,
+        max_seq_len=128,
+        logits_chunk=16,
+    ),
 }
 
 
@@ -412,9 +496,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """A named configuration, optionally with fields overridden.
 
     Args:
-      name: "smollm2_135m", "qwen2p5_1p5b", "qwen3_0p6b", "qwen3_8b", "llama3p1_8b",
-        "gemma3_270m", "gemma3_1b" or "tiny". (No qwen3_30b_a3b: mixture-of-experts
-        layers are not implemented.)
+      name: "smollm2_135m", "qwen2p5_1p5b", "qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b",
+        "llama3p1_8b", "gemma3_270m", "gemma3_1b", "tiny" or "tiny_moe".
       **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
 
     Raises:

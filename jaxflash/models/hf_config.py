@@ -1,7 +1,7 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig``: which family, which fields.
 
 ``config_from_hf_dict`` reads a supported family's config (Llama 2/3/3.1-3.2 with
-``rope_type: llama3``, Qwen2 / Qwen2.5, Qwen3 dense, Mistral, Gemma 3 text) into a
+``rope_type: llama3``, Qwen2 / Qwen2.5, Qwen3 dense, Qwen3-MoE, Mistral, Gemma 3 text) into a
 ``ModelConfig``; ``hf_config_dict`` writes one back and ``hf_model_type`` names the
 family a ``ModelConfig`` exports as. A field no ``ModelConfig`` field represents
 (another RoPE type, logit softcapping, biases where the family has none, Qwen's
@@ -19,6 +19,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
@@ -29,7 +30,8 @@ def hf_model_type(config: ModelConfig) -> str:
     """The transformers ``model_type`` whose architecture ``config`` describes.
 
     gemma3_text when the Gemma fields are set (norm_offset 1, gelu_tanh, sandwich
-    norms, scaled embeddings, q/k norm), qwen3 for q/k norm, qwen2 for q/k/v biases,
+    norms, scaled embeddings, q/k norm), qwen3_moe for experts (with q/k norm), qwen3
+    for q/k norm, qwen2 for q/k/v biases,
     mistral for sliding-window attention on every layer, else llama.
 
     Raises:
@@ -42,6 +44,11 @@ def hf_model_type(config: ModelConfig) -> str:
         "sandwich_norm": c.sandwich_norm,
         "scale_embeddings": c.scale_embeddings,
     }
+    if c.is_moe and (any(gemma.values()) or not c.qk_norm or c.qkv_bias):
+        raise ValueError(
+            "hf_model_type: experts (n_experts > 0) exist only as Qwen3-MoE: qk_norm, no "
+            f"qkv_bias, no Gemma fields (got qk_norm={c.qk_norm}, qkv_bias={c.qkv_bias})"
+        )
     if any(gemma.values()):
         missing = [k for k, v in gemma.items() if not v] + ([] if c.qk_norm else ["qk_norm"])
         if missing or c.qkv_bias or c.rope_scaling != "none":
@@ -68,7 +75,7 @@ def hf_model_type(config: ModelConfig) -> str:
     if c.qk_norm and c.qkv_bias:
         raise ValueError("hf_model_type: qk_norm with qkv_bias is no supported family")
     if c.qk_norm:
-        return "qwen3"
+        return "qwen3_moe" if c.is_moe else "qwen3"
     if c.qkv_bias:
         return "qwen2"
     if sliding:
@@ -119,10 +126,21 @@ def hf_config_dict(config: ModelConfig, *, eos_id: int | None = None) -> dict[st
     }
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layers)
-        if model_type == "qwen3":
+        if model_type != "qwen2":
             out.update(attention_bias=False)
+        if model_type == "qwen3_moe":
+            out.update(
+                num_experts=c.n_experts,
+                num_experts_per_tok=c.n_experts_per_token,
+                moe_intermediate_size=c.moe_d_ff,
+                norm_topk_prob=c.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                router_aux_loss_coef=c.router_aux_loss_coef,
+                output_router_logits=False,
+            )
     elif model_type == "mistral":
         out.update(sliding_window=c.sliding_window)
     else:  # gemma3_text
@@ -178,15 +196,48 @@ def _refuse_set(cfg: dict[str, Any], path: str, *names: str) -> None:
             )
 
 
+def _moe_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """The expert fields of a qwen3_moe config.json. transformers 5 writes
+    ``num_local_experts`` for ``num_experts``; both are read.
+
+    Raises:
+      ValueError: no experts, or dense MLP layers among them (``decoder_sparse_step``
+        other than 1, a non-empty ``mlp_only_layers``): every layer of the stacked
+        decoder has the same parameters, so a mix is not represented.
+    """
+    n_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    if n_experts < 1:
+        raise ValueError(
+            f"load_hf: {path}: num_experts={n_experts}: a qwen3_moe config without experts "
+            "is a dense model (export it as model_type qwen3)"
+        )
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense_layers = list(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense_layers:
+        raise ValueError(
+            f"load_hf: {path}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: "
+            "dense MLP layers between expert layers are not supported (every layer must be "
+            "a MoE layer: decoder_sparse_step=1, mlp_only_layers=[])"
+        )
+    return dict(
+        n_experts=n_experts,
+        n_experts_per_token=int(cfg["num_experts_per_tok"]),
+        moe_d_ff=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+    )
+
+
 def config_from_hf_dict(cfg: dict[str, Any], *, path: str = "config.json") -> ModelConfig:
     """ModelConfig from a ``config.json`` dict (transformers 4.x or 5.x field names).
 
-    model_type llama, qwen2, qwen3, mistral or gemma3_text (a multimodal ``gemma3``
-    config is refused: use the text-only checkpoint).
+    model_type llama, qwen2, qwen3, qwen3_moe, mistral or gemma3_text (a multimodal
+    ``gemma3`` config is refused: use the text-only checkpoint).
 
     Raises:
       ValueError: unsupported model_type, activation, biases, RoPE type, logit
-        softcapping or sliding-window setting (the message names the field).
+        softcapping, sliding-window setting or (Qwen3-MoE) dense layers among the
+        expert layers (the message names the field).
     """
     model_type = cfg.get("model_type")
     if model_type not in _ARCHITECTURES:
@@ -207,7 +258,9 @@ def config_from_hf_dict(cfg: dict[str, Any], *, path: str = "config.json") -> Mo
             f"load_hf: {path}: attention_bias/mlp_bias on {model_type} is not supported"
         )
     fields: dict[str, Any] = {}
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    if model_type == "qwen3_moe":
+        fields.update(_moe_fields(cfg, path))
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
         raise ValueError(f"load_hf: {path}: use_sliding_window=True is not supported")
     if model_type == "mistral" and cfg.get("sliding_window") is not None:
         n = int(cfg["num_hidden_layers"])
@@ -274,7 +327,7 @@ def config_from_hf_dict(cfg: dict[str, Any], *, path: str = "config.json") -> Mo
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3" or gemma,
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or gemma,
         max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
         **fields,
     )

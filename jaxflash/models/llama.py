@@ -1,11 +1,12 @@
 """The decoder of every supported family, in Flax NNX: Llama 2/3/3.1 (SmolLM2), Qwen2
-(qkv_bias), Qwen3 (qk_norm), Mistral (sliding_window) and Gemma 3 (qk_norm, norm_offset,
-gelu_tanh, sandwich_norm, scale_embeddings, interleaved sliding/full layers). Each
+(qkv_bias), Qwen3 (qk_norm), Qwen3-MoE (n_experts: routed experts, models/moe.py),
+Mistral (sliding_window) and Gemma 3 (qk_norm, norm_offset, gelu_tanh, sandwich_norm,
+scale_embeddings, interleaved sliding/full layers). Each
 difference is a ``ModelConfig`` field, tested against transformers (tests/test_families.py).
 
 Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
 K key/value heads, G = N/K queries per kv head, H head dim, F MLP width,
-L layers, S cache length.
+L layers, S cache length, E experts.
 
 Parameters are stacked over layers (leading axis L) and the forward pass is a
 ``jax.lax.scan`` over that axis, so 30 layers compile as one (what the learner
@@ -39,6 +40,7 @@ from flax import nnx
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.models.moe import moe_mlp
 from jaxflash.models.params import Params, get_params
 from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
@@ -56,7 +58,9 @@ def logical_axes(config: ModelConfig) -> dict:
     """Logical axis names of every parameter, mirroring ``get_params(model)``.
 
     Leaves are tuples of names (one per array dim) from: layers, vocab, embed,
-    heads, kv_heads, head_dim, mlp. Map with ``jax.tree.map(..., is_leaf=lambda
+    heads, kv_heads, head_dim, mlp, and with experts expert (E, the dim an
+    ``expert`` mesh axis splits), expert_mlp (F of one expert) and router (E of the
+    router's output, kept whole). Map with ``jax.tree.map(..., is_leaf=lambda
     x: isinstance(x, tuple))`` or ``jaxflash.sharding.logical_to_shardings``.
     """
     layers = {
@@ -70,6 +74,13 @@ def logical_axes(config: ModelConfig) -> dict:
         "w_up_ldf": ("layers", "embed", "mlp"),
         "w_down_lfd": ("layers", "mlp", "embed"),
     }
+    if config.is_moe:  # the routed experts replace the dense MLP on every layer
+        for name in ("w_gate_ldf", "w_up_ldf", "w_down_lfd"):
+            del layers[name]
+        layers["w_router_lde"] = ("layers", "embed", "router")
+        layers["w_gate_ledf"] = ("layers", "expert", "embed", "expert_mlp")
+        layers["w_up_ledf"] = ("layers", "expert", "embed", "expert_mlp")
+        layers["w_down_lefd"] = ("layers", "expert", "expert_mlp", "embed")
     if config.qk_norm:
         layers["q_norm_lh"] = ("layers", "head_dim")
         layers["k_norm_lh"] = ("layers", "head_dim")
@@ -96,6 +107,9 @@ def _shapes(config: ModelConfig) -> dict:
         "kv_heads": c.n_kv_heads,
         "head_dim": c.head_dim,
         "mlp": c.d_ff,
+        "expert": c.n_experts,
+        "router": c.n_experts,
+        "expert_mlp": c.moe_d_ff,
     }
     return jax.tree.map(
         lambda axes: tuple(dims[a] for a in axes),
@@ -242,7 +256,8 @@ def _layer(
     layer_cache=False,
     sliding: bool | jax.Array = False,
 ):
-    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None)).
+    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None),
+    router logits float32 [B, T, E] or None for a dense MLP).
 
     The cache layer is [B, S, K, H] for both (a ``KVCache`` slice) or, with
     ``layer_cache``, keys [B, K, S, H] and values [B, K, H, S] (``LayerKVCache``).
@@ -302,12 +317,21 @@ def _layer(
         attn_btd = rms_norm(attn_btd, lp["post_attn_norm_ld"], eps, off)
     h_btd = h_btd + attn_btd
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], eps, off).astype(cd)
-    mlp = swiglu if config.mlp_activation == "silu" else _gelu_tanh_mlp
-    mlp_btd = mlp(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
+    router_bte = None
+    if config.is_moe:
+        mlp_btd, router_bte = moe_mlp(
+            x_btd,
+            *(w(n) for n in ("w_router_lde", "w_gate_ledf", "w_up_ledf", "w_down_lefd")),
+            top_k=config.n_experts_per_token,
+            norm_topk_prob=config.norm_topk_prob,
+        )
+    else:
+        mlp = swiglu if config.mlp_activation == "silu" else _gelu_tanh_mlp
+        mlp_btd = mlp(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
     if config.sandwich_norm:
         mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
     h_btd = h_btd + mlp_btd
-    return h_btd, (cache_k, cache_v)
+    return h_btd, (cache_k, cache_v), router_bte
 
 
 def unstack_layers(params: Params) -> Params:
@@ -365,6 +389,34 @@ def forward(
       ValueError: if input and position shapes differ, the cache's batch differs,
         or the cache layout does not match the params layout.
     """
+    h_btd, cache, _ = _forward(params, config, input_ids_bt, positions_bt, kv_cache, False)
+    return h_btd, cache
+
+
+def forward_with_router_logits(
+    params: Params, config: ModelConfig, input_ids_bt: jax.Array, positions_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``forward`` without a cache that also returns every layer's router logits.
+
+    Args:
+      params, config, input_ids_bt, positions_bt: as in ``forward``; ``config`` must
+        have experts (``n_experts > 0``).
+
+    Returns:
+      (h_btd float32 [B, T, D], router logits float32 [L, B, T, E]) — what the
+      load-balancing loss (``moe.load_balancing_loss``) reads.
+
+    Raises:
+      ValueError: a dense config, or the errors of ``forward``.
+    """
+    if not config.is_moe:
+        raise ValueError("forward_with_router_logits: the config has no experts (n_experts=0)")
+    h_btd, _, router_lbte = _forward(params, config, input_ids_bt, positions_bt, None, True)
+    return h_btd, router_lbte
+
+
+def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_router):
+    """``forward``, plus the stacked router logits [L, B, T, E] when ``collect_router``."""
     if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
         raise ValueError(
             f"forward: input_ids_bt {input_ids_bt.shape} and positions_bt "
@@ -395,9 +447,10 @@ def forward(
         def body(h_btd, xs):
             lp, ck, cv = xs[:3]
             flag = xs[3] if sliding is None else sliding
-            return _layer(
+            h_btd, (ck, cv), router_bte = _layer(
                 config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled, sliding=flag
             )
+            return h_btd, (ck, cv, router_bte if collect_router else None)
 
         return jax.checkpoint(body, policy=_REMAT_POLICY) if config.remat else body
 
@@ -405,20 +458,22 @@ def forward(
         n = len(params["layers"])
         ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
         bodies = {flag: layer_fn(flag) for flag in set(sliding_l)}
-        new_k, new_v = [], []
+        new_k, new_v, routers = [], [], []
         for lp, ck, cv, sliding in zip(params["layers"], ks, vs, sliding_l, strict=True):
-            h_btd, (ck, cv) = bodies[sliding](h_btd, (lp, ck, cv))
+            h_btd, (ck, cv, router_bte) = bodies[sliding](h_btd, (lp, ck, cv))
             new_k.append(ck)
             new_v.append(cv)
+            routers.append(router_bte)
         cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
+        router_lbte = jnp.stack(routers) if collect_router else None
     else:
         ks, vs = (None, None) if kv_cache is None else kv_cache
         if config.mixed_layers:  # the per-layer sliding flag rides the scan
             xs = (params["layers"], ks, vs, jnp.asarray(sliding_l))
-            h_btd, (ks, vs) = jax.lax.scan(layer_fn(None), h_btd, xs)
+            h_btd, (ks, vs, router_lbte) = jax.lax.scan(layer_fn(None), h_btd, xs)
         else:
             xs = (params["layers"], ks, vs)
-            h_btd, (ks, vs) = jax.lax.scan(layer_fn(sliding_l[0]), h_btd, xs)
+            h_btd, (ks, vs, router_lbte) = jax.lax.scan(layer_fn(sliding_l[0]), h_btd, xs)
         cache = None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs)
     h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps, config.norm_offset)
-    return h_btd, cache
+    return h_btd, cache, router_lbte

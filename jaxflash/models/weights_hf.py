@@ -1,8 +1,8 @@
 """Hugging Face checkpoints (safetensors + config.json) <-> jaxflash parameters.
 
 ``load_hf`` reads a local checkpoint directory of a supported family — Llama (2, 3,
-3.1/3.2 with ``rope_type: llama3``, SmolLM2), Qwen2 / Qwen2.5, Qwen3 (dense), Mistral,
-Gemma 3 text (``gemma3_text``: 270M, 1B) — one ``model.safetensors`` or shards listed
+3.1/3.2 with ``rope_type: llama3``, SmolLM2), Qwen2 / Qwen2.5, Qwen3 (dense), Qwen3-MoE,
+Mistral, Gemma 3 text (``gemma3_text``: 270M, 1B) — one ``model.safetensors`` or shards listed
 in ``model.safetensors.index.json`` — into the nested dict of docs/CONTRACTS.md.
 ``save_hf`` writes the reverse, so a trained policy loads with
 ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` as the family's class
@@ -14,7 +14,10 @@ dropped.
 
 HF stores every projection as ``nn.Linear.weight`` (out, in); our matrices are
 (in, out) split into heads. q/k rows are in HF's rotate-half RoPE order, which is
-the order our model uses, so no permutation happens here.
+the order our model uses, so no permutation happens here. Qwen3-MoE stores one
+tensor per expert (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``, what
+transformers 5's ``save_pretrained`` writes and ``from_pretrained`` reads) and the
+router as ``mlp.gate.weight`` (E, D); ours are stacked [L, E, ...].
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ _NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _layer_names(i: int, c: ModelConfig) -> dict[str, str]:
-    """Our stacked-layer key -> HF tensor name for layer i."""
+def _layer_names(i: int, c: ModelConfig) -> dict[str, str | list[str]]:
+    """Our stacked-layer key -> HF tensor name for layer i (a list of E names, one
+    per expert, for the expert matrices)."""
     p = f"model.layers.{i}."
-    names = {
+    names: dict[str, str | list[str]] = {
         "attn_norm_ld": p + "input_layernorm.weight",
         "w_q_ldnh": p + "self_attn.q_proj.weight",
         "w_k_ldkh": p + "self_attn.k_proj.weight",
@@ -51,6 +55,12 @@ def _layer_names(i: int, c: ModelConfig) -> dict[str, str]:
         "w_up_ldf": p + "mlp.up_proj.weight",
         "w_down_lfd": p + "mlp.down_proj.weight",
     }
+    if c.is_moe:
+        for key in ("w_gate_ldf", "w_up_ldf", "w_down_lfd"):
+            del names[key]
+        names["w_router_lde"] = p + "mlp.gate.weight"
+        for key, proj in (("w_gate_ledf", "gate"), ("w_up_ledf", "up"), ("w_down_lefd", "down")):
+            names[key] = [f"{p}mlp.experts.{e}.{proj}_proj.weight" for e in range(c.n_experts)]
     if c.sandwich_norm:  # Gemma: post_attention_layernorm is the norm *after* attention
         names.update(
             post_attn_norm_ld=p + "post_attention_layernorm.weight",
@@ -80,7 +90,7 @@ def _to_hf(key: str, x: np.ndarray) -> np.ndarray:
         return x.reshape(x.shape[0], -1).T
     if key == "w_o_lnhd":  # [N, H, D] -> (D, N*H)
         return x.reshape(-1, x.shape[-1]).T
-    if key.startswith("w_"):  # [in, out] -> (out, in)
+    if key.startswith("w_"):  # [in, out] -> (out, in); one expert's matrix too
         return x.T
     return x  # norms
 
@@ -99,7 +109,7 @@ def _from_hf(key: str, x: np.ndarray, c: ModelConfig) -> np.ndarray:
 
 
 def _hf_shape(key: str, c: ModelConfig) -> tuple[int, ...]:
-    """Shape HF stores for one layer of ``key``."""
+    """Shape HF stores for one layer (one expert) of ``key``."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     return {
         "attn_norm_ld": (c.d_model,),
@@ -115,6 +125,10 @@ def _hf_shape(key: str, c: ModelConfig) -> tuple[int, ...]:
         "w_gate_ldf": (c.d_ff, c.d_model),
         "w_up_ldf": (c.d_ff, c.d_model),
         "w_down_lfd": (c.d_model, c.d_ff),
+        "w_router_lde": (c.n_experts, c.d_model),
+        "w_gate_ledf": (c.moe_d_ff, c.d_model),
+        "w_up_ledf": (c.moe_d_ff, c.d_model),
+        "w_down_lefd": (c.d_model, c.moe_d_ff),
         "b_q_lnh": (q,),
         "b_k_lkh": (kv,),
         "b_v_lkh": (kv,),
@@ -148,7 +162,12 @@ def save_hf(
         tensors["lm_head.weight"] = host["lm_head_dv"].T
     for i in range(config.n_layers):
         for key, name in _layer_names(i, config).items():
-            tensors[name] = _to_hf(key, layers[key][i])
+            if isinstance(name, list):  # one tensor per expert
+                tensors.update(
+                    {n: _to_hf(key, x) for n, x in zip(name, layers[key][i], strict=True)}
+                )
+            else:
+                tensors[name] = _to_hf(key, layers[key][i])
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
@@ -176,7 +195,8 @@ def _safetensors_files(directory: str) -> list[str]:
 def load_hf(
     directory: str | os.PathLike, *, param_dtype: str = "float32"
 ) -> tuple[ModelConfig, Params]:
-    """Read a local checkpoint directory (Llama, Qwen2, Qwen3, Mistral, Gemma 3 text).
+    """Read a local checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 3
+    text).
 
     Args:
       directory: holds ``config.json`` and ``model.safetensors`` (or sharded
@@ -219,13 +239,17 @@ def load_hf(
         used.add(name)
         return x.astype(dtype)
 
+    def read_layer(key: str, name: str | list[str]) -> np.ndarray:
+        if isinstance(name, list):  # experts, stacked on a leading E axis
+            return np.stack([read_layer(key, n) for n in name])
+        return _from_hf(key, read(name, _hf_shape(key, c)), c)
+
     layer_names = [_layer_names(i, c) for i in range(c.n_layers)]
     params: Params = {
         "embed_vd": read("model.embed_tokens.weight", (c.vocab_size, c.d_model)),
         "final_norm_d": read("model.norm.weight", (c.d_model,)),
         "layers": {
-            key: np.stack([_from_hf(key, read(n[key], _hf_shape(key, c)), c) for n in layer_names])
-            for key in layer_names[0]
+            key: np.stack([read_layer(key, n[key]) for n in layer_names]) for key in layer_names[0]
         },
     }
     if not c.tie_embeddings:

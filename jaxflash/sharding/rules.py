@@ -1,7 +1,8 @@
 """Logical-axis rules: how each named array dimension maps onto mesh axes.
 
 Models name their dimensions (``batch``, ``seq``, ``cache_seq``, ``layers``,
-``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``); a rules
+``vocab``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``, and for
+mixture-of-experts layers ``expert``, ``expert_mlp``, ``router``); a rules
 table per role maps each name to a mesh axis, a tuple of mesh axes, or None
 (replicated). A new parallelism strategy is a new table, not new model code.
 """
@@ -16,10 +17,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = dict[str, str | tuple[str, ...] | None]
 
 LEARNER_RULES: Rules = {
-    # Batch over both data-parallel axes; parameters' embed dim over fsdp
-    # (ZeRO-3 style: all-gathered per layer inside the scan); heads, MLP and
-    # vocabulary over tensor (Megatron split).
-    "batch": ("data", "fsdp"),
+    # Batch over the data-parallel axes (expert parallelism is data parallel outside
+    # the experts); parameters' embed dim over fsdp (ZeRO-3 style: all-gathered per
+    # layer inside the scan); heads, MLP and vocabulary over tensor (Megatron split);
+    # experts over expert (their matrices never gathered whole on one device by the
+    # layout; GSPMD moves tokens or weights as the grouped matmul needs).
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
     "cache_seq": None,
     "layers": None,
@@ -29,6 +32,9 @@ LEARNER_RULES: Rules = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    "expert": "expert",
+    "expert_mlp": "tensor",
+    "router": None,  # [D, E] router: small, kept whole so routing needs no gather
 }
 
 GENERATOR_RULES: Rules = {
@@ -44,6 +50,9 @@ GENERATOR_RULES: Rules = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    "expert": "expert",
+    "expert_mlp": "tensor",
+    "router": None,
 }
 
 
