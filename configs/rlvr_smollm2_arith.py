@@ -138,6 +138,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.ratio_against = "behaviour"
     c.learner.aggregation = "token-mean"
     c.learner.advantage = "grpo"  # see jaxflash.algorithms.advantages
+    # Mixture-of-experts models only: weight of the router's load-balancing loss (0: off).
+    c.learner.router_aux_loss_coef = 0.0
     c.learner.kl_coef = 0.0  # k3 KL to the initial policy; 0 = off
     c.learner.entropy_coef = 0.0
 

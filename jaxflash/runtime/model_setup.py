@@ -112,13 +112,15 @@ def check_workdir_model(workdir: str, config: ModelConfig) -> None:
         "param_dtype",
         "qk_norm",  # these two add parameters (q/k norms, Gemma's post-norms)
         "sandwich_norm",
+        "n_experts",  # mixture of experts: the expert stacks replace the dense MLP
+        "moe_d_ff",
     )
     current = {k: getattr(config, k) for k in shape_fields}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
         # Workdirs written before a field existed hold its default (False).
-        saved = {"qk_norm": False, "sandwich_norm": False, **saved}
+        saved = {"qk_norm": False, "sandwich_norm": False, "n_experts": 0, "moe_d_ff": 0, **saved}
         diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
         if diff:
             raise ValueError(

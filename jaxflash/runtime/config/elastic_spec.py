@@ -23,26 +23,30 @@ from jaxflash.runtime.config.specs import MeshSpec, check
 
 
 def fixed_axes(learner: Mapping[str, int]) -> int:
-    """data x tensor of a learner mesh: the devices of one fsdp row (elastic moves keep it)."""
-    return int(learner.get("data", 1)) * int(learner.get("tensor", 1))
+    """data x expert x tensor of a learner mesh: the devices of one fsdp row (elastic
+    moves keep it)."""
+    return (
+        int(learner.get("data", 1)) * int(learner.get("expert", 1)) * int(learner.get("tensor", 1))
+    )
 
 
 def learner_axes(learner: Mapping[str, int], devices: int) -> dict[str, int]:
     """The learner mesh's axis sizes with ``devices`` devices: fsdp takes the change.
 
     Raises:
-      ValueError: ``devices`` is not a multiple of data x tensor (names the numbers).
+      ValueError: ``devices`` is not a multiple of data x expert x tensor (names the
+        numbers).
     """
     row = fixed_axes(learner)
     if devices < row or devices % row:
         raise ValueError(
-            f"a learner of {devices} devices cannot keep mesh.learner's data x tensor = {row}"
+            f"a learner of {devices} devices cannot keep mesh.learner's "
+            f"{'data x expert x tensor' if 'expert' in learner else 'data x tensor'} = {row}"
         )
-    return {
-        "data": int(learner.get("data", 1)),
-        "fsdp": devices // row,
-        "tensor": int(learner.get("tensor", 1)),
-    }
+    axes = {"data": int(learner.get("data", 1)), "fsdp": devices // row}
+    if "expert" in learner:  # a MoE learner keeps its expert split
+        axes["expert"] = int(learner["expert"])
+    return {**axes, "tensor": int(learner.get("tensor", 1))}
 
 
 def floors(mesh: MeshSpec) -> tuple[int, int]:
