@@ -3,6 +3,7 @@
     python launch/tpu_pod.py --config configs/rlvr_smollm2_arith.py --workdir runs/arith \
         [--config.learner.lr=1e-6 ...]
     python launch/tpu_pod.py --config ... --dry_run      # per-device memory plan, then exit
+    python launch/tpu_pod.py --config ... --dry_run --topology v5e-16   # for a TPU slice
     JAXFLASH_ROLE=generation python launch/tpu_pod.py --config ... --port 8500
 
 The same command runs on every host of a program (``docs/MULTIHOST.md``).
@@ -56,6 +57,12 @@ _DRY_RUN = flags.DEFINE_bool(
     "Compile the learner step and the engine ahead of time for the config's meshes, print "
     "the memory plan per device, and exit (no weights, no workdir).",
 )
+_TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    "With --dry_run: compile for this TPU slice without holding it (v5e-16, v6e-8, v5p-64, "
+    "v4-32 as GCP names them, or v5e:4x4); needs the jaxflash[tpu] extra (libtpu).",
+)
 _PORT = flags.DEFINE_integer(
     "port", 0, "JAXFLASH_ROLE=generation: the gRPC port to serve on (0 picks one)."
 )
@@ -86,9 +93,11 @@ def _devices(config, role: str) -> int:
     if role == "generation":  # one generation slice's mesh
         return math.prod(int(v) for v in config.mesh.generation.values())
     n = int(config.mesh.num_cpu_devices)
-    if _DRY_RUN.value:
-        n = max(n, *(math.prod(int(v) for v in m.values())
-                     for m in (config.mesh.learner, config.mesh.generation)))  # fmt: skip
+    if _DRY_RUN.value:  # the placement's devices (runtime.placement.carve)
+        n_l, n_g = (math.prod(int(v) for v in m.values())
+                    for m in (config.mesh.learner, config.mesh.generation))  # fmt: skip
+        slices = 0 if config.mesh.colocated else max(1, int(config.mesh.num_generation_slices))
+        n = max(n, n_l, n_g, n_l + slices * n_g)
     return n
 
 
@@ -163,6 +172,14 @@ def main(argv: list[str]) -> None:
             f"config error: --workdir {_WORKDIR.value} is a file, not a directory", file=sys.stderr
         )
         sys.exit(2)
+    if _TOPOLOGY.value and not _DRY_RUN.value:
+        print("config error: --topology needs --dry_run (it compiles, it does not run)",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    if _TOPOLOGY.value:  # a deviceless TPU compile: JAX on CPU, libtpu as the compiler
+        from jaxflash.sizing.tpu import set_compile_env
+
+        set_compile_env()
     _set_cpu_device_count(_devices(config, role))
     from jaxflash.runtime.console import Console
     from jaxflash.runtime.specs import ConfigError
@@ -192,7 +209,7 @@ def main(argv: list[str]) -> None:
             from jaxflash.runtime.dry_run_plan import dry_run_report
 
             with console.phase("compiling the learner step and the engine ahead of time"):
-                report = dry_run_report(exp)
+                report = dry_run_report(exp, topology=_TOPOLOGY.value)
             console.line(report)
             return
         _learner(exp, console)
