@@ -22,9 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported: libtpu only compiles
 
 from jaxflash.sizing.chips import parse_topology  # noqa: E402
-from jaxflash.sizing.tpu import set_compile_env  # noqa: E402
 
 # (preset, slice, learner chips, generation tensor size, slots, batch sequences, micro)
 CASES = [
@@ -99,7 +99,6 @@ def main() -> None:
     ap.add_argument("--only", default="", help="one preset")
     ap.add_argument("--lengths", default="2048,8192", help="sequence lengths T")
     args = ap.parse_args()
-    set_compile_env()
     for case in CASES:
         parse_topology(case[1])  # a typo fails before any compile
     results = []

@@ -30,6 +30,8 @@ disjoint slices (`--config.mesh.colocated=False`, e.g. `configs/smoke_async.py`)
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import math
 import os
 import sys
@@ -77,6 +79,28 @@ def _set_cpu_device_count(n: int) -> None:
     existing = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in existing:
         os.environ["XLA_FLAGS"] = f"{existing} {flag}".strip()
+
+
+def _tpu_attached() -> bool:
+    """A TPU chip on this host's PCI bus (Google's vendor id), read without JAX."""
+    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(path, encoding="ascii") as f:
+                if f.read().strip() == "0x1ae0":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _skip_absent_tpu() -> None:
+    """With the tpu extra (libtpu) installed on a host without TPU chips, JAX would
+    initialise libtpu at its first device query (and print its metadata warnings):
+    run JAX on CPU instead, unless JAX_PLATFORMS is set or an NVIDIA GPU is visible."""
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    if not _tpu_attached() and not glob.glob("/dev/nvidia[0-9]*"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _role() -> str:
@@ -176,10 +200,13 @@ def main(argv: list[str]) -> None:
         print("config error: --topology needs --dry_run (it compiles, it does not run)",
               file=sys.stderr)  # fmt: skip
         sys.exit(2)
-    if _TOPOLOGY.value:  # a deviceless TPU compile: JAX on CPU, libtpu as the compiler
-        from jaxflash.sizing.tpu import set_compile_env
-
-        set_compile_env()
+    if _TOPOLOGY.value and importlib.util.find_spec("libtpu") is None:  # before slow imports
+        print("config error: --topology compiles with libtpu, which is not installed: "
+              "pip install 'jaxflash[tpu]'", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    if _TOPOLOGY.value:  # a deviceless TPU compile: JAX on CPU, libtpu only as the compiler
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (jaxflash.sizing.tpu sets the rest)
+    _skip_absent_tpu()
     _set_cpu_device_count(_devices(config, role))
     from jaxflash.runtime.console import Console
     from jaxflash.runtime.specs import ConfigError

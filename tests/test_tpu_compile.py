@@ -174,3 +174,25 @@ def test_the_report_of_a_tpu_plan_has_a_roofline(tiny_plan):
     row = next(line for line in table.splitlines() if line.startswith("train_step"))
     assert row.endswith("ms") and float(row.split()[-1][:-2]) > 0
     assert "DOES NOT FIT" not in table
+
+
+def test_the_launcher_says_it_in_one_line_and_exits_2_without_libtpu():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # libtpu hidden from the launcher's check (CI has the extra installed).
+    prelude = (
+        "import importlib.util, runpy, sys; real = importlib.util.find_spec; "
+        "importlib.util.find_spec = lambda n, *a: None if n == 'libtpu' else real(n, *a); "
+        "sys.argv = ['tpu_pod.py', '--config', 'configs/smoke.py', '--dry_run', "
+        "'--topology', 'v5e-16']; runpy.run_path('launch/tpu_pod.py', run_name='__main__')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", prelude], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'jaxflash[tpu]'" in lines[0]
+    assert "jax" not in out.stdout  # nothing started

@@ -219,7 +219,9 @@ def parse_topology(name: str) -> Topology:
     return Topology(name=name, chip=spec, grid=grid)
 
 
-def roofline_seconds(flops: float, bytes_accessed: float, chip: ChipSpec, *, share: int = 1) -> float:
+def roofline_seconds(
+    flops: float, bytes_accessed: float, chip: ChipSpec, *, share: int = 1
+) -> float:
     """Lower bound on a program's time on one device: max(FLOPs / peak, bytes / bandwidth).
 
     Args:

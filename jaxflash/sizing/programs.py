@@ -163,7 +163,9 @@ def engine_programs(
     block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
     lower = lambda: block.lower(params, state, live, stop)  # noqa: E731
     out.append(
-        Lowerable(f"decode_block_{steps}", "generation", mesh, lower, per_device_bytes((params, state)))
+        Lowerable(
+            f"decode_block_{steps}", "generation", mesh, lower, per_device_bytes((params, state))
+        )
     )
     return out, params, state
 

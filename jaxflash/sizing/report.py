@@ -84,7 +84,7 @@ def advice(cost: ProgramCost, s: Settings) -> str:
 
 
 def _g(n: float) -> str:
-    return f"{n / GIB:7.2f}"
+    return f"{n / GIB:7.3f}"
 
 
 def format_plan(

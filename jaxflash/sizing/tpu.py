@@ -47,16 +47,6 @@ def check_libtpu() -> None:
         raise MissingTpuExtraError(missing_extra_message())
 
 
-def set_compile_env() -> None:
-    """The environment of a deviceless compile (before jax is imported: JAX on CPU).
-
-    Values already set are kept.
-    """
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for key, value in TPU_COMPILE_ENV.items():
-        os.environ.setdefault(key, value)
-
-
 def topology_devices(topology: Topology) -> list[Any]:
     """The slice's compile-only devices (one per chip; per TensorCore on v4).
 
