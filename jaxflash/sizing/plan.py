@@ -27,7 +27,7 @@ from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules
-from jaxflash.sizing import programs as P
+from jaxflash.sizing import programs as sp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,7 +92,7 @@ def parse_oom(message: str) -> tuple[int, int] | None:
     return _bytes(m.group(1), m.group(2)), _bytes(m.group(3), m.group(4))
 
 
-def measure(prog: P.Lowerable, *, held_bytes: int = 0) -> ProgramCost:
+def measure(prog: sp.Lowerable, *, held_bytes: int = 0) -> ProgramCost:
     """Compile ``prog`` and read its memory plan and cost (see ProgramCost).
 
     Raises:
@@ -176,15 +176,15 @@ def plan_programs(
       ProgramCost per program: train_step, prefill_<bucket>..., decode_block_<n>,
       publish, install, elastic_<a>to<b>...
     """
-    train, state = P.train_step_program(
+    train, state = sp.train_step_program(
         model, learner, learner_mesh, learner_rules, batch_size=batch_size, seq_len=seq_len
     )
-    gen, eng_params, dstate = P.engine_programs(
+    gen, eng_params, dstate = sp.engine_programs(
         model, engine, generation_mesh, generation_rules, buckets=prefill_buckets
     )
-    pub, install = P.publish_programs(model, state.params, generation_mesh, generation_rules)
-    state_b, params_b = P.per_device_bytes(state), P.per_device_bytes(state.params)
-    eng_b, cache_b = P.per_device_bytes(eng_params), P.per_device_bytes(dstate)
+    pub, install = sp.publish_programs(model, state.params, generation_mesh, generation_rules)
+    state_b, params_b = sp.per_device_bytes(state), sp.per_device_bytes(state.params)
+    eng_b, cache_b = sp.per_device_bytes(eng_params), sp.per_device_bytes(dstate)
     other_l = eng_b + cache_b if colocated else 0  # engine buffers on the learner's chips
     other_g = state_b if colocated else 0  # learner buffers on the engine's chips
     out = [measure(train, held_bytes=other_l)]
@@ -194,7 +194,7 @@ def plan_programs(
     out.append(measure(pub, held_bytes=state_b - params_b + other_l))
     out.append(measure(install, held_bytes=eng_b + cache_b + other_g))
     for target in elastic_meshes:
-        progs = P.elastic_programs(model, learner, state, target, learner_rules)
+        progs = sp.elastic_programs(model, learner, state, target, learner_rules)
         name = f"elastic_{learner_mesh.devices.size}to{target.devices.size}"
         if not progs:
             out.append(ProgramCost(name=name, role="learner", devices=learner_mesh.devices.size,
