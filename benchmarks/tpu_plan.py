@@ -3,6 +3,7 @@
     pip install -e '.[tpu]'
     python benchmarks/tpu_plan.py --out benchmarks/results/tpu_plan.json   # docs/TPU.md table
     python benchmarks/tpu_plan.py --only qwen2p5_1p5b --lengths 2048
+    python benchmarks/tpu_plan.py --micro_batch_size 1 --slots 32 --out ..._small.json
 
 Each case is a disjoint placement on one slice: the learner on the first chips
 (fsdp), generation slices of ``tensor`` chips after it, at the settings a user
@@ -35,7 +36,7 @@ CASES = [
 ]
 
 
-def run_case(case: tuple, length: int) -> dict:
+def run_case(case: tuple, length: int, *, micro: int = 0, slots: int = 0) -> dict:
     from jaxflash.generation.engine_state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.config import get_preset
@@ -44,7 +45,8 @@ def run_case(case: tuple, length: int) -> dict:
     from jaxflash.sizing.plan import plan_programs
     from jaxflash.sizing.tpu import topology_devices
 
-    preset, name, n_learner, tensor, slots, batch, micro = case
+    preset, name, n_learner, tensor, case_slots, batch, case_micro = case
+    micro, slots = micro or case_micro, slots or case_slots
     topo = parse_topology(name)
     devices = topology_devices(topo)
     model = get_preset(preset, compute_dtype="bfloat16", remat=True, max_seq_len=length)
@@ -93,12 +95,44 @@ def run_case(case: tuple, length: int) -> dict:
     }
 
 
+def markdown(results: list[dict]) -> str:
+    """One row per case: per-chip peak (program + what is held meanwhile) of each program."""
+    names = []
+    for r in results:
+        for p in r["programs"]:
+            kind = p["name"].split("_")[0] if p["name"].startswith("prefill") else p["name"]
+            if kind not in names:
+                names.append(kind)
+    head = "| preset | slice | T | learner | generation | batch / micro | slots | "
+    head += " | ".join(names) + " |"
+    rows = [head, "|" + "---|" * (7 + len(names))]
+    for r in results:
+        cells = {}
+        for p in r["programs"]:
+            kind = p["name"].split("_")[0] if p["name"].startswith("prefill") else p["name"]
+            mark = "refused" if p["refused"] else ("ok" if p["fits_10pct"] else "over 90 %")
+            cells[kind] = f"{p['peak_gib']:.2f} ({mark})"
+        rows.append(
+            f"| {r['preset']} | {r['topology']} ({r['capacity_gib']:.2f} GiB) | {r['length']} | "
+            f"{r['learner']} | {r['generation']} | {r['batch']} / {r['micro_batch']} | "
+            f"{r['slots']} | " + " | ".join(cells.get(n, "-") for n in names) + " |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="")
     ap.add_argument("--only", default="", help="one preset")
     ap.add_argument("--lengths", default="2048,8192", help="sequence lengths T")
+    ap.add_argument("--micro_batch_size", type=int, default=0, help="override every case's")
+    ap.add_argument("--slots", type=int, default=0, help="override every case's decode slots")
+    ap.add_argument("--table", default="", help="print the markdown table of a results file")
     args = ap.parse_args()
+    if args.table:
+        with open(args.table, encoding="utf-8") as f:
+            print(markdown(json.load(f)))
+        return
     for case in CASES:
         parse_topology(case[1])  # a typo fails before any compile
     results = []
@@ -106,7 +140,7 @@ def main() -> None:
         if args.only and case[0] != args.only:
             continue
         for length in (int(x) for x in args.lengths.split(",")):
-            r = run_case(case, length)
+            r = run_case(case, length, micro=args.micro_batch_size, slots=args.slots)
             results.append(r)
             cells = " | ".join(
                 f"{p['name']} {'refused' if p['refused'] else p['peak_gib']}" for p in r["programs"]

@@ -196,3 +196,34 @@ def test_the_launcher_says_it_in_one_line_and_exits_2_without_libtpu():
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'jaxflash[tpu]'" in lines[0]
     assert "jax" not in out.stdout  # nothing started
+
+
+def test_an_elastic_move_compiles_the_reshard_programs_it_runs():
+    """Growing fsdp 2 -> 4 gathers on the old chips and slices on the new (4 does not
+    divide 2); shrinking 4 -> 2 stages on the old chips (2 divides 4). CPU devices."""
+    import jax
+
+    from jaxflash.learner.config import LearnerConfig
+    from jaxflash.learner.state import abstract_train_state
+    from jaxflash.models.config import get_preset
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import LEARNER_RULES
+    from jaxflash.sizing import programs
+    from jaxflash.sizing.plan import measure
+
+    model, learner = get_preset("tiny"), LearnerConfig(lr=1e-3, micro_batch_size=4)
+    small = make_mesh(jax.devices()[:2], {"fsdp": 2})
+    big = make_mesh(jax.devices()[:4], {"fsdp": 4})
+    grow = programs.elastic_programs(
+        model, learner, abstract_train_state(model, learner, small, LEARNER_RULES), big,
+        LEARNER_RULES,
+    )  # fmt: skip
+    assert {p.name for p in grow} == {"elastic_2to4_gather", "elastic_2to4_slice"}
+    shrink = programs.elastic_programs(
+        model, learner, abstract_train_state(model, learner, big, LEARNER_RULES), small,
+        LEARNER_RULES,
+    )  # fmt: skip
+    assert {p.name for p in shrink} == {"elastic_4to2_staged"}
+    for p in grow + shrink:
+        cost = measure(p)
+        assert cost.argument_bytes > 0 and cost.peak_bytes >= cost.argument_bytes
