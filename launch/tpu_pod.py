@@ -3,6 +3,7 @@
     python launch/tpu_pod.py --config configs/rlvr_smollm2_arith.py --workdir runs/arith \
         [--config.learner.lr=1e-6 ...]
     python launch/tpu_pod.py --config ... --dry_run      # per-device memory plan, then exit
+    python launch/tpu_pod.py --config ... --dry_run --topology v5e-16   # for a TPU slice
     JAXFLASH_ROLE=generation python launch/tpu_pod.py --config ... --port 8500
 
 The same command runs on every host of a program (``docs/MULTIHOST.md``).
@@ -29,6 +30,8 @@ disjoint slices (`--config.mesh.colocated=False`, e.g. `configs/smoke_async.py`)
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import math
 import os
 import sys
@@ -56,6 +59,12 @@ _DRY_RUN = flags.DEFINE_bool(
     "Compile the learner step and the engine ahead of time for the config's meshes, print "
     "the memory plan per device, and exit (no weights, no workdir).",
 )
+_TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    "With --dry_run: compile for this TPU slice without holding it (v5e-16, v6e-8, v5p-64, "
+    "v4-32 as GCP names them, or v5e:4x4); needs the jaxflash[tpu] extra (libtpu).",
+)
 _PORT = flags.DEFINE_integer(
     "port", 0, "JAXFLASH_ROLE=generation: the gRPC port to serve on (0 picks one)."
 )
@@ -72,6 +81,28 @@ def _set_cpu_device_count(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{existing} {flag}".strip()
 
 
+def _tpu_attached() -> bool:
+    """A TPU chip on this host's PCI bus (Google's vendor id), read without JAX."""
+    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(path, encoding="ascii") as f:
+                if f.read().strip() == "0x1ae0":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _skip_absent_tpu() -> None:
+    """With the tpu extra (libtpu) installed on a host without TPU chips, JAX would
+    initialise libtpu at its first device query (and print its metadata warnings):
+    run JAX on CPU instead, unless JAX_PLATFORMS is set or an NVIDIA GPU is visible."""
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return
+    if not _tpu_attached() and not glob.glob("/dev/nvidia[0-9]*"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _role() -> str:
     role = os.environ.get("JAXFLASH_ROLE", "learner") or "learner"
     if role not in ("learner", "generation"):
@@ -86,9 +117,11 @@ def _devices(config, role: str) -> int:
     if role == "generation":  # one generation slice's mesh
         return math.prod(int(v) for v in config.mesh.generation.values())
     n = int(config.mesh.num_cpu_devices)
-    if _DRY_RUN.value:
-        n = max(n, *(math.prod(int(v) for v in m.values())
-                     for m in (config.mesh.learner, config.mesh.generation)))  # fmt: skip
+    if _DRY_RUN.value:  # the placement's devices (runtime.placement.carve)
+        n_l, n_g = (math.prod(int(v) for v in m.values())
+                    for m in (config.mesh.learner, config.mesh.generation))  # fmt: skip
+        slices = 0 if config.mesh.colocated else max(1, int(config.mesh.num_generation_slices))
+        n = max(n, n_l, n_g, n_l + slices * n_g)
     return n
 
 
@@ -163,6 +196,17 @@ def main(argv: list[str]) -> None:
             f"config error: --workdir {_WORKDIR.value} is a file, not a directory", file=sys.stderr
         )
         sys.exit(2)
+    if _TOPOLOGY.value and not _DRY_RUN.value:
+        print("config error: --topology needs --dry_run (it compiles, it does not run)",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    if _TOPOLOGY.value and importlib.util.find_spec("libtpu") is None:  # before slow imports
+        print("config error: --topology compiles with libtpu, which is not installed: "
+              "pip install 'jaxflash[tpu]'", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    if _TOPOLOGY.value:  # a deviceless TPU compile: JAX on CPU, libtpu only as the compiler
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (jaxflash.sizing.tpu sets the rest)
+    _skip_absent_tpu()
     _set_cpu_device_count(_devices(config, role))
     from jaxflash.runtime.config.specs import ConfigError
     from jaxflash.runtime.console import Console
@@ -192,7 +236,7 @@ def main(argv: list[str]) -> None:
             from jaxflash.runtime.dry_run_plan import dry_run_report
 
             with console.phase("compiling the learner step and the engine ahead of time"):
-                report = dry_run_report(exp)
+                report = dry_run_report(exp, topology=_TOPOLOGY.value)
             console.line(report)
             return
         _learner(exp, console)

@@ -13,8 +13,12 @@ def test_the_report_covers_the_configs_meshes_and_batch():
     c.data.max_prompt_tokens = 24
     report = dry_run_report(ExperimentConfig.from_config_dict(c))
     lines = {line.split()[0]: line.split() for line in report.splitlines() if line.strip()}
-    assert lines["train_step"][1] == "6" and lines["generate"][1] == "1"
-    assert float(lines["train_step"][-1]) > 0 and float(lines["generate"][-1]) > 0
+    # Every program the run executes, on the placement's devices (peak: column 5).
+    for name in ("prefill_16", "prefill_24", "publish", "install"):
+        assert float(lines[name][4]) >= 0 and lines[name][1] in ("1", "6")
+    assert lines["train_step"][1] == "6" and lines["decode_block_1"][1] == "1"
+    assert float(lines["train_step"][4]) > 0 and float(lines["decode_block_1"][4]) > 0
+    assert "learner devices 0-5, generation [6], [7] (disjoint)" in report
     # B x G sequences of prompt + response tokens; the engine's slots and cache.
     assert "batch [8, 32]" in report and "8 slots, prefill 24, cache 32" in report
 

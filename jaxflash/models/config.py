@@ -354,6 +354,21 @@ _PRESETS = {
         qkv_bias=True,
         max_seq_len=4096,
     ),
+    # Qwen/Qwen2.5-7B(-Instruct) config.json: untied embeddings; context 131072 (32768 native).
+    "qwen2p5_7b": dict(
+        vocab_size=152064,
+        d_model=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=18944,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        qkv_bias=True,
+        max_seq_len=8192,
+    ),
     # Shapes below are the families' published config.json files (Hugging Face hub).
     # max_seq_len bounds our KV caches (RL prompts + responses), not the published
     # context, which each comment gives.
@@ -496,8 +511,8 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     """A named configuration, optionally with fields overridden.
 
     Args:
-      name: "smollm2_135m", "qwen2p5_1p5b", "qwen3_0p6b", "qwen3_8b", "qwen3_30b_a3b",
-        "llama3p1_8b", "gemma3_270m", "gemma3_1b", "tiny" or "tiny_moe".
+      name: "smollm2_135m", "qwen2p5_1p5b", "qwen2p5_7b", "qwen3_0p6b", "qwen3_8b",
+        "qwen3_30b_a3b", "llama3p1_8b", "gemma3_270m", "gemma3_1b", "tiny" or "tiny_moe".
       **overrides: ModelConfig fields to change (e.g. compute_dtype="bfloat16").
 
     Raises:

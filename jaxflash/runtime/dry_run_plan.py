@@ -1,12 +1,17 @@
-"""``launch/tpu_pod.py --dry_run``: size an experiment's programs before paying for a pod.
+"""``launch/tpu_pod.py --dry_run [--topology v5e-16]``: size a run before paying for chips.
 
-Compiles the experiment's learner step (on ``mesh.learner``) and one generation
-slice's engine prefill and decode step (on ``mesh.generation``) ahead of time,
-against abstract arrays (``jax.jit(...).lower(...).compile()``: nothing is
-allocated, no weights are read), and returns XLA's per-device memory plan
-(``jaxflash.sizing.dry_run``). On a laptop the devices are fake CPU devices, so
-temporaries are XLA:CPU's; arguments and outputs have the target's shapes and
-shardings. On a TPU VM (``JAX_PLATFORMS`` unset) it compiles for the real chips.
+Compiles every program the experiment would execute (``jaxflash.sizing.programs``:
+the train step, prefill at every bucket, the decode block, the weight publish and
+install, elastic reshards) ahead of time, against abstract arrays
+(``jax.jit(...).lower(...).compile()``: nothing is allocated, no weights are read),
+on the placement the config gives (``runtime.placement.carve``: learner devices
+first, then the generation slices), and prints per program and device its memory,
+the headroom to the chip's HBM, FLOPs, bytes and roofline time
+(``jaxflash.sizing.report``).
+
+Devices: with ``topology`` (e.g. ``v5e-16``, needs the ``jaxflash[tpu]`` extra) the
+compile-only chips of that TPU slice; otherwise this host's devices: fake CPU
+devices on a laptop (temporaries are then XLA:CPU's), the real chips on a TPU VM.
 """
 
 from __future__ import annotations
@@ -17,18 +22,27 @@ from typing import Any
 import jax
 
 from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.runtime.config.elastic_spec import floors, learner_axes
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.config.specs import ConfigError
+from jaxflash.runtime.fleet.placement import carve
 from jaxflash.runtime.model_setup import engine_config
 
 ASSUMED_PROMPT_TOKENS = 256
 """Prompt length assumed when the config derives it from the data at run time."""
 
+# device_kind of a local TPU -> chip table key (jaxflash.sizing.chips).
+_LOCAL_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e"}
+
 
 def devices_needed(exp: ExperimentConfig) -> int:
-    """Devices the dry run needs: the larger of the learner mesh and one generation slice."""
-    n_learner = math.prod(int(v) for v in exp.mesh.learner.values())
-    return max(n_learner, math.prod(int(v) for v in exp.mesh.generation.values()))
+    """Devices the placement needs (``runtime.placement.carve``)."""
+    m = exp.mesh
+    n_learner = math.prod(int(v) for v in m.learner.values())
+    n_gen = math.prod(int(v) for v in m.generation.values())
+    if m.colocated:
+        return max(n_learner, n_gen)
+    return n_learner + max(1, m.num_generation_slices) * n_gen
 
 
 def _model(exp: ExperimentConfig, max_seq_len: int) -> tuple[ModelConfig, str]:
@@ -49,16 +63,66 @@ def _model(exp: ExperimentConfig, max_seq_len: int) -> tuple[ModelConfig, str]:
     return config, f"{spec.preset} ({spec.source})"
 
 
-def dry_run_report(exp: ExperimentConfig) -> str:
-    """The memory report of ``exp``'s learner step and generation engine, per device.
+def _elastic_meshes(exp: ExperimentConfig, devices: list[Any], n_learner: int) -> list[Any]:
+    """Learner meshes an elastic move reaches from mesh.learner: each size of a fixed
+    device_schedule, or (adaptive) one generation slice more and one fewer."""
+    from jaxflash.sharding.mesh import make_mesh  # noqa: PLC0415
+
+    c, m = exp.controller, exp.mesh
+    if not c.elastic:
+        return []
+    floor, slice_size = floors(m)
+    total = n_learner + m.num_generation_slices * slice_size
+    if c.kind == "fixed":
+        sizes = sorted({n for _, n in c.device_steps()} - {n_learner})
+    else:
+        sizes = [n for n in (n_learner - slice_size, n_learner + slice_size)
+                 if floor <= n <= total - slice_size]  # fmt: skip
+    # The learner keeps its devices in order and grows into the next slices
+    # (sync.reshard_plan), so a learner of n devices is devices [0, n).
+    return [make_mesh(devices[:n], learner_axes(m.learner, n)) for n in sizes]
+
+
+def _devices(topology: str | None) -> tuple[list[Any], Any, int, str]:
+    """(devices, ChipSpec or None, devices per chip, what they are) for the plan."""
+    from jaxflash.sizing.chips import CHIPS, parse_topology  # noqa: PLC0415
+
+    if topology:
+        from jaxflash.sizing.tpu import MissingTpuExtraError, topology_devices  # noqa: PLC0415
+
+        try:
+            topo = parse_topology(topology)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        try:
+            devices = topology_devices(topo)
+        except MissingTpuExtraError as err:
+            raise ConfigError(str(err)) from None
+        share = max(1, len(devices) // topo.chips)
+        what = f"TPU {topo.gcp_name} ({topo.libtpu_name}, {topo.chips} chips, compile only)"
+        return devices, topo.chip, share, what
+    devices = jax.devices()
+    kind = _LOCAL_KINDS.get(devices[0].device_kind) if devices[0].platform == "tpu" else None
+    chip = CHIPS.get(kind) if kind else None
+    return devices, chip, 1, f"{len(devices)} local {devices[0].platform} devices"
+
+
+def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
+    """The table of ``exp``'s programs compiled for their devices (see module doc).
+
+    Args:
+      exp: the experiment.
+      topology: a TPU slice name (``v5e-16``, ``v5p-64``, ``v5e:4x4``); None: this
+        host's devices.
 
     Raises:
-      ConfigError: model.source=hf (no shapes without reading the checkpoint), or
-        fewer devices than the meshes need (naming both numbers).
+      ConfigError: model.source=hf (no shapes without reading the checkpoint), an
+        unknown topology (listing the valid ones), libtpu missing (one line naming
+        the package), or a placement needing more devices than there are.
     """
-    from jaxflash.sharding.mesh import make_mesh  # noqa: PLC0415
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES  # noqa: PLC0415
-    from jaxflash.sizing.dry_run import dry_run, format_report  # noqa: PLC0415
+    from jaxflash.sizing.plan import local_capacity, plan_programs  # noqa: PLC0415
+    from jaxflash.sizing.report import Settings, format_plan  # noqa: PLC0415
 
     r = exp.rollout
     prompt = r.max_prefill_length or exp.data.max_prompt_tokens
@@ -72,23 +136,50 @@ def dry_run_report(exp: ExperimentConfig) -> str:
     exp = exp.with_prompt_lengths(prompt)
     seq_len = exp.rollout.max_prefill_length + r.sampling.max_new_tokens
     model, what = _model(exp, seq_len)
-    need, have = devices_needed(exp), jax.device_count()
-    if have < need:
-        raise ConfigError(f"--dry_run: the meshes need {need} devices, this host has {have}")
-    devices = jax.devices()
-    lmesh = make_mesh(devices[: math.prod(exp.mesh.learner.values())], dict(exp.mesh.learner))
-    gmesh = make_mesh(devices[: math.prod(exp.mesh.generation.values())], dict(exp.mesh.generation))
+    devices, chip, share, where = _devices(topology)
+    spec = exp.mesh
+    if spec.generation_processes:  # generation programs: slices after the learner here
+        import dataclasses  # noqa: PLC0415
+
+        spec = dataclasses.replace(spec, generation_processes=False)
+    try:
+        placement = carve(spec, devices)
+    except ValueError as err:
+        raise ConfigError(f"--dry_run on {where}: {err}") from None
+    lmesh, gmesh = placement.learner, placement.generation[0]
+    used = devices_needed(exp)
+    if used < len(devices):
+        note += (
+            f"\n({used} of {len(devices)} devices placed: set mesh.learner, mesh.generation "
+            f"and mesh.num_generation_slices (with mesh.colocated=False) to use the rest)"
+        )
     batch = r.prompts_per_step * r.group_size
-    reports: list[Any] = dry_run(
-        model, exp.learner, engine_config(exp),
+    econf = engine_config(exp)
+    costs = plan_programs(
+        model, exp.learner, econf,
         learner_mesh=lmesh, learner_rules=LEARNER_RULES,
         generation_mesh=gmesh, generation_rules=GENERATOR_RULES,
-        batch_size=batch, seq_len=seq_len,
+        batch_size=batch, seq_len=seq_len, colocated=placement.colocated,
+        elastic_meshes=_elastic_meshes(exp, devices, lmesh.devices.size),
     )  # fmt: skip
+    settings = Settings(
+        micro_batch_size=exp.learner.micro_batch_size, remat=model.remat, batch_size=batch,
+        seq_len=seq_len, num_slots=r.num_slots, cache_len=econf.max_target_length,
+        max_prefill_length=econf.max_prefill_length, prefill_rows=econf.prefill_rows,
+        learner_mesh=dict(lmesh.shape), generation_mesh=dict(gmesh.shape),
+        n_kv_heads=model.n_kv_heads, colocated=placement.colocated,
+    )  # fmt: skip
+    kl = ", KL reference inside train_step" if exp.learner.uses_reference else ""
     title = (
-        f"{what}, {model.param_dtype} params, {model.compute_dtype} compute, on "
-        f"{devices[0].platform}: learner {dict(lmesh.shape)} batch [{batch}, {seq_len}] "
-        f"micro {exp.learner.micro_batch_size}; one generation slice {dict(gmesh.shape)} "
-        f"{r.num_slots} slots, prefill {exp.rollout.max_prefill_length}, cache {seq_len}"
+        f"{what}, {model.param_dtype} params, {model.compute_dtype} compute, remat "
+        f"{model.remat}, on {where}: {placement.describe()}\n"
+        f"learner {dict(lmesh.shape)} batch [{batch}, {seq_len}] micro "
+        f"{exp.learner.micro_batch_size}{kl}; one generation slice {dict(gmesh.shape)} "
+        f"{r.num_slots} slots, prefill {exp.rollout.max_prefill_length}, cache {seq_len}, "
+        f"decode block {econf.decode_block}"
     )
-    return format_report(reports, title=title) + note
+    capacity = None if chip is not None and topology else local_capacity(devices)
+    table = format_plan(
+        costs, title=title, chip=chip, share=share, capacity=capacity, settings=settings
+    )
+    return table + note

@@ -71,8 +71,9 @@ def _staging_mesh(src: Mesh, tgt: Mesh) -> Mesh | None:
     return Mesh(devices, (_REPLICA_AXIS, *tgt.axis_names))
 
 
-def _on_source_mesh(params: Any, target_shardings: Any) -> Any:
-    """Per-leaf sharding on the learner's devices with the target's layout.
+def staging_shardings(params: Any, target_shardings: Any) -> Any:
+    """Per-leaf sharding on the learner's devices with the target's layout (what the
+    publish program reshards to; ``jaxflash.sizing`` compiles it ahead of time).
 
     Leaves that cannot be staged (not NamedSharding-placed, or a generation
     mesh whose size does not divide the learner's) keep their learner sharding
@@ -141,7 +142,7 @@ def publish(
     """
     check_version(version, previous_version)
     _check_targets(params, target_shardings)
-    staged = _reshard(params, _on_source_mesh(params, target_shardings))
+    staged = _reshard(params, staging_shardings(params, target_shardings))
     failpoints.reach("weight_transfer")
     src_ids = {id(x) for x in jax.tree.leaves(params)}
     if any(id(x) in src_ids for x in jax.tree.leaves(staged)):

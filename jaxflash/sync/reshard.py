@@ -90,7 +90,9 @@ def _source_mesh(x: jax.Array) -> Mesh:
     return Mesh(np.asarray(devices, dtype=object), ("reshard_all",))
 
 
-def _staging(src: Mesh, tgt: Mesh, spec: PartitionSpec) -> NamedSharding | None:
+def staging_sharding(src: Mesh, tgt: Mesh, spec: PartitionSpec) -> NamedSharding | None:
+    """``spec`` on ``src``'s devices laid out as (replica, *tgt's mesh shape), so each
+    target shard exists whole on the source; None when tgt's size does not divide src's."""
     n_src, n_tgt = src.devices.size, tgt.devices.size
     if n_src % n_tgt or _STAGING_AXIS in tgt.axis_names:
         return None
@@ -108,7 +110,7 @@ def _move_leaf(x: jax.Array, target: NamedSharding) -> tuple[jax.Array, str]:
     if shards_present(x.sharding, target, x.shape):
         return _copy(x, target), "direct"
     src = _source_mesh(x)
-    staging = _staging(src, target.mesh, target.spec)
+    staging = staging_sharding(src, target.mesh, target.spec)
     if staging is not None and shards_present(staging, target, x.shape):
         return _copy(_to(x, staging), target), "staged"
     # Not .delete()d: device_put may hand back these very buffers on shared devices.

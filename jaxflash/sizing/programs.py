@@ -1,0 +1,253 @@
+"""Every device program of a run, lowered against abstract arrays with their shardings.
+
+Each ``*_program`` returns ``Lowerable``s: a name, the role whose chips run it,
+and a thunk giving ``jax.jit(...).lower(abstract args)``. ``jaxflash.sizing.plan``
+compiles them (for the local devices, fake CPU devices, or a TPU slice's
+compile-only chips) and reads XLA's memory and cost analyses.
+
+Programs (what the live run executes):
+
+- ``train_step``: the learner step at [M, b, T] (``learner.step``), with the KL
+  reference's forward inside it when ``learner.kl_coef > 0``.
+- ``prefill_<bucket>``: the engine's prefill at each power-of-two bucket up to
+  ``max_prefill_length`` (``prefill_rows`` rows).
+- ``decode_block_<n>``: the slot loop's ``generate_block`` of ``decode_block``
+  steps over all slots.
+- ``publish``: the learner -> generation weight copy's program (``sync.publish``):
+  params resharded on the learner's chips to the engine's layout.
+- ``install``: the engine placing published (stacked) weights as its unstacked
+  layers (``generation.engine_params.place``), on the generation chips.
+- ``elastic_<a>to<b>``: the per-leaf programs ``sync.reshard`` runs when an
+  elastic move resizes the learner from a to b devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.engine_host import stop_array
+from jaxflash.generation.engine_params import engine_shardings
+from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine_state import state_shardings as engine_state_shardings
+from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
+from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.state import abstract_train_state, state_shardings
+from jaxflash.learner.step import batch_sharding, make_train_step
+from jaxflash.models.config import ModelConfig
+from jaxflash.models.llama import abstract_params, logical_axes, unstack_layers
+from jaxflash.sharding.rules import Rules, logical_to_shardings
+from jaxflash.sync.publish import staging_shardings
+from jaxflash.sync.reshard import shards_present, staging_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowerable:
+    """One program to compile.
+
+    Attributes:
+      name: e.g. "train_step", "prefill_512".
+      role: "learner" or "generation": whose chips run it.
+      mesh: the mesh it runs on.
+      lower: () -> ``jax.stages.Lowered``.
+      arg_bytes: per-device bytes of its arguments (from their shardings), for a
+        program the compiler refuses as too large.
+      count: how many times the run executes it per occasion (an elastic move's
+        leaves of one shape); costs are multiplied by it.
+    """
+
+    name: str
+    role: str
+    mesh: Mesh
+    lower: Callable[[], Any]
+    arg_bytes: int
+    count: int = 1
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct``s / arrays (the
+    largest shard over devices; replicated leaves count whole)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+    )
+
+
+def train_step_program(
+    model: ModelConfig,
+    learner: LearnerConfig,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    batch_size: int,
+    seq_len: int,
+) -> tuple[Lowerable, Any]:
+    """The learner step at [batch_size, seq_len]; also returns the abstract TrainState.
+
+    Raises:
+      ValueError: batch_size not a positive multiple of ``learner.micro_batch_size``.
+    """
+    b = learner.micro_batch_size
+    if batch_size < 1 or batch_size % b:
+        raise ValueError(f"batch_size={batch_size} must be a positive multiple of micro={b}")
+    step = make_train_step(model, learner, mesh, rules)
+    state = abstract_train_state(model, learner, mesh, rules)
+    sharding = batch_sharding(mesh, rules, b)
+    shape = (batch_size // b, b, seq_len)
+    batch = {
+        k: jax.ShapeDtypeStruct(
+            shape, np.int32 if k in INT_FIELDS else np.float32, sharding=sharding
+        )
+        for k in TRAIN_BATCH_FIELDS
+    }
+    jitted = step._jitted  # noqa: SLF001 (TrainStep has no AOT entry point of its own)
+    lower = lambda: jitted.lower(state, batch)  # noqa: E731
+    prog = Lowerable("train_step", "learner", mesh, lower, per_device_bytes((state, batch)))
+    return prog, state
+
+
+def prefill_buckets(config: EngineConfig) -> list[int]:
+    """Every prefill bucket the engine can compile: powers of two from
+    ``min_prefill_bucket``, and ``max_prefill_length`` itself."""
+    out, b = [], config.min_prefill_bucket
+    while b < config.max_prefill_length:
+        out.append(b)
+        b *= 2
+    return [*out, config.max_prefill_length]
+
+
+def engine_programs(
+    model: ModelConfig,
+    config: EngineConfig,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    buckets: Sequence[int] | None = None,
+) -> tuple[list[Lowerable], Any, Any]:
+    """Prefill at every bucket (or at ``buckets``) and the decode block on one slice.
+
+    Returns:
+      (programs, abstract engine params (unstacked), abstract DecodeState).
+    """
+    engine = LlamaEngine(model, config, mesh=mesh, rules=rules)
+    shapes = jax.eval_shape(unstack_layers, abstract_params(model))
+    params = _abstract(shapes, engine_shardings(model, mesh, rules))
+    rep = NamedSharding(mesh, PartitionSpec())
+    state_sh, _ = engine_state_shardings(model, config, mesh, rules)
+    state = _abstract(jax.eval_shape(engine.init_decode_state), state_sh)
+    rows = config.prefill_rows
+    out = []
+    for bucket in prefill_buckets(config) if buckets is None else buckets:
+        ids = jax.ShapeDtypeStruct((rows, bucket), np.int32, sharding=rep)
+        length = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
+        lower = lambda ids=ids, length=length: engine.prefill_jit.lower(params, ids, length)  # noqa: E731
+        arg = per_device_bytes((params, ids, length))
+        out.append(Lowerable(f"prefill_{bucket}", "generation", mesh, lower, arg))
+    B, steps = config.max_concurrent_decodes, config.decode_block
+    live = jax.ShapeDtypeStruct((B,), np.bool_, sharding=rep)
+    stop = jax.ShapeDtypeStruct(stop_array([]).shape, np.int32, sharding=rep)
+    block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
+    lower = lambda: block.lower(params, state, live, stop)  # noqa: E731
+    out.append(
+        Lowerable(
+            f"decode_block_{steps}", "generation", mesh, lower, per_device_bytes((params, state))
+        )
+    )
+    return out, params, state
+
+
+def publish_programs(
+    model: ModelConfig, learner_params: Any, generation_mesh: Mesh, rules: Rules
+) -> list[Lowerable]:
+    """The weight publish: staging reshard on the learner's chips (``sync.publish``),
+    then the engine's unstacking of the copy on the generation chips."""
+    learner_mesh = jax.tree.leaves(learner_params)[0].sharding.mesh
+    targets = logical_to_shardings(
+        logical_axes(model), generation_mesh, rules, shapes=abstract_params(model)
+    )
+    staging = staging_shardings(learner_params, targets)
+    fn = jax.jit(lambda p: p, out_shardings=staging)
+    publish = Lowerable(
+        "publish", "learner", learner_mesh, lambda: fn.lower(learner_params),
+        per_device_bytes(learner_params),
+    )  # fmt: skip
+    # What the engine receives: stacked layers on its mesh (the layer axis unsplit).
+    eng = engine_shardings(model, generation_mesh, rules)
+    stack_sh = jax.tree.map(
+        lambda sh: NamedSharding(generation_mesh, PartitionSpec(None, *sh.spec)), eng["layers"][0]
+    )
+    stacked = _abstract(abstract_params(model)["layers"], stack_sh)
+    unstack = jax.jit(
+        lambda layers: unstack_layers({"layers": layers})["layers"], out_shardings=eng["layers"]
+    )
+    install = Lowerable(
+        "install", "generation", generation_mesh, lambda: unstack.lower(stacked),
+        per_device_bytes(stacked),
+    )  # fmt: skip
+    return [publish, install]
+
+
+def elastic_programs(
+    model: ModelConfig,
+    learner: LearnerConfig,
+    state: Any,
+    target_mesh: Mesh,
+    rules: Rules,
+) -> list[Lowerable]:
+    """The device programs ``sync.reshard`` runs to move the TrainState onto
+    ``target_mesh``, one per distinct leaf (count = leaves of that shape and layout).
+
+    Per leaf (see ``sync.reshard``): ``direct`` is a device-to-device copy (no
+    program); ``staged`` a jitted identity on the source chips; ``via_replicated``
+    an all-gather on the source chips then a slice on the target chips.
+    """
+    targets = state_shardings(model, learner, target_mesh, rules)
+    source = jax.tree.leaves(state.params)[0].sharding.mesh
+    name = f"elastic_{source.devices.size}to{target_mesh.devices.size}"
+    groups: dict[tuple, list] = {}
+    leaves = jax.tree.leaves(state)
+    tleaves = jax.tree.leaves(targets, is_leaf=lambda s: isinstance(s, NamedSharding))
+    for x, t in zip(leaves, tleaves, strict=True):
+        key = (x.shape, str(x.dtype), x.sharding, t)
+        groups.setdefault(key, []).append(x)
+    out = []
+    for (_, _, src, tgt), xs in groups.items():
+        x = xs[0]
+        if shards_present(src, tgt, x.shape):
+            continue  # direct: device_put, no program
+        staging = staging_sharding(src.mesh, tgt.mesh, tgt.spec)
+        if staging is not None and shards_present(staging, tgt, x.shape):
+            fn = jax.jit(lambda a: a, out_shardings=staging)
+            out.append(
+                Lowerable(f"{name}_staged", "learner", src.mesh,
+                          lambda fn=fn, x=x: fn.lower(x), per_device_bytes(x), len(xs))
+            )  # fmt: skip
+            continue
+        gather = jax.jit(lambda a: a, out_shardings=NamedSharding(src.mesh, PartitionSpec()))
+        out.append(
+            Lowerable(f"{name}_gather", "learner", src.mesh,
+                      lambda g=gather, x=x: g.lower(x), per_device_bytes(x), len(xs))
+        )  # fmt: skip
+        whole = jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(tgt.mesh, PartitionSpec())
+        )
+        split = jax.jit(lambda a: a, out_shardings=tgt)
+        out.append(
+            Lowerable(f"{name}_slice", "target", tgt.mesh,
+                      lambda s=split, w=whole: s.lower(w), per_device_bytes(whole), len(xs))
+        )  # fmt: skip
+    return out
