@@ -19,11 +19,13 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.clock import RealClock, VirtualClock
 from jaxflash.runtime.rollout.admission import Admission
+from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
 from jaxflash.runtime.rollout.server_pool import ServerPool, Submitted
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
     FailureReason,
     FinishReason,
@@ -375,25 +377,26 @@ def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
     raise AssertionError("no batch within the real-time limit")
 
 
+def _rollout(source, buffer, scorer, *, B, G, alpha, ledger, clock, servers, inbox, **kw):
+    """A RolloutScheduler from today's keyword arguments (books, settings, dispatch)."""
+    books_kw = {k: kw.pop(k) for k in ("resume_prompts", "counters") if k in kw}
+    books = RolloutBooks(source=source, ledger=ledger, buffer=buffer, **books_kw)
+    settings = RolloutSettings(
+        batch_prompts=B, group_size=G, async_ratio=alpha, sampling=SAMPLING, seed=0, **kw
+    )
+    dispatch = prompt_dispatch(scorer, Tok())
+    return RolloutScheduler(servers, inbox, books, settings, dispatch, clock=clock)
+
+
 def _virtual_scheduler(servers_kw, *, B, G, alpha=0, scorer=None, source=None, **kw):
     clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
     servers = [VirtualServer(inbox.generated, clock, **s) for s in servers_kw]
-    sched = RolloutScheduler(
-        servers,
-        inbox,
+    sched = _rollout(
         source or _Source(),
-        ledger,
         GroupBuffer(G),
         scorer or InstantRewards(),
-        tokenizer=Tok(),
-        batch_prompts=B,
-        group_size=G,
-        async_ratio=alpha,
-        sampling=SAMPLING,
-        seed=0,
-        clock=clock,
-        **kw,
-    )
+        B=B, G=G, alpha=alpha, ledger=ledger, clock=clock, servers=servers, inbox=inbox, **kw,
+    )  # fmt: skip
     return sched, clock, servers, ledger
 
 
@@ -569,22 +572,13 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
 
     clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
     servers = [VirtualServer(inbox.generated, clock, latency_s=0.1)]
-    sched = RolloutScheduler(
-        servers,
-        inbox,
+    sched = _rollout(
         _Source(),
-        ledger,
         GroupBuffer(2, group_filter=GroupFilter(min_mean=0.25)),
         LowRewards(low={0, 1, 2, 3, 5}),
-        tokenizer=Tok(),
-        batch_prompts=2,
-        group_size=2,
-        async_ratio=0,
-        sampling=SAMPLING,
-        seed=0,
+        B=2, G=2, alpha=0, ledger=ledger, clock=clock, servers=servers, inbox=inbox,
         refill_dropped=True,
-        clock=clock,
-    )
+    )  # fmt: skip
     batch = drive(sched, clock, servers, 0)
     # 0 and 1 filtered -> replaced by 2 and 3 (budget 2 spent) -> filtered, not replaced.
     assert batch.groups == [] and [d.prompt_id for d in batch.dropped] == [0, 1, 2, 3]
