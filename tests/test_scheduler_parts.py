@@ -137,9 +137,9 @@ def test_admission_refill_budget_halt_and_exhaustion():
     assert _admit_all(a) == [(2, True)]
     a.release()  # frees 1, renews the budget
     assert a.free_for_refill(2) is True
-    a.halted = True
+    a.halt()
     assert a.next() is None and not a.can_admit()
-    a.halted = False
+    a.reopen()
     assert _admit_all(a) == [(3, True), (4, True)]
     a.free(3)
     a.free(4)
