@@ -6,13 +6,12 @@
     publish(v+1): release ◄── learner ◄── next_batch ◄── BatchAssembler ◄── GroupBuffer
 
 Built from thread-free parts, each with its own tests: ``OutstandingTable``,
-``Admission``, ``ServerPool``, a dispatcher (``Dispatch``: built by the workload's
-factory), ``BatchAssembler``. Each part owns its state (the others call its
-methods) and its counters (``counts()``; ``counters`` here adds them to the
-checkpoint's). Their work is
-reachable without threads (``poll``, ``try_batch``, ``publish``); the scheduler
-adds only the pump thread that calls ``poll`` in a loop and the blocking
-``next_batch``. A simulator drives the same object without threads under a
+``Admission``, ``ServerPool``, a dispatcher (``rollout.settings.Dispatch``, built by
+the workload's factory), ``BatchAssembler``. Each part owns its state (the others
+call its methods) and its counters (``counts()``; ``counters`` here adds them to the
+checkpoint's). Their work is reachable without threads (``poll``, ``try_batch``,
+``publish``); the scheduler adds only the pump thread that calls ``poll`` in a loop
+and the blocking ``next_batch``. A simulator drives the same object without threads under a
 ``VirtualClock`` (``runtime.clock``).
 
 Driving it without threads (a discrete-event simulator; see
