@@ -588,3 +588,43 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
     batch = drive(sched, clock, servers, 1)
     assert [g.prompt_id for g in batch.groups] == [4, 6]  # 5 filtered and replaced by 6
     assert ledger.outcomes["filtered"] == {"mean_below_min": 5}
+
+
+def test_settings_and_dispatch_factories_refuse_bad_input_naming_it():
+    with pytest.raises(ValueError, match="need batch_prompts >= 1, group_size >= 1, async_ratio"):
+        RolloutSettings(batch_prompts=0, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0)
+    with pytest.raises(ValueError, match=r"stale_policy must be drop \| regenerate, got 'keep'"):
+        RolloutSettings(
+            batch_prompts=1, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0,
+            stale_policy="keep",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a scorer"):
+        prompt_dispatch(None, Tok())
+    from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
+
+    sched, *_ = _virtual_scheduler([{}], B=1, G=2)
+    no_replication = RolloutSettings(
+        batch_prompts=1, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0,
+        prompt_replication=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="prompt_replication=False has no meaning for episodes"):
+        episode_dispatch(None)(None, no_replication)
+    # reconfigure goes through the owners' methods: capacity and refill budget checked there.
+    sched.reconfigure(batch_prompts=2, async_ratio=1, prompts_in_flight=3)
+    stats = sched.stats()
+    assert (stats["sched_batch_prompts"], stats["sched_async_ratio"]) == (2, 1)
+    assert stats["sched_prompts_capacity"] == 3
+    with pytest.raises(ValueError, match="Admission needs capacity >= 1"):
+        sched.admission.resize(capacity=0, refill_budget=0)
+
+
+def test_counters_are_the_checkpoints_plus_what_each_part_counted():
+    restored = {"samples_generated": 10, "samples_scored": 10, "prompts_trained": 3}
+    sched, clock, servers, _ = _virtual_scheduler([{}], B=1, G=2, counters=restored)
+    batch = drive(sched, clock, servers, 0)
+    assert len(batch.groups) == 1
+    c = sched.counters
+    assert c["samples_generated"] == 12 and c["samples_scored"] == 12  # 10 restored + 2
+    assert c["prompts_trained"] == 3 and c["prompts_regenerated_on_resume"] == 0
+    assert sched.dispatcher.counts()["samples_generated"] == 2  # the router's own, via its owner
+    assert sched.snapshot().counters == {k: c[k] for k in sorted(c)}
