@@ -72,7 +72,6 @@ from jaxflash.runtime.resume import checkpoint_meta, finished_note, finished_ste
 from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
-from jaxflash.runtime.rollout.scoring import TruncationPolicy
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.workloads.episode_metrics import episode_metrics
 from jaxflash.runtime.workloads.learner_batch import check_failing_streak, empty_reason
@@ -206,11 +205,8 @@ def run(
         buffer=GroupBuffer(G, group_filter=group_filter, state=meta.extra.get("group_buffer")),
         counters=meta.extra.get("counters", {}),
     )  # fmt: skip
-    settings = RolloutSettings(
-        batch_prompts=B, group_size=G, async_ratio=alpha, sampling=r.sampling, seed=exp.seed,
-        policy_version=version, stale_policy=r.stale_policy, max_retries=r.max_retries,
-        sample_deadline_s=r.sample_deadline_s,
-        truncation=TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty),
+    settings = RolloutSettings.from_spec(
+        r, batch_prompts=B, async_ratio=alpha, seed=exp.seed, policy_version=version,
         # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step);
         # so is a group of episodes whose environment kept failing.
         refill_dropped=group_filter is not None or episodes,

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.runtime.clock import Clock
+from jaxflash.runtime.config.rollout_spec import RolloutSpec
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
@@ -72,6 +73,34 @@ class RolloutSettings:
             )
         if self.stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be drop | regenerate, got {self.stale_policy!r}")
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: RolloutSpec,
+        *,
+        batch_prompts: int,
+        async_ratio: int,
+        seed: int,
+        policy_version: int,
+        refill_dropped: bool,
+    ) -> RolloutSettings:
+        """The settings of a run's ``rollout`` section (G, sampling, stale policy,
+        deadline, retries, truncation) with B and α in force (the step controller's),
+        the run's seed, the servers' version and whether dropped prompts refill."""
+        return cls(
+            batch_prompts=batch_prompts,
+            group_size=spec.group_size,
+            async_ratio=async_ratio,
+            sampling=spec.sampling,
+            seed=seed,
+            policy_version=policy_version,
+            stale_policy=spec.stale_policy,
+            sample_deadline_s=spec.sample_deadline_s,
+            max_retries=spec.max_retries,
+            truncation=TruncationPolicy(mode=spec.truncation, penalty=spec.truncation_penalty),
+            refill_dropped=refill_dropped,
+        )
 
     @property
     def capacity(self) -> int:
