@@ -175,7 +175,6 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
         inbox,
         settings,
         clock,
-        tokenizer=tok,
         batch_groups=args.groups,
         group_size=args.group_size,
         sampling=SamplingParams(max_new_tokens=24),

@@ -109,7 +109,7 @@ def _setup(*, B=2, G=4, redundancy=0, barrier=False, alpha=0, factory_kw=None, r
         runner=env_time,
     )
     sched = episode_scheduler(
-        [server], inbox, settings, clock, tokenizer=TOK, batch_groups=B, group_size=G,
+        [server], inbox, settings, clock, batch_groups=B, group_size=G,
         sampling=SamplingParams(max_new_tokens=OPTS["max_tokens_per_turn"]), async_ratio=alpha,
         **kw,
     )  # fmt: skip
@@ -231,7 +231,7 @@ def test_a_hung_environment_thread_is_abandoned_at_its_deadline():
         max_context_tokens=1024, runner=thread_runner,
     )  # fmt: skip
     sched = episode_scheduler(
-        [server], inbox, settings, clock, tokenizer=TOK, batch_groups=1, group_size=2,
+        [server], inbox, settings, clock, batch_groups=1, group_size=2,
         sampling=SamplingParams(max_new_tokens=24),
     )  # fmt: skip
     sched.start()

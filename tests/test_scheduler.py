@@ -16,9 +16,11 @@ import pytest
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import GroupFilter
 from jaxflash.rewards.base import RewardResult
+from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
     FailureReason,
     FinishReason,
@@ -153,14 +155,10 @@ def _servers(*specs):
 def _scheduler(inbox_servers, *, B=2, G=2, alpha=0, rewards=None, group_filter=None, **kw):
     inbox, servers = inbox_servers
     ledger = PromptLedger()
-    s = RolloutScheduler(
-        servers,
-        inbox,
-        FakeSource(),
-        ledger,
-        GroupBuffer(G, group_filter=group_filter),
-        rewards or FakeRewards(),
-        tokenizer=Tok(),
+    books = RolloutBooks(
+        source=FakeSource(), ledger=ledger, buffer=GroupBuffer(G, group_filter=group_filter)
+    )
+    settings = RolloutSettings(
         batch_prompts=B,
         group_size=G,
         async_ratio=alpha,
@@ -168,6 +166,8 @@ def _scheduler(inbox_servers, *, B=2, G=2, alpha=0, rewards=None, group_filter=N
         seed=0,
         **kw,
     )
+    dispatch = prompt_dispatch(rewards or FakeRewards(), Tok())
+    s = RolloutScheduler(servers, inbox, books, settings, dispatch)
     s.start()
     return s, ledger
 

@@ -19,11 +19,13 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.clock import RealClock, VirtualClock
 from jaxflash.runtime.rollout.admission import Admission
+from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
 from jaxflash.runtime.rollout.server_pool import ServerPool, Submitted
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
     FailureReason,
     FinishReason,
@@ -135,9 +137,9 @@ def test_admission_refill_budget_halt_and_exhaustion():
     assert _admit_all(a) == [(2, True)]
     a.release()  # frees 1, renews the budget
     assert a.free_for_refill(2) is True
-    a.halted = True
+    a.halt()
     assert a.next() is None and not a.can_admit()
-    a.halted = False
+    a.reopen()
     assert _admit_all(a) == [(3, True), (4, True)]
     a.free(3)
     a.free(4)
@@ -375,25 +377,26 @@ def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
     raise AssertionError("no batch within the real-time limit")
 
 
+def _rollout(source, buffer, scorer, *, B, G, alpha, ledger, clock, servers, inbox, **kw):
+    """A RolloutScheduler from today's keyword arguments (books, settings, dispatch)."""
+    books_kw = {k: kw.pop(k) for k in ("resume_prompts", "counters") if k in kw}
+    books = RolloutBooks(source=source, ledger=ledger, buffer=buffer, **books_kw)
+    settings = RolloutSettings(
+        batch_prompts=B, group_size=G, async_ratio=alpha, sampling=SAMPLING, seed=0, **kw
+    )
+    dispatch = prompt_dispatch(scorer, Tok())
+    return RolloutScheduler(servers, inbox, books, settings, dispatch, clock=clock)
+
+
 def _virtual_scheduler(servers_kw, *, B, G, alpha=0, scorer=None, source=None, **kw):
     clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
     servers = [VirtualServer(inbox.generated, clock, **s) for s in servers_kw]
-    sched = RolloutScheduler(
-        servers,
-        inbox,
+    sched = _rollout(
         source or _Source(),
-        ledger,
         GroupBuffer(G),
         scorer or InstantRewards(),
-        tokenizer=Tok(),
-        batch_prompts=B,
-        group_size=G,
-        async_ratio=alpha,
-        sampling=SAMPLING,
-        seed=0,
-        clock=clock,
-        **kw,
-    )
+        B=B, G=G, alpha=alpha, ledger=ledger, clock=clock, servers=servers, inbox=inbox, **kw,
+    )  # fmt: skip
     return sched, clock, servers, ledger
 
 
@@ -569,22 +572,13 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
 
     clock, inbox, ledger = VirtualClock(), Inbox(), PromptLedger()
     servers = [VirtualServer(inbox.generated, clock, latency_s=0.1)]
-    sched = RolloutScheduler(
-        servers,
-        inbox,
+    sched = _rollout(
         _Source(),
-        ledger,
         GroupBuffer(2, group_filter=GroupFilter(min_mean=0.25)),
         LowRewards(low={0, 1, 2, 3, 5}),
-        tokenizer=Tok(),
-        batch_prompts=2,
-        group_size=2,
-        async_ratio=0,
-        sampling=SAMPLING,
-        seed=0,
+        B=2, G=2, alpha=0, ledger=ledger, clock=clock, servers=servers, inbox=inbox,
         refill_dropped=True,
-        clock=clock,
-    )
+    )  # fmt: skip
     batch = drive(sched, clock, servers, 0)
     # 0 and 1 filtered -> replaced by 2 and 3 (budget 2 spent) -> filtered, not replaced.
     assert batch.groups == [] and [d.prompt_id for d in batch.dropped] == [0, 1, 2, 3]
@@ -594,3 +588,43 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
     batch = drive(sched, clock, servers, 1)
     assert [g.prompt_id for g in batch.groups] == [4, 6]  # 5 filtered and replaced by 6
     assert ledger.outcomes["filtered"] == {"mean_below_min": 5}
+
+
+def test_settings_and_dispatch_factories_refuse_bad_input_naming_it():
+    with pytest.raises(ValueError, match="need batch_prompts >= 1, group_size >= 1, async_ratio"):
+        RolloutSettings(batch_prompts=0, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0)
+    with pytest.raises(ValueError, match=r"stale_policy must be drop \| regenerate, got 'keep'"):
+        RolloutSettings(
+            batch_prompts=1, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0,
+            stale_policy="keep",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a scorer"):
+        prompt_dispatch(None, Tok())
+    from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
+
+    sched, *_ = _virtual_scheduler([{}], B=1, G=2)
+    no_replication = RolloutSettings(
+        batch_prompts=1, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0,
+        prompt_replication=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="prompt_replication=False has no meaning for episodes"):
+        episode_dispatch(None)(None, no_replication)
+    # reconfigure goes through the owners' methods: capacity and refill budget checked there.
+    sched.reconfigure(batch_prompts=2, async_ratio=1, prompts_in_flight=3)
+    stats = sched.stats()
+    assert (stats["sched_batch_prompts"], stats["sched_async_ratio"]) == (2, 1)
+    assert stats["sched_prompts_capacity"] == 3
+    with pytest.raises(ValueError, match="Admission needs capacity >= 1"):
+        sched.admission.resize(capacity=0, refill_budget=0)
+
+
+def test_counters_are_the_checkpoints_plus_what_each_part_counted():
+    restored = {"samples_generated": 10, "samples_scored": 10, "prompts_trained": 3}
+    sched, clock, servers, _ = _virtual_scheduler([{}], B=1, G=2, counters=restored)
+    batch = drive(sched, clock, servers, 0)
+    assert len(batch.groups) == 1
+    c = sched.counters
+    assert c["samples_generated"] == 12 and c["samples_scored"] == 12  # 10 restored + 2
+    assert c["prompts_trained"] == 3 and c["prompts_regenerated_on_resume"] == 0
+    assert sched.dispatcher.counts()["samples_generated"] == 2  # the router's own, via its owner
+    assert sched.snapshot().counters == {k: c[k] for k in sorted(c)}

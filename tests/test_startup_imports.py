@@ -29,3 +29,38 @@ def _imported(code: str) -> list[str]:
 def test_runtime_and_engine_import_without_tensorflow_or_jetstream():
     code = _PROBE.format(heavy=set(HEAVY))
     assert _imported(code) == []
+
+
+_RLVR_PROBE = """
+import json, sys, types
+import jaxflash.runtime.loop
+from jaxflash.replay.group_buffer import GroupBuffer
+from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
+from jaxflash.runtime.workloads.task_workload import TaskWorkload
+from jaxflash.types import SamplingParams
+
+def envs():
+    return sorted(m for m in sys.modules if m.split('.')[:2] == ['jaxflash', 'envs'])
+
+books = RolloutBooks(source=None, ledger=PromptLedger(), buffer=GroupBuffer(2))
+settings = RolloutSettings(
+    batch_prompts=1, group_size=2, async_ratio=0, sampling=SamplingParams(), seed=0
+)
+workload = types.SimpleNamespace(tokenizer=None)  # what TaskWorkload.dispatch reads
+dispatch = TaskWorkload.dispatch(workload, reward_pool=object())
+RolloutScheduler([object()], Inbox(), books, settings, dispatch)
+rlvr = envs()
+import jaxflash.runtime.rollout.episode_dispatch  # the agentic side does load them
+print(json.dumps([rlvr, envs()]))
+"""
+
+
+def test_an_rlvr_run_never_imports_the_environments():
+    """runtime.loop and an RLVR scheduler (the task workload's dispatcher) leave
+    ``jaxflash.envs`` unloaded; the environment manager loads it (the probe can fail)."""
+    rlvr, agentic = _imported(_RLVR_PROBE)
+    assert rlvr == []
+    assert "jaxflash.envs.episode" in agentic

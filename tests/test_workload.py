@@ -46,7 +46,9 @@ def test_task_workload_derives_the_limits_and_regenerates_prompts_in_flight():
     assert w.batch_timeout_s() == (
         r.sample_deadline_s * (r.max_retries + 2) + 4 * w.exp.reward.timeout_s
     )
-    assert w.settings() is None
+    assert not w.plays_episodes
+    with pytest.raises(ValueError, match="needs a scorer"):
+        w.dispatch(None)
     with pytest.raises(ValueError, match="reward_pool"):
         w.evaluate(None, None, None, version=0)
 

@@ -72,8 +72,8 @@ from jaxflash.runtime.resume import checkpoint_meta, finished_note, finished_ste
 from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
-from jaxflash.runtime.rollout.scoring import TruncationPolicy
-from jaxflash.runtime.workloads.agentic import episode_metrics
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
+from jaxflash.runtime.workloads.episode_metrics import episode_metrics
 from jaxflash.runtime.workloads.learner_batch import check_failing_streak, empty_reason
 from jaxflash.runtime.workloads.workload import make_workload
 from jaxflash.sharding.distributed import advertised_host
@@ -191,28 +191,29 @@ def run(
     source = workload.source(meta.data_cursor)
     resume = workload.resume(source, ledger.open_ids)
     reward_pool = workload.reward_pool(clock)  # None: the environments score episodes
-    episodes = workload.settings()  # the environment manager's (None: prompts)
+    episodes = workload.plays_episodes  # groups of episodes, not prompts' samples
     filter_knobs = r.group_filter_kwargs()
     group_filter = GroupFilter(**filter_knobs) if filter_knobs is not None else None
-    truncation = TruncationPolicy(mode=r.truncation, penalty=r.truncation_penalty)
     inbox = Inbox()
     server_kwargs = dict(
         stop_ids=tokenizer.stop_ids, partial_rollout=r.partial_rollout,
         on_finished=inbox.generated, clock=clock, server_factory=server_factory,
     )  # fmt: skip
-    # Its buffer_* counters go on from the checkpoint's, as prompts_* / samples_* do.
-    buffer = GroupBuffer(G, group_filter=group_filter, state=meta.extra.get("group_buffer"))
-    servers = fleet.servers(gen_params, version=version, **server_kwargs)
-    scheduler = RolloutScheduler(
-        servers, inbox, source, ledger, buffer, reward_pool,
-        tokenizer=tokenizer, batch_prompts=B, group_size=G, async_ratio=alpha,
-        sampling=r.sampling, seed=exp.seed, policy_version=version, stale_policy=r.stale_policy,
-        sample_deadline_s=r.sample_deadline_s, max_retries=r.max_retries, truncation=truncation,
-        resume_prompts=resume, counters=dict(meta.extra.get("counters", {})), clock=clock,
+    # The checkpoint's books: buffer_* counters go on, as prompts_* / samples_* do.
+    books = RolloutBooks(
+        source=source, ledger=ledger, resume_prompts=resume,
+        buffer=GroupBuffer(G, group_filter=group_filter, state=meta.extra.get("group_buffer")),
+        counters=meta.extra.get("counters", {}),
+    )  # fmt: skip
+    settings = RolloutSettings.from_spec(
+        r, batch_prompts=B, async_ratio=alpha, seed=exp.seed, policy_version=version,
         # Dynamic sampling: a filtered group's prompt is replaced at once (up to B a step);
         # so is a group of episodes whose environment kept failing.
-        refill_dropped=group_filter is not None or episodes is not None, episodes=episodes,
+        refill_dropped=group_filter is not None or episodes,
     )  # fmt: skip
+    servers = fleet.servers(gen_params, version=version, **server_kwargs)
+    dispatch = workload.dispatch(reward_pool)  # prompts scored, or episodes played
+    scheduler = RolloutScheduler(servers, inbox, books, settings, dispatch, clock=clock)
     # The elastic pool (runtime.elastic; None unless controller.elastic): the decision's
     # role split moves generation slices into or out of the learner at step boundaries.
     # A resumed run moves to its checkpointed split here, before the first step.
@@ -227,7 +228,7 @@ def run(
     def run_eval(v: int) -> dict[str, float]:
         if not workload.eval_size:
             return {}
-        unit = "episodes" if episodes is not None else "samples"
+        unit = "episodes" if episodes else "samples"
         t0, status = clock.now(), EvalStatus(clock.now, unit=unit)
         note = "" if compiled["engine"] else " (the first evaluation compiles the engine)"
         announce = f"evaluating at step {v}: {workload.describe_eval()}{note} ..."
@@ -263,9 +264,7 @@ def run(
             console.background(step_label)
             # 1-4. Sample, generate, score, group: B groups with staleness <= alpha.
             note = "" if compiled["engine"] else " (the first generation compiles the engine)"
-            progress = GenerationStatus(
-                scheduler, clock.now, samples=B * G, episodes=episodes is not None
-            )
+            progress = GenerationStatus(scheduler, clock.now, samples=B * G, episodes=episodes)
             with console.phase(f"{step_label}: generating{note}", progress):
                 batch = scheduler.next_batch(
                     version, timeout_s=workload.batch_timeout_s(), stop=interrupt.check

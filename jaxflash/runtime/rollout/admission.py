@@ -43,11 +43,7 @@ class Admission:
     def __init__(
         self, source: Any, *, capacity: int, refill_budget: int = 0, resume: Iterable[Item] = ()
     ) -> None:
-        if capacity < 1 or refill_budget < 0:
-            raise ValueError(
-                f"Admission needs capacity >= 1 and refill_budget >= 0, got {capacity}, "
-                f"{refill_budget}"
-            )
+        _check(capacity, refill_budget)
         self.source = source
         self.capacity = capacity
         self.refill_budget = refill_budget
@@ -57,13 +53,40 @@ class Admission:
         self._at_release: list[int] = []  # capacity returns at the next release
         self._regenerate_at_release: list[int] = []
         self._exhausted = False
-        self.halted = False  # no more admissions (e.g. no generation server left)
+        self._halted = False  # no more admissions (e.g. no generation server left)
+
+    # -- the owner's controls ---------------------------------------------------
+
+    @property
+    def halted(self) -> bool:
+        """Nothing is admitted (every generation server died)."""
+        return self._halted
+
+    def halt(self) -> None:
+        """Admit nothing more (every generation server died)."""
+        self._halted = True
+
+    def reopen(self) -> None:
+        """Admit again (a generation server came back)."""
+        self._halted = False
+
+    def resize(self, *, capacity: int, refill_budget: int) -> None:
+        """A step boundary's new capacity and refill budget (the step controller's).
+
+        A lower capacity admits nothing new until enough prompts are released (none is
+        aborted); the refill budget in force this step is unchanged until ``release``.
+
+        Raises:
+          ValueError: capacity < 1 or refill_budget < 0.
+        """
+        _check(capacity, refill_budget)
+        self.capacity, self.refill_budget = capacity, refill_budget
 
     # -- admitting --------------------------------------------------------------
 
     def can_admit(self) -> bool:
         """A prompt could be admitted now (capacity free and a prompt available)."""
-        if self.halted or len(self._active) >= self.capacity:
+        if self._halted or len(self._active) >= self.capacity:
             return False
         return bool(self._requeue) or not self._exhausted
 
@@ -139,6 +162,13 @@ class Admission:
         again = [self._active[p] for p in self._regenerate_at_release if p in self._active]
         self._regenerate_at_release = []
         return [p for p in again if isinstance(p, Prompt)]
+
+
+def _check(capacity: int, refill_budget: int) -> None:
+    if capacity < 1 or refill_budget < 0:
+        raise ValueError(
+            f"Admission needs capacity >= 1 and refill_budget >= 0, got {capacity}, {refill_budget}"
+        )
 
 
 def admit_all(

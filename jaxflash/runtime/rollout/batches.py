@@ -24,10 +24,9 @@ from typing import Any
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.rollout.admission import Admission
-from jaxflash.runtime.rollout.dispatch import Dispatcher
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.records import rollout_row
-from jaxflash.runtime.rollout.scoring import TruncationPolicy
+from jaxflash.runtime.rollout.settings import Dispatch, RolloutSettings
 from jaxflash.types import FailureReason, PromptOutcome
 
 log = logging.getLogger(__name__)
@@ -62,25 +61,22 @@ class BatchAssembler:
       dispatcher: aborts and resubmits prompts; knows what is still in flight.
       admission: capacity of the prompts taken or dropped.
       buffer, ledger: the run's group buffer and prompt ledger.
-      batch_prompts: B; async_ratio: α; stale_policy: "drop" | "regenerate".
-      truncation: decides the rows' ``loss_masked``.
-      refill_dropped: a dropped prompt's capacity returns at once (dynamic sampling).
-      counters: the run's counters.
+      settings: B (``batch_prompts``), α (``async_ratio``), ``stale_policy``,
+        ``truncation`` (decides the rows' ``loss_masked``) and ``refill_dropped`` (a
+        dropped prompt's capacity returns at once: dynamic sampling). B and α move
+        with ``reconfigure``.
+
+    Counts (``counts``): samples_dropped_<reason>, samples_aborted_surplus,
+    prompts_regenerated_stale.
     """
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        dispatcher: Dispatch,
         admission: Admission,
         buffer: GroupBuffer,
         ledger: PromptLedger,
-        *,
-        batch_prompts: int,
-        async_ratio: int,
-        stale_policy: str,
-        truncation: TruncationPolicy,
-        refill_dropped: bool,
-        counters: collections.Counter,
+        settings: RolloutSettings,
     ) -> None:
         self.dispatcher, self.admission, self.buffer, self.ledger = (
             dispatcher,
@@ -88,10 +84,40 @@ class BatchAssembler:
             buffer,
             ledger,
         )
-        self.B, self.alpha, self.stale_policy = batch_prompts, async_ratio, stale_policy
-        self.truncation, self.refill_dropped, self.counters = truncation, refill_dropped, counters
-        self.forming: Batch | None = None
+        self.B, self.alpha = settings.batch_prompts, settings.async_ratio
+        self.stale_policy, self.truncation = settings.stale_policy, settings.truncation
+        self.refill_dropped = settings.refill_dropped
+        self.counters: collections.Counter = collections.Counter()
+        # The batch being assembled (kept across ``take`` calls until it is complete).
+        self._forming = False
+        self._groups: list[Group] = []
+        self._dropped: list[DroppedGroup] = []
+        self._rows: list[dict[str, Any]] = []
         self.taken: list[int] = []  # prompts handed out since the last publish
+
+    @property
+    def assembling(self) -> bool:
+        """A batch is partly assembled (not a step boundary)."""
+        return self._forming
+
+    @property
+    def groups_so_far(self) -> int:
+        """Groups of the batch being assembled."""
+        return len(self._groups)
+
+    def reconfigure(self, *, batch_prompts: int, async_ratio: int) -> None:
+        """Step boundary: the next batch takes B groups with staleness <= α.
+
+        Raises:
+          RuntimeError: a batch is being assembled.
+        """
+        if self._forming:
+            raise RuntimeError("reconfigure between batches only (a batch is being assembled)")
+        self.B, self.alpha = batch_prompts, async_ratio
+
+    def counts(self) -> dict[str, int]:
+        """What it counted since it was built."""
+        return dict(self.counters)
 
     def take(self, learner_version: int) -> Batch | None:
         """The batch for the step at ``learner_version`` if complete, else None.
@@ -106,26 +132,30 @@ class BatchAssembler:
           RuntimeError: every generation server died and nothing is left to hand out.
         """
         v = learner_version
-        f = self.forming = self.forming or Batch()
-        got, gone = self.buffer.take(self.B - len(f.groups), v, self.alpha, self.stale_policy)
-        f.groups += got
+        self._forming = True
+        got, gone = self.buffer.take(self.B - len(self._groups), v, self.alpha, self.stale_policy)
+        self._groups += got
         for g in got:  # a group whose every sample is masked trains nothing: filtered
             kind = ("filtered", ALL_TRUNCATED) if self.truncation.masks_all(g.samples) else None
-            f.rows += [self._row(s, *(kind or ("trained", "trained")), v) for s in g.samples]
+            self._rows += [self._row(s, *(kind or ("trained", "trained")), v) for s in g.samples]
         for d in gone:
-            f.dropped.append(d)
-            f.rows += self._resolve_dropped(d, v)
+            self._dropped.append(d)
+            self._rows += self._resolve_dropped(d, v)
         self.taken += [g.prompt_id for g in got]
-        if len(f.groups) == self.B:
-            self._abort_surplus(f, v)
+        if len(self._groups) == self.B:
+            self._abort_surplus(v)
             self.dispatcher.admit()  # capacity freed by surplus drops: replacements start
         elif self.dispatcher.admit() or not self.dispatcher.idle() or self.buffer.num_complete():
             return None
-        elif not f.groups and not f.dropped and self.admission.halted:
+        elif not self._groups and not self._dropped and self.admission.halted:
             raise RuntimeError("every generation server died: no prompt can be generated")
-        self.forming = None
-        f.groups.sort(key=lambda g: g.prompt_id)
-        return f
+        batch = Batch(
+            groups=sorted(self._groups, key=lambda g: g.prompt_id),
+            dropped=self._dropped,
+            rows=self._rows,
+        )
+        self._forming, self._groups, self._dropped, self._rows = False, [], [], []
+        return batch
 
     def _row(
         self, s: Any, outcome: str, reason: str, v: int, failure: FailureReason | None = None
@@ -162,7 +192,7 @@ class BatchAssembler:
             self.admission.release_at_publish(d.prompt_id)
         return rows
 
-    def _abort_surplus(self, f: Batch, v: int) -> None:
+    def _abort_surplus(self, v: int) -> None:
         """The batch is full: abort in-flight prompts that would be stale at step v + 1.
 
         A prompt is doomed when its group's start version estimate
@@ -187,9 +217,9 @@ class BatchAssembler:
             d = self.buffer.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
             if d is not None:
                 self.counters["samples_dropped_surplus_stale"] += len(d.samples)
-                f.dropped.append(d)
+                self._dropped.append(d)
                 outcome = "regenerated" if regen else "stale"
-                f.rows += [self._row(s, outcome, d.reason, v) for s in d.samples]
+                self._rows += [self._row(s, outcome, d.reason, v) for s in d.samples]
             if regen:
                 self.counters["prompts_regenerated_stale"] += 1
                 if now_fresh:

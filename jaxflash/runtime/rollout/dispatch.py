@@ -17,26 +17,22 @@ for episodes, so the scheduler and ``BatchAssembler`` drive either.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Any
 
 from jaxflash import failpoints
-from jaxflash.replay.group_buffer import GroupBuffer
-from jaxflash.runtime.clock import Clock
-from jaxflash.runtime.rollout.admission import Admission, admit_all
-from jaxflash.runtime.rollout.inbox import Inbox
-from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.admission import admit_all
 from jaxflash.runtime.rollout.routing import RequestRouter
 from jaxflash.runtime.rollout.scoring import (
     Scorer,
-    TruncationPolicy,
-    apply_score,
     response_text,
     reward_item,
+    scored_sample,
     unavailable,
 )
-from jaxflash.runtime.rollout.server_pool import ServerPool
-from jaxflash.types import GenerationRequest, Prompt, SamplingParams
+from jaxflash.runtime.rollout.settings import DispatchFactory, DispatchParts, RolloutSettings
+from jaxflash.types import GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -44,64 +40,56 @@ log = logging.getLogger(__name__)
 _MAX_SPANS = 100_000  # scoring spans kept for the timeline between two reads
 
 
+def prompt_dispatch(scorer: Scorer | None, tokenizer: Any) -> DispatchFactory:
+    """The task workload's ``DispatchFactory``: G single-sample requests per prompt,
+    each scored by ``scorer`` as it comes back (``Dispatcher``).
+
+    Raises:
+      ValueError: no scorer.
+    """
+    if scorer is None:
+        raise ValueError("RolloutScheduler needs a scorer (or episodes, scored by their env)")
+
+    def build(parts: DispatchParts, settings: RolloutSettings) -> Dispatcher:
+        return Dispatcher(parts, settings, scorer=scorer, tokenizer=tokenizer)
+
+    return build
+
+
 class Dispatcher:
     """Admits prompts, dispatches their samples, scores what comes back.
 
     Args:
-      pool: the generation servers.
-      inbox: the servers' and reward futures' report queue.
-      admission: capacity over the prompt source.
-      ledger: every prompt taken enters it here.
-      buffer: scored samples (or failures) go here.
+      parts: the scheduler's pool, inbox, admission, ledger, buffer and clock.
+      settings: G (requests per prompt), sampling and seed (the sampling RNG is
+        keyed per sample), the starting policy version, the per-sample deadline and
+        retries, truncation, and ``prompt_replication``: each of a prompt's G samples
+        goes to the best server on its own (ROLL Flash §5.1.2); False keeps them
+        together on the server chosen for the first (the baseline that generates a
+        prompt's group as one request).
       scorer: ``submit((text, answer, item_id)) -> Future[Scored]``.
       tokenizer: ``response_text(ids)`` (the text up to the first stop id).
-      group_size: G requests per prompt.
-      sampling, seed: of every request (the sampling RNG is keyed per sample).
-      policy_version: the version the servers hold at the start.
-      sample_deadline_s, max_retries: per-sample deadline and retries after it.
-      truncation: what a truncated response gets.
-      counters: the run's counters (restored from a checkpoint; they keep adding up).
-      clock: time of dispatch and deadlines.
-      prompt_replication: each of a prompt's G samples goes to the best server on
-        its own (ROLL Flash §5.1.2); False keeps them together on the server
-        chosen for the first (the baseline that generates a prompt's group as one
-        request).
+
+    Counts (``counts``): samples_scored, samples_late, and its router's samples_* /
+    server_*.
     """
 
     def __init__(
-        self,
-        pool: ServerPool,
-        inbox: Inbox,
-        admission: Admission,
-        ledger: PromptLedger,
-        buffer: GroupBuffer,
-        scorer: Scorer,
-        *,
-        tokenizer: Any,
-        group_size: int,
-        sampling: SamplingParams,
-        seed: int,
-        policy_version: int,
-        sample_deadline_s: float,
-        max_retries: int,
-        truncation: TruncationPolicy,
-        counters: collections.Counter,
-        clock: Clock,
-        prompt_replication: bool = True,
+        self, parts: DispatchParts, settings: RolloutSettings, *, scorer: Scorer, tokenizer: Any
     ) -> None:
-        self.pool, self.inbox, self.admission = pool, inbox, admission
-        self.ledger, self.buffer, self.scorer = ledger, buffer, scorer
-        self.tokenizer, self.G = tokenizer, group_size
-        self.sampling, self.seed = sampling, seed
-        self.truncation, self.counters, self.clock = truncation, counters, clock
-        self.prompt_replication = prompt_replication
+        self.pool, self.inbox, self.admission = parts.pool, parts.inbox, parts.admission
+        self.ledger, self.buffer, self.clock = parts.ledger, parts.buffer, parts.clock
+        self.scorer, self.tokenizer, self.G = scorer, tokenizer, settings.group_size
+        self.sampling, self.seed = settings.sampling, settings.seed
+        self.truncation = settings.truncation
+        self.prompt_replication = settings.prompt_replication
+        self.counters: collections.Counter = collections.Counter()  # samples_scored, _late
         self.router = RequestRouter(
-            pool,
-            policy_version=policy_version,
-            sample_deadline_s=sample_deadline_s,
-            max_retries=max_retries,
-            counters=counters,
-            clock=clock,
+            self.pool,
+            policy_version=settings.policy_version,
+            sample_deadline_s=settings.sample_deadline_s,
+            max_retries=settings.max_retries,
+            clock=self.clock,
             on_failed=self.buffer.fail,
             on_halt=self._halt,
         )
@@ -121,7 +109,7 @@ class Dispatcher:
             else:
                 self._on_scored(sample, rest[0])
         if self.router.check():  # a restarted generation process: admit again
-            self.admission.halted = False
+            self.admission.reopen()
         self.admit()
         return len(events)
 
@@ -213,6 +201,12 @@ class Dispatcher:
         """Instantaneous queue state for metrics.jsonl."""
         return {"samples_outstanding": self.num_outstanding, "samples_scoring": self.num_scoring}
 
+    def counts(self) -> dict[str, int]:
+        """What it and its router counted since it was built."""
+        out = collections.Counter(self.router.counts())
+        out.update(self.counters)
+        return dict(out)
+
     def _request(self, prompt: Prompt, index: int) -> GenerationRequest:
         return GenerationRequest(
             prompt_id=prompt.prompt_id,
@@ -228,7 +222,7 @@ class Dispatcher:
         return spans
 
     def _halt(self) -> None:
-        self.admission.halted = True
+        self.admission.halt()
         log.error("every generation server died: failing the prompts in flight")
 
     # ------------------------------------------------------------------ coming back
@@ -237,7 +231,7 @@ class Dispatcher:
         if self.router.received(sample) is None:
             return
         key = (int(sample.prompt_id), int(sample.sample_index))
-        sample.response_text = response_text(sample, self.tokenizer)
+        sample = dataclasses.replace(sample, response_text=response_text(sample, self.tokenizer))
         prompt = self.admission.prompt(key[0])
         if prompt is None:  # released meanwhile: nothing will take this sample
             self.counters["samples_late"] += 1
@@ -270,7 +264,7 @@ class Dispatcher:
         if not self.admission.is_active(key[0]) or key in self.router.table:
             self.counters["samples_late"] += 1  # prompt closed or resubmitted meanwhile
             return
-        failure = apply_score(sample, scored, self.truncation)
+        sample, failure = scored_sample(sample, scored, self.truncation)
         self.counters["samples_scored"] += 1
         self.buffer.add(sample, failure=failure)
         failpoints.reach("rollout_scored")

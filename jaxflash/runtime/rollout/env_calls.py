@@ -77,8 +77,6 @@ class EnvCalls:
     Args:
       inbox: where outcomes are posted (``("env", call_id, outcome)``).
       clock: the run's clock (deadlines).
-      counters: the run's counters (``env_calls``, ``env_calls_abandoned``,
-        ``env_close_errors``).
       runner: how a call is run (default ``thread_runner``).
     """
 
@@ -86,17 +84,22 @@ class EnvCalls:
         self,
         inbox: Inbox,
         clock: Clock,
-        counters: collections.Counter,
         *,
         runner: Runner = thread_runner,
     ) -> None:
-        self.inbox, self.clock, self.counters, self._runner = inbox, clock, counters, runner
+        self.inbox, self.clock, self._runner = inbox, clock, runner
+        # env_calls, env_calls_abandoned, env_close_errors (of cancelled calls' envs)
+        self.counters: collections.Counter = collections.Counter()
         self._pending: dict[int, _Call] = {}
         self._orphans: dict[int, TextEnv] = {}  # cancelled calls still running
         self._next_id = 0
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def counts(self) -> dict[str, int]:
+        """What it counted since it was built."""
+        return dict(self.counters)
 
     # ------------------------------------------------------------------ starting
 

@@ -40,16 +40,15 @@ environment calls run on workers that only post to the ``Inbox``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Any
 
 from jaxflash.envs.base import EnvFailure, EnvFailureReason, ResetOutcome
 from jaxflash.envs.episode import EpisodeEnd, split_turn_index
 from jaxflash.envs.training import trajectory_to_sample
-from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.staleness import start_version_of
-from jaxflash.runtime.clock import Clock
-from jaxflash.runtime.rollout.admission import Admission, admit_all
+from jaxflash.runtime.rollout.admission import admit_all
 from jaxflash.runtime.rollout.env_calls import EnvCalls, close_env
 from jaxflash.runtime.rollout.episode_groups import (
     EPISODE_ENDS,
@@ -57,11 +56,9 @@ from jaxflash.runtime.rollout.episode_groups import (
     EpisodeRun,
     EpisodeSettings,
 )
-from jaxflash.runtime.rollout.inbox import Inbox
-from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.routing import RequestRouter
-from jaxflash.runtime.rollout.server_pool import ServerPool
-from jaxflash.types import FailureReason, Prompt, SamplingParams
+from jaxflash.runtime.rollout.settings import DispatchFactory, DispatchParts, RolloutSettings
+from jaxflash.types import FailureReason, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -76,61 +73,65 @@ ZERO_COUNTERS = (
 )
 
 
+def episode_dispatch(episodes: EpisodeSettings) -> DispatchFactory:
+    """The agentic workload's ``DispatchFactory``: each admitted group is played as G
+    (+ redundancy) episodes by an ``EpisodeDispatcher``."""
+
+    def build(parts: DispatchParts, settings: RolloutSettings) -> EpisodeDispatcher:
+        return EpisodeDispatcher(parts, settings, episodes=episodes)
+
+    return build
+
+
 class EpisodeDispatcher:
     """Runs each admitted group's episodes as independent loops (see module).
 
     Args:
-      pool, inbox, admission, ledger, buffer: as ``Dispatcher`` (the buffer's
-        group size is G; a "prompt" is a group, ``Prompt.meta["env_seed"]`` its seed).
-      settings: environments, rendering and redundancy.
-      group_size: G episodes kept per group.
-      sampling, seed: of every turn request (max_new_tokens is each turn's budget).
-      policy_version, sample_deadline_s, max_retries: as ``Dispatcher`` (per turn).
-      counters: the run's counters (restored from a checkpoint).
-      clock: the run's clock (turn and environment deadlines).
+      parts: as ``Dispatcher`` (the buffer's group size is G; a "prompt" is a group,
+        ``Prompt.meta["env_seed"]`` its seed); ``parts.restored`` tells how many
+        episodes were running at the checkpoint (``episodes_aborted_on_resume``).
+      settings: G episodes kept per group; sampling and seed of every turn request
+        (max_new_tokens is each turn's budget); the policy version, deadline and
+        retries per turn, as ``Dispatcher``.
+      episodes: environments, rendering and redundancy.
+
+    Counts (``counts``): episodes_*, turns_generated, env_failures*, env_calls*,
+    env_close_errors, samples_late and its router's samples_* / server_*.
+
+    Raises:
+      ValueError: ``settings.prompt_replication`` is False (every turn is routed on
+        its own).
     """
 
     def __init__(
-        self,
-        pool: ServerPool,
-        inbox: Inbox,
-        admission: Admission,
-        ledger: PromptLedger,
-        buffer: GroupBuffer,
-        *,
-        settings: EpisodeSettings,
-        group_size: int,
-        sampling: SamplingParams,
-        seed: int,
-        policy_version: int,
-        sample_deadline_s: float,
-        max_retries: int,
-        counters: collections.Counter,
-        clock: Clock,
+        self, parts: DispatchParts, settings: RolloutSettings, *, episodes: EpisodeSettings
     ) -> None:
-        self.pool, self.inbox, self.admission = pool, inbox, admission
-        self.ledger, self.buffer, self.settings = ledger, buffer, settings
-        self.G, self.sampling, self.seed = group_size, sampling, seed
-        self.counters, self.clock = counters, clock
-        self.max_turns = settings.limits.max_turns
+        if not settings.prompt_replication:
+            raise ValueError("prompt_replication=False has no meaning for episodes")
+        self.pool, self.inbox, self.admission = parts.pool, parts.inbox, parts.admission
+        self.ledger, self.buffer, self.settings = parts.ledger, parts.buffer, episodes
+        self.G, self.sampling, self.seed = settings.group_size, settings.sampling, settings.seed
+        self.clock = parts.clock
+        self.counters: collections.Counter = collections.Counter()
+        self.max_turns = episodes.limits.max_turns
         self.router = RequestRouter(
-            pool,
-            policy_version=policy_version,
-            sample_deadline_s=sample_deadline_s,
-            max_retries=max_retries,
-            counters=counters,
-            clock=clock,
+            self.pool,
+            policy_version=settings.policy_version,
+            sample_deadline_s=settings.sample_deadline_s,
+            max_retries=settings.max_retries,
+            clock=self.clock,
             on_failed=self._fail_group,
             on_halt=self._halt,
         )
-        self.calls = EnvCalls(inbox, clock, counters, runner=settings.runner)
+        self.calls = EnvCalls(self.inbox, self.clock, runner=episodes.runner)
         self.groups: dict[int, EpisodeGroup] = {}
         # Episodes running at the checkpoint this run resumes from were lost with it.
-        lost = counters["episodes_started"] - sum(counters[k] for k in EPISODE_ENDS)
-        counters["episodes_aborted_on_resume"] += lost
+        restored = parts.restored
+        lost = restored.get("episodes_started", 0) - sum(restored.get(k, 0) for k in EPISODE_ENDS)
+        self.counters["episodes_aborted_on_resume"] += lost
         # Every documented counter is in every metrics row, zero until it counts.
         for name in ("episodes_started", *EPISODE_ENDS, *ZERO_COUNTERS):
-            counters.setdefault(name, 0)
+            self.counters.setdefault(name, 0)
 
     # ------------------------------------------------------------------ one step
 
@@ -147,11 +148,11 @@ class EpisodeDispatcher:
             else:
                 raise ValueError(f"EpisodeDispatcher: unexpected inbox event {kind!r}")
         if self.router.check():  # a restarted generation process: admit again
-            self.admission.halted = False
+            self.admission.reopen()
         for key, outcome in self.calls.expired(self.clock.now()):
             run = self._run(key)
             if run is not None:
-                run.env = None  # its call may still be running: never touch it again
+                run.lose_env()  # its call may still be running: never touch it again
             self._env_returned(key, outcome)
         self.admit()
         return len(events)
@@ -238,6 +239,17 @@ class EpisodeDispatcher:
         """Server i left the pool (elastic move, stopped): re-queue its requests elsewhere."""
         return self.router.retire(i)
 
+    def take_score_spans(self) -> list[tuple[float, float]]:
+        """None: the environments score episodes (no reward pool spans)."""
+        return []
+
+    def counts(self) -> dict[str, int]:
+        """What it, its router and its environment calls counted since it was built."""
+        out = collections.Counter(self.counters)
+        out.update(self.router.counts())
+        out.update(self.calls.counts())
+        return dict(out)
+
     def stats(self) -> dict[str, Any]:
         """Instantaneous state for metrics.jsonl."""
         return {
@@ -257,7 +269,7 @@ class EpisodeDispatcher:
         index, run = group.new_run(self.settings, self.router.version)
         self.counters["episodes_started"] += 1
         seed = int(group.prompt.meta["env_seed"])
-        run.call = self.calls.reset((group.prompt.prompt_id, index), run.env, seed)
+        run.waits_on(self.calls.reset((group.prompt.prompt_id, index), run.env, seed))
 
     def _on_turn(self, sample: Any) -> None:
         """A server finished one turn: record it, then step the environment on a worker."""
@@ -271,14 +283,14 @@ class EpisodeDispatcher:
             return
         action_text = run.episode.record_turn(sample)
         self.counters["turns_generated"] += 1
-        run.call = self.calls.step(key, run.env, action_text)
+        run.waits_on(self.calls.step(key, run.env, action_text))
 
     def _env_returned(self, key: tuple[int, int], outcome: Any) -> None:
         """An environment call came back (or expired): advance the episode."""
         run = self._run(key)
         if run is None:
             return
-        run.call = None
+        run.waits_on(None)
         episode = run.episode
         if isinstance(outcome, ResetOutcome):
             episode.begin(outcome)
@@ -304,8 +316,11 @@ class EpisodeDispatcher:
             self._fail_group(pid, FailureReason.PROMPT_TOO_LONG, detail)
             return
         sample = trajectory_to_sample(traj)
-        sample.reward_info["episode_index"] = index
-        sample.sample_index = len(group.kept)
+        sample = dataclasses.replace(
+            sample,
+            sample_index=len(group.kept),
+            reward_info={**sample.reward_info, "episode_index": index},
+        )
         group.kept.append(int(start_version_of(sample)))
         self.counters["episodes_finished"] += 1
         self.buffer.add(sample)
@@ -326,7 +341,7 @@ class EpisodeDispatcher:
         if len(group.kept) + len(group.runs) >= self.G:
             return  # a redundant episode covers it
         if group.restarts < self.settings.max_env_restarts:
-            group.restarts += 1
+            group.restart()
             self.counters["episodes_restarted"] += 1
             self._start_episode(group)
             return
@@ -345,5 +360,5 @@ class EpisodeDispatcher:
             group.cancel(self.calls, self.counters, "episodes_aborted")
 
     def _halt(self) -> None:
-        self.admission.halted = True
+        self.admission.halt()
         log.error("every generation server died: failing the groups in flight")

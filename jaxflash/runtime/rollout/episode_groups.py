@@ -78,6 +78,14 @@ class EpisodeRun:
     env: TextEnv | None
     call: int | None = None
 
+    def waits_on(self, call: int | None) -> None:
+        """Its environment call now pending (None: it returned)."""
+        self.call = call
+
+    def lose_env(self) -> None:
+        """Its call missed its deadline and may still run: never touch the env again."""
+        self.env = None
+
 
 @dataclasses.dataclass
 class EpisodeGroup:
@@ -88,6 +96,10 @@ class EpisodeGroup:
     kept: list[int] = dataclasses.field(default_factory=list)
     next_index: int = 0
     restarts: int = 0
+
+    def restart(self) -> None:
+        """One more episode restarted after an environment failure."""
+        self.restarts += 1
 
     def start_version(self) -> float:
         """The group's start version: the oldest of its kept and running episodes'

@@ -57,6 +57,10 @@ class _Job:
     future: concurrent.futures.Future
     attempts: int = 0  # dispatches so far
 
+    def dispatched(self) -> None:
+        """One more attempt at scoring it."""
+        self.attempts += 1
+
 
 @dataclasses.dataclass(eq=False)
 class _Worker:
@@ -66,6 +70,19 @@ class _Worker:
     ready: bool = False
     job: _Job | None = None
     deadline: float = float("inf")
+
+    def started(self) -> None:
+        """It said READY."""
+        self.ready = True
+
+    def assign(self, job: _Job, deadline: float) -> None:
+        """It scores ``job`` until ``deadline`` (clock time)."""
+        self.job, self.deadline = job, deadline
+
+    def finish(self) -> _Job | None:
+        """Its job came back: idle again; the job it held."""
+        job, self.job, self.deadline = self.job, None, float("inf")
+        return job
 
 
 class RewardPool:
@@ -242,7 +259,7 @@ class RewardPool:
                 if not self._pending:
                     return
                 job = self._pending.popleft()
-            job.attempts += 1
+            job.dispatched()
             try:
                 worker.conn.send(tuple(job.item))
             except (OSError, EOFError):
@@ -253,7 +270,7 @@ class RewardPool:
                 )
                 self._replace(worker)
                 continue
-            worker.job, worker.deadline = job, now + self._timeout_s
+            worker.assign(job, now + self._timeout_s)
 
     def _wait_and_collect(self) -> None:
         """Block until a result, a wake-up or the earliest deadline; then handle it."""
@@ -301,11 +318,11 @@ class RewardPool:
                 )
             return
         if msg == READY:
-            worker.ready = True
+            worker.started()
         elif isinstance(msg, tuple) and msg and msg[0] == STARTUP_ERROR:
             self._set_fatal(msg[1], worker)
         elif worker.job is not None:
-            job, worker.job, worker.deadline = worker.job, None, float("inf")
+            job = worker.finish()
             # The worker turns a raise (or a wrong return type) into an error result.
             self._finish(job, msg, None if msg.error is None else FailureReason.REWARD_ERROR)
 

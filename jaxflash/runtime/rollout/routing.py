@@ -42,7 +42,6 @@ class RequestRouter:
       sample_deadline_s: a request not back by then (queue time on the server
         included) is aborted and retried on another server.
       max_retries: retries of a late request before its prompt fails.
-      counters: the run's counters (samples_* and server_failures are counted here).
       clock: time of dispatch and deadlines.
       on_failed: called once per prompt that fails here (REQUEST_REJECTED,
         GENERATION_TIMEOUT, SERVER_DIED); its outstanding requests are gone by then.
@@ -56,7 +55,6 @@ class RequestRouter:
         policy_version: int,
         sample_deadline_s: float,
         max_retries: int,
-        counters: collections.Counter,
         clock: Clock,
         on_failed: OnFailed,
         on_halt: Callable[[], None],
@@ -64,7 +62,8 @@ class RequestRouter:
         self.pool = pool
         self.policy = PolicyClock(policy_version)
         self.deadline_s, self.max_retries = sample_deadline_s, max_retries
-        self.counters, self.clock = counters, clock
+        self.clock = clock
+        self.counters: collections.Counter = collections.Counter()  # samples_*, server_*
         self.on_failed, self.on_halt = on_failed, on_halt
         self.table = OutstandingTable()
         self.first_request_at: float | None = None
@@ -169,6 +168,11 @@ class RequestRouter:
         return back
 
     # ------------------------------------------------------------------ books
+
+    def counts(self) -> dict[str, int]:
+        """What it counted (samples_generated, _late, _timed_out, _retried, _failed,
+        _aborted, _rerouted, _requeued; server_failures, server_recoveries)."""
+        return dict(self.counters)
 
     def next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding request misses its deadline."""

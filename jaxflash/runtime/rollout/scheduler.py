@@ -6,10 +6,12 @@
     publish(v+1): release ◄── learner ◄── next_batch ◄── BatchAssembler ◄── GroupBuffer
 
 Built from thread-free parts, each with its own tests: ``OutstandingTable``,
-``Admission``, ``ServerPool``, ``Dispatcher``, ``BatchAssembler``. Their work is
-reachable without threads (``poll``, ``try_batch``, ``publish``); the scheduler
-adds only the pump thread that calls ``poll`` in a loop and the blocking
-``next_batch``. A simulator drives the same object without threads under a
+``Admission``, ``ServerPool``, a dispatcher (``rollout.settings.Dispatch``, built by
+the workload's factory), ``BatchAssembler``. Each part owns its state (the others
+call its methods) and its counters (``counts()``; ``counters`` here adds them to the
+checkpoint's). Their work is reachable without threads (``poll``, ``try_batch``,
+``publish``); the scheduler adds only the pump thread that calls ``poll`` in a loop
+and the blocking ``next_batch``. A simulator drives the same object without threads under a
 ``VirtualClock`` (``runtime.clock``).
 
 Driving it without threads (a discrete-event simulator; see
@@ -17,7 +19,11 @@ tests/test_scheduler_parts.py for a complete driver)::
 
     clock, inbox = VirtualClock(), Inbox()
     servers = [SimServer(on_finished=inbox.generated, clock=clock) for _ in range(n)]
-    sched = RolloutScheduler(servers, inbox, source, ledger, buffer, scorer, ..., clock=clock)
+    books = RolloutBooks(source=source, ledger=PromptLedger(), buffer=GroupBuffer(G))
+    settings = RolloutSettings(batch_prompts=B, group_size=G, async_ratio=α, ...)
+    sched = RolloutScheduler(
+        servers, inbox, books, settings, prompt_dispatch(scorer, tokenizer), clock=clock
+    )
     while v < steps:
         sched.poll()
         batch = sched.try_batch(v)
@@ -32,9 +38,9 @@ tests/test_scheduler_parts.py for a complete driver)::
 With α = 0 (capacity B, release at publish) the next prompts start at the new
 version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
 
-Agentic RL: given ``episodes`` (``EpisodeSettings``), a "prompt" is a group of
-episodes sharing an environment seed and the environment manager
-(``runtime.episode_dispatch.EpisodeDispatcher``) takes the ``Dispatcher``'s place:
+Agentic RL: with ``episode_dispatch(EpisodeSettings)`` as the factory, a "prompt"
+is a group of episodes sharing an environment seed and the environment manager
+(``runtime.rollout.episode_dispatch.EpisodeDispatcher``) takes the ``Dispatcher``'s place:
 every episode runs as its own loop, each turn one request to the servers; the
 admission, staleness gate, batches, ledger and threads here are the same.
 Threads: servers and reward futures only append to the ``Inbox``; everything
@@ -45,26 +51,26 @@ server calls back, so the two can never deadlock.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from jaxflash.data.prompts import PromptFailure
-from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock, RealClock
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
-from jaxflash.runtime.rollout.dispatch import Dispatcher
-from jaxflash.runtime.rollout.episode_dispatch import EpisodeDispatcher
-from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
-from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.scoring import Scorer, TruncationPolicy
 from jaxflash.runtime.rollout.server_pool import GenerationServerProtocol, ServerPool, Submitted
-from jaxflash.types import Prompt, PromptOutcome, SamplingParams
+from jaxflash.runtime.rollout.settings import (
+    DispatchFactory,
+    DispatchParts,
+    RolloutBooks,
+    RolloutSettings,
+)
+from jaxflash.types import PromptOutcome
 
-__all__ = ["Batch", "Inbox", "RolloutScheduler"]
+__all__ = ["Batch", "Inbox", "RolloutBooks", "RolloutScheduler", "RolloutSettings"]
 
 
 class BooksSnapshot(NamedTuple):
@@ -89,130 +95,77 @@ class RolloutScheduler:
     Args:
       servers: the generation servers (``GenerationServerProtocol``), built with
         ``on_finished=inbox.generated``; started by ``start``.
-      inbox: where servers and reward futures report back.
-      source: prompt source (``take(n)``; ``cursor`` for checkpoints).
-      ledger: the run's PromptLedger.
-      buffer: GroupBuffer of group size G.
-      scorer: reward pool (``submit(item) -> Future[Scored]``); None with ``episodes``
-        (the environment gives the rewards).
-      tokenizer: ``response_text(ids)`` (the text up to the first stop id).
-      batch_prompts: B groups per learner step.
-      group_size: G samples per prompt.
-      async_ratio: α >= 0.
-      sampling, seed: of every request.
-      policy_version: the version the servers hold now.
-      stale_policy: "drop" | "regenerate".
-      sample_deadline_s, max_retries: per-sample deadline (queue time on the
-        server included) and retries before the prompt fails.
-      truncation: what a truncated response gets.
-      resume_prompts: prompts in flight at the checkpoint (open in the ledger),
-        regenerated first (``prompts_regenerated_on_resume``).
-      counters: counters restored from a checkpoint (they keep adding up).
-      refill_dropped: dynamic sampling: a dropped prompt's capacity returns at
-        once (up to B per step) instead of at the next ``publish``.
+      inbox: where servers, reward futures and environments report back.
+      books: source, ledger, group buffer (group size G), prompts in flight at the
+        checkpoint (generated again first, ``prompts_regenerated_on_resume``) and
+        the checkpoint's counters (they keep adding up).
+      settings: B, G, α, sampling, deadlines, truncation, dynamic sampling.
+      dispatch: builds the dispatcher (the workload's ``Workload.dispatch``: prompts
+        scored by a reward pool, ``rollout.dispatch.prompt_dispatch``, or groups of
+        episodes, ``rollout.episode_dispatch.episode_dispatch``).
       clock: time source (default: real time).
-      prompt_replication: False keeps a prompt's G samples on one server (see
-        ``Dispatcher``); the default sends each to the best server.
-      episodes: agentic RL: the source yields groups (``Prompt.meta["env_seed"]``) and
-        each is played as G episodes (+ redundancy) by ``EpisodeDispatcher``.
 
     Raises:
-      ValueError: B < 1, G < 1, α < 0, an unknown stale_policy, no scorer without
-        ``episodes``, or prompt_replication=False with ``episodes`` (every turn is
-        routed on its own).
+      ValueError: what the dispatch factory raises (no scorer; prompt_replication=False
+        with episodes).
     """
 
     def __init__(
         self,
         servers: Sequence[GenerationServerProtocol],
         inbox: Inbox,
-        source: Any,
-        ledger: PromptLedger,
-        buffer: GroupBuffer,
-        scorer: Scorer | None,
-        *,
-        tokenizer: Any,
-        batch_prompts: int,
-        group_size: int,
-        async_ratio: int,
-        sampling: SamplingParams,
-        seed: int,
-        policy_version: int = 0,
-        stale_policy: str = "drop",
-        sample_deadline_s: float = 600.0,
-        max_retries: int = 1,
-        truncation: TruncationPolicy | None = None,
-        resume_prompts: Sequence[Prompt | PromptFailure] = (),
-        counters: dict[str, int] | None = None,
-        refill_dropped: bool = False,
+        books: RolloutBooks,
+        settings: RolloutSettings,
+        dispatch: DispatchFactory,
         clock: Clock | None = None,
-        prompt_replication: bool = True,
-        episodes: EpisodeSettings | None = None,
     ) -> None:
-        if batch_prompts < 1 or group_size < 1 or async_ratio < 0:
-            raise ValueError(
-                f"need batch_prompts >= 1, group_size >= 1, async_ratio >= 0; got "
-                f"{batch_prompts}, {group_size}, {async_ratio}"
-            )
-        if stale_policy not in ("drop", "regenerate"):
-            raise ValueError(f"stale_policy must be drop | regenerate, got {stale_policy!r}")
-        if episodes is None and scorer is None:
-            raise ValueError("RolloutScheduler needs a scorer (or episodes, scored by their env)")
-        if episodes is not None and not prompt_replication:
-            raise ValueError("prompt_replication=False has no meaning for episodes")
-        self.B = batch_prompts
-        self.ledger, self.buffer, self.source = ledger, buffer, source
-        self.truncation = truncation or TruncationPolicy()
+        self.settings, self.inbox = settings, inbox
+        self.ledger, self.buffer, self.source = books.ledger, books.buffer, books.source
+        self.truncation = settings.truncation
         self.clock = clock or RealClock()
-        self.counters: collections.Counter = collections.Counter(counters or {})
-        self.counters["prompts_regenerated_on_resume"] += len(resume_prompts)
+        # Counters: the checkpoint's, plus what each part counted since (``counts``).
+        self._restored: dict[str, int] = {k: int(v) for k, v in books.counters.items()}
+        self._counters: collections.Counter = collections.Counter()  # the scheduler's own
+        self._counters["prompts_regenerated_on_resume"] += len(books.resume_prompts)
         self.pool = ServerPool(servers)
         self.admission = Admission(
-            source,
-            capacity=(async_ratio + 1) * batch_prompts,
-            refill_budget=batch_prompts if refill_dropped else 0,
-            resume=resume_prompts,
+            books.source,
+            capacity=settings.capacity,
+            refill_budget=settings.refill_budget,
+            resume=books.resume_prompts,
         )
-        common = dict(
-            group_size=group_size,
-            sampling=sampling,
-            seed=seed,
-            policy_version=policy_version,
-            sample_deadline_s=sample_deadline_s,
-            max_retries=max_retries,
-            counters=self.counters,
+        parts = DispatchParts(
+            pool=self.pool,
+            inbox=inbox,
+            admission=self.admission,
+            ledger=self.ledger,
+            buffer=self.buffer,
             clock=self.clock,
+            restored=dict(self._restored),
         )
-        parts = (self.pool, inbox, self.admission, ledger, buffer)
-        self.dispatcher: Dispatcher | EpisodeDispatcher
-        if episodes is None:
-            self.dispatcher = Dispatcher(
-                *parts,
-                scorer,
-                tokenizer=tokenizer,
-                truncation=self.truncation,
-                prompt_replication=prompt_replication,
-                **common,
-            )
-        else:
-            self.dispatcher = EpisodeDispatcher(*parts, settings=episodes, **common)
+        self.dispatcher = dispatch(parts, settings)
         self.assembler = BatchAssembler(
-            self.dispatcher,
-            self.admission,
-            buffer,
-            ledger,
-            batch_prompts=batch_prompts,
-            async_ratio=async_ratio,
-            stale_policy=stale_policy,
-            truncation=self.truncation,
-            refill_dropped=refill_dropped,
-            counters=self.counters,
+            self.dispatcher, self.admission, self.buffer, self.ledger, settings
         )
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    @property
+    def B(self) -> int:
+        """Groups per learner step now (``reconfigure`` moves it)."""
+        return self.assembler.B
+
+    @property
+    def counters(self) -> collections.Counter:
+        """Every counter of the run: the checkpoint's plus each part's since (a copy)."""
+        with self._lock:
+            out = collections.Counter(self._restored)
+            for part in (self._counters, self.dispatcher.counts(), self.assembler.counts()):
+                out.update(part)
+            return out
 
     # ------------------------------------------------------------------ thread-free API
 
@@ -259,13 +212,9 @@ class RolloutScheduler:
                 f">= batch_prompts; got {batch_prompts}, {async_ratio}, {prompts_in_flight}"
             )
         with self._changed:
-            if self.assembler.forming is not None:
-                raise RuntimeError("reconfigure between batches only (a batch is being assembled)")
-            self.B = self.assembler.B = batch_prompts
-            self.assembler.alpha = async_ratio
-            self.admission.capacity = prompts_in_flight
-            if self.admission.refill_budget:
-                self.admission.refill_budget = batch_prompts
+            self.assembler.reconfigure(batch_prompts=batch_prompts, async_ratio=async_ratio)
+            refill = batch_prompts if self.settings.refill_dropped else 0
+            self.admission.resize(capacity=prompts_in_flight, refill_budget=refill)
             self._changed.notify_all()
 
     def retire_server(self, i: int, timeout_s: float = 60.0) -> int:
@@ -304,7 +253,7 @@ class RolloutScheduler:
         """Add 1 to each named counter (the loop's own counts live with the scheduler's)."""
         with self._lock:
             for name in names:
-                self.counters[name] += 1
+                self._counters[name] += 1
 
     def mark_trained(self, groups: Sequence[Group]) -> None:
         """Close a batch's prompts in the ledger (their capacity returns at ``publish``).
@@ -375,12 +324,11 @@ class RolloutScheduler:
                     raise RuntimeError(f"rollout scheduler failed: {self._error!r}")
                 batch = self.try_batch(learner_version)
                 if batch is not None:
-                    batch.wait_s = self.clock.now() - t0
-                    return batch
+                    return dataclasses.replace(batch, wait_s=self.clock.now() - t0)
                 left = timeout_s - (self.clock.now() - t0)
                 if left <= 0:
                     raise TimeoutError(
-                        f"next_batch: {len(self.assembler.forming.groups)}/{self.B} groups after "
+                        f"next_batch: {self.assembler.groups_so_far}/{self.B} groups after "
                         f"{timeout_s}s at learner version {learner_version}: {self.stats()}"
                     )
                 self.clock.wait(self._changed, min(left, 0.5))
@@ -398,7 +346,7 @@ class RolloutScheduler:
     def _pump(self) -> None:
         try:
             while not self._stop.is_set():
-                self.dispatcher.inbox.wait(self.clock, 0.02)
+                self.inbox.wait(self.clock, 0.02)
                 self.poll()
         except BaseException as err:  # surfaced by next_batch
             with self._changed:
@@ -410,7 +358,7 @@ class RolloutScheduler:
     def snapshot(self) -> BooksSnapshot:
         """The books, consistent with each other, for a checkpoint."""
         with self._lock:
-            counts = {k: int(v) for k, v in self.counters.items()}
+            counts = {k: int(v) for k, v in sorted(self.counters.items())}
             return BooksSnapshot(
                 self.ledger.state_dict(), counts, int(self.source.cursor), self.buffer.state_dict()
             )
@@ -443,8 +391,8 @@ class RolloutScheduler:
         seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
         server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
         with self._lock:
-            take = getattr(self.dispatcher, "take_score_spans", None)
-            return {"gen": self.pool.take_busy_spans(), "reward": take() if take else []}
+            spans = self.dispatcher.take_score_spans()
+            return {"gen": self.pool.take_busy_spans(), "reward": spans}
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's cumulative ``stats()`` ({} once dead)."""

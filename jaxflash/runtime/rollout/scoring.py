@@ -69,20 +69,21 @@ def reward_item(sample: Sample, answer: str) -> tuple[str, str, str]:
     return (sample.response_text, answer, f"prompt {sample.prompt_id} sample {sample.sample_index}")
 
 
-def apply_score(
+def scored_sample(
     sample: Sample, scored: Scored, truncation: TruncationPolicy
-) -> FailureReason | None:
-    """Sets ``sample.reward`` and ``reward_info`` from its score; returns its failure.
+) -> tuple[Sample, FailureReason | None]:
+    """``sample`` with its ``reward`` and ``reward_info`` from its score, and its failure.
 
     A truncated response under ``truncation.mode == "penalty"`` gets the penalty
-    as its reward (unless scoring failed: then the failure decides its fate).
+    as its reward (unless scoring failed: then the failure decides its fate). The
+    sample given is left as it was (a new ``Sample`` is returned).
     """
     result = scored.result
-    sample.reward_info = {"components": dict(result.components), "error": result.error}
-    sample.reward = float(result.score)
+    reward = float(result.score)
     if scored.failure is None and sample.truncated and truncation.mode == "penalty":
-        sample.reward = float(truncation.penalty)
-    return scored.failure
+        reward = float(truncation.penalty)
+    info = {"components": dict(result.components), "error": result.error}
+    return dataclasses.replace(sample, reward=reward, reward_info=info), scored.failure
 
 
 def unavailable(err: BaseException) -> Scored:

@@ -31,9 +31,11 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import GroupFilter
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.clock import VirtualClock
+from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.simulate.barrier import RoundBarrier
 from jaxflash.runtime.simulate.costs import CostModel
 from jaxflash.runtime.simulate.learner import SimLearner, StepRecord
@@ -179,14 +181,12 @@ def simulate(
     ]
     scorer = SimScorer(workload, clock, costs.reward)
     B, G = config.batch_prompts, config.group_size
-    sched = RolloutScheduler(
-        servers,
-        inbox,
-        SimPromptSource(workload),
-        ledger,
-        GroupBuffer(G, group_filter=config.group_filter),
-        scorer,
-        tokenizer=SimTokenizer(),
+    books = RolloutBooks(
+        source=SimPromptSource(workload),
+        ledger=ledger,
+        buffer=GroupBuffer(G, group_filter=config.group_filter),
+    )
+    settings = RolloutSettings(
         batch_prompts=B,
         group_size=G,
         async_ratio=config.async_ratio,
@@ -196,8 +196,9 @@ def simulate(
         sample_deadline_s=float("inf"),
         refill_dropped=config.group_filter is not None,
         prompt_replication=config.prompt_replication,
-        clock=clock,
     )
+    dispatch = prompt_dispatch(scorer, SimTokenizer())
+    sched = RolloutScheduler(servers, inbox, books, settings, dispatch, clock=clock)
     learner = SimLearner(
         costs,
         devices=config.learner_devices,

@@ -29,10 +29,12 @@ import numpy as np
 
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.runtime.clock import VirtualClock
+from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.workloads.agentic import EnvGroupSource
 from jaxflash.types import FinishReason, GenerationRequest, Sample, SamplingParams
 
@@ -290,7 +292,6 @@ def episode_scheduler(
     settings: EpisodeSettings,
     clock: VirtualClock,
     *,
-    tokenizer: Any,
     batch_groups: int,
     group_size: int,
     sampling: SamplingParams,
@@ -308,23 +309,20 @@ def episode_scheduler(
     (groups in flight then are played again from scratch).
     """
     source = EnvGroupSource("sim", start=start_group)
-    return RolloutScheduler(
-        servers,
-        inbox,
-        source,
-        ledger or PromptLedger(),
-        GroupBuffer(group_size),
-        None,
-        tokenizer=tokenizer,
+    books = RolloutBooks(
+        source=source,
+        ledger=ledger or PromptLedger(),
+        buffer=GroupBuffer(group_size),
+        resume_prompts=tuple(source.group(g) for g in resume_groups),
+        counters=dict(counters or {}),
+    )
+    rollout = RolloutSettings(
         batch_prompts=batch_groups,
         group_size=group_size,
         async_ratio=async_ratio,
         sampling=sampling,
         seed=seed,
         sample_deadline_s=sample_deadline_s,
-        resume_prompts=tuple(source.group(g) for g in resume_groups),
-        counters=dict(counters or {}),
-        refill_dropped=True,  # a failed group is replaced at once, as rlvr.run does
-        clock=clock,
-        episodes=settings,
+        refill_dropped=True,  # a failed group is replaced at once, as runtime.loop does
     )
+    return RolloutScheduler(servers, inbox, books, rollout, episode_dispatch(settings), clock=clock)

@@ -6,7 +6,7 @@ With ``env.name`` set, ``rlvr.run``'s workload (``runtime.workloads.workload``) 
 * groups: ``EnvGroupSource`` yields group ``g`` = environment seed ``g`` of the
   train split (a ``Prompt`` placeholder whose ``meta["env_seed"]`` the environment
   manager reads; the cursor goes into the checkpoint like a data cursor), played
-  by ``RolloutScheduler(episodes=...)`` (``runtime.rollout.episode_dispatch``);
+  by the environment manager (``dispatch``: ``runtime.rollout.episode_dispatch``);
 * the learner batch: per-token advantages over each group's episodes
   (``envs.training.sample_token_advantages``, trajectory or step level), packed
   with the response mask (``learner.episode_batching.pack_episode_batch``: only
@@ -14,9 +14,8 @@ With ``env.name`` set, ``rlvr.run``'s workload (``runtime.workloads.workload``) 
 * evaluation: success rate on the eval split's seeds, mean@n with its standard
   error over seeds (``envs.calibration.calibrate_success``, lockstep rounds with
   the run's engine and current weights), reported as ``eval_accuracy``;
-* per-step episode metrics (``episode_metrics``), including the bias of dropping
-  stale groups (tinker-cookbook PR #822, prime-rl PR #2960: hard, slow problems
-  are the ones that go stale).
+* per-step episode metrics (``workloads.episode_metrics``), including the bias of
+  dropping stale groups.
 """
 
 from __future__ import annotations
@@ -35,13 +34,15 @@ from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.registry import env_config, make_env
 from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
-from jaxflash.replay.groups import DroppedGroup, Group
+from jaxflash.replay.groups import Group
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.rollout.env_calls import close_env
+from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
+from jaxflash.runtime.rollout.settings import DispatchFactory
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
 from jaxflash.runtime.workloads.task_setup import PromptLengths
-from jaxflash.types import Prompt, PromptOutcome, Sample
+from jaxflash.types import Prompt, Sample
 
 FIRST_PROMPTS_MEASURED = 16
 """Seeds of each split whose first prompt is rendered at start to check it fits."""
@@ -180,7 +181,19 @@ class EpisodeRollout:
         """No reward workers: the environments score the episodes."""
         return None
 
-    def settings(self) -> EpisodeSettings:
+    @property
+    def plays_episodes(self) -> bool:
+        """True: a "prompt" is a group of episodes."""
+        return True
+
+    def dispatch(self, reward_pool: None = None) -> DispatchFactory:
+        """The environment manager (``rollout.episode_dispatch``) playing each group's
+        episodes; ``reward_pool``: None (the environments score), the ``Workload``
+        signature."""
+        return episode_dispatch(self.episode_settings())
+
+    def episode_settings(self) -> EpisodeSettings:
+        """How the environment manager plays episodes (train split, redundancy)."""
         return EpisodeSettings(
             make_env=self.make_train_env,
             renderer=self.renderer,
@@ -273,56 +286,3 @@ class EpisodeRollout:
             "eval_invalid_action_rate": res.invalid_action_rate,
             "eval_turns_per_episode": res.mean_turns,
         }
-
-
-# ------------------------------------------------------------------ metrics
-
-STALE_REASONS = ("stale", "surplus_stale")
-
-
-def episode_metrics(groups: Sequence[Group], dropped: Sequence[DroppedGroup]) -> dict[str, Any]:
-    """Per-step episode metrics (docs/METRICS.md); {} for RLVR samples.
-
-    Over the step's groups: ``turns_per_episode``, ``env_time_per_turn_s``,
-    ``success_rate``, ``invalid_action_rate``, ``sampled_tokens_mean``. The stale
-    bias, over groups dropped as stale this step (``stale``, ``surplus_stale``; a
-    surplus group counts only its episodes that had finished, the fast ones, so the
-    gap is understated): ``stale_dropped_episodes`` and their ``stale_dropped_``
-    ``turns_mean``, ``success_rate``, ``sampled_tokens_mean``, ``reward_mean``, next to
-    the trained values above and ``reward_mean``.
-    """
-    trained = [s for g in groups for s in g.samples if _is_episode(s)]
-    stale = [
-        s
-        for d in dropped
-        if d.outcome == PromptOutcome.STALE and d.reason in STALE_REASONS
-        for s in d.samples
-        if _is_episode(s)
-    ]
-    if not trained and not stale:
-        return {}
-    out: dict[str, Any] = {}
-    if trained:
-        turns = sum(s.reward_info["turns"] for s in trained)
-        out.update(
-            turns_per_episode=turns / len(trained),
-            env_time_per_turn_s=sum(s.reward_info["env_time_s"] for s in trained) / turns,
-            success_rate=float(np.mean([s.reward_info["success"] for s in trained])),
-            invalid_action_rate=sum(s.reward_info["invalid_actions"] for s in trained) / turns,
-            sampled_tokens_mean=float(np.mean([np.sum(s.response_mask) for s in trained])),
-        )
-    out["stale_dropped_episodes"] = len(stale)
-    if stale:
-        out.update(
-            stale_dropped_turns_mean=float(np.mean([s.reward_info["turns"] for s in stale])),
-            stale_dropped_success_rate=float(np.mean([s.reward_info["success"] for s in stale])),
-            stale_dropped_sampled_tokens_mean=float(
-                np.mean([np.sum(s.response_mask) for s in stale])
-            ),
-            stale_dropped_reward_mean=float(np.mean([s.reward for s in stale])),
-        )
-    return out
-
-
-def _is_episode(sample: Sample) -> bool:
-    return sample.response_mask is not None and "turns" in (sample.reward_info or {})

@@ -14,9 +14,9 @@ from jaxflash.generation.slot_types import check_request
 from jaxflash.runtime.rollout.reward_pool import RewardPool
 from jaxflash.runtime.rollout.scoring import (
     TruncationPolicy,
-    apply_score,
     correctness,
     response_text,
+    scored_sample,
 )
 from jaxflash.types import GenerationRequest, Prompt, SamplingParams
 
@@ -105,7 +105,8 @@ def evaluate(
     per_prompt: dict[int, list[float]] = {}
     errored: set[int] = set()
     for s, fut in scored:
-        if apply_score(s, fut.result(), _NO_TRUNCATION_PENALTY) is not None:
+        s, failure = scored_sample(s, fut.result(), _NO_TRUNCATION_PENALTY)
+        if failure is not None:
             errored.add(s.prompt_id)
         per_prompt.setdefault(s.prompt_id, []).append(correctness(s))
     means = np.array([np.mean(v) for k, v in per_prompt.items() if k not in errored])

@@ -6,7 +6,8 @@ the config names fails in seconds: the reward (``model_setup.make_reward``), the
 task (``task_setup.build_task``), the tokenizer, and the prompt limits measured
 from the data (``task_setup.measure_prompts`` + ``prompt_lengths``).
 Per run it gives the loop the prompt source (its cursor in the checkpoint), the
-prompts in flight at a checkpoint (rendered again), the reward pool, the learner
+prompts in flight at a checkpoint (rendered again), the reward pool, the rollout's
+dispatcher (``rollout.dispatch.prompt_dispatch``), the learner
 batch (per-group advantages, the truncation mask: ``runtime.workloads.learner_batch``) and
 the held-out accuracy (``runtime.workloads.evaluation``).
 """
@@ -25,8 +26,10 @@ from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.model_setup import load_tokenizer, make_reward
+from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.reward_pool import RewardPool
-from jaxflash.runtime.rollout.scoring import TruncationPolicy
+from jaxflash.runtime.rollout.scoring import Scorer, TruncationPolicy
+from jaxflash.runtime.rollout.settings import DispatchFactory
 from jaxflash.runtime.workloads.evaluation import evaluate
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch, learner_batch
 from jaxflash.runtime.workloads.task_setup import (
@@ -133,9 +136,20 @@ class TaskWorkload:
             self.reward, num_workers=spec.num_workers, timeout_s=spec.timeout_s, clock=clock
         )
 
-    def settings(self) -> None:
-        """No episodes: the scheduler's prompt dispatcher generates and scores samples."""
-        return None
+    @property
+    def plays_episodes(self) -> bool:
+        """False: a prompt's G samples are generated and scored one by one."""
+        return False
+
+    def dispatch(self, reward_pool: Scorer | None) -> DispatchFactory:
+        """The prompt dispatcher (``rollout.dispatch.prompt_dispatch``): G single-sample
+        requests per prompt, each decoded with the policy's tokenizer and scored by
+        ``reward_pool`` as it comes back.
+
+        Raises:
+          ValueError: no reward pool.
+        """
+        return prompt_dispatch(reward_pool, self.tokenizer)
 
     def batch_timeout_s(self) -> float:
         """How long the loop waits for a batch before giving up (servers hung)."""

@@ -3,11 +3,15 @@
 ``runtime.loop`` runs one loop for both; ``make_workload`` picks the workload once,
 from ``env.name``, and the loop calls it through ``Workload`` without asking which:
 
-* ``runtime.task_workload.TaskWorkload``: prompts of ``data.task``, one response
-  each per sample, scored by ``reward.fn`` in reward worker processes;
-* ``runtime.agentic.EpisodeRollout``: a "prompt" is a group of episodes sharing an
-  environment seed, played by the environment manager
+* ``runtime.workloads.task_workload.TaskWorkload``: prompts of ``data.task``, one
+  response each per sample, scored by ``reward.fn`` in reward worker processes;
+* ``runtime.workloads.agentic.EpisodeRollout``: a "prompt" is a group of episodes
+  sharing an environment seed, played by the environment manager
   (``runtime.rollout.episode_dispatch``); the environments score them.
+
+Each builds the rollout scheduler's dispatcher (``dispatch``), so the scheduler
+never asks which, and the agentic side (``jaxflash.envs``) is imported only when
+``env.name`` is set.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.model_setup import load_tokenizer
-from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.reward_pool import RewardPool
-from jaxflash.runtime.workloads.agentic import EpisodeRollout
+from jaxflash.runtime.rollout.settings import DispatchFactory
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
 from jaxflash.runtime.workloads.task_setup import PromptLengths
 from jaxflash.runtime.workloads.task_workload import TaskWorkload
@@ -54,8 +57,13 @@ class Workload(Protocol):
     def reward_pool(self, clock: Clock) -> RewardPool | None:
         """The reward worker processes, started (None: the environments score)."""
 
-    def settings(self) -> EpisodeSettings | None:
-        """The environment manager's settings (None: prompts, not episodes)."""
+    @property
+    def plays_episodes(self) -> bool:
+        """True: a "prompt" is a group of episodes (False: G scored samples)."""
+
+    def dispatch(self, reward_pool: RewardPool | None) -> DispatchFactory:
+        """The rollout scheduler's dispatcher factory (prompts scored by ``reward_pool``,
+        or episodes scored by their environments)."""
 
     def batch_timeout_s(self) -> float:
         """How long the loop waits for a batch before giving up."""
@@ -92,6 +100,9 @@ def make_workload(exp: ExperimentConfig, console: Console) -> Workload:
         (naming the fields).
     """
     if exp.env.name:  # agentic: an environment gives observations and rewards
+        # Imported here: an RLVR run never loads the environments (jaxflash.envs).
+        from jaxflash.runtime.workloads.agentic import EpisodeRollout  # noqa: PLC0415
+
         with console.phase(f"building environment {exp.env.name}"):
             return EpisodeRollout(exp, load_tokenizer(exp.model))
     return TaskWorkload.build(exp, console)
