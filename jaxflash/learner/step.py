@@ -85,7 +85,8 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
     Returns:
       ``loss_fn(params, ref_params, mb, num_tokens, num_sequences, version, base=None)
       -> (loss, aux)``: under LoRA ``params`` are the adapters and ``base`` the frozen
-      base (also the KL reference; ``ref_params`` is then None); ``mb`` holds TrainBatch fields [b, T]; ``num_tokens`` /
+      base (also the KL reference; ``ref_params`` is then None); ``mb`` holds
+      TrainBatch fields [b, T]; ``num_tokens`` /
       ``num_sequences`` are float32 scalars of the *whole* batch; ``version`` is
       the int32 learner step (the policy version of ``params``). ``loss`` is this
       micro-batch's share of the batch loss (shares sum to the batch loss); ``aux``
@@ -176,7 +177,8 @@ def make_grad_fn(
 
     Returns:
       ``grad_fn(params, ref_params, batch, version, base=None) -> (loss, grads,
-      metrics)`` (``base``: the frozen LoRA base, see ``make_loss_fn``) for ``batch`` a dict of TrainBatch fields [M, b, T]. ``loss`` and ``grads``
+      metrics)`` (``base``: the frozen LoRA base, see ``make_loss_fn``) for ``batch``
+      a dict of TrainBatch fields [M, b, T]. ``loss`` and ``grads``
       are those of the whole batch (independent of M up to float summation
       order); metrics as documented on ``make_train_step``.
     """
