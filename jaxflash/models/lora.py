@@ -108,6 +108,8 @@ class LoraConfig:
                 f"LearnerConfig.lora.targets must be distinct names from {known}, "
                 f"got {self.targets!r}"
             )
+        if self.targets == (HEAD,):
+            raise ValueError("LearnerConfig.lora.targets: lm_head needs at least one layer target")
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(
                 f"LearnerConfig.lora.base_dtype must be one of {BASE_DTYPES}, "
