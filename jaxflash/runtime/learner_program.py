@@ -128,7 +128,13 @@ class LearnerProgram:
 
     @property
     def params(self) -> Any:
+        """What is published: the params, or under LoRA the adapters only."""
         return self.state.params
+
+    @property
+    def base(self) -> Any:
+        """The frozen LoRA base (``TrainState.base``); None without LoRA."""
+        return self.state.base
 
     @property
     def senders(self) -> tuple[str, ...]:
