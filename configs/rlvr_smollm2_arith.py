@@ -142,6 +142,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.router_aux_loss_coef = 0.0
     c.learner.kl_coef = 0.0  # k3 KL to the initial policy; 0 = off
     c.learner.entropy_coef = 0.0
+    # Low-rank adapters over a frozen base (docs/LORA.md): rank 0 = full fine-tuning.
+    # --config.learner.lora.rank=16 trains adapters only (raise learner.lr, ~10x).
+    c.learner.lora = ml_collections.ConfigDict()
+    c.learner.lora.rank = 0
+    c.learner.lora.alpha = 32.0  # updates scaled by alpha / rank
+    c.learner.lora.dropout = 0.0  # only 0.0 is supported
+    c.learner.lora.targets = "q,k,v,o,gate,up,down"  # + lm_head (the unembedding)
+    c.learner.lora.base_dtype = "float32"  # float32 | bfloat16 | int8 | int4 (QLoRA)
+    c.learner.lora.group_size = 64  # int4: inputs per scale
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 5  # learner steps between evaluations (and at step 0)

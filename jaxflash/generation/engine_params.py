@@ -17,19 +17,33 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, logical_axes, unstack_layers
+from jaxflash.models.lora import LoraConfig
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
 
-def engine_shardings(model_config: ModelConfig, mesh: Mesh, rules: Rules | None) -> Any:
+def engine_shardings(
+    model_config: ModelConfig, mesh: Mesh, rules: Rules | None, lora: LoraConfig | None = None
+) -> Any:
     """NamedShardings of unstacked params on ``mesh`` (replicated without rules).
+
+    Args:
+      lora: the LoRA model's layout (stored base + adapters, ``models.lora``) instead
+        of the plain model's.
 
     Returns:
       The params tree of ``unstack_layers(params)`` with a NamedSharding per leaf.
     """
     rep = NamedSharding(mesh, PartitionSpec())
-    if rules is None:
+    if lora is not None:
+        shapes, axes = lora_lib.model_layout(model_config, lora)
+        if rules is None:
+            stacked = jax.tree.map(lambda _: rep, shapes)
+        else:
+            stacked = lora_lib.layout_shardings(axes, shapes, mesh, rules)
+    elif rules is None:
         stacked = jax.tree.map(lambda _: rep, abstract_params(model_config))
     else:
         stacked = logical_to_shardings(

@@ -14,6 +14,7 @@ from typing import Any
 from jaxflash.algorithms.aggregation import AGGREGATION_MODES
 from jaxflash.algorithms.loss_hparams import check_loss_hparams
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES
+from jaxflash.models.lora import LoraConfig
 from jaxflash.types import SamplingParams
 
 SCHEDULES = ("constant", "cosine")
@@ -107,6 +108,9 @@ class LearnerConfig:
         checkpoint's own ``ModelConfig.router_aux_loss_coef`` is not applied). With
         more than one micro-batch it costs one extra forward pass per step (the
         batch's expert loads, so the loss stays micro-batch invariant).
+      lora: low-rank adapters over a frozen base (``models.lora.LoraConfig``; docs/LORA.md):
+        only the adapters train, hold optimizer state and are published; the KL
+        reference is the base without adapters. None: full fine-tuning.
     """
 
     lr: float = 1e-6
@@ -133,6 +137,7 @@ class LearnerConfig:
     replay_loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replay_ratio_against: str = "behaviour"
     router_aux_loss_coef: float = 0.0
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -204,6 +209,8 @@ class LearnerConfig:
             raise ValueError(
                 f"LearnerConfig.sampling must be a SamplingParams, got {type(self.sampling)}"
             )
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"LearnerConfig.lora must be a LoraConfig, got {type(self.lora)}")
         if self.logprob_chunk < 1:
             raise ValueError(f"LearnerConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer
+from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, init_params, logical_axes
 from jaxflash.models.params import check_params
@@ -35,7 +36,11 @@ class TrainState:
       opt_state: optax state of ``make_optimizer(learner_config)``.
       rng: uint32 [2] base PRNG key; per-step keys are ``fold_in(rng, step)``.
       ref_params: frozen reference params for the KL penalty, or None when
-        ``kl_coef == 0`` (then no reference copy is held at all).
+        ``kl_coef == 0`` (then no reference copy is held at all) and under LoRA.
+      base: under LoRA (``learner_config.lora``), the frozen base as stored
+        (bfloat16 / int8 / int4 per ``lora.base_dtype``); ``params`` are then the
+        adapters only (``models.lora``), and the KL reference is this base. None
+        otherwise.
     """
 
     step: jax.Array
@@ -43,6 +48,7 @@ class TrainState:
     opt_state: Any
     rng: jax.Array
     ref_params: Any = None
+    base: Any = None
 
 
 def param_shardings(model_config: ModelConfig, mesh: Mesh, rules: Rules) -> Any:
@@ -52,7 +58,27 @@ def param_shardings(model_config: ModelConfig, mesh: Mesh, rules: Rules) -> Any:
     )
 
 
-def _build(params: Any, learner_config: LearnerConfig, seed: int, ref_params: Any) -> TrainState:
+def _lora_shardings(model_config: ModelConfig, lora: Any, mesh: Mesh, rules: Rules):
+    """(adapter shardings, stored-base shardings) on the learner mesh."""
+    a_shapes, a_axes = lora_lib.adapter_layout(model_config, lora)
+    b_shapes, b_axes = lora_lib.base_layout(
+        abstract_params(model_config), logical_axes(model_config), lora
+    )
+    return (
+        lora_lib.layout_shardings(a_axes, a_shapes, mesh, rules),
+        lora_lib.layout_shardings(b_axes, b_shapes, mesh, rules),
+    )
+
+
+def _trainable_abstract(model_config: ModelConfig, learner_config: LearnerConfig) -> Any:
+    if learner_config.lora is None:
+        return abstract_params(model_config)
+    return lora_lib.adapter_layout(model_config, learner_config.lora)[0]
+
+
+def _build(
+    params: Any, learner_config: LearnerConfig, seed: int, ref_params: Any, base: Any = None
+) -> TrainState:
     opt = make_optimizer(learner_config)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -60,6 +86,7 @@ def _build(params: Any, learner_config: LearnerConfig, seed: int, ref_params: An
         opt_state=opt.init(params),
         rng=jax.random.PRNGKey(seed),
         ref_params=ref_params,
+        base=base,
     )
 
 
@@ -76,10 +103,14 @@ def state_shardings(
     Returns:
       TrainState whose leaves are NamedSharding on ``mesh``.
     """
-    p_shard = param_shardings(model_config, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
+    lora = learner_config.lora
+    if lora is None:
+        p_shard, base_shard = param_shardings(model_config, mesh, rules), None
+    else:
+        p_shard, base_shard = _lora_shardings(model_config, lora, mesh, rules)
     opt = make_optimizer(learner_config)
-    abstract = abstract_params(model_config)
+    abstract = _trainable_abstract(model_config, learner_config)
     opt_abstract = jax.eval_shape(opt.init, abstract)
     # Moments (mu, nu) mirror params and take their shardings; counters are
     # replicated scalars.
@@ -95,7 +126,8 @@ def state_shardings(
         params=p_shard,
         opt_state=opt_shard,
         rng=replicated,
-        ref_params=p_shard if learner_config.uses_reference else None,
+        ref_params=p_shard if learner_config.uses_reference and lora is None else None,
+        base=base_shard,
     )
 
 
@@ -108,12 +140,21 @@ def abstract_train_state(
     may differ from the mesh it was saved from).
     """
     shardings = state_shardings(model_config, learner_config, mesh, rules)
+    lora = learner_config.lora
+    base = None
+    if lora is not None:
+        base = lora_lib.base_layout(
+            abstract_params(model_config), logical_axes(model_config), lora
+        )[0]
     shapes = jax.eval_shape(
         lambda: _build(
-            abstract_params(model_config),
+            _trainable_abstract(model_config, learner_config),
             learner_config,
             0,
-            abstract_params(model_config) if learner_config.uses_reference else None,
+            abstract_params(model_config)
+            if learner_config.uses_reference and lora is None
+            else None,
+            base,
         )
     )
     return jax.tree.map(
@@ -146,10 +187,24 @@ def create_train_state(
 
     def init() -> TrainState:
         params = init_params(model_config, seed)
+        if learner_config.lora is not None:
+            return _lora_build(params, model_config, learner_config, seed)
         ref = params if learner_config.uses_reference else None
         return _build(params, learner_config, seed, ref)
 
     return jax.jit(init, out_shardings=shardings)()
+
+
+def _lora_build(
+    params: Any, model_config: ModelConfig, learner_config: LearnerConfig, seed: int
+) -> TrainState:
+    """The LoRA state: base stored per ``lora.base_dtype``, fresh adapters (traceable)."""
+    lora = learner_config.lora
+    base = lora_lib.quantize_base(params, lora)
+    # Adapter init draws from its own stream: the run's base key stays fold_in(seed, step).
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), 0x10A)
+    adapters = lora_lib.init_adapters(model_config, lora, key)
+    return _build(adapters, learner_config, seed, None, base)
 
 
 def from_params(
@@ -182,6 +237,13 @@ def from_params(
     expected = abstract_params(model_config)
     check_params(expected, params)
     shardings = state_shardings(model_config, learner_config, mesh, rules)
+    if learner_config.lora is not None:
+        # The imported weights pass through the mesh once, sharded like the model,
+        # and are stored (cast or quantized) by the same jitted init.
+        placed = jax.device_put(params, param_shardings(model_config, mesh, rules))
+        return jax.jit(
+            lambda p: _lora_build(p, model_config, learner_config, seed), out_shardings=shardings
+        )(placed)
     placed = jax.device_put(params, shardings.params)
     ref = None
     if learner_config.uses_reference:

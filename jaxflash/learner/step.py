@@ -46,6 +46,7 @@ from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.state import TrainState, param_shardings, state_shardings
+from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import forward, forward_with_router_logits, unembed
 from jaxflash.models.logprobs import target_logprobs
@@ -106,13 +107,15 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
 
     Returns:
       ``loss_fn(params, ref_params, mb, num_tokens, num_sequences, version,
-      expert_load_e=None) -> (loss, aux)``: ``mb`` holds TrainBatch fields [b, T];
-      ``num_tokens`` / ``num_sequences`` are float32 scalars of the *whole* batch;
-      ``version`` is the int32 learner step (the policy version of ``params``);
+      expert_load_e=None, base=None) -> (loss, aux)``: ``mb`` holds TrainBatch fields
+      [b, T]; ``num_tokens`` / ``num_sequences`` are float32 scalars of the *whole*
+      batch; ``version`` is the int32 learner step (the policy version of ``params``);
       ``expert_load_e`` the whole batch's float32 [E] expert loads (router aux loss;
-      None: this micro-batch is the whole batch). ``loss`` is this micro-batch's share
-      of the batch loss (shares sum to the batch loss); ``aux`` holds sums / maxima
-      that ``train_step`` combines into metrics.
+      None: this micro-batch is the whole batch); under LoRA ``params`` are the
+      adapters and ``base`` the frozen base (also the KL reference; ``ref_params`` is
+      then None). ``loss`` is this micro-batch's share of the batch loss (shares sum to
+      the batch loss); ``aux`` holds sums / maxima that ``train_step`` combines into
+      metrics.
 
     Raises:
       ValueError: ``router_aux_loss_coef`` > 0 for a model without experts.
@@ -136,9 +139,14 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             max_tokens=lc.aggregation_max_tokens,
         )
 
-    def loss_fn(params, ref_params, mb, num_tokens, num_sequences, version, expert_load_e=None):
+    def loss_fn(
+        params, ref_params, mb, num_tokens, num_sequences, version, expert_load_e=None, base=None
+    ):
         mask_bt = mb["loss_mask_bt"]
         valid_bt = mask_bt > 0
+        if base is not None:  # LoRA: the base stays out of the differentiated argument
+            ref_params = base  # the KL reference: the base without adapters (no copy)
+            params = lora_lib.merge(base, params)
         logp_bt, ent_bt, *full_bt, router_lbte = _logprobs(
             params, mb, mc, lc, full_vocab=lc.uses_reference, router=use_router
         )
@@ -218,24 +226,26 @@ def make_grad_fn(
     sharded like the params (FSDP) rather than wherever propagation puts it.
 
     Returns:
-      ``grad_fn(params, ref_params, batch, version) -> (loss, grads, metrics)``
-      for ``batch`` a dict of TrainBatch fields [M, b, T]. ``loss`` and ``grads``
+      ``grad_fn(params, ref_params, batch, version, base=None) -> (loss, grads,
+      metrics)`` (``base``: the frozen LoRA base, see ``make_loss_fn``) for ``batch``
+      a dict of TrainBatch fields [M, b, T]. ``loss`` and ``grads``
       are those of the whole batch (independent of M up to float summation
       order); metrics as documented on ``make_train_step``.
     """
     loss_fn = make_loss_fn(model_config, learner_config)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def grad_fn(params, ref_params, batch, version):
+    def grad_fn(params, ref_params, batch, version, base=None):
         num_tokens, num_sequences = batch_normalizers(batch["loss_mask_bt"])
         load_e = None  # one micro-batch: its own expert loads are the batch's
         if learner_config.router_aux_loss_coef > 0 and batch["input_ids_bt"].shape[0] > 1:
-            load_e = _batch_expert_load(params, batch, model_config)
+            full = params if base is None else lora_lib.merge(base, params)
+            load_e = _batch_expert_load(full, batch, model_config)
 
         def body(carry, mb):
             loss_acc, grads_acc, aux_acc = carry
             (loss, aux), grads = value_and_grad(
-                params, ref_params, mb, num_tokens, num_sequences, version, load_e
+                params, ref_params, mb, num_tokens, num_sequences, version, load_e, base
             )
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             aux_acc = {k: _combine(k)(aux_acc[k], v) for k, v in aux.items()}
@@ -243,9 +253,9 @@ def make_grad_fn(
 
         first = jax.tree.map(lambda x: x[0], batch)
         aux_shape = jax.eval_shape(
-            lambda: loss_fn(params, ref_params, first, num_tokens, num_sequences, version, load_e)[
-                1
-            ]
+            lambda: loss_fn(
+                params, ref_params, first, num_tokens, num_sequences, version, load_e, base
+            )[1]
         )
         aux0 = {k: jnp.full(s.shape, _identity(k), s.dtype) for k, s in aux_shape.items()}
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -376,7 +386,9 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         step_obj.trace_count += 1  # Python side effect: runs only while tracing
-        loss, grads, metrics = grad_fn(state.params, state.ref_params, batch, state.step)
+        loss, grads, metrics = grad_fn(
+            state.params, state.ref_params, batch, state.step, state.base
+        )
         grad_norm = optax.tree.norm(grads)  # of the float32 accumulator
         # Back to the params' dtype so optimizer state dtypes (and so the traced
         # signature) stay fixed across steps for bfloat16 params.
@@ -413,12 +425,18 @@ def make_logprob_fn(
 
     Returns:
       ``logprob_fn(params, batch) -> (logp_bt, entropy_bt)``: ``params`` on the
-      learner shardings; ``batch`` a host TrainBatch [B, T]; outputs numpy float32
+      learner shardings (under LoRA the whole model, ``lora.merge(state.base,
+      state.params)``); ``batch`` a host TrainBatch [B, T]; outputs numpy float32
       [B, T] (masked positions hold whatever the model gives; apply the mask).
     """
     mc, lc = model_config, learner_config
     b_shard = batch_sharding(mesh, rules, lc.micro_batch_size)
-    p_shard = param_shardings(mc, mesh, rules)
+    if lc.lora is None:
+        p_shard = param_shardings(mc, mesh, rules)
+    else:
+        p_shard = lora_lib.layout_shardings(
+            *reversed(lora_lib.model_layout(mc, lc.lora)), mesh, rules
+        )
 
     def fn(params, batch):
         return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc)[:2], batch)

@@ -110,8 +110,12 @@ METRICS: tuple[tuple[str, str], ...] = (
         "time the learner waited for the batch; its share of `step_time_s`",
     ),
     (
-        "`weight_sync_s`, `weight_copy_s`",
-        "device-to-device copy + hand-over to the servers; the copy alone",
+        "`weight_sync_s`, `weight_copy_s`, `publish_bytes`",
+        (
+            "device-to-device copy + hand-over to the servers; the copy alone; bytes the"
+            " publish moved, every server together (under `learner.lora` the adapters only;"
+            " with generation programs, offered to each program)"
+        ),
     ),
     (
         "`step_time_s`, `trained_at_s`, `policy_version`",

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxflash.models import lora
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
@@ -191,8 +192,10 @@ def abstract_params(config: ModelConfig) -> Params:
 
 
 def unembed(params: Params, config: ModelConfig) -> jax.Array:
-    """[D, V] unembedding matrix: ``embed_vd.T`` if tied, else ``lm_head_dv``."""
-    return params["embed_vd"].T if config.tie_embeddings else params["lm_head_dv"]
+    """[D, V] unembedding matrix: ``embed_vd.T`` if tied, else ``lm_head_dv`` (plus
+    the merged head adapter of a LoRA model, ``models.lora``)."""
+    w_dv = params["embed_vd"].T if config.tie_embeddings else params["lm_head_dv"]
+    return lora.head_weight(w_dv, params)
 
 
 def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -227,6 +230,10 @@ def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
     out_btkgh = jnp.einsum("bkgts,bkhs->btkgh", probs_bkgts, v_bkhs.astype(cd))
     return out_btkgh.reshape(b, t, n, h)
+
+
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
 
 
 def _gelu_tanh_mlp(x_btd, w_gate_df, w_up_df, w_down_fd):
@@ -270,9 +277,15 @@ def _layer(
         return lp[name].astype(cd)
 
     x_btd = rms_norm(h_btd, lp["attn_norm_ld"], eps, off).astype(cd)
-    q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, w("w_q_ldnh"))
-    k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, w("w_k_ldkh"))
-    v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, w("w_v_ldkh"))
+    q_btnh = lora.add_delta(
+        jnp.einsum("btd,dnh->btnh", x_btd, w("w_q_ldnh")), x_btd, lp, "w_q_ldnh"
+    )
+    k_btkh = lora.add_delta(
+        jnp.einsum("btd,dkh->btkh", x_btd, w("w_k_ldkh")), x_btd, lp, "w_k_ldkh"
+    )
+    v_btkh = lora.add_delta(
+        jnp.einsum("btd,dkh->btkh", x_btd, w("w_v_ldkh")), x_btd, lp, "w_v_ldkh"
+    )
     if config.qkv_bias:
         q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
     if config.qk_norm:  # per head, over H, before RoPE (Qwen3, Gemma 3)
@@ -313,6 +326,7 @@ def _layer(
     attn_btd = jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
+    attn_btd = lora.add_delta(attn_btd, attn_btnh, lp, "w_o_lnhd")  # no-op without adapters
     if config.sandwich_norm:
         attn_btd = rms_norm(attn_btd, lp["post_attn_norm_ld"], eps, off)
     h_btd = h_btd + attn_btd
@@ -325,6 +339,9 @@ def _layer(
             top_k=config.n_experts_per_token,
             norm_topk_prob=config.norm_topk_prob,
         )
+    elif lora.has_mlp_adapters(lp):
+        act = jax.nn.silu if config.mlp_activation == "silu" else _gelu_tanh
+        mlp_btd = lora.glu_mlp(x_btd, lp, cd, act)
     else:
         mlp = swiglu if config.mlp_activation == "silu" else _gelu_tanh_mlp
         mlp_btd = mlp(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))

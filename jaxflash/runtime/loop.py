@@ -338,6 +338,7 @@ def run(
                 "trained_at_s": trained_at_s,
                 "weight_sync_s": copy_s + handover_s,
                 "weight_copy_s": copy_s,
+                "publish_bytes": fleet.last_publish_bytes,  # adapters only under LoRA
                 "learner_wait_s": batch.wait_s,
                 "learner_idle_frac": batch.wait_s / max(step_s, 1e-9),
                 "step_time_s": step_s,

@@ -173,7 +173,7 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
     Returns:
       (LlamaEngine, generator param shardings on ``mesh`` for ``sync.publish``).
     """
-    return build_engine(model_config, engine_config(exp), mesh, tokenizer)
+    return build_engine(model_config, engine_config(exp), mesh, tokenizer, lora=exp.learner.lora)
 
 
 def engine_config(exp: ExperimentConfig):
@@ -196,14 +196,18 @@ def engine_config(exp: ExperimentConfig):
     )
 
 
-def build_engine(model_config: ModelConfig, config: Any, mesh: Mesh, tokenizer: Any = None):
+def build_engine(
+    model_config: ModelConfig, config: Any, mesh: Mesh, tokenizer: Any = None, *, lora: Any = None
+):
     """A ``LlamaEngine`` on ``mesh`` with GENERATOR_RULES.
 
     Args:
       tokenizer: only JetStream's serving path uses it (None in a generation program).
+      lora: a ``LoraConfig``: the engine serves base + adapters (``models.lora``).
 
     Returns:
-      (engine, generator param shardings on ``mesh``).
+      (engine, generator param shardings on ``mesh``: of the adapters under LoRA,
+      stacked, what each publish moves).
     """
     from jaxflash.generation.engine import LlamaEngine
     from jaxflash.models.llama import abstract_params, logical_axes
@@ -215,7 +219,13 @@ def build_engine(model_config: ModelConfig, config: Any, mesh: Mesh, tokenizer: 
         mesh=mesh,
         rules=GENERATOR_RULES,  # shards the KV cache like the params (tensor parallel)
         tokenizer=tokenizer,
+        lora=lora,
     )
+    if lora is not None:
+        from jaxflash.models import lora as lora_lib
+
+        a_shapes, a_axes = lora_lib.adapter_layout(model_config, lora)
+        return engine, lora_lib.layout_shardings(a_axes, a_shapes, mesh, GENERATOR_RULES)
     shardings = logical_to_shardings(
         logical_axes(model_config), mesh, GENERATOR_RULES, shapes=abstract_params(model_config)
     )

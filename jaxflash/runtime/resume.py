@@ -53,9 +53,16 @@ def init_or_restore_learner(
         os.path.join(workdir, "checkpoints"), max_to_keep=exp.checkpoint.max_to_keep
     )
     abstract_state = abstract_train_state(model_config, exp.learner, learner_mesh, LEARNER_RULES)
+    lora = exp.learner.lora is not None
+    if lora:  # checkpoints hold the adapters; the base is named, not copied (base_record)
+        abstract_state = abstract_state.replace(base=None)
     restored = checkpointer.restore_latest(abstract_state)
     if restored is not None:
         state, meta = restored
+        if lora:
+            state = state.replace(
+                base=_rebuild_base(exp, model_config, imported_params, learner_mesh, meta)
+            )
         ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
         log.info(  # the run's console says it too
             "resumed from step %d (data cursor %d, %d prompts in flight)",
@@ -85,6 +92,54 @@ def init_or_restore_learner(
             imported_params, model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
         )
     return state, CheckpointMeta(step=0), PromptLedger(), checkpointer
+
+
+def base_record(exp: ExperimentConfig, base: Any) -> dict[str, Any]:
+    """What a LoRA checkpoint says about its frozen base instead of holding it: the
+    weights' source and the SHA-256 digest of the stored base (None with several
+    processes, where no process sees the whole base)."""
+    import jax  # noqa: PLC0415
+
+    from jaxflash.sync.transfer_digest import tree_digest  # noqa: PLC0415
+
+    m = exp.model
+    digest = tree_digest(base) if jax.process_count() == 1 else None
+    return {
+        "source": m.source,
+        "path": m.path,
+        "preset": m.preset if m.source == "random" else "",
+        "base_dtype": exp.learner.lora.base_dtype,
+        "digest": digest,
+    }
+
+
+def _rebuild_base(
+    exp: ExperimentConfig,
+    model_config: ModelConfig,
+    imported_params: Any,
+    mesh: Mesh,
+    meta: CheckpointMeta,
+) -> Any:
+    """The LoRA base of a resumed run, rebuilt from its source and checked against the
+    digest the checkpoint recorded.
+
+    Raises:
+      ValueError: the rebuilt base's digest differs (the weights at model.* changed).
+    """
+    if imported_params is None:
+        fresh = create_train_state(model_config, exp.learner, mesh, LEARNER_RULES, seed=exp.seed)
+    else:
+        fresh = from_params(
+            imported_params, model_config, exp.learner, mesh, LEARNER_RULES, seed=exp.seed
+        )
+    saved = meta.extra.get("lora_base", {})
+    now = base_record(exp, fresh.base)
+    if saved.get("digest") and now["digest"] and saved["digest"] != now["digest"]:
+        raise ValueError(
+            f"resume: the LoRA checkpoint was trained on base {saved} but model.* now gives "
+            f"digest {now['digest']} (source {now['source']!r}, path {now['path']!r})"
+        )
+    return fresh.base
 
 
 def finished_step(workdir: str, total_steps: int) -> int | None:

@@ -178,3 +178,54 @@ class Publisher:
             out = publish(params, target_shardings, version, previous_version=self._last)
             self._last = out.version
             return out
+
+
+class AdapterPublisher:
+    """Publish a LoRA learner to one LoRA engine: the frozen base once, then only the
+    adapters at each version (``models.lora``; the engine applies them unmerged).
+
+    Args:
+      engine: a ``LlamaEngine`` built with ``lora`` (``place_base``, ``with_adapters``).
+      adapter_shardings: the adapters' stacked NamedShardings on the engine's mesh
+        (the staging target of the device-to-device copy).
+
+    Attributes:
+      base_bytes: bytes of the base moved (once, at the first publish).
+      last_bytes: bytes the last publish moved (the adapters'; plus the base the
+        first time).
+      total_bytes: bytes moved by every publish so far.
+    """
+
+    def __init__(self, engine: Any, adapter_shardings: Any) -> None:
+        self._engine = engine
+        self._shardings = adapter_shardings
+        self._publisher = Publisher()
+        self._base: Any = None
+        self.base_bytes = self.last_bytes = self.total_bytes = 0
+
+    def publish(self, adapters: Any, base: Any, version: PolicyVersion) -> VersionedParams:
+        """The LoRA model on the engine's mesh at ``version`` (base kept, adapters new).
+
+        Args:
+          adapters: the learner's adapters (``TrainState.params`` under LoRA).
+          base: the learner's stored base (``TrainState.base``); read once.
+          version: as ``publish``.
+
+        Raises:
+          ValueError: as ``publish`` (non-increasing version, shardings mismatch).
+        """
+        moved = 0
+        if self._base is None:
+            self._base = self._engine.place_base(base)
+            self.base_bytes = moved = _tree_bytes(base)
+        out = self._publisher.publish(adapters, self._shardings, version)
+        moved += _tree_bytes(adapters)
+        self.last_bytes = moved
+        self.total_bytes += moved
+        return VersionedParams(
+            params=self._engine.with_adapters(self._base, out.params), version=out.version
+        )
+
+
+def _tree_bytes(tree: Any) -> int:
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))

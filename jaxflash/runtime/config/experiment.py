@@ -16,6 +16,7 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.models.lora import LoraConfig
 from jaxflash.runtime.config.elastic_spec import check_elastic
 from jaxflash.runtime.config.env_spec import EnvSpec, agentic_rollout
 from jaxflash.runtime.config.replay_spec import (
@@ -210,6 +211,12 @@ class ExperimentConfig:
             f"generation runs in separate programs; set {field}=0 (evaluating through "
             "the generation programs is not built yet)",
         )
+        _check(
+            not (m.generation_processes and self.learner.lora is not None),
+            "learner.lora with mesh.generation_processes=True: generation programs receive "
+            "full weights only (adapter-only transfer to programs is not built yet; "
+            "docs/LORA.md); use generation threads (mesh.generation_processes=False)",
+        )
 
     def with_prompt_lengths(self, max_prompt_tokens: int) -> ExperimentConfig:
         """A copy with ``data.max_prompt_tokens`` (and a 0 ``rollout.max_prefill_length``)
@@ -251,7 +258,7 @@ class ExperimentConfig:
             "learner": [
                 f
                 for f in _fields(LearnerConfig)
-                if f not in ("total_steps", "sampling", "logprob_chunk")
+                if f not in ("total_steps", "sampling", "logprob_chunk")  # lora: a dict
                 and not f.startswith("replay_")  # set from replay.* (ReplaySpec.learner_fields)
             ]
             + ["advantage"],
@@ -273,9 +280,11 @@ class ExperimentConfig:
         )
         lr = dict(c.get("learner", {}))
         advantage = lr.pop("advantage", "grpo")
+        lora = LoraConfig.from_mapping(lr.pop("lora", {}))
         learner = LearnerConfig(
             **{k: v for k, v in lr.items() if k != "loss_kwargs"},
             loss_kwargs=dict(lr.get("loss_kwargs", {})),
+            lora=lora,
             total_steps=int(c.get("total_steps", 10)),
             sampling=sampling,
             logprob_chunk=int(c.get("model", {}).get("logits_chunk", 256)),

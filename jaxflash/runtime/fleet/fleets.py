@@ -29,6 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxflash.models.lora import tree_bytes
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.gen_endpoint import FixedProgram, LocalProgram, ProgramClient
 from jaxflash.runtime.fleet.gen_server import GenerationServer
@@ -41,7 +42,7 @@ from jaxflash.runtime.fleet.remote_server import (
 )
 from jaxflash.runtime.fleet.rpc_wire import WeightOffer
 from jaxflash.runtime.model_setup import engine_config, make_engine
-from jaxflash.sync.publish import Publisher
+from jaxflash.sync.publish import AdapterPublisher, Publisher
 from jaxflash.sync.reshard import LayoutCache
 from jaxflash.sync.transfer_digest import tree_digest
 from jaxflash.sync.transfer_layout import TreeLayout
@@ -65,8 +66,22 @@ class ThreadFleet:
         self.engines: list[tuple[Any, Any] | None] = [
             self._engine_for(mesh) for mesh in placement.generation
         ]
-        self._publishers: list[Publisher | None] = [Publisher() for _ in self.engines]
+        self._lora = exp.learner.lora is not None
+        self._publishers: list[Any] = [self._publisher(slot) for slot in self.engines]
         self._published: list[Any] = [None] * len(self.engines)
+        self.last_publish_bytes = 0  # bytes the last publish moved, all slots together
+
+    def _publisher(self, slot: tuple[Any, Any]) -> Publisher | AdapterPublisher:
+        # LoRA: the base goes to the slot once, then only the adapters move.
+        return AdapterPublisher(*slot) if self._lora else Publisher()
+
+    def _push(self, pub: Any, learner: LearnerProgram, shardings: Any, version: int) -> Any:
+        if isinstance(pub, AdapterPublisher):
+            params = pub.publish(learner.params, learner.base, version).params
+            self.last_publish_bytes += pub.last_bytes
+            return params
+        self.last_publish_bytes += tree_bytes(learner.params)
+        return pub.publish(learner.params, shardings, version).params
 
     @property
     def engine_builds(self) -> int:
@@ -79,8 +94,9 @@ class ThreadFleet:
         Returns the fleet's own list (slot i: server i's params, None once retired),
         which ``remove_slice`` / ``add_slice`` keep current between publishes.
         """
+        self.last_publish_bytes = 0
         out = [
-            None if slot is None else pub.publish(learner.params, slot[1], version).params
+            None if slot is None else self._push(pub, learner, slot[1], version)
             for pub, slot in zip(self._publishers, self.engines, strict=True)
         ]
         jax.block_until_ready([p for p in out if p is not None])
@@ -98,8 +114,8 @@ class ThreadFleet:
         """A slot on ``mesh`` holding the learner's params as ``version`` (device to
         device, before any server takes requests on it); returns (its index, params)."""
         engine, shardings = self._engine_for(mesh)
-        publisher = Publisher()
-        params = publisher.publish(learner.params, shardings, version).params
+        publisher = self._publisher((engine, shardings))
+        params = self._push(publisher, learner, shardings, version)
         jax.block_until_ready(params)
         self.engines.append((engine, shardings))
         self._publishers.append(publisher)
@@ -213,10 +229,12 @@ class ProcessFleet:
         self.layout = TreeLayout.from_json(layouts[0])
         self._board: OfferBoard | None = None
         self._servers: list[RemoteGenerationServer] = []
+        self.last_publish_bytes = 0  # bytes offered by the last publish, per program
 
     def publish(self, learner: LearnerProgram, version: int) -> list[WeightOffer]:
         """Offer the learner's params as ``version``; the same offer for every program."""
         offer = WeightOffer(version=int(version), senders=learner.offer(self.layout))
+        self.last_publish_bytes = tree_bytes(learner.params) * len(self.clients)
         if self._exp.mesh.generation_digests and jax.process_count() == 1:
             # The learner's side of the bit-for-bit check: each program logs the digest
             # of what it installed; both must equal this (tests compare them).

@@ -39,7 +39,7 @@ from jaxflash.learner.step import make_train_step
 from jaxflash.models.config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.learner_links import FollowerLink, LeaderLinks
-from jaxflash.runtime.resume import finished_step, init_or_restore_learner
+from jaxflash.runtime.resume import base_record, finished_step, init_or_restore_learner
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.reshard import LayoutCache, ReshardReport, reshard
 from jaxflash.sync.transfer_layout import TreeLayout, stage_for_layout
@@ -112,6 +112,8 @@ class LearnerProgram:
             )
         )
         self.mesh = mesh
+        self._exp = exp
+        self._base_record: dict[str, Any] | None = None  # LoRA: named in checkpoints
         self._train_step, self._shardings = self._per_mesh(mesh)
         self._pump = None if sender is None else SenderPump(sender)
         self._sigterm = False
@@ -128,7 +130,13 @@ class LearnerProgram:
 
     @property
     def params(self) -> Any:
+        """What is published: the params, or under LoRA the adapters only."""
         return self.state.params
+
+    @property
+    def base(self) -> Any:
+        """The frozen LoRA base (``TrainState.base``); None without LoRA."""
+        return self.state.base
 
     @property
     def senders(self) -> tuple[str, ...]:
@@ -207,7 +215,14 @@ class LearnerProgram:
     def save(self, meta: CheckpointMeta) -> None:
         """Checkpoint the state with ``meta`` (meta.step == step)."""
         self._post("save", meta=meta.to_json())
-        self.checkpointer.save(self.state, meta)
+        if self.state.base is None:
+            self.checkpointer.save(self.state, meta)
+            return
+        # LoRA: adapters + optimizer state only; the base is named by source + digest.
+        if self._base_record is None:
+            self._base_record = base_record(self._exp, self.state.base)
+        meta = dataclasses.replace(meta, extra={**meta.extra, "lora_base": self._base_record})
+        self.checkpointer.save(self.state.replace(base=None), meta)
 
     def close(self) -> None:
         """Wait for pending saves, stop the sender; followers exit."""
