@@ -189,7 +189,8 @@ def world():
             )
         )
     batch = pack_batch(samples, np.array([1.0, -1.0, 0.5, -0.5]), length_multiple=16)
-    return mesh, lcfg, state, (jax.device_get(state.params), host_base), batch
+    step = make_train_step(MODEL, lcfg, mesh, LEARNER_RULES)  # shared: compiled once
+    return mesh, lcfg, state, (jax.device_get(state.params), host_base), batch, step
 
 
 def _copy(batch):
@@ -197,7 +198,7 @@ def _copy(batch):
 
 
 def test_adapters_are_the_only_trained_leaves_and_only_they_hold_optimizer_state(world):
-    mesh, lcfg, state0, (_, host_base), batch = world
+    mesh, lcfg, state0, (_, host_base), batch, step = world
     keys = {
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state0.params)[0]
     }
@@ -215,7 +216,6 @@ def test_adapters_are_the_only_trained_leaves_and_only_they_hold_optimizer_state
     assert jax.tree.structure(abstract) == jax.tree.structure(state0)
 
     state = state0  # donated below (the other tests read the fixture's host copies)
-    step = make_train_step(MODEL, lcfg, mesh, LEARNER_RULES)
     history = []
     for _ in range(2):
         state, metrics = step(state, _copy(batch))
@@ -235,7 +235,7 @@ def test_adapters_are_the_only_trained_leaves_and_only_they_hold_optimizer_state
 
 
 def test_lora_grads_are_micro_batch_invariant(world):
-    _, lcfg, _, (host_adapters, host_base), batch = world
+    _, lcfg, _, (host_adapters, host_base), batch, _ = world
     grad_fn = jax.jit(make_grad_fn(MODEL, lcfg))
     adapters = _nonzero(host_adapters)  # B != 0: gradients reach A too
     out = []
@@ -313,8 +313,7 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(world, t
     from jaxflash.checkpoint.checkpointer import Checkpointer, CheckpointMeta
     from jaxflash.sync.transfer_digest import tree_digest
 
-    mesh, lcfg, _, (_, host_base), batch = world
-    step = make_train_step(MODEL, lcfg, mesh, LEARNER_RULES)
+    mesh, lcfg, _, (_, host_base), batch, step = world
     fresh = lambda: create_train_state(MODEL, lcfg, mesh, LEARNER_RULES, seed=0)  # noqa: E731
     state, _ = step(fresh(), _copy(batch))
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
