@@ -19,11 +19,11 @@ Launch (from the repo root):
 
     python launch/tpu_pod.py --config configs/rlvr_gemma3_arith.py --workdir runs/gemma3_arith
 
-Base calibration (benchmarks/calibrate_arith.py --model gemma3 --prompts 100 --n 2
---ops +- --max_digits 2 --max_new_tokens 12): 6.0 % +- 1.6 % mean@2 at T=1 on 100
-held-out 1-2 digit +/- prompts (SmolLM2-135M-Instruct with its chat template: 15.1 %),
-the weak base the issue reports (" 100" for 23 + 41). A short run's curve: see
-docs/model_families.md.
+Base calibration: 2.0 % +- 1.0 % mean@2 at T=1 on 100 held-out 1-2 digit +/- prompts
+(SmolLM2-135M-Instruct with its chat template: 15.1 %), the weak base the issue
+reports (" 100" for 23 + 41). A 10-step run moves nothing measurable (2 % -> 5 %);
+before the math reward refused restated questions it learned to echo them
+(docs/model_families.md).
 """
 
 import ml_collections
