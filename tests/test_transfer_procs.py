@@ -80,7 +80,8 @@ def test_pull_across_programs_bit_equal_and_mismatch_refused(tmp_path):
                 err = result["error"]
                 assert "leaf ['embed_vd']" in err
                 assert (
-                    "receiver's layout float32[512, 64] on mesh (data=1, fsdp=2, tensor=1)" in err
+                    "receiver's layout float32[512, 64] on mesh "
+                    "(data=1, fsdp=2, expert=1, tensor=1)" in err
                 )
                 assert (
                     "sender's layout float32[512, 64] on mesh (transfer_replica=2, data=1, " in err
