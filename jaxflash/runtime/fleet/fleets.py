@@ -186,6 +186,7 @@ class ProcessFleet:
 
     def __init__(self, exp: ExperimentConfig, model_config: Any, stop_ids: Any, workdir: str):
         m = exp.mesh
+        self._servers: list[RemoteGenerationServer] = []  # close() may run before the end
         self._dir = os.path.join(workdir, "generation")
         os.makedirs(self._dir, exist_ok=True)
         self._exp = exp
@@ -228,7 +229,6 @@ class ProcessFleet:
             raise ValueError("generation programs report different weight layouts")
         self.layout = TreeLayout.from_json(layouts[0])
         self._board: OfferBoard | None = None
-        self._servers: list[RemoteGenerationServer] = []
         self.last_publish_bytes = 0  # bytes offered by the last publish, per program
 
     def publish(self, learner: LearnerProgram, version: int) -> list[WeightOffer]:

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+import jaxflash
 from jaxflash.runtime.fleet import rpc_wire
 from jaxflash.runtime.fleet.rpc_wire import Status
 
@@ -68,7 +69,8 @@ class LocalProgram:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
         flags.append(f"--xla_force_host_platform_device_count={self.devices}")
         env["XLA_FLAGS"] = " ".join(flags)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # The checkout that holds this jaxflash (not a directory level counted from here).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(jaxflash.__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
