@@ -340,3 +340,17 @@ def test_resume_from_an_adapter_checkpoint_equals_the_uninterrupted_run(world, t
         jax.device_get(resumed.opt_state),
         jax.device_get(straight.opt_state),
     )
+
+
+def test_lora_settings_without_a_rank_are_refused_not_ignored():
+    from configs import rlvr_smollm2_arith  # noqa: PLC0415
+    from jaxflash.runtime.config.experiment import ExperimentConfig  # noqa: PLC0415
+
+    c = rlvr_smollm2_arith.get_config()
+    assert ExperimentConfig.from_config_dict(c).learner.lora is None  # rank 0: off
+    c.learner.lora.base_dtype = "int8"
+    with pytest.raises(ValueError, match=r"learner.lora.base_dtype is set but learner.lora.rank"):
+        ExperimentConfig.from_config_dict(c)
+    c.learner.lora.rank = -1
+    with pytest.raises(ValueError, match=r"rank must be an int >= 1 \(0 in the config"):
+        ExperimentConfig.from_config_dict(c)

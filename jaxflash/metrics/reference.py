@@ -58,7 +58,8 @@ METRICS: tuple[tuple[str, str], ...] = (
         (
             "the learner step (`docs/CONTRACTS.md`, learner); absent on a skipped step; "
             "`is_truncated_frac` (`tis`, `seq_tis`) and `is_weight_mean` (rollout "
-            "corrections) when the loss reports them"
+            "corrections) when the loss reports them; `router_aux_loss` (mixture of experts, "
+            "`learner.router_aux_loss_coef` > 0: the load-balancing loss, unweighted)"
         ),
     ),
     (

@@ -95,7 +95,10 @@ class LoraConfig:
         else:
             object.__setattr__(self, "targets", tuple(self.targets))
         if not (isinstance(self.rank, int) and self.rank >= 1):
-            raise ValueError(f"LearnerConfig.lora.rank must be an int >= 1, got {self.rank!r}")
+            raise ValueError(
+                f"LearnerConfig.lora.rank must be an int >= 1 (0 in the config turns LoRA "
+                f"off), got {self.rank!r}"
+            )
         if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"LearnerConfig.lora.alpha must be finite and > 0, got {self.alpha}")
         if self.dropout != 0.0:
@@ -138,6 +141,18 @@ class LoraConfig:
         if unknown:
             raise ValueError(f"LearnerConfig.lora: unknown keys {unknown}; known {sorted(known)}")
         if int(c.get("rank", 0)) == 0:
+            # LoRA off: a field set away from its default would be silently ignored.
+            default, given = cls(rank=1), cls(**{**c, "rank": 1})
+            changed = [
+                f.name
+                for f in dataclasses.fields(cls)
+                if f.name != "rank" and getattr(given, f.name) != getattr(default, f.name)
+            ]
+            if changed:
+                raise ValueError(
+                    f"learner.lora.{changed[0]} is set but learner.lora.rank is 0 (LoRA off): "
+                    "set learner.lora.rank > 0 to train adapters"
+                )
             return None
         return cls(**c)
 
