@@ -66,7 +66,9 @@ def test_config_validates_and_maps_from_the_experiment_dict():
         lora.LoraConfig(rank=4, base_dtype="nf4")
     with pytest.raises(ValueError, match=r"unknown keys \['rnak'\]"):
         lora.LoraConfig.from_mapping({"rnak": 4})
-    assert lora.LoraConfig.from_mapping({"rank": 0, "alpha": 16.0}) is None  # off
+    assert lora.LoraConfig.from_mapping({"rank": 0, "alpha": 32.0}) is None  # off, defaults
+    with pytest.raises(ValueError, match="alpha is set but learner.lora.rank is 0"):
+        lora.LoraConfig.from_mapping({"rank": 0, "alpha": 16.0})  # would be ignored
     c = lora.LoraConfig.from_mapping({"rank": 16, "targets": "q, v,lm_head"})
     assert c.targets == ("q", "v", "lm_head") and c.scale == 2.0
     from jaxflash.runtime.config.experiment import ExperimentConfig

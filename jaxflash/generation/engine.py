@@ -72,7 +72,7 @@ from jaxflash.generation.engine_state import (
 )
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, unstack_layers
+from jaxflash.models.llama import abstract_params, lora_model_layout, unstack_layers
 from jaxflash.models.lora import LoraConfig
 from jaxflash.sharding.leaves import LayoutMismatchError, check_same_leaves, leaf_signatures
 from jaxflash.sharding.mesh import make_mesh
@@ -131,7 +131,7 @@ class LlamaEngine:
         if lora is None:
             stacked = abstract_params(model_config)
         else:  # the stored base with adapters beside their weights (models.lora)
-            stacked = lora_lib.model_layout(model_config, lora)[0]
+            stacked = lora_model_layout(model_config, lora)[0]
         one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
         unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}
         # What set_params / load_params accept: the model's tree, layers stacked or not.

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, logical_axes, unstack_layers
+from jaxflash.models.llama import abstract_params, logical_axes, lora_model_layout, unstack_layers
 from jaxflash.models.lora import LoraConfig
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
@@ -38,7 +38,7 @@ def engine_shardings(
     """
     rep = NamedSharding(mesh, PartitionSpec())
     if lora is not None:
-        shapes, axes = lora_lib.model_layout(model_config, lora)
+        shapes, axes = lora_model_layout(model_config, lora)
         if rules is None:
             stacked = jax.tree.map(lambda _: rep, shapes)
         else:

@@ -48,7 +48,7 @@ from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.state import TrainState, param_shardings, state_shardings
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import forward, forward_with_router_logits, unembed
+from jaxflash.models.llama import forward, forward_with_router_logits, lora_model_layout, unembed
 from jaxflash.models.logprobs import target_logprobs
 from jaxflash.models.moe import expert_load, load_balancing_loss
 from jaxflash.sharding.rules import Rules, logical_to_spec
@@ -434,9 +434,7 @@ def make_logprob_fn(
     if lc.lora is None:
         p_shard = param_shardings(mc, mesh, rules)
     else:
-        p_shard = lora_lib.layout_shardings(
-            *reversed(lora_lib.model_layout(mc, lc.lora)), mesh, rules
-        )
+        p_shard = lora_lib.layout_shardings(*reversed(lora_model_layout(mc, lc.lora)), mesh, rules)
 
     def fn(params, batch):
         return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc)[:2], batch)

@@ -351,6 +351,14 @@ def _layer(
     return h_btd, (cache_k, cache_v), router_bte
 
 
+def lora_model_layout(config: ModelConfig, lora_config: lora.LoraConfig) -> tuple[Params, Params]:
+    """(shapes, logical axes) of a LoRA model's params: the stored base with the adapters
+    beside their weights (what the engine holds, layers stacked; ``models.lora``)."""
+    b_shapes, b_axes = lora.base_layout(abstract_params(config), logical_axes(config), lora_config)
+    a_shapes, a_axes = lora.adapter_layout(config, lora_config)
+    return lora.merge(b_shapes, a_shapes), lora.merge(b_axes, a_axes)
+
+
 def unstack_layers(params: Params) -> Params:
     """The same params with ``layers`` as a tuple of L per-layer dicts (no [L] axis).
 

@@ -404,20 +404,10 @@ def head_weight(w_dv: jax.Array, params: Mapping[str, Any]) -> jax.Array:
 
 def layout_shardings(axes: Any, shapes: Any, mesh: Mesh, rules: Rules) -> Any:
     """NamedSharding per leaf of a LoRA layout (``adapter_layout`` / ``base_layout`` /
-    ``model_layout``); the rank axis and a QArray's group axis are replicated."""
+    ``llama.lora_model_layout``); the rank axis and a QArray's group axis are replicated."""
 
     def one(ax: tuple, s: Any) -> NamedSharding:
         ax = tuple(None if a == "lora_rank" else a for a in ax)
         return NamedSharding(mesh, logical_to_spec(ax, mesh, rules, tuple(s.shape)))
 
     return jax.tree.map(one, axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def model_layout(model_config: ModelConfig, lora: LoraConfig) -> tuple[Any, Any]:
-    """(shapes, axes) of the whole LoRA model's params: the stored base with the
-    adapters beside their weights (what the engine holds, layers stacked)."""
-    from jaxflash.models.llama import abstract_params, logical_axes  # noqa: PLC0415 (cycle)
-
-    b_shapes, b_axes = base_layout(abstract_params(model_config), logical_axes(model_config), lora)
-    a_shapes, a_axes = adapter_layout(model_config, lora)
-    return merge(b_shapes, a_shapes), merge(b_axes, a_axes)
