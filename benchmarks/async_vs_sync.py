@@ -114,8 +114,8 @@ def build_length_model(directory: str, *, eos_prob: float, max_len: int, seed: i
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxflash.models.config import get_preset
     from jaxflash.models.llama import forward, init_params
+    from jaxflash.models.presets import get_preset
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import smollm2_gguf_path
     from jaxflash.models.weights_hf import save_hf

@@ -156,8 +156,8 @@ def build_digit_model(directory: str, *, seed: int, max_seq_len: int = 64, **siz
     import jax
     import numpy as np
 
-    from jaxflash.models.config import get_preset
     from jaxflash.models.llama import init_params
+    from jaxflash.models.presets import get_preset
     from jaxflash.models.weights_hf import save_hf
 
     tokenizer = digit_tokenizer()

@@ -39,7 +39,7 @@ CASES = [
 def run_case(case: tuple, length: int, *, micro: int = 0, slots: int = 0) -> dict:
     from jaxflash.generation.engine_state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
-    from jaxflash.models.config import get_preset
+    from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
     from jaxflash.sizing.plan import plan_programs

@@ -99,8 +99,8 @@ def _peak_worker(w: dict) -> dict:
 
 
 def _our_model(w: dict):
-    from jaxflash.models.config import get_preset
     from jaxflash.models.llama import init_params
+    from jaxflash.models.presets import get_preset
 
     config = get_preset(
         "smollm2_135m",

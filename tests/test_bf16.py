@@ -22,9 +22,9 @@ from jaxflash.learner.batching import pack_batch
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_train_step
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.presets import get_preset
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.types import GenerationRequest, SamplingParams

@@ -13,9 +13,9 @@ from jaxflash.generation.engine_state import EngineConfig, result_logprobs
 from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats, check_request
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.presets import get_preset
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32

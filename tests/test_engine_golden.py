@@ -43,8 +43,8 @@ import pytest
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import EngineConfig, result_logprobs
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
+from jaxflash.models.presets import get_preset
 from jaxflash.types import GenerationRequest, SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "engine_golden.npz")

@@ -12,8 +12,8 @@ import pytest
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
+from jaxflash.models.presets import get_preset
 from jaxflash.runtime.fleet.gen_server import GenerationServer, GenerationServerError
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams

@@ -8,8 +8,8 @@ from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
+from jaxflash.models.presets import get_preset
 from jaxflash.types import GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32

@@ -14,9 +14,9 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, create_train_state
 from jaxflash.learner.step import make_grad_fn, make_train_step
 from jaxflash.models import lora
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.presets import get_preset
 from jaxflash.runtime.model_setup import build_engine
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES

@@ -16,7 +16,7 @@ from jaxflash.algorithms.distributions import (
     floor_logprobs,
     processed_log_softmax,
 )
-from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import init_kv_cache
 from jaxflash.models.llama import (
     Llama,
@@ -30,6 +30,7 @@ from jaxflash.models.llama import (
 )
 from jaxflash.models.logprobs import logits_from_hidden, target_logprobs
 from jaxflash.models.params import get_params, set_params
+from jaxflash.models.presets import get_preset
 
 TINY = get_preset("tiny")
 

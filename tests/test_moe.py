@@ -23,9 +23,10 @@ from jaxflash.learner.optimizer import make_optimizer
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_grad_fn, make_loss_fn, make_train_step
 from jaxflash.models import llama, moe
-from jaxflash.models.config import ModelConfig, get_preset
+from jaxflash.models.config import ModelConfig
 from jaxflash.models.hf_config import config_from_hf_dict, hf_model_type
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.presets import get_preset
 from jaxflash.models.weights_hf import load_hf, save_hf
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_spec

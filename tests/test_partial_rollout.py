@@ -9,9 +9,9 @@ import pytest
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.presets import get_preset
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32

@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from configs import smoke
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
+from jaxflash.models.presets import get_preset
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_hf import save_hf
 from jaxflash.runtime.config.experiment import ExperimentConfig

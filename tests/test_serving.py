@@ -19,8 +19,8 @@ from jaxflash.generation.jetstream_compat import (
 )
 from jaxflash.generation.serving import decode_text, serve
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import get_preset
 from jaxflash.models.llama import init_params
+from jaxflash.models.presets import get_preset
 from jaxflash.types import GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")

@@ -17,8 +17,9 @@ from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.jetstream_compat import JetStreamTokenizer
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import get_preset, reconcile_vocab
+from jaxflash.models.config import reconcile_vocab
 from jaxflash.models.llama import init_params
+from jaxflash.models.presets import get_preset
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.rewards.math_reward import math_answer_reward
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams

@@ -127,7 +127,7 @@ def tiny_plan():
         pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
     from jaxflash.generation.engine_state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
-    from jaxflash.models.config import get_preset
+    from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
     from jaxflash.sizing import programs
@@ -205,7 +205,7 @@ def test_an_elastic_move_compiles_the_reshard_programs_it_runs():
 
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.learner.state import abstract_train_state
-    from jaxflash.models.config import get_preset
+    from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import LEARNER_RULES
     from jaxflash.sizing import programs

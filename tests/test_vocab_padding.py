@@ -18,9 +18,10 @@ from jaxflash.algorithms.distributions import NEG_INF, processed_log_softmax
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import get_preset, reconcile_vocab
+from jaxflash.models.config import reconcile_vocab
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.presets import get_preset
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 

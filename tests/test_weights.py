@@ -16,9 +16,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxflash.models import llama
-from jaxflash.models.config import get_preset
 from jaxflash.models.kv_cache import init_kv_cache
 from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.models.presets import get_preset
 from jaxflash.models.weights_gguf import (
     config_from_gguf_metadata,
     load_gguf,

@@ -10,7 +10,8 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxflash.models.config import ModelConfig, get_preset, reconcile_vocab
+from jaxflash.models.config import ModelConfig, reconcile_vocab
+from jaxflash.models.presets import get_preset
 from jaxflash.models.tokenizer import Tokenizer
 from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.weights_hf import load_hf
