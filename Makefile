@@ -37,7 +37,10 @@ smoke: env
 test: env
 	$(PY) -m ruff check jaxflash launch configs tests benchmarks
 	$(PY) -m ruff format --check jaxflash launch configs tests benchmarks
-	$(PY) -m pytest -q -ra tests $(ARGS)
+	# Two pytest-xdist workers (one file per worker at a time, so a module's compiled
+	# programs are shared by its tests), then the serial files (tests/conftest.py) alone.
+	$(PY) -m pytest -q -ra -n 2 --dist loadfile -m "not serial" tests $(ARGS)
+	$(PY) -m pytest -q -ra -m serial tests $(ARGS)
 
 lint: env
 	$(PY) -m ruff format jaxflash launch configs tests benchmarks

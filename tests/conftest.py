@@ -10,3 +10,32 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+# Test files that run alone (``make test`` runs them after the rest, which runs on two
+# pytest-xdist workers): they start several JAX processes of their own (so they already
+# use every core), hold a fixed port, take most of the machine's memory (Gemma 3's
+# learner, ~15 GB), or time sandboxed children against wall-clock limits.
+SERIAL_FILES = frozenset(
+    {
+        "test_chaos_soak.py",
+        "test_distributed.py",
+        "test_gemma3_gguf.py",
+        "test_gen_processes.py",
+        "test_gen_server.py",
+        "test_kill_campaign.py",
+        "test_learner_procs.py",
+        "test_preemption_procs.py",
+        "test_tool_env.py",
+        "test_transfer_procs.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of ``SERIAL_FILES`` ``serial``."""
+    import pytest
+
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
