@@ -54,6 +54,7 @@ def _timed(fn, reps: int) -> tuple[float, list[float], int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--random", action="store_true", help="preset shape, random init")
+    ap.add_argument("--preset", default="smollm2_135m", help="with --random")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--method", default="transfer", choices=("transfer", "stream"))
@@ -78,8 +79,8 @@ def main() -> None:
 
     print(f"load average before: {os.getloadavg()}", flush=True)
     if args.random:
-        model, host = get_preset("smollm2_135m"), None
-        what = "SmolLM2-135M preset shape, random init"
+        model, host = get_preset(args.preset), None
+        what = f"preset {args.preset}, random init"
     else:
         model, host = load_gguf(smollm2_gguf_path())
         what = "SmolLM2-135M-Instruct GGUF"

@@ -200,7 +200,7 @@ def _rows_so_far(path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # two programs, one restart and a learner on 2 busy cores
 def test_lora_programs_pull_only_adapters_match_the_learner_and_resync_after_a_restart(tmp_path):
     """LoRA (int8 base) with generation programs: each program builds the base itself
     (digest checked against the learner's), every pull moves the adapters only, the
