@@ -36,3 +36,17 @@ def test_an_hf_source_is_refused_naming_the_way_out(tmp_path):
     c.model.source, c.model.path = "hf", str(tmp_path)
     with pytest.raises(ConfigError, match="--config.model.source=random"):
         dry_run_report(ExperimentConfig.from_config_dict(c))
+
+
+@pytest.mark.slow  # two more train-step compiles (LoRA, and full fine-tuning to compare)
+def test_lora_compiles_the_adapter_step_and_reports_what_it_saves():
+    c = smoke_async.get_config()
+    c.data.max_prompt_tokens = 24
+    c.learner.lora = {"rank": 4, "base_dtype": "int8"}
+    report = dry_run_report(ExperimentConfig.from_config_dict(c))
+    lines = {line.split()[0]: line.split() for line in report.splitlines() if line.strip()}
+    assert float(lines["publish"][2]) < float(lines["train_step"][2])  # adapters only move
+    (saving,) = [x for x in report.splitlines() if x.startswith("learner train_step")]
+    assert "LoRA rank 4 over a int8 base" in saving
+    lora_peak, full_peak = (float(x.split(" GiB")[0]) for x in saving.split("peak ")[1:3])
+    assert lora_peak < full_peak

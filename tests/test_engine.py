@@ -275,6 +275,18 @@ def test_new_params_change_outputs_without_recompiling(params):
         batcher.set_params(params, 0)
 
 
+def test_placing_device_params_compiles_the_unstacking_once(params):
+    from jaxflash.generation import engine_params
+
+    engine = engine_for("t1")
+    stacked = jax.device_put(params)  # device arrays: the jitted unstacking path
+    engine.place_params(stacked)
+    traces = engine_params.UNSTACK_TRACES[0]
+    placed = engine.place_params(jax.device_put(init_params(CFG, seed=1)))
+    assert engine_params.UNSTACK_TRACES[0] == traces  # the second update reuses the program
+    assert isinstance(placed["layers"], tuple) and len(placed["layers"]) == CFG.n_layers
+
+
 def test_abort_returns_partial_sample_and_frees_the_slot(params):
     engine = engine_for("t1")
     batcher = SlotBatcher(engine, params, policy_version=3, eos_id=NO_EOS)

@@ -189,3 +189,104 @@ def test_sigkill_of_a_generation_process_reroutes_restarts_and_completes(tmp_pat
     rows = _rows(os.path.join(workdir, "metrics.jsonl"))
     assert all(r["gen_tokens"] >= 0 and r.get("gen0_occupancy", 0) >= 0 for r in rows)
     assert not _undocumented(rows)  # server_recoveries & co. are in the README's table
+
+
+def _rows_so_far(path):
+    """The complete lines of a JSON-lines file another process is writing."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f.read().split("\n")[:-1] if x]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # two programs, one restart and a learner on 2 busy cores
+def test_lora_programs_pull_only_adapters_match_the_learner_and_resync_after_a_restart(tmp_path):
+    """LoRA (int8 base) with generation programs: each program builds the base itself
+    (digest checked against the learner's), every pull moves the adapters only, the
+    behaviour logprobs equal the learner's under them, and a program SIGKILLed after
+    version 1 restarts, builds its base again and resyncs to the current adapters."""
+    from jaxflash.models import lora
+    from jaxflash.models.llama import abstract_params
+    from jaxflash.runtime.model_setup import load_model, load_tokenizer
+
+    workdir = str(tmp_path / "run")
+    log0 = os.path.join(workdir, "generation", "gen0.jsonl")
+    killed: dict = {}
+
+    def kill_gen0_after_version_1():
+        end = time.monotonic() + 600
+        while time.monotonic() < end:
+            events = _rows_so_far(log0)
+            if any(e["event"] == "installed" and e["version"] >= 1 for e in events):
+                pid = next(e["pid"] for e in events if e["event"] == "up")
+                os.kill(int(pid), signal.SIGKILL)
+                killed.update(pid=int(pid), t=time.time())
+                return
+            time.sleep(0.02)
+
+    class WaitForTheRestart(Console):
+        def background(self, label):
+            if label == "step 3/3":  # the restarted gen0 follows the last publish too
+                end = time.monotonic() + 600
+                while time.monotonic() < end and not (
+                    sum(e["event"] == "up" for e in _rows_so_far(log0)) >= 2
+                ):
+                    time.sleep(0.2)
+            super().background(label)
+
+    c = smoke_async.get_config()
+    c.rollout.max_new_tokens = 8
+    c.total_steps = 3
+    c.data.eval_size = 0
+    c.rollout.async_ratio = 0
+    c.checkpoint.every = 3
+    c.mesh.generation_processes = True
+    c.mesh.generation_digests = True
+    c.learner.lora = {"rank": 4, "base_dtype": "int8"}
+    exp = ExperimentConfig.from_config_dict(c)
+    killer = threading.Thread(target=kill_gen0_after_version_1, daemon=True)
+    killer.start()
+    last = rlvr.run(exp, workdir=workdir, console=WaitForTheRestart(None))
+    killer.join(1)
+    assert killed and last["policy_version"] == 3 and _accounted(last)
+
+    model_config, _ = load_model(exp.model, exp.rollout, load_tokenizer(exp.model))
+    adapter_bytes = lora.tree_bytes(lora.adapter_layout(model_config, exp.learner.lora)[0])
+    full_bytes = lora.tree_bytes(abstract_params(model_config))
+    assert adapter_bytes < 0.2 * full_bytes
+    rows = _rows(os.path.join(workdir, "metrics.jsonl"))
+    assert [r["publish_bytes"] for r in rows] == [2 * adapter_bytes] * 3  # per program
+    # Behaviour logprobs (engine, int8 base + adapters) = the learner's recomputation.
+    assert max(r["logprob_gap_on_policy_max"] for r in rows) < 1e-5
+
+    gen_dir = os.path.join(workdir, "generation")
+    learner = {r["version"]: r["digest"] for r in _rows(os.path.join(gen_dir, "learner.jsonl"))}
+    assert sorted(learner) == [0, 1, 2, 3] and len(set(learner.values())) == 4
+    gen1 = [e for e in _rows(os.path.join(gen_dir, "gen1.jsonl")) if e["event"] == "installed"]
+    assert [e["version"] for e in gen1] == [0, 1, 2, 3]
+    # The receiver's byte count grows by the adapters alone at every pull (no base).
+    assert [e["bytes"] for e in gen1] == [adapter_bytes * (k + 1) for k in range(4)]
+    assert all(e["digest"] == learner[e["version"]] for e in gen1)
+    events = _rows(log0)
+    died = [e for e in events if e["event"] == "died"]
+    ups = [e for e in events if e["event"] == "up"]
+    assert len(died) == 1 and len(ups) == 2 and ups[1]["pid"] != killed["pid"]
+    installed = [e for e in events if e["event"] == "installed"]
+    before = [e["version"] for e in installed if e["t"] < died[0]["t"]]
+    after = [e for e in installed if e["t"] >= died[0]["t"]]
+    assert after[0]["version"] >= max(before) >= 1 and after[-1]["version"] == 3
+    assert after[0]["bytes"] == adapter_bytes  # a fresh receiver: its first pull, adapters only
+    assert all(e["digest"] == learner[e["version"]] for e in installed)
+
+
+def test_a_program_whose_lora_base_differs_is_refused_naming_both_digests():
+    from jaxflash.runtime.fleet.gen_endpoint import ProgramClient, ProgramUnavailableError
+
+    client = ProgramClient.__new__(ProgramClient)  # the check alone, no program
+    client.endpoint, client.address = type("E", (), {"name": "gen0"})(), "h:1"
+    client.base_digest, client.expected_base_digest = "ab12", "cd34"
+    with pytest.raises(ProgramUnavailableError, match="digest ab12.*has digest cd34"):
+        client.check_base()
+    client.base_digest = "cd34"
+    client.check_base()

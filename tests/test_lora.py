@@ -72,20 +72,19 @@ def test_config_validates_and_maps_from_the_experiment_dict():
     c = lora.LoraConfig.from_mapping({"rank": 16, "targets": "q, v,lm_head"})
     assert c.targets == ("q", "v", "lm_head") and c.scale == 2.0
     from jaxflash.runtime.config.experiment import ExperimentConfig
-    from jaxflash.runtime.config.specs import ConfigError
 
     exp = ExperimentConfig.from_config_dict(
         {"learner": {"lora": {"rank": 16, "base_dtype": "int8"}}, "data": {"eval_size": 0}}
     )
     assert exp.learner.lora == lora.LoraConfig(rank=16, base_dtype="int8")
-    with pytest.raises(ConfigError, match="generation_processes"):
-        ExperimentConfig.from_config_dict(
-            {
-                "learner": {"lora": {"rank": 4}},
-                "data": {"eval_size": 0},
-                "mesh": {"colocated": False, "generation_processes": True, "num_cpu_devices": 2},
-            }
-        )
+    procs = ExperimentConfig.from_config_dict(  # generation programs pull adapters only
+        {
+            "learner": {"lora": {"rank": 4}},
+            "data": {"eval_size": 0},
+            "mesh": {"colocated": False, "generation_processes": True, "num_cpu_devices": 2},
+        }
+    )
+    assert procs.learner.lora.rank == 4 and procs.mesh.generation_processes
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ mesh with each layer leaf sharded like its stacked parent minus the layer axis.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -89,10 +90,8 @@ def place(params: Any, shardings: Any, mesh: Mesh) -> Any:
         layers = jax.tree.map(
             lambda x, sh: x if on_mesh(x) else jax.device_put(x, sh), params["layers"], layer_sh
         )
-        unstacked = jax.jit(
-            lambda layers: unstack_layers({"layers": layers})["layers"],
-            out_shardings=shardings["layers"],
-        )(layers)
+        out = shardings["layers"]
+        unstacked = _unstacker(jax.tree.structure(out), tuple(jax.tree.leaves(out)))(layers)
         params = {**params, "layers": unstacked}
     elif stacked:
         params = unstack_layers(jax.tree.map(np.asarray, params))
@@ -103,3 +102,22 @@ def place(params: Any, shardings: Any, mesh: Mesh) -> Any:
         return jax.device_put(leaf, sh)
 
     return jax.tree.map(put, params, shardings)
+
+
+UNSTACK_TRACES = [0]  # times the unstacking was traced (tests: one per layout, not per update)
+
+
+@functools.lru_cache(maxsize=16)
+def _unstacker(out_tree: Any, out_leaves: tuple) -> Any:
+    """The jitted layer unstacking for one target layout, built once and reused.
+
+    A fresh ``jax.jit`` per update recompiled at every publish (about 12 s a step at
+    the SmolLM2-135M shape on CPU); keyed by the output shardings (hashable), jit's
+    own cache then covers the input shapes and shardings.
+    """
+
+    def unstack(layers):
+        UNSTACK_TRACES[0] += 1
+        return unstack_layers({"layers": layers})["layers"]
+
+    return jax.jit(unstack, out_shardings=jax.tree.unflatten(out_tree, out_leaves))

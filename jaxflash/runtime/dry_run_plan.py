@@ -183,4 +183,18 @@ def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
     table = format_plan(
         costs, title=title, chip=chip, share=share, capacity=capacity, settings=settings
     )
+    lora = exp.learner.lora
+    if lora is not None:  # what LoRA saves: full fine-tuning's step, compiled alike
+        import dataclasses  # noqa: PLC0415
+
+        from jaxflash.sizing.plan import measure  # noqa: PLC0415
+        from jaxflash.sizing.programs import train_step_program  # noqa: PLC0415
+        from jaxflash.sizing.report import format_lora_saving  # noqa: PLC0415
+
+        full, _ = train_step_program(
+            model, dataclasses.replace(exp.learner, lora=None), lmesh, LEARNER_RULES,
+            batch_size=batch, seq_len=seq_len,
+        )  # fmt: skip
+        what = f"rank {lora.rank} over a {lora.base_dtype} base"
+        table += "\n" + format_lora_saving(costs[0], measure(full), what)
     return table + note

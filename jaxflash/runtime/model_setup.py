@@ -177,6 +177,37 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
     return build_engine(model_config, engine_config(exp), mesh, tokenizer, lora=exp.learner.lora)
 
 
+def lora_base_source(exp: ExperimentConfig) -> dict[str, Any]:
+    """Where a LoRA run's frozen base comes from, as JSON: what a generation program
+    needs to build the same base itself (``stored_lora_base``) instead of receiving it."""
+    m = exp.model
+    return {"source": m.source, "path": m.path, "seed": int(exp.seed)}
+
+
+def stored_lora_base(model_config: ModelConfig, source: dict[str, Any], lora: Any) -> Any:
+    """The frozen base a LoRA learner stores (``learner.state``'s ``_lora_build``): the
+    model file's weights, or ``init_params(model_config, seed)`` for random init, cast
+    or quantized per ``lora.base_dtype`` by the same jitted ops (so bit for bit the
+    learner's; callers compare ``tree_digest``s).
+
+    Args:
+      source: ``lora_base_source(exp)``.
+      lora: the run's ``LoraConfig``.
+    """
+    import jax
+
+    from jaxflash.models.llama import init_params
+    from jaxflash.models.lora import quantize_base
+
+    if source["source"] == "gguf":
+        _, params = load_gguf(source["path"] or smollm2_gguf_path())
+    elif source["source"] == "hf":
+        _, params = load_hf(source["path"])
+    else:
+        return jax.jit(lambda: quantize_base(init_params(model_config, source["seed"]), lora))()
+    return jax.jit(lambda p: quantize_base(p, lora))(params)
+
+
 def engine_config(exp: ExperimentConfig):
     """The ``EngineConfig`` of every rollout engine of ``exp`` (a generation program in
     another process builds its engine from this, sent as JSON)."""

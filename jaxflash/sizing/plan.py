@@ -180,9 +180,11 @@ def plan_programs(
         model, learner, learner_mesh, learner_rules, batch_size=batch_size, seq_len=seq_len
     )
     gen, eng_params, dstate = sp.engine_programs(
-        model, engine, generation_mesh, generation_rules, buckets=prefill_buckets
+        model, engine, generation_mesh, generation_rules, buckets=prefill_buckets, lora=learner.lora
     )
-    pub, install = sp.publish_programs(model, state.params, generation_mesh, generation_rules)
+    pub, install = sp.publish_programs(
+        model, state.params, generation_mesh, generation_rules, lora=learner.lora
+    )
     state_b, params_b = sp.per_device_bytes(state), sp.per_device_bytes(state.params)
     eng_b, cache_b = sp.per_device_bytes(eng_params), sp.per_device_bytes(dstate)
     other_l = eng_b + cache_b if colocated else 0  # engine buffers on the learner's chips

@@ -41,8 +41,10 @@ from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, state_shardings
 from jaxflash.learner.step import batch_sharding, make_train_step
+from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, logical_axes, unstack_layers
+from jaxflash.models.llama import abstract_params, logical_axes, lora_model_layout, unstack_layers
+from jaxflash.models.lora import LoraConfig
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 from jaxflash.sync.publish import staging_shardings
 from jaxflash.sync.reshard import shards_present, staging_sharding
@@ -137,15 +139,21 @@ def engine_programs(
     rules: Rules,
     *,
     buckets: Sequence[int] | None = None,
+    lora: LoraConfig | None = None,
 ) -> tuple[list[Lowerable], Any, Any]:
     """Prefill at every bucket (or at ``buckets``) and the decode block on one slice.
+
+    Args:
+      lora: a LoRA engine's programs: the stored (cast / quantized) base with the
+        adapters beside their weights.
 
     Returns:
       (programs, abstract engine params (unstacked), abstract DecodeState).
     """
-    engine = LlamaEngine(model, config, mesh=mesh, rules=rules)
-    shapes = jax.eval_shape(unstack_layers, abstract_params(model))
-    params = _abstract(shapes, engine_shardings(model, mesh, rules))
+    engine = LlamaEngine(model, config, mesh=mesh, rules=rules, lora=lora)
+    stacked = abstract_params(model) if lora is None else lora_model_layout(model, lora)[0]
+    shapes = jax.eval_shape(unstack_layers, stacked)
+    params = _abstract(shapes, engine_shardings(model, mesh, rules, lora))
     rep = NamedSharding(mesh, PartitionSpec())
     state_sh, _ = engine_state_shardings(model, config, mesh, rules)
     state = _abstract(jax.eval_shape(engine.init_decode_state), state_sh)
@@ -171,14 +179,25 @@ def engine_programs(
 
 
 def publish_programs(
-    model: ModelConfig, learner_params: Any, generation_mesh: Mesh, rules: Rules
+    model: ModelConfig,
+    learner_params: Any,
+    generation_mesh: Mesh,
+    rules: Rules,
+    lora: LoraConfig | None = None,
 ) -> list[Lowerable]:
     """The weight publish: staging reshard on the learner's chips (``sync.publish``),
-    then the engine's unstacking of the copy on the generation chips."""
+    then the engine's unstacking of the copy on the generation chips. Under ``lora``
+    both move the adapters only (``learner_params`` are the adapters; the base is
+    placed once, outside the step)."""
     learner_mesh = jax.tree.leaves(learner_params)[0].sharding.mesh
-    targets = logical_to_shardings(
-        logical_axes(model), generation_mesh, rules, shapes=abstract_params(model)
-    )
+    if lora is None:
+        shapes = abstract_params(model)
+        targets = logical_to_shardings(logical_axes(model), generation_mesh, rules, shapes=shapes)
+        eng = engine_shardings(model, generation_mesh, rules)
+    else:
+        shapes, axes = lora_lib.adapter_layout(model, lora)
+        targets = lora_lib.layout_shardings(axes, shapes, generation_mesh, rules)
+        eng = lora_lib.split(engine_shardings(model, generation_mesh, rules, lora))[0]
     staging = staging_shardings(learner_params, targets)
     fn = jax.jit(lambda p: p, out_shardings=staging)
     publish = Lowerable(
@@ -186,11 +205,10 @@ def publish_programs(
         per_device_bytes(learner_params),
     )  # fmt: skip
     # What the engine receives: stacked layers on its mesh (the layer axis unsplit).
-    eng = engine_shardings(model, generation_mesh, rules)
     stack_sh = jax.tree.map(
         lambda sh: NamedSharding(generation_mesh, PartitionSpec(None, *sh.spec)), eng["layers"][0]
     )
-    stacked = _abstract(abstract_params(model)["layers"], stack_sh)
+    stacked = _abstract(shapes["layers"], stack_sh)
     unstack = jax.jit(
         lambda layers: unstack_layers({"layers": layers})["layers"], out_shardings=eng["layers"]
     )

@@ -153,3 +153,27 @@ def format_plan(
             line += f"\n  change: {advice(c, settings)}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def format_lora_saving(lora: ProgramCost, full: ProgramCost, what: str) -> str:
+    """The learner's memory under LoRA against full fine-tuning of the same model, batch
+    and mesh: both ``train_step`` programs compiled (GiB per device).
+
+    Args:
+      lora, full: the two ``train_step`` costs (``plan.measure``).
+      what: the LoRA settings, e.g. "rank 16 over an int8 base".
+    """
+
+    def one(c: ProgramCost) -> str:
+        refused = " (REFUSED by the compiler)" if c.refused else ""
+        return (
+            f"peak {c.peak_bytes / GIB:.3f} GiB (args {c.argument_bytes / GIB:.3f}, "
+            f"temp {c.temp_bytes / GIB:.3f}){refused}"
+        )
+
+    saved = full.peak_bytes - lora.peak_bytes
+    share = 100.0 * saved / full.peak_bytes if full.peak_bytes else 0.0
+    return (
+        f"learner train_step per device, LoRA {what}: {one(lora)}; full fine-tuning: "
+        f"{one(full)}; LoRA saves {saved / GIB:.3f} GiB ({share:.0f} %)"
+    )

@@ -211,12 +211,6 @@ class ExperimentConfig:
             f"generation runs in separate programs; set {field}=0 (evaluating through "
             "the generation programs is not built yet)",
         )
-        _check(
-            not (m.generation_processes and self.learner.lora is not None),
-            "learner.lora with mesh.generation_processes=True: generation programs receive "
-            "full weights only (adapter-only transfer to programs is not built yet; "
-            "docs/LORA.md); use generation threads (mesh.generation_processes=False)",
-        )
 
     def with_prompt_lengths(self, max_prompt_tokens: int) -> ExperimentConfig:
         """A copy with ``data.max_prompt_tokens`` (and a 0 ``rollout.max_prefill_length``)

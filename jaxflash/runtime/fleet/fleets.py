@@ -41,7 +41,7 @@ from jaxflash.runtime.fleet.remote_server import (
     RemoteServerDownError,
 )
 from jaxflash.runtime.fleet.rpc_wire import WeightOffer
-from jaxflash.runtime.model_setup import engine_config, make_engine
+from jaxflash.runtime.model_setup import engine_config, lora_base_source, make_engine
 from jaxflash.sync.publish import AdapterPublisher, Publisher
 from jaxflash.sync.reshard import LayoutCache
 from jaxflash.sync.transfer_digest import tree_digest
@@ -203,6 +203,9 @@ class ProcessFleet:
             },  # fmt: skip
             "digests": bool(m.generation_digests),
         }
+        if exp.learner.lora is not None:  # programs build the base; only adapters move
+            lora = {"config": dataclasses.asdict(exp.learner.lora)}
+            config["lora"] = {**lora, "source": lora_base_source(exp)}
         devices = math.prod(int(v) for v in m.generation.values())
         names = [f"gen{i}" for i in range(m.num_generation_slices)]
         if m.generation_addresses:
@@ -233,6 +236,10 @@ class ProcessFleet:
 
     def publish(self, learner: LearnerProgram, version: int) -> list[WeightOffer]:
         """Offer the learner's params as ``version``; the same offer for every program."""
+        if self._board is None and learner.base is not None:
+            for client in self.clients:  # the programs' LoRA bases are the learner's
+                client.expected_base_digest = learner.base_record["digest"]
+                client.check_base()
         offer = WeightOffer(version=int(version), senders=learner.offer(self.layout))
         self.last_publish_bytes = tree_bytes(learner.params) * len(self.clients)
         if self._exp.mesh.generation_digests and jax.process_count() == 1:

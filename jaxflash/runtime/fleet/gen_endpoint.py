@@ -179,6 +179,11 @@ class ProgramClient:
         self.connect_timeout_s, self.rpc_timeout_s = connect_timeout_s, rpc_timeout_s
         self._channel: grpc.Channel | None = None
         self.layout: dict[str, Any] | None = None
+        # LoRA: the digest of the base the program built (Configure's reply), and the
+        # learner's (set by ``ProcessFleet`` at its first publish): a restarted program
+        # whose base differs is refused at connect.
+        self.base_digest: str | None = None
+        self.expected_base_digest: str | None = None
         self.address = ""
         if isinstance(endpoint, LocalProgram) and not endpoint.alive():
             endpoint.launch()
@@ -219,11 +224,27 @@ class ProgramClient:
                     f"configuration ({status.value}): {fields.get('error')}"
                 )
             self.layout = fields["layout"]
+            self.base_digest = fields.get("base_digest")
+            self.check_base()
             return self.layout
         raise ProgramUnavailableError(
             f"generation program {self.name} at {self.address} did not answer Configure "
             f"within {self.connect_timeout_s:g}s: {last!r}"
         )
+
+    def check_base(self) -> None:
+        """Under LoRA: refuse a program whose frozen base is not the learner's.
+
+        Raises:
+          ProgramUnavailableError: the digests differ (naming both).
+        """
+        want, have = self.expected_base_digest, self.base_digest
+        if want and have != want:
+            raise ProgramUnavailableError(
+                f"generation program {self.name} at {self.address} built a LoRA base with "
+                f"digest {have}, but the learner's base has digest {want} (both build it "
+                "from model.source/model.path or the seed: do they see the same file?)"
+            )
 
     def call(
         self, method: str, message: bytes, *, timeout_s: float | None = None

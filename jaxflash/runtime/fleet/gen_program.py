@@ -17,9 +17,14 @@ and serves until ``Shutdown`` (or its parent process dies, with ``--parent_pid``
 Calls (each reply carries an ``rpc_wire.Status``):
 
 - ``Configure``: model config, engine config, mesh axes, partial-rollout policy,
-  stop ids, transfer method. Builds the engine and a ``WeightReceiver`` on its
-  own devices; replies with the receiver's layout (JSON), which the learner
-  stages its weights for. Idempotent for an equal config; another is BAD_CONFIG.
+  stop ids, transfer method, and under LoRA (``lora``) the adapters' config and the
+  base's source. Builds the engine and a ``WeightReceiver`` on its own devices;
+  replies with the receiver's layout (JSON), which the learner stages its weights
+  for. Under LoRA the program builds the frozen base itself, once (the same file or
+  seed, cast / quantized like the learner's), places it, and replies with its
+  digest (``base_digest``, checked against the learner's); the layout is then the
+  adapters' only, so each pull moves only them. Idempotent for an equal config;
+  another is BAD_CONFIG.
 - ``Update``: a ``WeightOffer`` (version + the learner processes' sender
   addresses). A puller thread pulls exactly that version (double-buffered: the
   server keeps generating with its installed weights until every block arrived)
@@ -77,6 +82,8 @@ class GenerationProgram:
         self._receiver: Any = None
         self._layout_json: dict[str, Any] | None = None
         self._server: Any = None  # GenerationServer, built at the first install
+        self._base: Any = None  # LoRA: the frozen base on the engine mesh (built here)
+        self._base_digest: str | None = None
         self._events: queue.Queue = queue.Queue()
         self.stopped = threading.Event()
         self._puller = threading.Thread(target=self._pull_loop, name="gen-puller", daemon=True)
@@ -85,6 +92,8 @@ class GenerationProgram:
 
     def configure(self, header: dict[str, Any]) -> bytes:
         config = {k: header[k] for k in _CONFIG_KEYS if k in header}
+        if header.get("lora"):  # optional: adapters over a base built here
+            config["lora"] = header["lora"]
         missing = sorted(set(_CONFIG_KEYS) - set(config))
         if missing:
             return reply(Status.BAD_CONFIG, error=f"Configure is missing {missing}")
@@ -96,23 +105,30 @@ class GenerationProgram:
                         error="this generation program already runs another configuration "
                         f"(differs in {sorted(k for k in config if config[k] != self._config[k])})",
                     )
-                return reply(Status.OK, layout=self._layout_json, pid=os.getpid())
+                return self._configured()
             try:
                 self._build(config)
             except Exception as err:  # a config this program cannot run: say why
                 return reply(Status.BAD_CONFIG, error=f"{type(err).__name__}: {err}")
             self._config = config
             self._puller.start()
-            return reply(Status.OK, layout=self._layout_json, pid=os.getpid())
+            return self._configured()
+
+    def _configured(self) -> bytes:
+        return reply(
+            Status.OK, layout=self._layout_json, pid=os.getpid(), base_digest=self._base_digest
+        )
 
     def _build(self, config: dict[str, Any]) -> None:
         import jax  # noqa: PLC0415  (jax is imported once the program has its devices)
 
         from jaxflash.generation.engine_state import EngineConfig  # noqa: PLC0415
+        from jaxflash.models import lora as lora_lib  # noqa: PLC0415
         from jaxflash.models.config import ModelConfig  # noqa: PLC0415
         from jaxflash.models.llama import abstract_params  # noqa: PLC0415
-        from jaxflash.runtime.model_setup import build_engine  # noqa: PLC0415
+        from jaxflash.runtime.model_setup import build_engine, stored_lora_base  # noqa: PLC0415
         from jaxflash.sharding.mesh import make_mesh  # noqa: PLC0415
+        from jaxflash.sync.transfer_digest import tree_digest  # noqa: PLC0415
         from jaxflash.sync.transfer_receiver import WeightReceiver  # noqa: PLC0415
 
         model_config = ModelConfig(**config["model_config"])
@@ -123,11 +139,21 @@ class GenerationProgram:
         if n > jax.device_count():
             raise ValueError(f"mesh {axes} needs {n} devices; there are {jax.device_count()}")
         mesh = make_mesh(jax.devices()[:n], axes)
-        engine, shardings = build_engine(model_config, EngineConfig(**config["engine"]), mesh)
+        lora = None if "lora" not in config else lora_lib.LoraConfig(**config["lora"]["config"])
+        engine, shardings = build_engine(
+            model_config, EngineConfig(**config["engine"]), mesh, lora=lora
+        )
+        # Under LoRA the pulled tree is the adapters (what the learner trains); the
+        # base is built from its source here, once, and kept across every install.
+        shapes = abstract_params(model_config)
+        if lora is not None:
+            shapes = lora_lib.adapter_layout(model_config, lora)[0]
+            base = stored_lora_base(model_config, config["lora"]["source"], lora)
+            self._base_digest = tree_digest(base)
+            self._base = engine.place_base(base)
+            del base
         template = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_params(model_config),
-            shardings,
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
         )
         self._engine = engine
         self._receiver = WeightReceiver(template, host=self._host)
@@ -312,11 +338,14 @@ class GenerationProgram:
             )  # fmt: skip
             return
         seconds = time.perf_counter() - t0
+        params = current.params  # the model, or under LoRA the adapters over our base
+        if self._base is not None:
+            params = self._engine.with_adapters(self._base, params)
         if self._server is None:
             server = GenerationServer(
                 str(cfg["name"]),
                 self._engine,
-                current.params,
+                params,
                 policy_version=current.version,
                 stop_ids=[int(i) for i in cfg["stop_ids"]],
                 partial_rollout=str(cfg["partial_rollout"]),
@@ -326,7 +355,7 @@ class GenerationProgram:
             with self._cond:
                 self._server = server
         else:
-            self._server.update_weights(current.params, current.version)
+            self._server.update_weights(params, current.version)
         event = {"type": "installed", "version": current.version, "seconds": seconds,
                  "method": transfer["method"], "bytes": self._receiver.stats.bytes}  # fmt: skip
         if cfg.get("digests"):

@@ -139,6 +139,14 @@ class LearnerProgram:
         return self.state.base
 
     @property
+    def base_record(self) -> dict[str, Any] | None:
+        """LoRA: the base's source and SHA-256 digest (``resume.base_record``; what
+        checkpoints and generation programs are checked against); None without LoRA."""
+        if self.state.base is not None and self._base_record is None:
+            self._base_record = base_record(self._exp, self.state.base)
+        return self._base_record
+
+    @property
     def senders(self) -> tuple[str, ...]:
         """Every learner process's ``WeightSender`` address, in process order."""
         if self._pump is None:
@@ -219,9 +227,7 @@ class LearnerProgram:
             self.checkpointer.save(self.state, meta)
             return
         # LoRA: adapters + optimizer state only; the base is named by source + digest.
-        if self._base_record is None:
-            self._base_record = base_record(self._exp, self.state.base)
-        meta = dataclasses.replace(meta, extra={**meta.extra, "lora_base": self._base_record})
+        meta = dataclasses.replace(meta, extra={**meta.extra, "lora_base": self.base_record})
         self.checkpointer.save(self.state.replace(base=None), meta)
 
     def close(self) -> None:
