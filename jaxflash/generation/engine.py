@@ -219,7 +219,10 @@ class LlamaEngine:
     # ------------------------------------------------------ starting samples
 
     def start_samples(
-        self, decode_state: DecodeState, starts: Sequence[SampleStart]
+        self,
+        decode_state: DecodeState,
+        starts: Sequence[SampleStart],
+        page_table: np.ndarray | jax.Array | None = None,
     ) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """Draw each sample's first token and put the sample in its slot.
 
@@ -230,15 +233,24 @@ class LlamaEngine:
         Args:
           decode_state: current state; donated.
           starts: where and how each sample starts (slots distinct).
+          page_table: paged cache only (required there): int32 [B, M] with each
+            new sample's pages mapped (``page_pool.PagePool.device_table``).
 
         Returns:
           (new state, first tokens int32 [N], their logprobs float32 [N]) in order.
 
         Raises:
-          ValueError: a slot out of range, a repeated slot, or a negative budget.
+          ValueError: a slot out of range, a repeated slot, or a negative budget;
+            a paged engine without ``page_table``.
         """
         results = []
+        table = self._page_table(page_table)
         for members, arrays in start_groups(starts, self.config.max_concurrent_decodes):
+            if self.config.paged:  # the whole table at the first group, then the state's
+                from_g = np.zeros(arrays[0].shape, np.int32)
+                from_g[: len(members)] = [starts[i].shared_pages for i in members]
+                arrays = (*arrays, table, from_g)
+                table = None
             arrays = jax.device_put(arrays, self._replicated)
             batch = starts[members[0]].prefill.batch
             decode_state, token_g, logp_g = self._programs.start(decode_state, batch, *arrays)
@@ -274,6 +286,12 @@ class LlamaEngine:
         Raises:
           ValueError: slot out of range.
         """
+        if self.config.paged:
+            raise NotImplementedError(
+                "insert: a paged engine (kv_cache='paged') starts samples through the slot "
+                "loop (start_samples with a page table); JetStream's Driver needs "
+                "kv_cache='dense'"
+            )
         if not 0 <= slot < self.config.max_concurrent_decodes:
             raise ValueError(
                 f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
@@ -309,6 +327,7 @@ class LlamaEngine:
         steps: int,
         live: np.ndarray,
         stop_ids: Sequence[int],
+        page_table: np.ndarray | jax.Array | None = None,
     ) -> tuple[DecodeState, BlockResult]:
         """Up to ``steps`` decode steps in one dispatch, one host copy of the tokens.
 
@@ -323,12 +342,15 @@ class LlamaEngine:
           steps: maximum decode steps (compiles once per value).
           live: bool [B] slots holding a running sample.
           stop_ids: token ids that end a sample (may be empty).
+          page_table: paged cache only (required there): int32 [B, M] with every
+            page the block writes mapped; a slot whose next page is not mapped stops.
 
         Returns:
           (new state, BlockResult on the host).
 
         Raises:
-          ValueError: steps < 1 or ``live`` not of shape [B].
+          ValueError: steps < 1 or ``live`` not of shape [B]; a paged engine
+            without ``page_table``.
         """
         B = self.config.max_concurrent_decodes
         live = np.asarray(live, bool)
@@ -336,12 +358,23 @@ class LlamaEngine:
             raise ValueError(
                 f"generate_block: need steps >= 1 and live [B={B}], got {steps}, {live.shape}"
             )
-        live_dev, stop_dev = jax.device_put((live, stop_array(stop_ids)), self._replicated)
+        table = self._page_table(page_table)
+        live_dev, stop_dev, table = jax.device_put(
+            (live, stop_array(stop_ids), table), self._replicated
+        )
         program = self._programs.generate_block(steps)
-        state, out_nb3, live_n, n = program(params, decode_state, live_dev, stop_dev)
+        state, out_nb3, live_n, n = program(params, decode_state, live_dev, stop_dev, table)
         out_nb3, live_n, n = jax.device_get((out_nb3, live_n, n))
         result = block_result(out_nb3, live_n, int(n))
         return state, result
+
+    def _page_table(self, page_table: np.ndarray | jax.Array | None) -> Any:
+        """The page table a paged engine's program takes (None for a dense one)."""
+        if not self.config.paged:
+            return None
+        if page_table is None:
+            raise ValueError("a paged engine (kv_cache='paged') needs page_table=")
+        return page_table
 
     # ------------------------------------------------- state, params, plumbing
 

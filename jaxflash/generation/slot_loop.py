@@ -25,6 +25,16 @@ layer owns any threads.
 Prefix sharing (``share_prefix=True``, the default): fresh requests of one prompt
 share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
 ``set_params``.
+
+Paged KV cache (``EngineConfig.kv_cache="paged"``): a ``page_pool.PagePool`` maps
+pages to slots. A request is admitted when the pool has the pages of its prompt
+and first block (else it waits at the head of the queue, ``stats.page_waits``);
+fresh samples of one prompt map its full prompt pages instead of copying them
+(``stats.shared_pages``); before every block each running sample maps the pages
+the block may write, and if the pool has run out the newest running sample is
+preempted: its pages are returned and it restarts from the queue's front
+(``stats.preempted``; same RNG identity, so under unchanged weights the same
+tokens). A request that could never fit the pool is refused by ``check_request``.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import numpy as np
 
 from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import SampleStart
+from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.prefill_sharing import SharedPrefills
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
@@ -59,6 +70,7 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    admitted: int = 0  # admission order (paged: the newest is preempted first)
 
 
 class SlotBatcher:
@@ -110,6 +122,14 @@ class SlotBatcher:
         self._state = engine.init_decode_state()
         self._queue: collections.OrderedDict[RequestKey, _Running] = collections.OrderedDict()
         self._slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
+        c = engine.config
+        self.pages = None  # the paged engine's PagePool (None: dense cache)
+        if c.paged:
+            self.pages = PagePool(
+                c.pool_pages, c.page_size, c.max_concurrent_decodes, c.pages_per_slot
+            )
+        self._epoch = 0  # params generation: shared prompt pages are valid within one
+        self._admissions = 0
 
     # ------------------------------------------------------------- interface
 
@@ -205,6 +225,7 @@ class SlotBatcher:
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
         self._prefills.clear()  # a shared prefill is valid only under its params
+        self._epoch += 1  # ... and so are shared prompt pages
         if in_flight == "continue":
             return
         limit = self.engine.max_prefill_length
@@ -239,6 +260,8 @@ class SlotBatcher:
                 raise ValueError("SlotBatcher.step: params given without policy_version")
             self.set_params(params, policy_version)
         start = time.perf_counter()
+        if self.pages is not None:
+            self._grow_running()
         finished = self._fill()
         live = np.asarray([r is not None for r in self._slots])
         if live.any():
@@ -248,6 +271,7 @@ class SlotBatcher:
                 steps=self.decode_block,
                 live=live,
                 stop_ids=sorted(self.stop_ids),
+                page_table=None if self.pages is None else self.pages.table,
             )
             for i in range(block.steps):
                 self.stats.steps += 1
@@ -283,20 +307,32 @@ class SlotBatcher:
         finished: list[Sample] = []
         while self._queue and None in self._slots:
             placed: list[tuple[int, _Running]] = []
+            shared: list[int] = []  # paged: leading pages mapped from a shared prompt
             for slot in [s for s, r in enumerate(self._slots) if r is None]:
                 if not self._queue:
                     break
-                _, run = self._queue.popitem(last=False)
+                run = next(iter(self._queue.values()))
+                if self.pages is not None:
+                    mapped = self._admit(slot, run)
+                    if mapped is None:  # the head waits for pages (FIFO, no overtaking)
+                        break
+                    shared.append(mapped)
+                self._queue.popitem(last=False)
                 if not run.tokens:
                     run.start_version = self._version
+                self._admissions += 1
+                run.admitted = self._admissions
                 placed.append((slot, run))
+            if not placed:
+                self.stats.page_waits += 1
+                break
             prefills = self._prefills.prefills(
                 self._params,
                 [(run.request.prompt_tokens, run.tokens) for _, run in placed],
                 self.stats,
             )
             starts = []
-            for (slot, run), prefill in zip(placed, prefills, strict=True):
+            for i, ((slot, run), prefill) in enumerate(zip(placed, prefills, strict=True)):
                 r = run.request
                 starts.append(
                     SampleStart(
@@ -307,10 +343,12 @@ class SlotBatcher:
                         sample_index=r.sample_index,
                         token_index=len(run.tokens),
                         budget=r.sampling.max_new_tokens - len(run.tokens) - 1,
+                        shared_pages=shared[i] if shared else 0,
                     )
                 )
             # One dispatch per prefill batch, one host copy for all first tokens.
-            self._state, tokens, logps = self.engine.start_samples(self._state, starts)
+            table = None if self.pages is None else self.pages.table
+            self._state, tokens, logps = self.engine.start_samples(self._state, starts, table)
             for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
                 self.stats.slot_fills.append((self.stats.steps, slot, _key(run.request)))
@@ -323,9 +361,67 @@ class SlotBatcher:
         )
         return finished
 
+    def _cover(self, run: _Running, next_feed: int) -> int:
+        """Positions a sample needs mapped for the next block: through the block's
+        last fed token (``next_feed`` = position of the next token fed), never past
+        the last position it can feed (prompt + max_new_tokens - 1)."""
+        cap = len(run.request.prompt_tokens) + run.request.sampling.max_new_tokens - 1
+        return max(next_feed, min(next_feed + self.decode_block, cap))
+
+    def _admit(self, slot: int, run: _Running) -> int | None:
+        """Paged: map the pages ``run`` needs to start in ``slot`` (its prompt's
+        shared full pages first, if another sample registered them); None if the
+        pool has too few free pages (nothing mapped). Returns the pages shared."""
+        prompt = np.asarray(run.request.prompt_tokens, np.int32)
+        shareable = self._prefills.share_prefix and not run.tokens
+        key = (self._epoch, prompt.tobytes()) if shareable else None
+        length = prompt.shape[0] + len(run.tokens)  # prefilled positions
+        cover = self._cover(run, length)
+        have = self.pages.shared_pages(key)
+        if self.pages.pages_for(cover) - have > self.pages.num_free:
+            return None
+        mapped = self.pages.map_prefix(slot, key)
+        if not self.pages.grow(slot, cover):
+            raise AssertionError("PagePool: pages counted free could not be mapped")
+        self.pages.register_prefix(slot, key, prompt.shape[0] // self.pages.page_size)
+        self.stats.shared_pages += mapped
+        return mapped
+
+    def _grow_running(self) -> None:
+        """Paged: map every page the next block may write, oldest sample first; if
+        the pool has run out, preempt the newest running sample (restart) and retry."""
+        by_age = sorted(
+            (s for s, r in enumerate(self._slots) if r is not None),
+            key=lambda s: self._slots[s].admitted,
+        )
+        for slot in by_age:
+            run = self._slots[slot]
+            if run is None:  # preempted for an older sample
+                continue
+            next_feed = len(run.request.prompt_tokens) + len(run.tokens) - 1
+            while not self.pages.grow(slot, self._cover(run, next_feed)):
+                victim = max(
+                    (s for s, r in enumerate(self._slots) if r is not None),
+                    key=lambda s: self._slots[s].admitted,
+                )
+                self._preempt(victim)
+                if victim == slot:
+                    break
+
+    def _preempt(self, slot: int) -> None:
+        """Return a running sample's pages; it restarts from the front of the queue."""
+        run = self._slots[slot]
+        self._release(slot)
+        self.stats.preempted += 1
+        key = _key(run.request)
+        self._queue[key] = _Running(run.request, None)
+        self._queue.move_to_end(key, last=False)
+
     def _release(self, slot: int) -> None:
         run = self._slots[slot]
         self._slots[slot] = None
+        if self.pages is not None:
+            self.pages.release(slot)
         self.stats.slot_releases.append((self.stats.steps, slot, _key(run.request)))
 
     def _append(self, run: _Running, token: int, logp: float) -> FinishReason | None:
