@@ -34,7 +34,7 @@ fresh samples of one prompt map its full prompt pages instead of copying them
 the block may write, and if the pool has run out the newest running sample is
 preempted: its pages are returned and it restarts from the queue's front
 (``stats.preempted``; same RNG identity, so under unchanged weights the same
-tokens). A request that could never fit the pool is refused by ``check_request``.
+tokens; admissions pause until a sample ends). A request that could never fit the pool is refused by ``check_request``.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ class SlotBatcher:
             )
         self._epoch = 0  # params generation: shared prompt pages are valid within one
         self._admissions = 0
+        # After a preemption, admit nothing until a sample ends: re-admitting the
+        # preempted sample into the pages it just gave back would preempt it again.
+        self._page_hold = False
 
     # ------------------------------------------------------------- interface
 
@@ -372,6 +375,8 @@ class SlotBatcher:
         """Paged: map the pages ``run`` needs to start in ``slot`` (its prompt's
         shared full pages first, if another sample registered them); None if the
         pool has too few free pages (nothing mapped). Returns the pages shared."""
+        if self._page_hold and self.num_running:
+            return None
         prompt = np.asarray(run.request.prompt_tokens, np.int32)
         shareable = self._prefills.share_prefix and not run.tokens
         key = (self._epoch, prompt.tobytes()) if shareable else None
@@ -413,6 +418,7 @@ class SlotBatcher:
         run = self._slots[slot]
         self._release(slot)
         self.stats.preempted += 1
+        self._page_hold = True
         key = _key(run.request)
         self._queue[key] = _Running(run.request, None)
         self._queue.move_to_end(key, last=False)
@@ -437,6 +443,7 @@ class SlotBatcher:
 
     def _finish(self, run: _Running, reason: FinishReason) -> Sample:
         self.stats.finished[reason] += 1
+        self._page_hold = False  # its pages are back: admissions resume
         return Sample(
             prompt_id=run.request.prompt_id,
             sample_index=run.request.sample_index,

@@ -194,6 +194,9 @@ def engine_config(exp: ExperimentConfig):
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         decode_block=exp.rollout.decode_block,
+        kv_cache=exp.rollout.kv_cache,
+        page_size=exp.rollout.page_size,
+        num_pages=exp.rollout.num_pages,
     )
 
 
