@@ -24,9 +24,7 @@ from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
-BASE = dict(
-    max_concurrent_decodes=3, max_prefill_length=16, max_target_length=40, decode_block=4
-)
+BASE = dict(max_concurrent_decodes=3, max_prefill_length=16, max_target_length=40, decode_block=4)
 PAGES = dict(kv_cache="paged", page_size=4, num_pages=12)
 NO_EOS = -1
 

@@ -102,9 +102,7 @@ def with_page_table(state: DecodeState, table_bm) -> DecodeState:
     return state.replace(cache=c.replace(pages=c.pages.replace(table_bm=table_bm)))
 
 
-def _place_pages(
-    paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g
-) -> PagedKVCache:
+def _place_pages(paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g) -> PagedKVCache:
     """Write prefill rows ``cache[row_g]`` into the pages of slots ``slot_g`` (the
     state's page table), skipping each entry's first ``from_g`` pages (a shared
     prompt's, already in the pool); padding entries (slot B) write nothing."""

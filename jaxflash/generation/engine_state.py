@@ -334,7 +334,8 @@ def state_shardings(
         # Pools follow the kv_heads rule, decided on K so a shard holds whole
         # (key, value) pairs of the interleaved axis; the page table is replicated.
         shape = (config.pool_pages, config.page_size, c.n_kv_heads, c.head_dim)
-        spec = rep.spec if rules is None else logical_to_spec(PAGED_KV_LOGICAL_AXES, mesh, rules, shape)
+        axes = PAGED_KV_LOGICAL_AXES
+        spec = rep.spec if rules is None else logical_to_spec(axes, mesh, rules, shape)
         pool = NamedSharding(mesh, spec)
         big = PagedKVCache(
             kv_pages=(pool,) * c.n_layers,

@@ -26,15 +26,11 @@ Prefix sharing (``share_prefix=True``, the default): fresh requests of one promp
 share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
 ``set_params``.
 
-Paged KV cache (``EngineConfig.kv_cache="paged"``): a ``page_pool.PagePool`` maps
-pages to slots. A request is admitted when the pool has the pages of its prompt
-and first block (else it waits at the head of the queue, ``stats.page_waits``);
-fresh samples of one prompt map its full prompt pages instead of copying them
-(``stats.shared_pages``); before every block each running sample maps the pages
-the block may write, and if the pool has run out the newest running sample is
-preempted: its pages are returned and it restarts from the queue's front
-(``stats.preempted``; same RNG identity, so under unchanged weights the same
-tokens; admissions pause until a sample ends). A request that could never fit the pool is refused by ``check_request``.
+Paged KV cache (``EngineConfig.kv_cache="paged"``): ``slot_pages.SlotPages`` maps
+pool pages to slots. A request waits for pages at the head of the queue
+(``stats.page_waits``); fresh samples of one prompt map its full prompt pages
+(``stats.shared_pages``); the newest running sample is preempted (restarted,
+``stats.preempted``) when the pool runs out mid-sample.
 """
 
 from __future__ import annotations
@@ -51,6 +47,7 @@ from jaxflash.generation.engine import LlamaEngine
 from jaxflash.generation.engine_state import SampleStart
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.prefill_sharing import SharedPrefills
+from jaxflash.generation.slot_pages import SlotPages
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
     RequestKey,
@@ -122,23 +119,20 @@ class SlotBatcher:
         self._state = engine.init_decode_state()
         self._queue: collections.OrderedDict[RequestKey, _Running] = collections.OrderedDict()
         self._slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
-        c = engine.config
-        self.pages = None  # the paged engine's PagePool (None: dense cache)
-        if c.paged:
-            self.pages = PagePool(
-                c.pool_pages, c.page_size, c.max_concurrent_decodes, c.pages_per_slot
-            )
-        self._epoch = 0  # params generation: shared prompt pages are valid within one
+        # Paged engine: admission and growth over its page pool (None: dense cache).
+        self._paging = SlotPages(engine.config, self.decode_block) if engine.config.paged else None
         self._admissions = 0
-        # After a preemption, admit nothing until a sample ends: re-admitting the
-        # preempted sample into the pages it just gave back would preempt it again.
-        self._page_hold = False
 
     # ------------------------------------------------------------- interface
 
     @property
     def policy_version(self) -> PolicyVersion:
         return self._version
+
+    @property
+    def pages(self) -> PagePool | None:
+        """The paged engine's page pool (its table, free count); None when dense."""
+        return None if self._paging is None else self._paging.pool
 
     @property
     def num_queued(self) -> int:
@@ -228,7 +222,8 @@ class SlotBatcher:
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
         self._prefills.clear()  # a shared prefill is valid only under its params
-        self._epoch += 1  # ... and so are shared prompt pages
+        if self._paging is not None:
+            self._paging.new_params()  # ... and so are shared prompt pages
         if in_flight == "continue":
             return
         limit = self.engine.max_prefill_length
@@ -263,8 +258,14 @@ class SlotBatcher:
                 raise ValueError("SlotBatcher.step: params given without policy_version")
             self.set_params(params, policy_version)
         start = time.perf_counter()
-        if self.pages is not None:
-            self._grow_running()
+        if self._paging is not None:
+            running = [
+                (slot, r.admitted, r.request, len(r.tokens))
+                for slot, r in enumerate(self._slots)
+                if r is not None
+            ]
+            for slot in self._paging.grow(running):
+                self._preempt(slot)
         finished = self._fill()
         live = np.asarray([r is not None for r in self._slots])
         if live.any():
@@ -315,11 +316,18 @@ class SlotBatcher:
                 if not self._queue:
                     break
                 run = next(iter(self._queue.values()))
-                if self.pages is not None:
-                    mapped = self._admit(slot, run)
+                if self._paging is not None:
+                    mapped = self._paging.admit(
+                        slot,
+                        run.request,
+                        len(run.tokens),
+                        share=self._prefills.share_prefix,
+                        running=self.num_running,
+                    )
                     if mapped is None:  # the head waits for pages (FIFO, no overtaking)
                         break
                     shared.append(mapped)
+                    self.stats.shared_pages += mapped
                 self._queue.popitem(last=False)
                 if not run.tokens:
                     run.start_version = self._version
@@ -364,61 +372,11 @@ class SlotBatcher:
         )
         return finished
 
-    def _cover(self, run: _Running, next_feed: int) -> int:
-        """Positions a sample needs mapped for the next block: through the block's
-        last fed token (``next_feed`` = position of the next token fed), never past
-        the last position it can feed (prompt + max_new_tokens - 1)."""
-        cap = len(run.request.prompt_tokens) + run.request.sampling.max_new_tokens - 1
-        return max(next_feed, min(next_feed + self.decode_block, cap))
-
-    def _admit(self, slot: int, run: _Running) -> int | None:
-        """Paged: map the pages ``run`` needs to start in ``slot`` (its prompt's
-        shared full pages first, if another sample registered them); None if the
-        pool has too few free pages (nothing mapped). Returns the pages shared."""
-        if self._page_hold and self.num_running:
-            return None
-        prompt = np.asarray(run.request.prompt_tokens, np.int32)
-        shareable = self._prefills.share_prefix and not run.tokens
-        key = (self._epoch, prompt.tobytes()) if shareable else None
-        length = prompt.shape[0] + len(run.tokens)  # prefilled positions
-        cover = self._cover(run, length)
-        have = self.pages.shared_pages(key)
-        if self.pages.pages_for(cover) - have > self.pages.num_free:
-            return None
-        mapped = self.pages.map_prefix(slot, key)
-        if not self.pages.grow(slot, cover):
-            raise AssertionError("PagePool: pages counted free could not be mapped")
-        self.pages.register_prefix(slot, key, prompt.shape[0] // self.pages.page_size)
-        self.stats.shared_pages += mapped
-        return mapped
-
-    def _grow_running(self) -> None:
-        """Paged: map every page the next block may write, oldest sample first; if
-        the pool has run out, preempt the newest running sample (restart) and retry."""
-        by_age = sorted(
-            (s for s, r in enumerate(self._slots) if r is not None),
-            key=lambda s: self._slots[s].admitted,
-        )
-        for slot in by_age:
-            run = self._slots[slot]
-            if run is None:  # preempted for an older sample
-                continue
-            next_feed = len(run.request.prompt_tokens) + len(run.tokens) - 1
-            while not self.pages.grow(slot, self._cover(run, next_feed)):
-                victim = max(
-                    (s for s, r in enumerate(self._slots) if r is not None),
-                    key=lambda s: self._slots[s].admitted,
-                )
-                self._preempt(victim)
-                if victim == slot:
-                    break
-
     def _preempt(self, slot: int) -> None:
         """Return a running sample's pages; it restarts from the front of the queue."""
         run = self._slots[slot]
         self._release(slot)
         self.stats.preempted += 1
-        self._page_hold = True
         key = _key(run.request)
         self._queue[key] = _Running(run.request, None)
         self._queue.move_to_end(key, last=False)
@@ -426,8 +384,8 @@ class SlotBatcher:
     def _release(self, slot: int) -> None:
         run = self._slots[slot]
         self._slots[slot] = None
-        if self.pages is not None:
-            self.pages.release(slot)
+        if self._paging is not None:
+            self._paging.pool.release(slot)
         self.stats.slot_releases.append((self.stats.steps, slot, _key(run.request)))
 
     def _append(self, run: _Running, token: int, logp: float) -> FinishReason | None:
@@ -443,7 +401,8 @@ class SlotBatcher:
 
     def _finish(self, run: _Running, reason: FinishReason) -> Sample:
         self.stats.finished[reason] += 1
-        self._page_hold = False  # its pages are back: admissions resume
+        if self._paging is not None:
+            self._paging.sample_ended()  # its pages are back: admissions resume
         return Sample(
             prompt_id=run.request.prompt_id,
             sample_index=run.request.sample_index,

@@ -40,9 +40,9 @@ from flax import nnx
 from jaxflash.models import lora
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
-from jaxflash.models.paged_kv_cache import PagedKVCache, PageTable, write_and_view
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.moe import moe_mlp
+from jaxflash.models.paged_kv_cache import PagedKVCache, PageTable, write_and_view
 from jaxflash.models.params import Params, get_params
 from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
