@@ -7,9 +7,9 @@ through seqio, 4-5 s per process); ``jetstream_engine.JetStreamEngine`` adapts i
 (``serving``). It runs the pure function ``jaxflash.models.llama.forward`` — the
 same code the learner runs — so engine logprobs and learner logprobs agree to float
 rounding. Its device programs are the pure functions of ``engine_kernels``; the
-engine jits them, places params (``engine_params``: layers unstacked, so a decode
-step reads each layer's weights in place) and counts compilations from outside
-(``trace_counts``).
+engine jits them, places params (``engine_weights``, ``engine_params``: layers
+unstacked, so a decode step reads each layer's weights in place) and counts
+compilations from outside (``trace_counts``).
 
 Two ways to drive it (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
 
@@ -49,6 +49,7 @@ bucket), insert once per bucket, generate once, generate_block once per block si
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,7 +59,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine_host import block_result, start_groups, stop_array
-from jaxflash.generation.engine_params import engine_shardings, place
 from jaxflash.generation.engine_prefill import Prefiller
 from jaxflash.generation.engine_programs import Programs
 from jaxflash.generation.engine_state import (
@@ -70,11 +70,9 @@ from jaxflash.generation.engine_state import (
     SampleStart,
     state_shardings,
 )
-from jaxflash.models import lora as lora_lib
+from jaxflash.generation.engine_weights import EngineWeights
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, lora_model_layout, unstack_layers
 from jaxflash.models.lora import LoraConfig
-from jaxflash.sharding.leaves import LayoutMismatchError, check_same_leaves, leaf_signatures
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
@@ -118,27 +116,21 @@ class LlamaEngine:
                 f"EngineConfig.max_target_length={config.max_target_length} exceeds "
                 f"ModelConfig.max_seq_len={model_config.max_seq_len}"
             )
+        self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
+        if config.paged_attention == "auto":  # the TPU kernel where the mesh is on TPU
+            on_tpu = self._mesh.devices.flat[0].platform == "tpu"
+            config = dataclasses.replace(
+                config, paged_attention="tpu_kernel" if on_tpu else "reference"
+            )
         self.model_config = model_config
         self.config = config
-        self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self.tokenizer = tokenizer
         self._load_params_fn = load_params_fn
         self._auto_prompt_id = itertools.count()  # for requests without an identity
         self.lora = lora
-        self._unstack_adapters: Any = None  # with_adapters' jitted unstacking, built once
-        self._param_shardings = engine_shardings(model_config, self._mesh, rules, lora)
-        if lora is None:
-            stacked = abstract_params(model_config)
-        else:  # the stored base with adapters beside their weights (models.lora)
-            stacked = lora_model_layout(model_config, lora)[0]
-        one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-        unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}
-        # What set_params / load_params accept: the model's tree, layers stacked or not.
-        self._signatures = {
-            "stacked": leaf_signatures(stacked),
-            "unstacked": leaf_signatures(unstacked),
-        }
+        # Accepted param trees, placement, LoRA adapters (see engine_weights).
+        self.weights = EngineWeights(model_config, self._mesh, rules, lora)
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
         self._programs = Programs(
             model_config, config, state_sh, self._prefix_shardings, self._replicated
@@ -400,83 +392,21 @@ class LlamaEngine:
         """Params in the engine's layout (layers unstacked) on the engine's mesh.
 
         Takes stacked (learner / sync / checkpoint) or unstacked params, host or
-        device; see ``engine_params.place``. Every program also accepts stacked
-        params, but then slices each layer out of the stack at every call.
+        device (``engine_weights.EngineWeights.place_params``).
         """
-        self.check_params(params)
-        return place(params, self._param_shardings, self._mesh)
+        return self.weights.place_params(params)
 
     def place_base(self, base: Any) -> Any:
-        """The frozen base of a LoRA engine, placed once (layers unstacked).
-
-        Args:
-          base: the stored base (``lora.split(params)[1]``; learner ``TrainState.base``).
-        """
-        _, base_sh = lora_lib.split(self._param_shardings)
-        return place(base, base_sh, self._mesh)
+        """The frozen base of a LoRA engine, placed once (``EngineWeights.place_base``)."""
+        return self.weights.place_base(base)
 
     def with_adapters(self, base: Any, adapters: Any) -> Any:
-        """Params of a LoRA engine: ``base`` from ``place_base`` (kept, not copied) with
-        ``adapters`` (stacked or unstacked, any device) placed beside their weights.
-
-        Raises:
-          ValueError: the engine was built without ``lora``; LayoutMismatchError: the
-            adapters' tree, shapes or dtypes differ from the engine's.
-        """
-        if self.lora is None:
-            raise ValueError("LlamaEngine.with_adapters: the engine was built without lora")
-        if self._unstack_adapters is None:
-            # Built once: a jit per call would recompile the unstacking at every update
-            # (about 20 s for SmolLM2's rank-16 adapters on this CPU).
-            adapter_sh, _ = lora_lib.split(self._param_shardings)
-            stack_sh = jax.tree.map(
-                lambda sh: NamedSharding(self._mesh, PartitionSpec(None, *sh.spec)),
-                adapter_sh["layers"][0],
-            )
-            unstack = jax.jit(
-                lambda layers: unstack_layers({"layers": layers})["layers"],
-                out_shardings=adapter_sh["layers"],
-            )
-            self._unstack_adapters = (adapter_sh, stack_sh, unstack)
-        adapter_sh, stack_sh, unstack = self._unstack_adapters
-        if isinstance(adapters["layers"], tuple | list):
-            placed = place(adapters, adapter_sh, self._mesh)
-        else:
-            layers = unstack(jax.device_put(adapters["layers"], stack_sh))  # no-op if there
-            rest = {k: v for k, v in adapters.items() if k != "layers"}
-            placed = {"layers": layers, **jax.device_put(rest, {k: adapter_sh[k] for k in rest})}
-        params = lora_lib.merge(base, placed)
-        self.check_params(params)
-        return params
+        """LoRA params: the placed base with ``adapters`` (``EngineWeights.with_adapters``)."""
+        return self.weights.with_adapters(base, adapters)
 
     def check_params(self, params: Any) -> None:
-        """Refuse params whose tree, shapes or dtypes differ from the engine's model.
-
-        Cheap (reads ``.shape`` / ``.dtype`` of each leaf, no device sync); the same
-        leaf check as the cross-process transfer (``sharding.leaves``). Called by
-        ``place_params`` and so by every ``set_params`` and server weight update.
-
-        Args:
-          params: nested dict, layers stacked ([L, ...] leaves) or unstacked (a
-            tuple of per-layer dicts), as ``place_params`` takes.
-
-        Raises:
-          LayoutMismatchError (a ValueError): a missing or extra leaf, or a leaf
-            whose shape or dtype differs, e.g. a float32 tree for a bfloat16 model
-            (which would recompile every program) or an lm_head of another
-            vocabulary (which would sample ids outside it); names the leaf.
-        """
-        if not isinstance(params, dict) or "layers" not in params:
-            raise LayoutMismatchError(
-                "", f"LlamaEngine: params must be a dict with 'layers', got {type(params).__name__}"
-            )
-        kind = "unstacked" if isinstance(params["layers"], tuple | list) else "stacked"
-        check_same_leaves(
-            leaf_signatures(params),
-            self._signatures[kind],
-            sender="new params",
-            receiver="engine's model",
-        )
+        """Refuse params unlike the engine's model (``EngineWeights.check_params``)."""
+        self.weights.check_params(params)
 
     def get_prefix_destination_sharding(self) -> Any:
         """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""

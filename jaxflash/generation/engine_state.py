@@ -72,6 +72,9 @@ class EngineConfig:
       num_pages: N, pages in the pool (paged only); 0 = B * ceil(S / P), the
         dense reservation. A request whose prompt + max_new_tokens needs more than
         N pages is refused by ``check_request`` (failed, with that reason).
+      paged_attention: "auto" (the TPU kernel ``ragged_paged_attention`` when the
+        engine's mesh is on TPU, else the pure-JAX reference), "reference" or
+        "tpu_kernel"; the engine resolves "auto" when it is built.
     """
 
     max_concurrent_decodes: int
@@ -87,8 +90,14 @@ class EngineConfig:
     kv_cache: str = "dense"
     page_size: int = 16
     num_pages: int = 0
+    paged_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.paged_attention not in ("auto", "reference", "tpu_kernel"):
+            raise ValueError(
+                "EngineConfig.paged_attention must be auto | reference | tpu_kernel, got "
+                f"{self.paged_attention!r}"
+            )
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(
                 f"EngineConfig.kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}"
@@ -117,6 +126,11 @@ class EngineConfig:
     @property
     def paged(self) -> bool:
         return self.kv_cache == "paged"
+
+    @property
+    def paged_kernel(self) -> bool:
+        """Paged attention through the TPU kernel (``paged_attention`` resolved)."""
+        return self.paged and self.paged_attention == "tpu_kernel"
 
     @property
     def pages_per_slot(self) -> int:
@@ -339,7 +353,9 @@ def state_shardings(
         pool = NamedSharding(mesh, spec)
         big = PagedKVCache(
             kv_pages=(pool,) * c.n_layers,
-            pages=PageTable(table_bm=rep, max_len=config.max_target_length),
+            pages=PageTable(
+                table_bm=rep, max_len=config.max_target_length, kernel=config.paged_kernel
+            ),
         )
     else:
         big = cache_sharding(config.max_concurrent_decodes, config.max_target_length)
@@ -365,7 +381,12 @@ def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> Decod
 
     if config.paged:
         cache = init_paged_kv_cache(
-            model_config, B, config.max_target_length, config.pool_pages, config.page_size
+            model_config,
+            B,
+            config.max_target_length,
+            config.pool_pages,
+            config.page_size,
+            kernel=config.paged_kernel,
         )
     else:
         cache = init_layer_kv_cache(model_config, B, config.max_target_length)

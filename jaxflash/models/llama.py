@@ -42,7 +42,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.moe import moe_mlp
-from jaxflash.models.paged_kv_cache import PagedKVCache, PageTable, write_and_view
+from jaxflash.models.paged_kv_cache import PagedKVCache, PageTable, kernel_attention, write_and_view
 from jaxflash.models.params import Params, get_params
 from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
@@ -210,6 +210,11 @@ def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) 
     return x * (offset + w if offset else w)
 
 
+def _attention_scale(config: ModelConfig) -> float:
+    q = config.query_pre_attn_scalar
+    return config.head_dim**-0.5 if q is None else q**-0.5
+
+
 def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
     """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype.
 
@@ -220,7 +225,7 @@ def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
     b, t, n, h = q_btnh.shape
     cd = config.jnp_compute_dtype
     q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
-    scale = h**-0.5 if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+    scale = _attention_scale(config)
     scores_bkgts = (
         jnp.einsum(
             "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
@@ -304,12 +309,19 @@ def _layer(
 
     q_btnh = rope(q_btnh)
     k_btkh = rope(k_btkh).astype(cd)
+    attn_btnh = None  # set early only by the TPU paged kernel
     if cache_k is None:
         # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
         # so right-padding never leaks into earlier tokens.
         t = h_btd.shape[1]
         dist_bts = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]
         keys_bksh, values_bkhs = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 3, 1)
+    elif isinstance(cache_v, PageTable) and cache_v.kernel:  # TPU: ragged_paged_attention
+        window = config.sliding_window if sliding is True else None
+        cache_k, attn_btnh = kernel_attention(
+            cache_k, cache_v, q_btnh, k_btkh, v_btkh, positions_bt,
+            scale=_attention_scale(config), sliding_window=window,
+        )  # fmt: skip
     elif isinstance(cache_v, PageTable):  # a PagedKVCache layer: (pool, page table)
         cache_k, keys_bksh, values_bkhs = write_and_view(
             cache_k, cache_v, k_btkh, v_btkh, positions_bt
@@ -324,11 +336,12 @@ def _layer(
         cache_v = write_rows(cache_v, v_btkh, positions_bt)
         dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[1])[None, None, :]
         keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
-    visible_bts = dist_bts >= 0  # key j <= query position
-    if config.sliding_window is not None and sliding is not False:
-        near_bts = dist_bts < config.sliding_window  # HF: key j > p - W
-        visible_bts = visible_bts & (near_bts if sliding is True else near_bts | ~sliding)
-    attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
+    if attn_btnh is None:
+        visible_bts = dist_bts >= 0  # key j <= query position
+        if config.sliding_window is not None and sliding is not False:
+            near_bts = dist_bts < config.sliding_window  # HF: key j > p - W
+            visible_bts = visible_bts & (near_bts if sliding is True else near_bts | ~sliding)
+        attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
     attn_btd = jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )

@@ -43,10 +43,13 @@ class PageTable:
         row holds no page.
       max_len: S, positions a row can address (the dense cache's length; the views
         are cut to it so scores have the dense engine's shape).
+      kernel: attend with the TPU kernel (``kernel_attention``) instead of the
+        pure-JAX views; TPU only (static).
     """
 
     table_bm: jax.Array
     max_len: int = struct.field(pytree_node=False)
+    kernel: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -77,7 +80,13 @@ def pages_per_row(max_len: int, page_size: int) -> int:
 
 
 def init_paged_kv_cache(
-    config: ModelConfig, batch: int, max_len: int, num_pages: int, page_size: int
+    config: ModelConfig,
+    batch: int,
+    max_len: int,
+    num_pages: int,
+    page_size: int,
+    *,
+    kernel: bool = False,
 ) -> PagedKVCache:
     """Zero pools (L x [N, P, 2K, H]) and a page table of sentinels (no row owns a page).
 
@@ -92,7 +101,8 @@ def init_paged_kv_cache(
     shape = (num_pages, page_size, 2 * config.n_kv_heads, config.head_dim)
     pools = tuple(jnp.zeros(shape, config.jnp_compute_dtype) for _ in range(config.n_layers))
     table = jnp.full((batch, pages_per_row(max_len, page_size)), num_pages, jnp.int32)
-    return PagedKVCache(kv_pages=pools, pages=PageTable(table_bm=table, max_len=max_len))
+    pages = PageTable(table_bm=table, max_len=max_len, kernel=kernel)
+    return PagedKVCache(kv_pages=pools, pages=pages)
 
 
 def interleave_kv(k_btkh: jax.Array, v_btkh: jax.Array) -> jax.Array:
@@ -153,3 +163,44 @@ def write_and_view(
     pool_npch = write_pages(pool_npch, pages.table_bm, interleave_kv(k_btkh, v_btkh), positions_bt)
     k_bksh, v_bkhs = gather_views(pool_npch, pages)
     return pool_npch, k_bksh, v_bkhs
+
+
+def kernel_attention(
+    pool_npch: jax.Array,
+    pages: PageTable,
+    q_btnh: jax.Array,
+    k_btkh: jax.Array,
+    v_btkh: jax.Array,
+    positions_bt: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Write the new tokens' k/v, then attend with ``ragged_paged_attention`` (TPU).
+
+    Each row's T tokens must sit at consecutive positions ending at
+    ``positions_bt[b, -1]`` (decode: T = 1), so the row's keys are its first
+    ``positions_bt[b, -1] + 1`` positions — the kernel reads only those pages,
+    where the pure-JAX path reads all M of every row. Online softmax in float32:
+    equal to the reference within float rounding, not bit for bit.
+
+    Returns:
+      (updated pool [N, P, 2K, H], attention output [B, T, N, H] in q's dtype).
+    """
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # noqa: PLC0415
+        ragged_paged_attention,
+    )
+
+    pool_npch = write_pages(pool_npch, pages.table_bm, interleave_kv(k_btkh, v_btkh), positions_bt)
+    b, t, n, h = q_btnh.shape
+    out = ragged_paged_attention(
+        q_btnh.reshape(b * t, n, h).astype(pool_npch.dtype),
+        pool_npch,
+        (positions_bt[:, -1] + 1).astype(jnp.int32),
+        pages.table_bm,
+        jnp.arange(b + 1, dtype=jnp.int32) * t,
+        jnp.full((1,), b, jnp.int32),
+        sm_scale=scale,
+        sliding_window=sliding_window,
+    )
+    return pool_npch, out.reshape(b, t, n, h)
