@@ -149,6 +149,30 @@ def test_weight_update_mid_sample(dense, paged, params, new_params, policy):
     assert_pool_full(batcher)
 
 
+def test_tensor_parallel_pool_is_split_by_kv_head(dense, params):
+    """GENERATOR_RULES on a 2-way tensor mesh: each layer's pool [N, P, 2K, H] is split
+    over its combined head axis (whole key/value pairs per shard); same samples."""
+    import jax
+
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES
+
+    mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
+    cfg = EngineConfig(**BASE, **PAGES, **SAMPLING)
+    engine = LlamaEngine(CFG, cfg, mesh=mesh, rules=GENERATOR_RULES)
+    state = engine.init_decode_state()
+    for pool in state.cache.kv_pages:
+        assert tuple(pool.sharding.spec) == (None, None, "tensor", None)
+    requests = [request(50, 9, 6, s) for s in range(2)]
+    got, _ = run(engine, jax.tree.map(np.asarray, params), requests)
+    want, _ = run(dense, params, requests)
+    for key in want:
+        np.testing.assert_array_equal(got[key].response_tokens, want[key].response_tokens)
+        np.testing.assert_allclose(
+            got[key].behaviour_logprobs, want[key].behaviour_logprobs, atol=1e-5
+        )
+
+
 def test_refusals_name_the_setting(paged, params):
     check_request(paged, request(40, 16, 24))  # 39 positions = 10 of 12 pages: fits
     big = LlamaEngine(CFG, EngineConfig(**BASE, **{**PAGES, "num_pages": 6}, **SAMPLING))

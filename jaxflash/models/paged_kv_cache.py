@@ -30,8 +30,9 @@ from flax import struct
 
 from jaxflash.models.config import ModelConfig
 
-PAGED_KV_LOGICAL_AXES = ("cache_pages", None, "kv_heads", "head_dim")
-"""Logical axes of one layer's pool ``[N, P, 2K, H]`` (decide divisibility on K)."""
+PAGED_KV_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
+"""Logical axes of one layer's pool ``[N, P, 2K, H]``: split by kv head (decided on K, so a
+shard holds whole key/value pairs); pages are not split (a next step where K is small)."""
 
 
 @struct.dataclass
