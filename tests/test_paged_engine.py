@@ -11,8 +11,8 @@ bit for bit.
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.slot_loop import SlotBatcher
 from jaxflash.generation.slot_types import check_request

@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import SampleStart
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import SampleStart
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.prefill_sharing import SharedPrefills
 from jaxflash.generation.slot_pages import SlotPages

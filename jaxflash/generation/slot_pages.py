@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.types import GenerationRequest
 

@@ -17,7 +17,7 @@ import numpy as np
 from jaxflash.types import GenerationRequest
 
 if TYPE_CHECKING:
-    from jaxflash.generation.engine import LlamaEngine
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
 
 RequestKey = tuple[int, int]
 """(prompt_id, sample_index): identity of a request inside a batcher."""

@@ -180,7 +180,7 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
 def engine_config(exp: ExperimentConfig):
     """The ``EngineConfig`` of every rollout engine of ``exp`` (a generation program in
     another process builds its engine from this, sent as JSON)."""
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.state import EngineConfig
 
     sampling = exp.rollout.sampling
     target = exp.rollout.max_prefill_length + sampling.max_new_tokens
@@ -213,7 +213,7 @@ def build_engine(
       (engine, generator param shardings on ``mesh``: of the adapters under LoRA,
       stacked, what each publish moves).
     """
-    from jaxflash.generation.engine import LlamaEngine
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.models.llama import abstract_params, logical_axes
     from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxflash.generation.engine_state import (
+from jaxflash.generation.engine.state import (
     DecodeResult,
     DecodeState,
     EngineConfig,

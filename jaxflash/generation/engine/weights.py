@@ -1,7 +1,7 @@
 """Weights of one ``LlamaEngine``: the accepted layouts, placement and LoRA adapters.
 
 ``EngineWeights`` holds what a weight update needs: the engine's param shardings
-(``engine_params.engine_shardings``), the leaf signatures of the trees it accepts
+(``engine.params.engine_shardings``), the leaf signatures of the trees it accepts
 (the model's, layers stacked or not) and, for a LoRA engine, the jitted adapter
 unstacking (built once). ``LlamaEngine`` exposes its methods under the same names.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine_params import engine_shardings, place
+from jaxflash.generation.engine.params import engine_shardings, place
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, lora_model_layout, unstack_layers
@@ -58,7 +58,7 @@ class EngineWeights:
         """Params in the engine's layout (layers unstacked) on the engine's mesh.
 
         Takes stacked (learner / sync / checkpoint) or unstacked params, host or
-        device; see ``engine_params.place``. Every program also accepts stacked
+        device; see ``engine.params.place``. Every program also accepts stacked
         params, but then slices each layer out of the stack at every call.
         """
         self.check_params(params)

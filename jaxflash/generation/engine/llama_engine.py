@@ -6,8 +6,8 @@ through seqio, 4-5 s per process); ``jetstream_engine.JetStreamEngine`` adapts i
 ``jetstream.engine.engine_api.Engine`` for JetStream's Driver and gRPC server
 (``serving``). It runs the pure function ``jaxflash.models.llama.forward`` — the
 same code the learner runs — so engine logprobs and learner logprobs agree to float
-rounding. Its device programs are the pure functions of ``engine_kernels``; the
-engine jits them, places params (``engine_weights``, ``engine_params``: layers
+rounding. Its device programs are the pure functions of ``engine.kernels``; the
+engine jits them, places params (``engine.weights``, ``engine.params``: layers
 unstacked, so a decode step reads each layer's weights in place) and counts
 compilations from outside (``trace_counts``).
 
@@ -58,10 +58,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine_host import block_result, start_groups, stop_array
-from jaxflash.generation.engine_prefill import Prefiller
-from jaxflash.generation.engine_programs import Programs
-from jaxflash.generation.engine_state import (
+from jaxflash.generation.engine.host_arrays import block_result, start_groups, stop_array
+from jaxflash.generation.engine.prefill import Prefiller
+from jaxflash.generation.engine.programs import Programs
+from jaxflash.generation.engine.state import (
     BlockResult,
     DecodeResult,
     DecodeState,
@@ -70,7 +70,7 @@ from jaxflash.generation.engine_state import (
     SampleStart,
     state_shardings,
 )
-from jaxflash.generation.engine_weights import EngineWeights
+from jaxflash.generation.engine.weights import EngineWeights
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.lora import LoraConfig
 from jaxflash.sharding.mesh import make_mesh
@@ -129,13 +129,13 @@ class LlamaEngine:
         self._load_params_fn = load_params_fn
         self._auto_prompt_id = itertools.count()  # for requests without an identity
         self.lora = lora
-        # Accepted param trees, placement, LoRA adapters (see engine_weights).
+        # Accepted param trees, placement, LoRA adapters (see engine.weights).
         self.weights = EngineWeights(model_config, self._mesh, rules, lora)
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
         self._programs = Programs(
             model_config, config, state_sh, self._prefix_shardings, self._replicated
         )
-        # Prompt prefill (buckets, batched prefill, first tokens); see engine_prefill.
+        # Prompt prefill (buckets, batched prefill, first tokens); see engine.prefill.
         self.prefiller = Prefiller(config, self._programs, self._replicated)
 
     @property
@@ -323,7 +323,7 @@ class LlamaEngine:
     ) -> tuple[DecodeState, BlockResult]:
         """Up to ``steps`` decode steps in one dispatch, one host copy of the tokens.
 
-        Slot b decodes while live (see ``engine_kernels.generate_block``): from
+        Slot b decodes while live (see ``engine.kernels.generate_block``): from
         ``live[b]`` until it emits a stop token or its budget (set by
         ``start_samples``) runs out. Same tokens and logprobs as ``steps`` single
         steps.
@@ -392,7 +392,7 @@ class LlamaEngine:
         """Params in the engine's layout (layers unstacked) on the engine's mesh.
 
         Takes stacked (learner / sync / checkpoint) or unstacked params, host or
-        device (``engine_weights.EngineWeights.place_params``).
+        device (``engine.weights.EngineWeights.place_params``).
         """
         return self.weights.place_params(params)
 
