@@ -166,6 +166,22 @@ def write_and_view(
     return pool_npch, k_bksh, v_bkhs
 
 
+def kernel_supported(config: ModelConfig) -> bool:
+    """Whether ``ragged_paged_attention`` can tile this model's heads (jax 0.10.2 needs the
+    2K combined heads, over the dtype's packing, to be 1, 2, 4 or a multiple of 8: not
+    SmolLM2's 3 kv heads in float32, for one)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # noqa: PLC0415
+        kernel,
+    )
+
+    dtype = config.jnp_compute_dtype
+    try:
+        kernel.get_min_heads_per_blk(config.n_heads, 2 * config.n_kv_heads, dtype, dtype)
+    except (ValueError, AssertionError):
+        return False
+    return True
+
+
 def kernel_attention(
     pool_npch: jax.Array,
     pages: PageTable,

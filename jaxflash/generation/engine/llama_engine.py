@@ -73,6 +73,7 @@ from jaxflash.generation.engine.state import (
 from jaxflash.generation.engine.weights import EngineWeights
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.lora import LoraConfig
+from jaxflash.models.paged_kv_cache import kernel_supported
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
@@ -117,10 +118,17 @@ class LlamaEngine:
                 f"ModelConfig.max_seq_len={model_config.max_seq_len}"
             )
         self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
-        if config.paged_attention == "auto":  # the TPU kernel where the mesh is on TPU
-            on_tpu = self._mesh.devices.flat[0].platform == "tpu"
+        if config.paged_attention == "auto":
+            # The TPU kernel on one TPU chip per engine where it tiles the heads; a
+            # tensor-split pool would need it under shard_map (not done yet).
+            kernel = (
+                config.paged
+                and self._mesh.devices.flat[0].platform == "tpu"
+                and self._mesh.devices.size == 1
+                and kernel_supported(model_config)
+            )
             config = dataclasses.replace(
-                config, paged_attention="tpu_kernel" if on_tpu else "reference"
+                config, paged_attention="tpu_kernel" if kernel else "reference"
             )
         self.model_config = model_config
         self.config = config

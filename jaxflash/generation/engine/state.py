@@ -73,8 +73,9 @@ class EngineConfig:
         dense reservation. A request whose prompt + max_new_tokens needs more than
         N pages is refused by ``check_request`` (failed, with that reason).
       paged_attention: "auto" (the TPU kernel ``ragged_paged_attention`` when the
-        engine's mesh is on TPU, else the pure-JAX reference), "reference" or
-        "tpu_kernel"; the engine resolves "auto" when it is built.
+        engine runs on one TPU chip and the kernel tiles the model's heads, else the
+        pure-JAX reference), "reference" or "tpu_kernel"; the engine resolves "auto"
+        when it is built.
     """
 
     max_concurrent_decodes: int
