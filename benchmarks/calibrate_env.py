@@ -49,8 +49,8 @@ def main() -> None:
     from jaxflash.envs.calibration import calibrate_success
     from jaxflash.envs.chat import TurnRenderer
     from jaxflash.envs.registry import env_config, make_env
-    from jaxflash.generation.engine import LlamaEngine
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.generation.slot_loop import run_requests
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path

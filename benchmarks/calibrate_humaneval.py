@@ -36,8 +36,8 @@ def main() -> None:
 
     from jaxflash.data.code_tasks import humaneval_rows
     from jaxflash.data.prompts import PromptFailure, PromptSource
-    from jaxflash.generation.engine import LlamaEngine
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.rewards.code_reward import CodeReward

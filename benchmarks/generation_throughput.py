@@ -38,8 +38,8 @@ def main() -> None:
 
     from jaxflash.data.arithmetic import ArithmeticTask
     from jaxflash.data.prompts import PromptFailure, PromptSource
-    from jaxflash.generation.engine import LlamaEngine
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.generation.slot_loop import run_requests
     from jaxflash.generation.slot_types import SlotStats
     from jaxflash.models.tokenizer import Tokenizer

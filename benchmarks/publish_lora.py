@@ -63,7 +63,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.state import param_shardings
     from jaxflash.models import lora as lora_lib
     from jaxflash.models.llama import abstract_params, init_params

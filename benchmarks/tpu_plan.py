@@ -37,7 +37,7 @@ CASES = [
 
 
 def run_case(case: tuple, length: int, *, micro: int = 0, slots: int = 0) -> dict:
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh

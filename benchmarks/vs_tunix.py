@@ -114,8 +114,8 @@ def _our_model(w: dict):
 def _our_generation(w: dict) -> dict:
     import numpy as np
 
-    from jaxflash.generation.engine import LlamaEngine
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.generation.slot_loop import run_requests
     from jaxflash.types import GenerationRequest, SamplingParams
 

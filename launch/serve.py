@@ -53,8 +53,8 @@ def main(argv: list[str]) -> None:
     with native_stderr_hidden(not _VERBOSE.value):
         import jax
 
-        from jaxflash.generation.engine import LlamaEngine
-        from jaxflash.generation.engine_state import EngineConfig
+        from jaxflash.generation.engine.llama_engine import LlamaEngine
+        from jaxflash.generation.engine.state import EngineConfig
         from jaxflash.generation.jetstream_compat import import_orchestrator
         from jaxflash.generation.serving import decode_text, serve
         from jaxflash.models.config import reconcile_vocab

@@ -5,7 +5,7 @@ import math
 import jax
 import pytest
 
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.llama import abstract_params
 from jaxflash.models.presets import get_preset

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig, result_logprobs
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig, result_logprobs
 from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats, check_request
@@ -276,7 +276,7 @@ def test_new_params_change_outputs_without_recompiling(params):
 
 
 def test_placing_device_params_compiles_the_unstacking_once(params):
-    from jaxflash.generation import engine_params
+    from jaxflash.generation.engine import params as engine_params
 
     engine = engine_for("t1")
     stacked = jax.device_put(params)  # device arrays: the jitted unstacking path

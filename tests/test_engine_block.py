@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig, SampleStart
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig, SampleStart
 from jaxflash.generation.sampling import argmax_first, sample_key, sample_tokens
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats

@@ -40,8 +40,8 @@ import jax  # noqa: E402
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig, result_logprobs
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig, result_logprobs
 from jaxflash.generation.slot_loop import run_requests
 from jaxflash.models.llama import init_params
 from jaxflash.models.presets import get_preset

@@ -1,9 +1,9 @@
-"""Host-side padding of the engine's program inputs (engine_host), by hand."""
+"""Host-side padding of the engine's program inputs (engine.host_arrays), by hand."""
 
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine_host import (
+from jaxflash.generation.engine.host_arrays import (
     block_result,
     identity_rows,
     pow2,
@@ -11,7 +11,7 @@ from jaxflash.generation.engine_host import (
     start_groups,
     stop_array,
 )
-from jaxflash.generation.engine_state import PromptPrefill, SampleStart
+from jaxflash.generation.engine.state import PromptPrefill, SampleStart
 
 
 def test_prefill_groups_pad_each_bucket_to_fixed_rows():

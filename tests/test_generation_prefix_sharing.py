@@ -4,8 +4,8 @@ tokens and behaviour logprobs bit-identical to prefilling every sample alone."""
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats
 from jaxflash.models.llama import init_params

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
 from jaxflash.learner.batching import pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig

@@ -14,8 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
 from jaxflash.learner.batching import pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig

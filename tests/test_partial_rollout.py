@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.models.llama import forward, init_params, unembed
 from jaxflash.models.logprobs import target_logprobs

@@ -125,7 +125,7 @@ _HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def tiny_plan():
     if not _HAS_LIBTPU:
         pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh

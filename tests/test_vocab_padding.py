@@ -15,8 +15,8 @@ import pytest
 import tokenizers
 
 from jaxflash.algorithms.distributions import NEG_INF, processed_log_softmax
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
 from jaxflash.models.config import reconcile_vocab
 from jaxflash.models.llama import forward, init_params, unembed

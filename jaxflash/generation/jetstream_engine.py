@@ -20,8 +20,8 @@ from typing import Any
 from jax.sharding import Mesh
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import DecodeState, Prefix
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import DecodeState, Prefix
 from jaxflash.generation.jetstream_compat import JetStreamTokenizer
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.generation.engine_prefill import Prefiller
-from jaxflash.generation.engine_state import PromptPrefill
+from jaxflash.generation.engine.prefill import Prefiller
+from jaxflash.generation.engine.state import PromptPrefill
 from jaxflash.generation.slot_types import SlotStats
 
 

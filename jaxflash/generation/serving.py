@@ -50,7 +50,7 @@ from typing import Any
 
 import grpc
 
-from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.jetstream_compat import import_orchestrator
 from jaxflash.generation.jetstream_engine import JetStreamEngine
 

@@ -25,6 +25,12 @@ layer owns any threads.
 Prefix sharing (``share_prefix=True``, the default): fresh requests of one prompt
 share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
 ``set_params``.
+
+Paged KV cache (``EngineConfig.kv_cache="paged"``): ``slot_pages.SlotPages`` maps
+pool pages to slots. A request waits for pages at the head of the queue
+(``stats.page_waits``); fresh samples of one prompt map its full prompt pages
+(``stats.shared_pages``); the newest running sample is preempted (restarted,
+``stats.preempted``) when the pool runs out mid-sample.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_state import SampleStart
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.state import SampleStart
+from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.prefill_sharing import SharedPrefills
+from jaxflash.generation.slot_pages import SlotPages
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
     RequestKey,
@@ -59,6 +67,7 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    admitted: int = 0  # admission order (paged: the newest is preempted first)
 
 
 class SlotBatcher:
@@ -110,12 +119,20 @@ class SlotBatcher:
         self._state = engine.init_decode_state()
         self._queue: collections.OrderedDict[RequestKey, _Running] = collections.OrderedDict()
         self._slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
+        # Paged engine: admission and growth over its page pool (None: dense cache).
+        self._paging = SlotPages(engine.config, self.decode_block) if engine.config.paged else None
+        self._admissions = 0
 
     # ------------------------------------------------------------- interface
 
     @property
     def policy_version(self) -> PolicyVersion:
         return self._version
+
+    @property
+    def pages(self) -> PagePool | None:
+        """The paged engine's page pool (its table, free count); None when dense."""
+        return None if self._paging is None else self._paging.pool
 
     @property
     def num_queued(self) -> int:
@@ -205,6 +222,8 @@ class SlotBatcher:
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
         self._prefills.clear()  # a shared prefill is valid only under its params
+        if self._paging is not None:
+            self._paging.new_params()  # ... and so are shared prompt pages
         if in_flight == "continue":
             return
         limit = self.engine.max_prefill_length
@@ -239,6 +258,14 @@ class SlotBatcher:
                 raise ValueError("SlotBatcher.step: params given without policy_version")
             self.set_params(params, policy_version)
         start = time.perf_counter()
+        if self._paging is not None:
+            running = [
+                (slot, r.admitted, r.request, len(r.tokens))
+                for slot, r in enumerate(self._slots)
+                if r is not None
+            ]
+            for slot in self._paging.grow(running):
+                self._preempt(slot)
         finished = self._fill()
         live = np.asarray([r is not None for r in self._slots])
         if live.any():
@@ -248,6 +275,7 @@ class SlotBatcher:
                 steps=self.decode_block,
                 live=live,
                 stop_ids=sorted(self.stop_ids),
+                page_table=None if self.pages is None else self.pages.table,
             )
             for i in range(block.steps):
                 self.stats.steps += 1
@@ -283,20 +311,39 @@ class SlotBatcher:
         finished: list[Sample] = []
         while self._queue and None in self._slots:
             placed: list[tuple[int, _Running]] = []
+            shared: list[int] = []  # paged: leading pages mapped from a shared prompt
             for slot in [s for s, r in enumerate(self._slots) if r is None]:
                 if not self._queue:
                     break
-                _, run = self._queue.popitem(last=False)
+                run = next(iter(self._queue.values()))
+                if self._paging is not None:
+                    mapped = self._paging.admit(
+                        slot,
+                        run.request,
+                        len(run.tokens),
+                        share=self._prefills.share_prefix,
+                        running=self.num_running,
+                    )
+                    if mapped is None:  # the head waits for pages (FIFO, no overtaking)
+                        break
+                    shared.append(mapped)
+                    self.stats.shared_pages += mapped
+                self._queue.popitem(last=False)
                 if not run.tokens:
                     run.start_version = self._version
+                self._admissions += 1
+                run.admitted = self._admissions
                 placed.append((slot, run))
+            if not placed:
+                self.stats.page_waits += 1
+                break
             prefills = self._prefills.prefills(
                 self._params,
                 [(run.request.prompt_tokens, run.tokens) for _, run in placed],
                 self.stats,
             )
             starts = []
-            for (slot, run), prefill in zip(placed, prefills, strict=True):
+            for i, ((slot, run), prefill) in enumerate(zip(placed, prefills, strict=True)):
                 r = run.request
                 starts.append(
                     SampleStart(
@@ -307,10 +354,12 @@ class SlotBatcher:
                         sample_index=r.sample_index,
                         token_index=len(run.tokens),
                         budget=r.sampling.max_new_tokens - len(run.tokens) - 1,
+                        shared_pages=shared[i] if shared else 0,
                     )
                 )
             # One dispatch per prefill batch, one host copy for all first tokens.
-            self._state, tokens, logps = self.engine.start_samples(self._state, starts)
+            table = None if self.pages is None else self.pages.table
+            self._state, tokens, logps = self.engine.start_samples(self._state, starts, table)
             for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
                 self.stats.slot_fills.append((self.stats.steps, slot, _key(run.request)))
@@ -323,9 +372,20 @@ class SlotBatcher:
         )
         return finished
 
+    def _preempt(self, slot: int) -> None:
+        """Return a running sample's pages; it restarts from the front of the queue."""
+        run = self._slots[slot]
+        self._release(slot)
+        self.stats.preempted += 1
+        key = _key(run.request)
+        self._queue[key] = _Running(run.request, None)
+        self._queue.move_to_end(key, last=False)
+
     def _release(self, slot: int) -> None:
         run = self._slots[slot]
         self._slots[slot] = None
+        if self._paging is not None:
+            self._paging.pool.release(slot)
         self.stats.slot_releases.append((self.stats.steps, slot, _key(run.request)))
 
     def _append(self, run: _Running, token: int, logp: float) -> FinishReason | None:
@@ -341,6 +401,8 @@ class SlotBatcher:
 
     def _finish(self, run: _Running, reason: FinishReason) -> Sample:
         self.stats.finished[reason] += 1
+        if self._paging is not None:
+            self._paging.sample_ended()  # its pages are back: admissions resume
         return Sample(
             prompt_id=run.request.prompt_id,
             sample_index=run.request.sample_index,

@@ -17,7 +17,7 @@ import numpy as np
 from jaxflash.types import GenerationRequest
 
 if TYPE_CHECKING:
-    from jaxflash.generation.engine import LlamaEngine
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
 
 RequestKey = tuple[int, int]
 """(prompt_id, sample_index): identity of a request inside a batcher."""
@@ -53,6 +53,12 @@ class SlotStats:
       recompute_fallbacks: samples that ``recompute`` restarted instead, because
         prompt + prefix exceeded max_prefill_length (their tokens are dropped,
         as under restart; not included in ``restarted``).
+      page_waits: paged cache: fills at which a queued request waited for free
+        pages while a slot was free.
+      preempted: paged cache: running samples restarted (tokens dropped, back to
+        the queue's front) because the pool had no page for their next block.
+      shared_pages: paged cache: prompt pages mapped from another sample of the
+        same prompt instead of written (prefix sharing without copies).
     """
 
     steps: int = 0
@@ -69,6 +75,9 @@ class SlotStats:
     recomputed: int = 0
     recompute_tokens: int = 0
     recompute_fallbacks: int = 0
+    page_waits: int = 0
+    preempted: int = 0
+    shared_pages: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -105,8 +114,9 @@ def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
     Raises:
       ValueError: naming (prompt_id, sample_index) and the reason: prompt not a
         non-empty 1-D int array, prompt longer than max_prefill_length, prompt +
-        max_new_tokens over max_target_length, or sampling parameters different
-        from the engine's (temperature / top_k / top_p are static per engine).
+        max_new_tokens over max_target_length, a paged engine whose pool could
+        never hold the sample, or sampling parameters different from the engine's
+        (temperature / top_k / top_p are static per engine).
     """
     who = f"request (prompt_id={request.prompt_id}, sample_index={request.sample_index})"
     tokens = np.asarray(request.prompt_tokens)
@@ -127,6 +137,13 @@ def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
             f"max_target_length={engine.max_target_length}"
         )
     c = engine.config
+    if c.paged:  # worst case: no page shared, every position up to the last fed token
+        need = -(-(total - 1) // c.page_size)
+        if need > c.pool_pages:
+            raise ValueError(
+                f"{who}: prompt + max_new_tokens needs up to {need} pages of {c.page_size} "
+                f"positions, the page pool holds {c.pool_pages} (raise rollout.num_pages)"
+            )
     if not c.matches(request.sampling):
         raise ValueError(
             f"{who}: sampling (T={request.sampling.temperature}, top_k={request.sampling.top_k}, "

@@ -42,6 +42,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.moe import moe_mlp
+from jaxflash.models.paged_kv_cache import PagedKVCache, PageTable, kernel_attention, write_and_view
 from jaxflash.models.params import Params, get_params
 from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
@@ -209,6 +210,11 @@ def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) 
     return x * (offset + w if offset else w)
 
 
+def _attention_scale(config: ModelConfig) -> float:
+    q = config.query_pre_attn_scalar
+    return config.head_dim**-0.5 if q is None else q**-0.5
+
+
 def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
     """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype.
 
@@ -219,7 +225,7 @@ def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
     b, t, n, h = q_btnh.shape
     cd = config.jnp_compute_dtype
     q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
-    scale = h**-0.5 if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+    scale = _attention_scale(config)
     scores_bkgts = (
         jnp.einsum(
             "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
@@ -303,12 +309,24 @@ def _layer(
 
     q_btnh = rope(q_btnh)
     k_btkh = rope(k_btkh).astype(cd)
+    attn_btnh = None  # set early only by the TPU paged kernel
     if cache_k is None:
         # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
         # so right-padding never leaks into earlier tokens.
         t = h_btd.shape[1]
         dist_bts = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]
         keys_bksh, values_bkhs = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 3, 1)
+    elif isinstance(cache_v, PageTable) and cache_v.kernel:  # TPU: ragged_paged_attention
+        window = config.sliding_window if sliding is True else None
+        cache_k, attn_btnh = kernel_attention(
+            cache_k, cache_v, q_btnh, k_btkh, v_btkh, positions_bt,
+            scale=_attention_scale(config), sliding_window=window,
+        )  # fmt: skip
+    elif isinstance(cache_v, PageTable):  # a PagedKVCache layer: (pool, page table)
+        cache_k, keys_bksh, values_bkhs = write_and_view(
+            cache_k, cache_v, k_btkh, v_btkh, positions_bt
+        )
+        dist_bts = positions_bt[:, :, None] - jnp.arange(cache_v.max_len)[None, None, :]
     elif layer_cache:
         cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
         dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[2])[None, None, :]
@@ -318,11 +336,12 @@ def _layer(
         cache_v = write_rows(cache_v, v_btkh, positions_bt)
         dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[1])[None, None, :]
         keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
-    visible_bts = dist_bts >= 0  # key j <= query position
-    if config.sliding_window is not None and sliding is not False:
-        near_bts = dist_bts < config.sliding_window  # HF: key j > p - W
-        visible_bts = visible_bts & (near_bts if sliding is True else near_bts | ~sliding)
-    attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
+    if attn_btnh is None:
+        visible_bts = dist_bts >= 0  # key j <= query position
+        if config.sliding_window is not None and sliding is not False:
+            near_bts = dist_bts < config.sliding_window  # HF: key j > p - W
+            visible_bts = visible_bts & (near_bts if sliding is True else near_bts | ~sliding)
+        attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
     attn_btd = jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
@@ -404,7 +423,8 @@ def forward(
       positions_bt: int32 [B, T] absolute 0-based positions; with a cache they
         must be < S (positions outside [0, S) are not written to the cache).
       kv_cache: optional cache with the same B: ``KVCache`` [L, B, S, K, H] for
-        stacked params, ``LayerKVCache`` (L x [B, S, K, H]) for unstacked ones.
+        stacked params, ``LayerKVCache`` (L x [B, S, K, H]) or ``PagedKVCache``
+        (``models.paged_kv_cache``: page pools + a page table) for unstacked ones.
 
     Returns:
       (h_btd float32 [B, T, D], updated cache of the same type, or None). Logits
@@ -448,14 +468,18 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
             f"{positions_bt.shape} must both be [B, T]"
         )
     unrolled = isinstance(params["layers"], tuple | list)
+    paged = isinstance(kv_cache, PagedKVCache)
     if kv_cache is not None:
-        want = LayerKVCache if unrolled else KVCache
+        want = (LayerKVCache, PagedKVCache) if unrolled else (KVCache,)
         if not isinstance(kv_cache, want):
             raise ValueError(
                 f"forward: {'unstacked' if unrolled else 'stacked'} params need a "
-                f"{want.__name__}, got {type(kv_cache).__name__}"
+                f"{' or '.join(w.__name__ for w in want)}, got {type(kv_cache).__name__}"
             )
-        batch = kv_cache[0][0].shape[0] if unrolled else kv_cache.k_lbskh.shape[1]
+        if paged:
+            batch = kv_cache.batch
+        else:
+            batch = kv_cache[0][0].shape[0] if unrolled else kv_cache.k_lbskh.shape[1]
         if batch != input_ids_bt.shape[0]:
             raise ValueError(
                 f"forward: kv_cache batch {batch} != input batch {input_ids_bt.shape[0]}"
@@ -481,7 +505,10 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
 
     if unrolled:
         n = len(params["layers"])
-        ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
+        if paged:  # each layer gets (its pool, the shared page table)
+            ks, vs = kv_cache.kv_pages, (kv_cache.pages,) * n
+        else:
+            ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
         bodies = {flag: layer_fn(flag) for flag in set(sliding_l)}
         new_k, new_v, routers = [], [], []
         for lp, ck, cv, sliding in zip(params["layers"], ks, vs, sliding_l, strict=True):
@@ -489,7 +516,10 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
             new_k.append(ck)
             new_v.append(cv)
             routers.append(router_bte)
-        cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
+        if paged:
+            cache = PagedKVCache(kv_pages=tuple(new_k), pages=kv_cache.pages)
+        else:
+            cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
         router_lbte = jnp.stack(routers) if collect_router else None
     else:
         ks, vs = (None, None) if kv_cache is None else kv_cache

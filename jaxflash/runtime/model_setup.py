@@ -211,7 +211,7 @@ def stored_lora_base(model_config: ModelConfig, source: dict[str, Any], lora: An
 def engine_config(exp: ExperimentConfig):
     """The ``EngineConfig`` of every rollout engine of ``exp`` (a generation program in
     another process builds its engine from this, sent as JSON)."""
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.state import EngineConfig
 
     sampling = exp.rollout.sampling
     target = exp.rollout.max_prefill_length + sampling.max_new_tokens
@@ -225,6 +225,9 @@ def engine_config(exp: ExperimentConfig):
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         decode_block=exp.rollout.decode_block,
+        kv_cache=exp.rollout.kv_cache,
+        page_size=exp.rollout.page_size,
+        num_pages=exp.rollout.num_pages,
     )
 
 
@@ -241,7 +244,7 @@ def build_engine(
       (engine, generator param shardings on ``mesh``: of the adapters under LoRA,
       stacked, what each publish moves).
     """
-    from jaxflash.generation.engine import LlamaEngine
+    from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.models.llama import abstract_params, logical_axes
     from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
 

@@ -3,7 +3,7 @@
 A weight update must have exactly the receiver's tree: the same leaf paths, and
 per leaf the same shape and dtype. The cross-process path
 (``sync.transfer_layout.check_receivable``) checks that plus the sharding; the
-in-process path (``generation.engine.LlamaEngine.check_params``, called by every
+in-process path (``generation.engine.llama_engine.LlamaEngine.check_params``, called by every
 ``set_params`` and generation-server weight update) checks only this, because
 placing on the engine's mesh fixes the sharding. A float32 tree sent into a
 bfloat16 engine would otherwise recompile every program, and an ``lm_head`` of the

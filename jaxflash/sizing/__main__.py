@@ -54,7 +54,7 @@ def main() -> None:
 
     import jax
 
-    from jaxflash.generation.engine_state import EngineConfig
+    from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh

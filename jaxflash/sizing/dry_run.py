@@ -18,7 +18,7 @@ compile for a TPU slice without holding one.
 
 Programs: ``train_step`` (``learner.step.make_train_step``) at a batch of
 [M micro-batches, b, T]; ``prefill`` (one prompt at the largest bucket) and
-``generate`` (one decode step over all slots) of ``generation.engine.LlamaEngine``.
+``generate`` (one decode step over all slots) of ``generation.engine.llama_engine.LlamaEngine``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_params import engine_shardings
-from jaxflash.generation.engine_state import EngineConfig
-from jaxflash.generation.engine_state import state_shardings as engine_state_shardings
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.params import engine_shardings
+from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.engine.state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxflash.generation.engine_state import EngineConfig
+from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules

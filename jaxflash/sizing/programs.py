@@ -16,7 +16,7 @@ Programs (what the live run executes):
 - ``publish``: the learner -> generation weight copy's program (``sync.publish``):
   params resharded on the learner's chips to the engine's layout.
 - ``install``: the engine placing published (stacked) weights as its unstacked
-  layers (``generation.engine_params.place``), on the generation chips.
+  layers (``generation.engine.params.place``), on the generation chips.
 - ``elastic_<a>to<b>``: the per-leaf programs ``sync.reshard`` runs when an
   elastic move resizes the learner from a to b devices.
 """
@@ -32,11 +32,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine import LlamaEngine
-from jaxflash.generation.engine_host import stop_array
-from jaxflash.generation.engine_params import engine_shardings
-from jaxflash.generation.engine_state import EngineConfig
-from jaxflash.generation.engine_state import state_shardings as engine_state_shardings
+from jaxflash.generation.engine.host_arrays import stop_array
+from jaxflash.generation.engine.llama_engine import LlamaEngine
+from jaxflash.generation.engine.params import engine_shardings
+from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.engine.state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, state_shardings

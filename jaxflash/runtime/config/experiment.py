@@ -160,6 +160,15 @@ class ExperimentConfig:
             "between would pass the data filter and then fail in the engine "
             "(set rollout.max_prefill_length=0 to follow data.max_prompt_tokens)",
         )
+        prompt = r.max_prefill_length or d.max_prompt_tokens
+        if r.kv_cache == "paged" and r.num_pages and prompt and not self.env.name:
+            need = -(-(prompt + r.sampling.max_new_tokens - 1) // r.page_size)
+            _check(
+                need <= r.num_pages,
+                f"rollout.num_pages={r.num_pages} cannot hold one sample: a prompt of "
+                f"{prompt} tokens + max_new_tokens={r.sampling.max_new_tokens} needs up to "
+                f"{need} pages of rollout.page_size={r.page_size} positions",
+            )
         _check(
             r.group_size >= 2 or self.advantage not in GROUP_RELATIVE,
             f"rollout.group_size=1 with learner.advantage={self.advantage!r}: a "

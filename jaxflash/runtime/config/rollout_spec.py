@@ -45,6 +45,12 @@ class RolloutSpec:
     # Decode steps per engine dispatch: fewer host round trips per token; admissions,
     # aborts and weight updates wait for the block's end. Tokens do not depend on it.
     decode_block: int = 1
+    # KV cache of the engines: "dense" reserves prompt + response positions per slot;
+    # "paged" holds num_pages pages of page_size positions, taken as samples grow
+    # (0 pages = the dense reservation; see generation.page_pool).
+    kv_cache: str = "dense"
+    page_size: int = 16
+    num_pages: int = 0
 
     def __post_init__(self) -> None:
         check(
@@ -82,6 +88,25 @@ class RolloutSpec:
             f"rollout.group_redundancy must be >= 0, got {self.group_redundancy}",
         )
         check(self.decode_block >= 1, f"rollout.decode_block must be >= 1, got {self.decode_block}")
+        check(
+            self.kv_cache in ("dense", "paged"),
+            f"rollout.kv_cache must be dense | paged, got {self.kv_cache!r}",
+        )
+        check(self.page_size >= 1, f"rollout.page_size must be >= 1, got {self.page_size}")
+        check(
+            self.num_pages >= 0,
+            f"rollout.num_pages must be >= 0 (0 = slots x positions / page_size), "
+            f"got {self.num_pages}",
+        )
+        if self.kv_cache == "dense":
+            for name, value, default in (
+                ("page_size", self.page_size, 16),
+                ("num_pages", self.num_pages, 0),
+            ):
+                check(
+                    value == default,
+                    f"rollout.{name}={value} is used only with rollout.kv_cache='paged'",
+                )
         # Settings that would be silently ignored are refused, naming the fields.
         if self.async_ratio == 0:
             for name, value, default in (

@@ -122,7 +122,7 @@ class GenerationProgram:
     def _build(self, config: dict[str, Any]) -> None:
         import jax  # noqa: PLC0415  (jax is imported once the program has its devices)
 
-        from jaxflash.generation.engine_state import EngineConfig  # noqa: PLC0415
+        from jaxflash.generation.engine.state import EngineConfig  # noqa: PLC0415
         from jaxflash.models import lora as lora_lib  # noqa: PLC0415
         from jaxflash.models.config import ModelConfig  # noqa: PLC0415
         from jaxflash.models.llama import abstract_params  # noqa: PLC0415

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any
 
-from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.slot_loop import SlotBatcher
 from jaxflash.generation.slot_types import IN_FLIGHT_POLICIES, check_request
 from jaxflash.runtime.clock import Clock, RealClock

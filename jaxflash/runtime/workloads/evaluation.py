@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.generation.engine import LlamaEngine
+from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.slot_loop import SlotBatcher
 from jaxflash.generation.slot_types import check_request
 from jaxflash.runtime.rollout.reward_pool import RewardPool

@@ -1,4 +1,4 @@
-"""The engine's jitted programs: ``engine_kernels`` bound to one engine's static
+"""The engine's jitted programs: ``engine.kernels`` bound to one engine's static
 configuration and shardings, with their compilations counted from outside.
 
 ``Programs`` owns the ``jax.jit`` wrappers and a counter of traces per program and
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jaxflash.generation import engine_kernels as kernels
-from jaxflash.generation.engine_state import (
+from jaxflash.generation.engine import kernels
+from jaxflash.generation.engine.state import (
     DecodeState,
     EngineConfig,
     PrefillBatch,
@@ -28,7 +28,7 @@ from jaxflash.models.config import ModelConfig
 
 
 class Programs:
-    """Jitted device programs of one engine (see ``engine_kernels`` for each).
+    """Jitted device programs of one engine (see ``engine.kernels`` for each).
 
     Args:
       model_config, engine_config: static configuration bound into every program.

@@ -25,10 +25,18 @@ from jaxflash.models.kv_cache import (
     LayerKVCache,
     init_layer_kv_cache,
 )
+from jaxflash.models.paged_kv_cache import (
+    PAGED_KV_LOGICAL_AXES,
+    PagedKVCache,
+    PageTable,
+    init_paged_kv_cache,
+    pages_per_row,
+)
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
 
 LOGP_COLUMN = 3  # column of DecodeResult.data holding the float32 logprob bits
+KV_CACHE_KINDS = ("dense", "paged")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +63,19 @@ class EngineConfig:
         engine (one compiled block program per size). Tokens and logprobs do not
         depend on it; admissions, aborts and weight updates take effect at block
         boundaries, so a larger block trades that latency for fewer host round trips.
+      kv_cache: "dense" (every slot reserves S positions) or "paged": one pool of
+        ``num_pages`` pages of ``page_size`` positions per layer and a page table
+        per slot (``models.paged_kv_cache``); the slot loop takes pages as samples
+        grow and returns them when they end (``page_pool``). Same tokens and
+        logprobs as dense. JetStream's ``insert`` needs the dense cache.
+      page_size: P, positions per page (paged only).
+      num_pages: N, pages in the pool (paged only); 0 = B * ceil(S / P), the
+        dense reservation. A request whose prompt + max_new_tokens needs more than
+        N pages is refused by ``check_request`` (failed, with that reason).
+      paged_attention: "auto" (the TPU kernel ``ragged_paged_attention`` when the
+        engine runs on one TPU chip and the kernel tiles the model's heads, else the
+        pure-JAX reference), "reference" or "tpu_kernel"; the engine resolves "auto"
+        when it is built.
     """
 
     max_concurrent_decodes: int
@@ -67,8 +88,26 @@ class EngineConfig:
     min_prefill_bucket: int = 16
     prefill_rows: int = 1
     decode_block: int = 1
+    kv_cache: str = "dense"
+    page_size: int = 16
+    num_pages: int = 0
+    paged_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.paged_attention not in ("auto", "reference", "tpu_kernel"):
+            raise ValueError(
+                "EngineConfig.paged_attention must be auto | reference | tpu_kernel, got "
+                f"{self.paged_attention!r}"
+            )
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(
+                f"EngineConfig.kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}"
+            )
+        if self.page_size < 1 or self.num_pages < 0:
+            raise ValueError(
+                f"EngineConfig: page_size must be >= 1 and num_pages >= 0 (0 = the dense "
+                f"reservation), got page_size={self.page_size}, num_pages={self.num_pages}"
+            )
         for name in (
             "max_concurrent_decodes",
             "max_prefill_length",
@@ -84,6 +123,25 @@ class EngineConfig:
             )
         # SamplingParams validates temperature / top_k / top_p with named errors.
         SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_cache == "paged"
+
+    @property
+    def paged_kernel(self) -> bool:
+        """Paged attention through the TPU kernel (``paged_attention`` resolved)."""
+        return self.paged and self.paged_attention == "tpu_kernel"
+
+    @property
+    def pages_per_slot(self) -> int:
+        """M = ceil(S / P), page-table entries per slot."""
+        return pages_per_row(self.max_target_length, self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """N, pages in the pool (``num_pages``, or the dense reservation B * M)."""
+        return self.num_pages or self.max_concurrent_decodes * self.pages_per_slot
 
     def matches(self, sampling: SamplingParams) -> bool:
         """Whether a request's distribution is the one this engine samples from."""
@@ -139,6 +197,9 @@ class SampleStart:
       token_index: response index of the token drawn from the prefill's logits.
       budget: tokens the sample may still emit after that one (>= 0); the decode
         block stops the slot when it reaches 0.
+      shared_pages: paged cache only: the slot's first ``shared_pages`` pages
+        already hold this prompt (another sample's, mapped by ``page_pool``) and
+        are not written again.
     """
 
     prefill: PromptPrefill
@@ -148,6 +209,7 @@ class SampleStart:
     sample_index: int
     token_index: int
     budget: int
+    shared_pages: int = 0
 
 
 @struct.dataclass
@@ -181,7 +243,8 @@ class DecodeState:
     """Everything ``generate`` / ``generate_block`` transform; one row per slot.
 
     Attributes:
-      cache: LayerKVCache, batch B, length S (one buffer per layer, updated in place).
+      cache: LayerKVCache, batch B, length S (one buffer per layer, updated in
+        place), or with ``kv_cache="paged"`` a PagedKVCache (pools + page table).
       next_token_b: int32 [B] last sampled token, fed at the next step.
       next_logp_b: float32 [B] its log q.
       pos_b: int32 [B] position ``next_token_b`` occupies.
@@ -193,7 +256,7 @@ class DecodeState:
         (set by ``start_samples``; ``insert`` sets S, i.e. no limit but the cache).
     """
 
-    cache: LayerKVCache
+    cache: LayerKVCache | PagedKVCache
     next_token_b: jax.Array
     next_logp_b: jax.Array
     pos_b: jax.Array
@@ -282,7 +345,21 @@ def state_shardings(
         v_sh = NamedSharding(mesh, logical_to_spec(LAYER_V_LOGICAL_AXES, mesh, rules, v_shape))
         return LayerKVCache(k_bksh=(k_sh,) * c.n_layers, v_bkhs=(v_sh,) * c.n_layers)
 
-    big = cache_sharding(config.max_concurrent_decodes, config.max_target_length)
+    if config.paged:
+        # Pools follow the kv_heads rule, decided on K so a shard holds whole
+        # (key, value) pairs of the interleaved axis; the page table is replicated.
+        shape = (config.pool_pages, config.page_size, c.n_kv_heads, c.head_dim)
+        axes = PAGED_KV_LOGICAL_AXES
+        spec = rep.spec if rules is None else logical_to_spec(axes, mesh, rules, shape)
+        pool = NamedSharding(mesh, spec)
+        big = PagedKVCache(
+            kv_pages=(pool,) * c.n_layers,
+            pages=PageTable(
+                table_bm=rep, max_len=config.max_target_length, kernel=config.paged_kernel
+            ),
+        )
+    else:
+        big = cache_sharding(config.max_concurrent_decodes, config.max_target_length)
     one = cache_sharding(1, config.max_prefill_length)
     names = [f.name for f in dataclasses.fields(DecodeState) if f.name != "cache"]
     decode = DecodeState(cache=big, **{n: rep for n in names})
@@ -303,8 +380,19 @@ def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> Decod
     def zeros_b(dtype=jnp.int32):
         return jnp.zeros((B,), dtype)
 
+    if config.paged:
+        cache = init_paged_kv_cache(
+            model_config,
+            B,
+            config.max_target_length,
+            config.pool_pages,
+            config.page_size,
+            kernel=config.paged_kernel,
+        )
+    else:
+        cache = init_layer_kv_cache(model_config, B, config.max_target_length)
     return DecodeState(
-        cache=init_layer_kv_cache(model_config, B, config.max_target_length),
+        cache=cache,
         next_token_b=zeros_b(),
         next_logp_b=zeros_b(jnp.float32),
         pos_b=zeros_b(),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxflash.generation.engine_state import (
+from jaxflash.generation.engine.state import (
     DecodeResult,
     DecodeState,
     EngineConfig,
@@ -41,6 +41,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import LayerKVCache, init_layer_kv_cache
 from jaxflash.models.llama import forward, unembed, unstack_layers
 from jaxflash.models.logprobs import logits_from_hidden
+from jaxflash.models.paged_kv_cache import PagedKVCache, interleave_kv, write_pages
 
 __all__ = ["generate", "generate_block", "insert", "prefill", "sample_first", "start"]
 
@@ -93,9 +94,55 @@ def sample_first(logits_gv, ident_g4, *, model_config: ModelConfig, engine_confi
     return _sample(logits_gv, keys_g2, model_config, engine_config)
 
 
-def _place(state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict) -> DecodeState:
+def with_page_table(state: DecodeState, table_bm) -> DecodeState:
+    """``state`` with the host's page table (paged cache; None keeps the state's)."""
+    if table_bm is None:
+        return state
+    c = state.cache
+    return state.replace(cache=c.replace(pages=c.pages.replace(table_bm=table_bm)))
+
+
+def _place_pages(paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g) -> PagedKVCache:
+    """Write prefill rows ``cache[row_g]`` into the pages of slots ``slot_g`` (the
+    state's page table), skipping each entry's first ``from_g`` pages (a shared
+    prompt's, already in the pool); padding entries (slot B) write nothing."""
+    table_bm = paged.pages.table_bm
+    num_pages, page_size = paged.kv_pages[0].shape[:2]
+    table_gm = jnp.take(table_bm, slot_g, axis=0, mode="fill", fill_value=num_pages)
+    t = cache.max_len
+    pos_gt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (slot_g.shape[0], t))
+    pos_gt = jnp.where(pos_gt >= (from_g * page_size)[:, None], pos_gt, -1)
+
+    def write(pool, k_nksh, v_nkhs):
+        k_gtkh = k_nksh[row_g].transpose(0, 2, 1, 3)
+        v_gtkh = v_nkhs[row_g].transpose(0, 3, 1, 2)
+        return write_pages(pool, table_gm, interleave_kv(k_gtkh, v_gtkh), pos_gt)
+
+    pools = tuple(map(write, paged.kv_pages, cache.k_bksh, cache.v_bkhs))
+    return paged.replace(kv_pages=pools)
+
+
+def _room(st: DecodeState, ec: EngineConfig):
+    """bool [B]: the slot's next token fits (position + 1 < S) and, paged, the page
+    this step writes (position ``pos_b``) is mapped. The slot loop maps pages ahead
+    of every block (``page_pool``), so an unmapped page stops the slot instead of
+    letting it write into nothing."""
+    room_b = st.pos_b + 1 < ec.max_target_length
+    if isinstance(st.cache, PagedKVCache):
+        index_b1 = (st.pos_b // ec.page_size)[:, None]
+        page_b = jnp.take_along_axis(st.cache.pages.table_bm, index_b1, axis=1)[:, 0]
+        room_b = room_b & (page_b < ec.pool_pages)
+    return room_b
+
+
+def _place(
+    state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict, from_g=None
+) -> DecodeState:
     """Write prefill rows ``cache[row_g]`` into slots ``slot_g`` and set per-slot
     vectors; entries whose slot is out of range (padding) are dropped."""
+    if isinstance(state.cache, PagedKVCache):
+        new_cache = _place_pages(state.cache, cache, row_g, slot_g, from_g)
+        return _put(state.replace(cache=new_cache), slot_g, values)
     t = cache.max_len
 
     def k_rows(dst_bksh, src_nksh):
@@ -108,12 +155,15 @@ def _place(state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict)
         k_bksh=tuple(map(k_rows, state.cache.k_bksh, cache.k_bksh)),
         v_bkhs=tuple(map(v_rows, state.cache.v_bkhs, cache.v_bkhs)),
     )
+    return _put(state.replace(cache=new_cache), slot_g, values)
 
+
+def _put(state: DecodeState, slot_g, values: dict) -> DecodeState:
     def put(name):
         row_b = getattr(state, name)
         return row_b.at[slot_g].set(jnp.asarray(values[name], row_b.dtype), mode="drop")
 
-    return state.replace(cache=new_cache, **{name: put(name) for name in values})
+    return state.replace(**{name: put(name) for name in values})
 
 
 def start(
@@ -123,6 +173,8 @@ def start(
     slot_g,
     ident_g4,
     budget_g,
+    table_bm=None,
+    from_g=None,
     *,
     model_config: ModelConfig,
     engine_config: EngineConfig,
@@ -136,6 +188,9 @@ def start(
       slot_g: int32 [G] slot per sample; B (out of range) for padding entries.
       ident_g4: int32 [G, 4] (seed, prompt_id, sample_index, token_index).
       budget_g: int32 [G] tokens each may emit after its first one.
+      table_bm, from_g: paged cache only: the host's page table int32 [B, M] (with
+        the new samples' pages mapped) and int32 [G] leading pages each sample
+        shares with an earlier one (not written).
 
     Returns:
       (state, first token_g int32 [G], logp_g float32 [G]).
@@ -155,7 +210,8 @@ def start(
         pending_b=jnp.zeros(slot_g.shape, bool),
         budget_b=budget_g,
     )
-    return _place(state, batch.cache, row_g, slot_g, values), token_g, logp_g
+    state = with_page_table(state, table_bm)
+    return _place(state, batch.cache, row_g, slot_g, values, from_g), token_g, logp_g
 
 
 def insert(state: DecodeState, prefix: Prefix, slot, emit, *, engine_config: EngineConfig):
@@ -202,7 +258,7 @@ def generate(params, state: DecodeState, *, model_config: ModelConfig, engine_co
     """
     params = unstack_layers(params)
     cache, token_b, logp_b = _next_tokens(params, state, model_config, engine_config)
-    room_b = state.pos_b + 1 < engine_config.max_target_length
+    room_b = _room(state, engine_config)
     pending_b = state.pending_b
     advance_b = room_b & ~pending_b
     valid_b = room_b | pending_b
@@ -236,6 +292,7 @@ def generate_block(
     state: DecodeState,
     live_b,
     stop_s,
+    table_bm=None,
     *,
     steps: int,
     model_config: ModelConfig,
@@ -255,6 +312,8 @@ def generate_block(
       state: decode state (donated by the caller's jit).
       live_b: bool [B] slots holding a running sample.
       stop_s: int32 [n_stop] stop token ids (pad with -1, never sampled).
+      table_bm: paged cache only: the host's page table int32 [B, M], with every
+        page the block writes mapped (None keeps the state's).
       steps: static maximum number of steps.
 
     Returns:
@@ -264,6 +323,7 @@ def generate_block(
     params = unstack_layers(params)
     mc, ec = model_config, engine_config
     batch = live_b.shape[0]
+    state = with_page_table(state, table_bm)
 
     def cond(carry):
         i, _, live_b, _, _ = carry
@@ -272,7 +332,7 @@ def generate_block(
     def body(carry):
         i, st, live_b, out_nb3, live_n = carry
         cache, token_b, logp_b = _next_tokens(params, st, mc, ec)
-        room_b = st.pos_b + 1 < ec.max_target_length
+        room_b = _room(st, ec)
         emit_b = live_b & room_b
         step_b = emit_b.astype(jnp.int32)
         budget_b = st.budget_b - step_b

@@ -4,7 +4,7 @@
 each sequence (prompt, or prompt + generated prefix for a recompute) to a
 power-of-two bucket, runs ``prefill_rows`` of one bucket per jitted forward pass
 (prefix sharing: each distinct prompt once) and draws samples' first tokens from
-a shared prefill. Its device programs are ``engine_programs.Programs``' prefill,
+a shared prefill. Its device programs are ``engine.programs.Programs``' prefill,
 first_tokens and take_row; the engine's decode half (slots, ``start_samples``,
 ``generate_block``) consumes its ``PromptPrefill`` results.
 """
@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxflash.generation.engine_host import identity_rows, prefill_groups
-from jaxflash.generation.engine_programs import Programs
-from jaxflash.generation.engine_state import EngineConfig, Prefix, PromptPrefill
+from jaxflash.generation.engine.host_arrays import identity_rows, prefill_groups
+from jaxflash.generation.engine.programs import Programs
+from jaxflash.generation.engine.state import EngineConfig, Prefix, PromptPrefill
 
 
 class Prefiller:

@@ -6,10 +6,10 @@ through seqio, 4-5 s per process); ``jetstream_engine.JetStreamEngine`` adapts i
 ``jetstream.engine.engine_api.Engine`` for JetStream's Driver and gRPC server
 (``serving``). It runs the pure function ``jaxflash.models.llama.forward`` — the
 same code the learner runs — so engine logprobs and learner logprobs agree to float
-rounding. Its device programs are the pure functions of ``engine_kernels``; the
-engine jits them, places params (``engine_params``: layers unstacked, so a decode
-step reads each layer's weights in place) and counts compilations from outside
-(``trace_counts``).
+rounding. Its device programs are the pure functions of ``engine.kernels``; the
+engine jits them, places params (``engine.weights``, ``engine.params``: layers
+unstacked, so a decode step reads each layer's weights in place) and counts
+compilations from outside (``trace_counts``).
 
 Two ways to drive it (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
 
@@ -49,6 +49,7 @@ bucket), insert once per bucket, generate once, generate_block once per block si
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,11 +58,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine_host import block_result, start_groups, stop_array
-from jaxflash.generation.engine_params import engine_shardings, place
-from jaxflash.generation.engine_prefill import Prefiller
-from jaxflash.generation.engine_programs import Programs
-from jaxflash.generation.engine_state import (
+from jaxflash.generation.engine.host_arrays import block_result, start_groups, stop_array
+from jaxflash.generation.engine.prefill import Prefiller
+from jaxflash.generation.engine.programs import Programs
+from jaxflash.generation.engine.state import (
     BlockResult,
     DecodeResult,
     DecodeState,
@@ -70,11 +70,10 @@ from jaxflash.generation.engine_state import (
     SampleStart,
     state_shardings,
 )
-from jaxflash.models import lora as lora_lib
+from jaxflash.generation.engine.weights import EngineWeights
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, lora_model_layout, unstack_layers
 from jaxflash.models.lora import LoraConfig
-from jaxflash.sharding.leaves import LayoutMismatchError, check_same_leaves, leaf_signatures
+from jaxflash.models.paged_kv_cache import kernel_supported
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
@@ -118,32 +117,33 @@ class LlamaEngine:
                 f"EngineConfig.max_target_length={config.max_target_length} exceeds "
                 f"ModelConfig.max_seq_len={model_config.max_seq_len}"
             )
+        self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
+        if config.paged_attention == "auto":
+            # The TPU kernel on one TPU chip per engine where it tiles the heads; a
+            # tensor-split pool would need it under shard_map (not done yet).
+            kernel = (
+                config.paged
+                and self._mesh.devices.flat[0].platform == "tpu"
+                and self._mesh.devices.size == 1
+                and kernel_supported(model_config)
+            )
+            config = dataclasses.replace(
+                config, paged_attention="tpu_kernel" if kernel else "reference"
+            )
         self.model_config = model_config
         self.config = config
-        self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
         self.tokenizer = tokenizer
         self._load_params_fn = load_params_fn
         self._auto_prompt_id = itertools.count()  # for requests without an identity
         self.lora = lora
-        self._unstack_adapters: Any = None  # with_adapters' jitted unstacking, built once
-        self._param_shardings = engine_shardings(model_config, self._mesh, rules, lora)
-        if lora is None:
-            stacked = abstract_params(model_config)
-        else:  # the stored base with adapters beside their weights (models.lora)
-            stacked = lora_model_layout(model_config, lora)[0]
-        one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-        unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}
-        # What set_params / load_params accept: the model's tree, layers stacked or not.
-        self._signatures = {
-            "stacked": leaf_signatures(stacked),
-            "unstacked": leaf_signatures(unstacked),
-        }
+        # Accepted param trees, placement, LoRA adapters (see engine.weights).
+        self.weights = EngineWeights(model_config, self._mesh, rules, lora)
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
         self._programs = Programs(
             model_config, config, state_sh, self._prefix_shardings, self._replicated
         )
-        # Prompt prefill (buckets, batched prefill, first tokens); see engine_prefill.
+        # Prompt prefill (buckets, batched prefill, first tokens); see engine.prefill.
         self.prefiller = Prefiller(config, self._programs, self._replicated)
 
     @property
@@ -219,7 +219,10 @@ class LlamaEngine:
     # ------------------------------------------------------ starting samples
 
     def start_samples(
-        self, decode_state: DecodeState, starts: Sequence[SampleStart]
+        self,
+        decode_state: DecodeState,
+        starts: Sequence[SampleStart],
+        page_table: np.ndarray | jax.Array | None = None,
     ) -> tuple[DecodeState, np.ndarray, np.ndarray]:
         """Draw each sample's first token and put the sample in its slot.
 
@@ -230,15 +233,24 @@ class LlamaEngine:
         Args:
           decode_state: current state; donated.
           starts: where and how each sample starts (slots distinct).
+          page_table: paged cache only (required there): int32 [B, M] with each
+            new sample's pages mapped (``page_pool.PagePool.device_table``).
 
         Returns:
           (new state, first tokens int32 [N], their logprobs float32 [N]) in order.
 
         Raises:
-          ValueError: a slot out of range, a repeated slot, or a negative budget.
+          ValueError: a slot out of range, a repeated slot, or a negative budget;
+            a paged engine without ``page_table``.
         """
         results = []
+        table = self._page_table(page_table)
         for members, arrays in start_groups(starts, self.config.max_concurrent_decodes):
+            if self.config.paged:  # the whole table at the first group, then the state's
+                from_g = np.zeros(arrays[0].shape, np.int32)
+                from_g[: len(members)] = [starts[i].shared_pages for i in members]
+                arrays = (*arrays, table, from_g)
+                table = None
             arrays = jax.device_put(arrays, self._replicated)
             batch = starts[members[0]].prefill.batch
             decode_state, token_g, logp_g = self._programs.start(decode_state, batch, *arrays)
@@ -274,6 +286,12 @@ class LlamaEngine:
         Raises:
           ValueError: slot out of range.
         """
+        if self.config.paged:
+            raise NotImplementedError(
+                "insert: a paged engine (kv_cache='paged') starts samples through the slot "
+                "loop (start_samples with a page table); JetStream's Driver needs "
+                "kv_cache='dense'"
+            )
         if not 0 <= slot < self.config.max_concurrent_decodes:
             raise ValueError(
                 f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
@@ -309,10 +327,11 @@ class LlamaEngine:
         steps: int,
         live: np.ndarray,
         stop_ids: Sequence[int],
+        page_table: np.ndarray | jax.Array | None = None,
     ) -> tuple[DecodeState, BlockResult]:
         """Up to ``steps`` decode steps in one dispatch, one host copy of the tokens.
 
-        Slot b decodes while live (see ``engine_kernels.generate_block``): from
+        Slot b decodes while live (see ``engine.kernels.generate_block``): from
         ``live[b]`` until it emits a stop token or its budget (set by
         ``start_samples``) runs out. Same tokens and logprobs as ``steps`` single
         steps.
@@ -323,12 +342,15 @@ class LlamaEngine:
           steps: maximum decode steps (compiles once per value).
           live: bool [B] slots holding a running sample.
           stop_ids: token ids that end a sample (may be empty).
+          page_table: paged cache only (required there): int32 [B, M] with every
+            page the block writes mapped; a slot whose next page is not mapped stops.
 
         Returns:
           (new state, BlockResult on the host).
 
         Raises:
-          ValueError: steps < 1 or ``live`` not of shape [B].
+          ValueError: steps < 1 or ``live`` not of shape [B]; a paged engine
+            without ``page_table``.
         """
         B = self.config.max_concurrent_decodes
         live = np.asarray(live, bool)
@@ -336,12 +358,23 @@ class LlamaEngine:
             raise ValueError(
                 f"generate_block: need steps >= 1 and live [B={B}], got {steps}, {live.shape}"
             )
-        live_dev, stop_dev = jax.device_put((live, stop_array(stop_ids)), self._replicated)
+        table = self._page_table(page_table)
+        live_dev, stop_dev, table = jax.device_put(
+            (live, stop_array(stop_ids), table), self._replicated
+        )
         program = self._programs.generate_block(steps)
-        state, out_nb3, live_n, n = program(params, decode_state, live_dev, stop_dev)
+        state, out_nb3, live_n, n = program(params, decode_state, live_dev, stop_dev, table)
         out_nb3, live_n, n = jax.device_get((out_nb3, live_n, n))
         result = block_result(out_nb3, live_n, int(n))
         return state, result
+
+    def _page_table(self, page_table: np.ndarray | jax.Array | None) -> Any:
+        """The page table a paged engine's program takes (None for a dense one)."""
+        if not self.config.paged:
+            return None
+        if page_table is None:
+            raise ValueError("a paged engine (kv_cache='paged') needs page_table=")
+        return page_table
 
     # ------------------------------------------------- state, params, plumbing
 
@@ -367,83 +400,21 @@ class LlamaEngine:
         """Params in the engine's layout (layers unstacked) on the engine's mesh.
 
         Takes stacked (learner / sync / checkpoint) or unstacked params, host or
-        device; see ``engine_params.place``. Every program also accepts stacked
-        params, but then slices each layer out of the stack at every call.
+        device (``engine.weights.EngineWeights.place_params``).
         """
-        self.check_params(params)
-        return place(params, self._param_shardings, self._mesh)
+        return self.weights.place_params(params)
 
     def place_base(self, base: Any) -> Any:
-        """The frozen base of a LoRA engine, placed once (layers unstacked).
-
-        Args:
-          base: the stored base (``lora.split(params)[1]``; learner ``TrainState.base``).
-        """
-        _, base_sh = lora_lib.split(self._param_shardings)
-        return place(base, base_sh, self._mesh)
+        """The frozen base of a LoRA engine, placed once (``EngineWeights.place_base``)."""
+        return self.weights.place_base(base)
 
     def with_adapters(self, base: Any, adapters: Any) -> Any:
-        """Params of a LoRA engine: ``base`` from ``place_base`` (kept, not copied) with
-        ``adapters`` (stacked or unstacked, any device) placed beside their weights.
-
-        Raises:
-          ValueError: the engine was built without ``lora``; LayoutMismatchError: the
-            adapters' tree, shapes or dtypes differ from the engine's.
-        """
-        if self.lora is None:
-            raise ValueError("LlamaEngine.with_adapters: the engine was built without lora")
-        if self._unstack_adapters is None:
-            # Built once: a jit per call would recompile the unstacking at every update
-            # (about 20 s for SmolLM2's rank-16 adapters on this CPU).
-            adapter_sh, _ = lora_lib.split(self._param_shardings)
-            stack_sh = jax.tree.map(
-                lambda sh: NamedSharding(self._mesh, PartitionSpec(None, *sh.spec)),
-                adapter_sh["layers"][0],
-            )
-            unstack = jax.jit(
-                lambda layers: unstack_layers({"layers": layers})["layers"],
-                out_shardings=adapter_sh["layers"],
-            )
-            self._unstack_adapters = (adapter_sh, stack_sh, unstack)
-        adapter_sh, stack_sh, unstack = self._unstack_adapters
-        if isinstance(adapters["layers"], tuple | list):
-            placed = place(adapters, adapter_sh, self._mesh)
-        else:
-            layers = unstack(jax.device_put(adapters["layers"], stack_sh))  # no-op if there
-            rest = {k: v for k, v in adapters.items() if k != "layers"}
-            placed = {"layers": layers, **jax.device_put(rest, {k: adapter_sh[k] for k in rest})}
-        params = lora_lib.merge(base, placed)
-        self.check_params(params)
-        return params
+        """LoRA params: the placed base with ``adapters`` (``EngineWeights.with_adapters``)."""
+        return self.weights.with_adapters(base, adapters)
 
     def check_params(self, params: Any) -> None:
-        """Refuse params whose tree, shapes or dtypes differ from the engine's model.
-
-        Cheap (reads ``.shape`` / ``.dtype`` of each leaf, no device sync); the same
-        leaf check as the cross-process transfer (``sharding.leaves``). Called by
-        ``place_params`` and so by every ``set_params`` and server weight update.
-
-        Args:
-          params: nested dict, layers stacked ([L, ...] leaves) or unstacked (a
-            tuple of per-layer dicts), as ``place_params`` takes.
-
-        Raises:
-          LayoutMismatchError (a ValueError): a missing or extra leaf, or a leaf
-            whose shape or dtype differs, e.g. a float32 tree for a bfloat16 model
-            (which would recompile every program) or an lm_head of another
-            vocabulary (which would sample ids outside it); names the leaf.
-        """
-        if not isinstance(params, dict) or "layers" not in params:
-            raise LayoutMismatchError(
-                "", f"LlamaEngine: params must be a dict with 'layers', got {type(params).__name__}"
-            )
-        kind = "unstacked" if isinstance(params["layers"], tuple | list) else "stacked"
-        check_same_leaves(
-            leaf_signatures(params),
-            self._signatures[kind],
-            sender="new params",
-            receiver="engine's model",
-        )
+        """Refuse params unlike the engine's model (``EngineWeights.check_params``)."""
+        self.weights.check_params(params)
 
     def get_prefix_destination_sharding(self) -> Any:
         """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from jaxflash.generation.engine_state import BlockResult, SampleStart
+from jaxflash.generation.engine.state import BlockResult, SampleStart
 
 
 def pow2(n: int) -> int:

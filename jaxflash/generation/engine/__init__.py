@@ -1,0 +1,13 @@
+"""The generation engine, one module per thing it holds.
+
+- ``llama_engine``: ``LlamaEngine`` (JetStream's Engine API in pure JAX, the slot
+  loop's ``start_samples`` / ``generate_block``).
+- ``state``: ``EngineConfig`` and the device-state types (``DecodeState``, ``Prefix``,
+  ``PrefillBatch``, ``SampleStart``, results) with their shardings.
+- ``kernels``: the device programs as pure functions; ``programs``: their jitted,
+  trace-counted wrappers.
+- ``prefill``: prompt buckets, batched prefill, first tokens (``Prefiller``).
+- ``params``: the unstacked param layout on the generation mesh; ``weights``: the
+  trees an engine accepts, their placement and LoRA adapters (``EngineWeights``).
+- ``host_arrays``: host-side padding and grouping of the programs' inputs.
+"""
