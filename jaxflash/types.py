@@ -193,6 +193,9 @@ class TrainBatch:
         (from the generation servers), 1 replayed from the buffer (ReFlow's dual
         cycle); broadcast over tokens like the advantages so every field shares one
         layout. None means every row is fresh.
+      segment_ids_bt: int32 [B, T], packed rows only (``learner.packing``): the
+        sequence each token belongs to, 1, 2, ... within its row, 0 on padding;
+        positions restart at 0 per sequence. None means each row is one sequence.
     """
 
     input_ids_bt: Any
@@ -203,3 +206,4 @@ class TrainBatch:
     behaviour_logp_bt: Any
     token_versions_bt: Any
     cycle_bt: Any = None
+    segment_ids_bt: Any = None

@@ -72,10 +72,11 @@ def _logprobs(
 ):
     """(logp_bt, entropy_bt[, full_logp_bt], router logits [L, b, T, E] or None)."""
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
+    seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
     if router:
-        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt)
+        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt, **seg)
     else:
-        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt), None
+        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt, **seg), None
     return *target_logprobs(
         h_btd,
         unembed(params, mc),
@@ -89,14 +90,12 @@ def _logprobs(
     ), router_lbte
 
 
-def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig) -> jax.Array:
+def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig, lc: LearnerConfig):
     """float32 [E] top-k assignments over the whole batch's loss-masked tokens (a
     forward pass per micro-batch, no gradient)."""
 
     def one(mb):
-        _, router_lbte = forward_with_router_logits(
-            params, mc, mb["input_ids_bt"], mb["positions_bt"]
-        )
+        router_lbte = _logprobs(params, mb, mc, lc, router=True)[-1]
         return expert_load(router_lbte, mb["loss_mask_bt"] > 0, mc.n_experts_per_token)
 
     return jnp.sum(jax.lax.map(one, batch), axis=0)
@@ -237,10 +236,12 @@ def make_grad_fn(
 
     def grad_fn(params, ref_params, batch, version, base=None):
         num_tokens, num_sequences = batch_normalizers(batch["loss_mask_bt"])
+        if learner_config.packing:  # sequences are segments, not rows
+            num_sequences = sequence_count(batch["loss_mask_bt"], batch["segment_ids_bt"])
         load_e = None  # one micro-batch: its own expert loads are the batch's
         if learner_config.router_aux_loss_coef > 0 and batch["input_ids_bt"].shape[0] > 1:
             full = params if base is None else lora_lib.merge(base, params)
-            load_e = _batch_expert_load(full, batch, model_config)
+            load_e = _batch_expert_load(full, batch, model_config, learner_config)
 
         def body(carry, mb):
             loss_acc, grads_acc, aux_acc = carry
@@ -310,9 +311,10 @@ def _to_device_batch(
     if np.ndim(batch.input_ids_bt) == 2:
         batch = split_micro_batches(batch, micro_batch_size)
     arrays = {k: getattr(batch, k) for k in TRAIN_BATCH_FIELDS}
-    if arrays["cycle_bt"] is None:  # all fresh
-        arrays["cycle_bt"] = np.zeros(np.shape(arrays["input_ids_bt"]), np.int32)
-    elif not dual_cycle and np.any(np.asarray(arrays["cycle_bt"]) != 0):
+    for k in ("cycle_bt", "segment_ids_bt"):  # None: all fresh / one sequence per row
+        if arrays[k] is None:
+            arrays[k] = np.zeros(np.shape(arrays["input_ids_bt"]), np.int32)
+    if not dual_cycle and np.any(np.asarray(arrays["cycle_bt"]) != 0):
         raise ValueError(
             "train batch has replayed rows (cycle_bt != 0) but the learner was built "
             "without LearnerConfig.replay_loss (one loss for every row)"

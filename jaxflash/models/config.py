@@ -13,6 +13,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxflash.models.attention import check_attention
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALINGS = ("none", "llama3")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -51,6 +53,10 @@ class ModelConfig:
         and MLP activations (about 5 D + 2 F floats) stay alive, everything else is
         recomputed.
       logits_chunk: tokens per chunk of the chunked log-softmax (see logprobs.py).
+      attention: how cache-free self-attention (the learner's forward) is computed:
+        "auto" (splash on TPU, jax.nn.dot_product_attention on GPU, blockwise
+        elsewhere), "dense" (the [T, T] reference), "blockwise", "dot_product" or
+        "splash" (``models.attention``). Cached passes (the engine) are dense.
       rope_scaling: "none" or "llama3" (Llama 3.1/3.2 frequency-dependent scaling of
         the RoPE inverse frequencies; HF ``rope_type: llama3``). Other HF rope types
         (linear, dynamic, yarn, longrope) are refused at import.
@@ -108,6 +114,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: bool = False
     logits_chunk: int = 256
+    attention: str = "auto"
     rope_scaling: str = "none"
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -166,6 +173,7 @@ class ModelConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self._check_variants()
+        check_attention(self.attention, self.sliding_window)
         self._check_experts()
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
