@@ -170,6 +170,7 @@ def pack_batch(
         behaviour_logp_bt=blogp,
         token_versions_bt=versions,
         cycle_bt=cycle_bt,
+        segment_ids_bt=np.ones((B, T), np.int32),  # one sequence per row
     )
 
 

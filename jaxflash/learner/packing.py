@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, bucket_length
+from jaxflash.learner.batching import TRAIN_BATCH_FIELDS
 from jaxflash.types import TrainBatch
 
 # Losses whose per-token terms read only their own token (no sum over a row).
@@ -75,16 +75,14 @@ def pack_rows(
     batch: TrainBatch,
     *,
     row_length: int = 0,
-    length_multiple: int = 32,
     min_rows: int = 1,
 ) -> tuple[TrainBatch, Placement]:
     """Pack a host TrainBatch's rows into fewer rows with segment ids.
 
     Args:
-      batch: TrainBatch of numpy arrays [B, T] (``segment_ids_bt`` None: unpacked).
-      row_length: tokens per packed row; 0: the longest row's need, rounded up to
-        ``length_multiple``. Raised to that need if smaller.
-      length_multiple: bucket granularity of the packed length.
+      batch: TrainBatch of numpy arrays [B, T], one sequence per row (``pack_batch``).
+      row_length: tokens per packed row if longer than the batch's T (which
+        ``pack_batch`` bucketed from its longest sequence); 0: T.
       min_rows: at least this many rows (empty ones are all-masked).
 
     Returns:
@@ -92,16 +90,16 @@ def pack_rows(
       input row). Rows without a loss-carrying token are left out.
 
     Raises:
-      ValueError: a batch that is already packed or not [B, T].
+      ValueError: a batch that is already packed (a row with segment id > 1) or not
+        [B, T].
     """
-    if batch.segment_ids_bt is not None:
-        raise ValueError("pack_rows: the batch is already packed (segment_ids_bt is set)")
+    if batch.segment_ids_bt is not None and np.max(batch.segment_ids_bt) > 1:
+        raise ValueError("pack_rows: the batch is already packed (a row has 2+ segments)")
     mask = np.asarray(batch.loss_mask_bt)
     if mask.ndim != 2:
         raise ValueError(f"pack_rows: expected [B, T] arrays, got {mask.shape}")
     need = _needed_lengths(mask)
-    longest = max(int(need.max()), 1)
-    length = bucket_length(max(longest, row_length), multiple=length_multiple)
+    length = max(row_length, mask.shape[1])
     # First-fit decreasing (stable: equal lengths keep their order).
     order = sorted((i for i in range(len(need)) if need[i] > 0), key=lambda i: -need[i])
     free: list[int] = []
