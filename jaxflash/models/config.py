@@ -52,6 +52,9 @@ class ModelConfig:
         (``dots_with_no_batch_dims_saveable``): per token and layer the projections
         and MLP activations (about 5 D + 2 F floats) stay alive, everything else is
         recomputed.
+      remat_policy: "dots" (the above) or "full": only each layer's input is saved and
+        the whole layer, matmuls too, is recomputed (a third more FLOPs; at 8k tokens
+        per chip the saved matmul outputs are most of a 1.5B model's step memory).
       logits_chunk: tokens per chunk of the chunked log-softmax (see logprobs.py).
       attention: how cache-free self-attention (the learner's forward) is computed:
         "auto" (splash on TPU, jax.nn.dot_product_attention on GPU, blockwise
@@ -113,6 +116,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
+    remat_policy: str = "dots"
     logits_chunk: int = 256
     attention: str = "auto"
     rope_scaling: str = "none"
@@ -174,6 +178,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self._check_variants()
         check_attention(self.attention, self.sliding_window)
+        if self.remat_policy not in ("dots", "full"):
+            raise ValueError(
+                f"ModelConfig.remat_policy must be dots | full, got {self.remat_policy!r}"
+            )
         self._check_experts()
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:

@@ -475,7 +475,9 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
             )  # fmt: skip
             return h_btd, (ck, cv, router_bte if collect_router else None)
 
-        return jax.checkpoint(body, policy=_REMAT_POLICY) if config.remat else body
+        if not config.remat:
+            return body
+        return jax.checkpoint(body, policy=_REMAT_POLICY if config.remat_policy == "dots" else None)
 
     if unrolled:
         n = len(params["layers"])
