@@ -53,6 +53,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"  # bfloat16 on accelerators (fp32 master weights)
     c.model.remat = True  # rematerialise layer activations in the learner
     c.model.logits_chunk = 64  # tokens per chunk of the vocabulary log-softmax
+    # Learner attention: auto (splash on TPU, cuDNN on GPU, blockwise on CPU) | dense |
+    # blockwise | dot_product | splash (jaxflash/models/attention.py).
+    c.model.attention = "auto"
     # Variables every chat-template render gets, as JSON: '{"enable_thinking": false}' (Qwen3)
     c.model.chat_template_kwargs = ""
 
@@ -130,6 +133,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.weight_decay = 0.0
     c.learner.grad_clip_norm = 1.0
     c.learner.micro_batch_size = 8  # sequences per micro-batch (gradient accumulation)
+    # Pack sequences end to end into rows of pack_length tokens (0: the batch's padded
+    # length) instead of one padded row each; micro_batch_size then counts packed rows.
+    c.learner.packing = False
+    c.learner.pack_length = 0
     c.learner.loss = "ppo"  # see jaxflash.algorithms.policy_loss.POLICY_LOSSES
     # Hyper-parameters of that loss (PPO clip with DAPO's clip-higher bounds).
     c.learner.loss_kwargs = ml_collections.ConfigDict({"clip_eps_low": 0.2, "clip_eps_high": 0.28})

@@ -193,6 +193,10 @@ class TrainBatch:
         (from the generation servers), 1 replayed from the buffer (ReFlow's dual
         cycle); broadcast over tokens like the advantages so every field shares one
         layout. None means every row is fresh.
+      segment_ids_bt: int32 [B, T]: the sequence each token belongs to within its
+        row, 1, 2, ... (0 on a packed row's padding); positions restart at 0 per
+        sequence. ``pack_batch`` writes 1 everywhere (one sequence per row),
+        ``learner.packing.pack_rows`` packs rows. None also means one per row.
     """
 
     input_ids_bt: Any
@@ -203,3 +207,4 @@ class TrainBatch:
     behaviour_logp_bt: Any
     token_versions_bt: Any
     cycle_bt: Any = None
+    segment_ids_bt: Any = None

@@ -148,11 +148,11 @@ def tiny_plan():
         model, engine, make_mesh(devices[2:], {"tensor": 2}), GENERATOR_RULES, buckets=[]
     )
     costs = [measure(train), measure(block)]
-    return model, devices, {c.name: c for c in costs}
+    return model, devices, {c.name: c for c in costs}, train
 
 
 def test_train_step_and_decode_block_compile_for_abstract_v5e_chips(tiny_plan):
-    model, devices, by = tiny_plan
+    model, devices, by, _ = tiny_plan
     assert devices[0].platform == "tpu" and devices[0].device_kind == "TPU v5 lite"
     assert list(by) == ["train_step", "decode_block_4"]
     for c in by.values():
@@ -168,8 +168,15 @@ def test_train_step_and_decode_block_compile_for_abstract_v5e_chips(tiny_plan):
     assert block.bytes_accessed >= cache_half
 
 
+def test_the_tpu_train_step_attends_with_the_splash_kernel(tiny_plan):
+    """model.attention="auto" on TPU chips: the Pallas (Mosaic) kernel, no [T, T] scores."""
+    train = tiny_plan[3]
+    text = train.lower().as_text()
+    assert "tpu_custom_call" in text  # the Mosaic kernel (dense attention has none)
+
+
 def test_the_report_of_a_tpu_plan_has_a_roofline(tiny_plan):
-    _, _, by = tiny_plan
+    _, _, by, _ = tiny_plan
     table = format_plan(list(by.values()), chip=CHIPS["v5e"])
     row = next(line for line in table.splitlines() if line.startswith("train_step"))
     assert row.endswith("ms") and float(row.split()[-1][:-2]) > 0

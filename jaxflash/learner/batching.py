@@ -30,12 +30,14 @@ TRAIN_BATCH_FIELDS = (
     "behaviour_logp_bt",
     "token_versions_bt",
     "cycle_bt",
+    "segment_ids_bt",
 )
-# dtypes of the device batch (types.TrainBatch): ids, positions, versions and the
-# cycle label are int32; masks / advantages / logprobs float32.
+# dtypes of the device batch (types.TrainBatch): ids, positions, versions, the
+# cycle label and segment ids are int32; masks / advantages / logprobs float32.
 INT_FIELDS = frozenset(
-    {"input_ids_bt", "positions_bt", "target_ids_bt", "token_versions_bt", "cycle_bt"}
-)
+    {"input_ids_bt", "positions_bt", "target_ids_bt", "token_versions_bt", "cycle_bt",
+     "segment_ids_bt"}
+)  # fmt: skip
 
 
 def bucket_length(length: int, *, multiple: int = 32, power_of_two: bool = False) -> int:
@@ -168,6 +170,7 @@ def pack_batch(
         behaviour_logp_bt=blogp,
         token_versions_bt=versions,
         cycle_bt=cycle_bt,
+        segment_ids_bt=np.ones((B, T), np.int32),  # one sequence per row
     )
 
 
@@ -191,7 +194,8 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
     (mask 0, versions -1), which add nothing to the loss or its normalisers.
 
     Args:
-      batch: TrainBatch of numpy arrays [B, T] (``cycle_bt`` None: all fresh).
+      batch: TrainBatch of numpy arrays [B, T] (``cycle_bt`` None: all fresh;
+        ``segment_ids_bt`` None: unpacked).
       micro_batch_size: sequences per micro-batch (b >= 1).
 
     Returns:
@@ -211,7 +215,8 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
     out = {}
     for name in TRAIN_BATCH_FIELDS:
         x = getattr(batch, name)
-        x = np.zeros((B, T), np.int32) if x is None else np.asarray(x)  # cycle_bt: all fresh
+        # cycle_bt None: all fresh; segment_ids_bt None: one sequence per row (id 0).
+        x = np.zeros((B, T), np.int32) if x is None else np.asarray(x)
         if x.shape != (B, T):
             raise ValueError(f"split_micro_batches: {name} has shape {x.shape}, expected {(B, T)}")
         if extra:

@@ -14,6 +14,7 @@ from typing import Any
 from jaxflash.algorithms.aggregation import AGGREGATION_MODES
 from jaxflash.algorithms.loss_hparams import check_loss_hparams
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES
+from jaxflash.learner.packing import check_packing
 from jaxflash.models.lora import LoraConfig
 from jaxflash.types import SamplingParams
 
@@ -111,6 +112,13 @@ class LearnerConfig:
       lora: low-rank adapters over a frozen base (``models.lora.LoraConfig``; docs/LORA.md):
         only the adapters train, hold optimizer state and are published; the KL
         reference is the base without adapters. None: full fine-tuning.
+      packing: the step packs a [B, T] batch's sequences end to end into rows of
+        ``pack_length`` tokens with segment ids (``learner.packing``) instead of one
+        padded row each; ``micro_batch_size`` then counts packed rows. Needs a
+        token-level loss and an aggregation without per-row lengths
+        (``packing.check_packing``). Logprobs equal the unpacked ones.
+      pack_length: tokens per packed row where longer than the batch's T (its longest
+        sequence's bucket); 0: T. Each distinct (rows, length) compiles once.
     """
 
     lr: float = 1e-6
@@ -138,6 +146,8 @@ class LearnerConfig:
     replay_ratio_against: str = "behaviour"
     router_aux_loss_coef: float = 0.0
     lora: LoraConfig | None = None
+    packing: bool = False
+    pack_length: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -213,6 +223,10 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig.lora must be a LoraConfig, got {type(self.lora)}")
         if self.logprob_chunk < 1:
             raise ValueError(f"LearnerConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
+        if self.pack_length < 0:
+            raise ValueError(f"LearnerConfig.pack_length must be >= 0, got {self.pack_length}")
+        if self.packing:
+            check_packing(self.loss, self.aggregation, self.replay_loss)
 
     @property
     def dual_cycle(self) -> bool:

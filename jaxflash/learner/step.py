@@ -30,6 +30,7 @@ engine/learner numerical agreement (should be float rounding);
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,9 @@ from jaxflash.learner import cycles
 from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
+from jaxflash.learner.packing import pack_rows, sequence_count, unpack_rows
 from jaxflash.learner.state import TrainState, param_shardings, state_shardings
+from jaxflash.models import attention
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import forward, forward_with_router_logits, lora_model_layout, unembed
@@ -72,10 +75,11 @@ def _logprobs(
 ):
     """(logp_bt, entropy_bt[, full_logp_bt], router logits [L, b, T, E] or None)."""
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
+    seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
     if router:
-        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt)
+        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt, **seg)
     else:
-        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt), None
+        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt, **seg), None
     return *target_logprobs(
         h_btd,
         unembed(params, mc),
@@ -89,14 +93,12 @@ def _logprobs(
     ), router_lbte
 
 
-def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig) -> jax.Array:
+def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig, lc: LearnerConfig):
     """float32 [E] top-k assignments over the whole batch's loss-masked tokens (a
     forward pass per micro-batch, no gradient)."""
 
     def one(mb):
-        _, router_lbte = forward_with_router_logits(
-            params, mc, mb["input_ids_bt"], mb["positions_bt"]
-        )
+        router_lbte = _logprobs(params, mb, mc, lc, router=True)[-1]
         return expert_load(router_lbte, mb["loss_mask_bt"] > 0, mc.n_experts_per_token)
 
     return jnp.sum(jax.lax.map(one, batch), axis=0)
@@ -237,10 +239,12 @@ def make_grad_fn(
 
     def grad_fn(params, ref_params, batch, version, base=None):
         num_tokens, num_sequences = batch_normalizers(batch["loss_mask_bt"])
+        if learner_config.packing:  # sequences are segments, not rows
+            num_sequences = sequence_count(batch["loss_mask_bt"], batch["segment_ids_bt"])
         load_e = None  # one micro-batch: its own expert loads are the batch's
         if learner_config.router_aux_loss_coef > 0 and batch["input_ids_bt"].shape[0] > 1:
             full = params if base is None else lora_lib.merge(base, params)
-            load_e = _batch_expert_load(full, batch, model_config)
+            load_e = _batch_expert_load(full, batch, model_config, learner_config)
 
         def body(carry, mb):
             loss_acc, grads_acc, aux_acc = carry
@@ -310,9 +314,10 @@ def _to_device_batch(
     if np.ndim(batch.input_ids_bt) == 2:
         batch = split_micro_batches(batch, micro_batch_size)
     arrays = {k: getattr(batch, k) for k in TRAIN_BATCH_FIELDS}
-    if arrays["cycle_bt"] is None:  # all fresh
-        arrays["cycle_bt"] = np.zeros(np.shape(arrays["input_ids_bt"]), np.int32)
-    elif not dual_cycle and np.any(np.asarray(arrays["cycle_bt"]) != 0):
+    for k in ("cycle_bt", "segment_ids_bt"):  # None: all fresh / one sequence per row
+        if arrays[k] is None:
+            arrays[k] = np.zeros(np.shape(arrays["input_ids_bt"]), np.int32)
+    if not dual_cycle and np.any(np.asarray(arrays["cycle_bt"]) != 0):
         raise ValueError(
             "train batch has replayed rows (cycle_bt != 0) but the learner was built "
             "without LearnerConfig.replay_loss (one loss for every row)"
@@ -331,20 +336,37 @@ def _to_device_batch(
 class TrainStep:
     """Callable ``train_step(state, batch) -> (state, metrics)`` (see ``make_train_step``)."""
 
-    def __init__(
-        self, jitted: Callable, micro_batch_size: int, sharding: NamedSharding, dual_cycle: bool
-    ):
+    def __init__(self, jitted: Callable, mc: ModelConfig, lc: LearnerConfig, sharding, mesh):
         self._jitted = jitted
-        self._mbs = micro_batch_size
+        self._mc, self._lc = mc, lc
         self._sharding = sharding
-        self._dual_cycle = dual_cycle
+        self._mesh = mesh
         self.trace_count = 0  # incremented at trace time: a test asserts it stays 1
 
     def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-        device_batch = _to_device_batch(
-            batch, self._mbs, self._sharding, dual_cycle=self._dual_cycle
-        )
-        return self._jitted(state, device_batch)
+        device_batch = _device_batch(batch, self._lc, self._sharding)
+        with mesh_context(self._mesh, self._mc):
+            return self._jitted(state, device_batch)
+
+
+def _device_batch(batch: TrainBatch, lc: LearnerConfig, sharding: NamedSharding) -> Batch:
+    """A host batch packed (``learner.packing``) when asked, then on the devices."""
+    if lc.packing and np.ndim(batch.input_ids_bt) == 2 and _one_per_row(batch):
+        batch = pack_rows(batch, row_length=lc.pack_length)[0]
+    return _to_device_batch(batch, lc.micro_batch_size, sharding, dual_cycle=lc.dual_cycle)
+
+
+def _one_per_row(batch: TrainBatch) -> bool:
+    return batch.segment_ids_bt is None or int(np.max(batch.segment_ids_bt)) <= 1
+
+
+def mesh_context(mesh: Mesh, mc: ModelConfig):
+    """``jax.set_mesh(mesh)`` where attention runs the splash kernel (its ``shard_map``
+    reads the mesh), else a no-op (nothing else changes)."""
+    platform = mesh.devices.flat[0].platform
+    if attention.resolve(mc.attention, platform, mc.sliding_window) == "splash":
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def make_train_step(
@@ -409,9 +431,7 @@ def make_train_step(
         out_shardings=(s_shard, replicated),
         donate_argnums=(0,),
     )
-    step_obj = TrainStep(
-        jitted, learner_config.micro_batch_size, b_shard, learner_config.dual_cycle
-    )
+    step_obj = TrainStep(jitted, model_config, learner_config, b_shard, mesh)
     return step_obj
 
 
@@ -443,11 +463,16 @@ def make_logprob_fn(
 
     def logprob_fn(params: Any, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
         B, T = np.shape(batch.input_ids_bt)
+        placement = None
+        if lc.packing and _one_per_row(batch):  # scored packed, returned unpacked
+            batch, placement = pack_rows(batch, row_length=lc.pack_length)
+        rows, length = np.shape(batch.input_ids_bt)
         device_batch = _to_device_batch(batch, lc.micro_batch_size, b_shard, dual_cycle=True)
-        logp_mbt, ent_mbt = jitted(params, device_batch)
-        logp_mbt, ent_mbt = jax.device_get((logp_mbt, ent_mbt))
-        logp = np.asarray(logp_mbt).reshape(-1, T)[:B]
-        ent = np.asarray(ent_mbt).reshape(-1, T)[:B]
-        return logp, ent
+        with mesh_context(mesh, mc):
+            logp_mbt, ent_mbt = jax.device_get(jitted(params, device_batch))
+        out = [np.asarray(x).reshape(-1, length)[:rows] for x in (logp_mbt, ent_mbt)]
+        if placement is not None:
+            out = [unpack_rows(x, placement, (B, T)) for x in out]
+        return out[0], out[1]
 
     return logprob_fn

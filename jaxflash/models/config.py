@@ -13,6 +13,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxflash.models.attention import check_attention
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ROPE_SCALINGS = ("none", "llama3")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -50,7 +52,14 @@ class ModelConfig:
         (``dots_with_no_batch_dims_saveable``): per token and layer the projections
         and MLP activations (about 5 D + 2 F floats) stay alive, everything else is
         recomputed.
+      remat_policy: "dots" (the above) or "full": only each layer's input is saved and
+        the whole layer, matmuls too, is recomputed (a third more FLOPs; at 8k tokens
+        per chip the saved matmul outputs are most of a 1.5B model's step memory).
       logits_chunk: tokens per chunk of the chunked log-softmax (see logprobs.py).
+      attention: how cache-free self-attention (the learner's forward) is computed:
+        "auto" (splash on TPU, jax.nn.dot_product_attention on GPU, blockwise
+        elsewhere), "dense" (the [T, T] reference), "blockwise", "dot_product" or
+        "splash" (``models.attention``). Cached passes (the engine) are dense.
       rope_scaling: "none" or "llama3" (Llama 3.1/3.2 frequency-dependent scaling of
         the RoPE inverse frequencies; HF ``rope_type: llama3``). Other HF rope types
         (linear, dynamic, yarn, longrope) are refused at import.
@@ -107,7 +116,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
+    remat_policy: str = "dots"
     logits_chunk: int = 256
+    attention: str = "auto"
     rope_scaling: str = "none"
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
@@ -166,6 +177,11 @@ class ModelConfig:
         if not self.rms_norm_eps > 0:
             raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self._check_variants()
+        check_attention(self.attention, self.sliding_window)
+        if self.remat_policy not in ("dots", "full"):
+            raise ValueError(
+                f"ModelConfig.remat_policy must be dots | full, got {self.remat_policy!r}"
+            )
         self._check_experts()
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:

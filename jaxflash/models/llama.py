@@ -38,6 +38,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflash.models import lora
+from jaxflash.models.attention import (
+    attention_scale,
+    cache_visibility,
+    dense_attention,
+    self_attention,
+)
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
 from jaxflash.models.logprobs import logits_from_hidden
@@ -48,7 +54,6 @@ from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
 
 INIT_STD = 0.02  # normal init of every matrix (HF initializer_range default)
-_MASKED = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
 # remat keeps the outputs of the weight matmuls (projections, MLP) and recomputes
 # the rest of the layer (norms, RoPE, attention, SwiGLU's activation) in the
 # backward pass: recomputing the matmuls would add a third of the step's FLOPs,
@@ -210,34 +215,6 @@ def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) 
     return x * (offset + w if offset else w)
 
 
-def _attention_scale(config: ModelConfig) -> float:
-    q = config.query_pre_attn_scalar
-    return config.head_dim**-0.5 if q is None else q**-0.5
-
-
-def _attention(q_btnh, k_bksh, v_bkhs, visible_bts, config: ModelConfig):
-    """Grouped-query attention; softmax in float32. Returns [B, T, N, H] compute dtype.
-
-    Keys come as [B, K, S, H] and values as [B, K, H, S]: the layouts XLA's CPU
-    batched products read, so a ``LayerKVCache`` is used as stored (other callers
-    pass transposed views, which XLA materialises as before).
-    """
-    b, t, n, h = q_btnh.shape
-    cd = config.jnp_compute_dtype
-    q_btkgh = q_btnh.reshape(b, t, config.n_kv_heads, config.group_size, h).astype(cd)
-    scale = _attention_scale(config)
-    scores_bkgts = (
-        jnp.einsum(
-            "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
-        )
-        * scale
-    )
-    scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, _MASKED)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
-    out_btkgh = jnp.einsum("bkgts,bkhs->btkgh", probs_bkgts, v_bkhs.astype(cd))
-    return out_btkgh.reshape(b, t, n, h)
-
-
 def _gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
@@ -268,6 +245,7 @@ def _layer(
     cache_v,
     layer_cache=False,
     sliding: bool | jax.Array = False,
+    segment_ids_bt=None,
 ):
     """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None),
     router logits float32 [B, T, E] or None for a dense MLP).
@@ -276,6 +254,7 @@ def _layer(
     ``layer_cache``, keys [B, K, S, H] and values [B, K, H, S] (``LayerKVCache``).
     ``sliding``: this layer attends within ``config.sliding_window`` and uses
     ``config.rope_local_theta`` (a bool, or a traced bool inside the layer scan).
+    ``segment_ids_bt``: packed segments of a cache-free pass (``forward``).
     """
     cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
 
@@ -309,39 +288,32 @@ def _layer(
 
     q_btnh = rope(q_btnh)
     k_btkh = rope(k_btkh).astype(cd)
-    attn_btnh = None  # set early only by the TPU paged kernel
-    if cache_k is None:
-        # No cache: causal over the T axis (index j <= i); positions only feed RoPE,
-        # so right-padding never leaks into earlier tokens.
-        t = h_btd.shape[1]
-        dist_bts = (jnp.arange(t)[:, None] - jnp.arange(t)[None, :])[None]
-        keys_bksh, values_bkhs = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 3, 1)
+    if cache_k is None:  # causal within segments (models.attention); positions feed RoPE
+        attn_btnh = self_attention(
+            q_btnh, k_btkh, v_btkh, config, segment_ids_bt=segment_ids_bt, sliding=sliding
+        )
     elif isinstance(cache_v, PageTable) and cache_v.kernel:  # TPU: ragged_paged_attention
         window = config.sliding_window if sliding is True else None
         cache_k, attn_btnh = kernel_attention(
             cache_k, cache_v, q_btnh, k_btkh, v_btkh, positions_bt,
-            scale=_attention_scale(config), sliding_window=window,
+            scale=attention_scale(config, config.head_dim), sliding_window=window,
         )  # fmt: skip
-    elif isinstance(cache_v, PageTable):  # a PagedKVCache layer: (pool, page table)
-        cache_k, keys_bksh, values_bkhs = write_and_view(
-            cache_k, cache_v, k_btkh, v_btkh, positions_bt
-        )
-        dist_bts = positions_bt[:, :, None] - jnp.arange(cache_v.max_len)[None, None, :]
-    elif layer_cache:
-        cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
-        dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[2])[None, None, :]
-        keys_bksh, values_bkhs = cache_k, cache_v
     else:
-        cache_k = write_rows(cache_k, k_btkh, positions_bt)
-        cache_v = write_rows(cache_v, v_btkh, positions_bt)
-        dist_bts = positions_bt[:, :, None] - jnp.arange(cache_k.shape[1])[None, None, :]
-        keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
-    if attn_btnh is None:
-        visible_bts = dist_bts >= 0  # key j <= query position
-        if config.sliding_window is not None and sliding is not False:
-            near_bts = dist_bts < config.sliding_window  # HF: key j > p - W
-            visible_bts = visible_bts & (near_bts if sliding is True else near_bts | ~sliding)
-        attn_btnh = _attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
+        if isinstance(cache_v, PageTable):  # a PagedKVCache layer: (pool, page table)
+            cache_k, keys_bksh, values_bkhs = write_and_view(
+                cache_k, cache_v, k_btkh, v_btkh, positions_bt
+            )
+        elif layer_cache:
+            cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
+            keys_bksh, values_bkhs = cache_k, cache_v
+        else:
+            cache_k = write_rows(cache_k, k_btkh, positions_bt)
+            cache_v = write_rows(cache_v, v_btkh, positions_bt)
+            keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
+        visible_bts = cache_visibility(
+            positions_bt, keys_bksh.shape[2], sliding, config.sliding_window
+        )
+        attn_btnh = dense_attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
     attn_btd = jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
@@ -405,6 +377,8 @@ def forward(
     input_ids_bt: jax.Array,
     positions_bt: jax.Array,
     kv_cache: KVCache | LayerKVCache | None = None,
+    *,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | LayerKVCache | None]:
     """Pure forward pass: token ids -> final-normed hidden states.
 
@@ -425,6 +399,10 @@ def forward(
       kv_cache: optional cache with the same B: ``KVCache`` [L, B, S, K, H] for
         stacked params, ``LayerKVCache`` (L x [B, S, K, H]) or ``PagedKVCache``
         (``models.paged_kv_cache``: page pools + a page table) for unstacked ones.
+      segment_ids_bt: without a cache only: int32 [B, T] ids of the sequences packed
+        into each row (a token attends to earlier tokens of its own segment; RoPE
+        positions should restart per segment). None: each row is one sequence.
+        Attention runs as ``config.attention`` says (``models.attention``).
 
     Returns:
       (h_btd float32 [B, T, D], updated cache of the same type, or None). Logits
@@ -432,19 +410,28 @@ def forward(
 
     Raises:
       ValueError: if input and position shapes differ, the cache's batch differs,
-        or the cache layout does not match the params layout.
+        the cache layout does not match the params layout, or segment ids come with
+        a cache or in another shape.
     """
-    h_btd, cache, _ = _forward(params, config, input_ids_bt, positions_bt, kv_cache, False)
+    h_btd, cache, _ = _forward(
+        params, config, input_ids_bt, positions_bt, kv_cache, False, segment_ids_bt
+    )
     return h_btd, cache
 
 
 def forward_with_router_logits(
-    params: Params, config: ModelConfig, input_ids_bt: jax.Array, positions_bt: jax.Array
+    params: Params,
+    config: ModelConfig,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    *,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``forward`` without a cache that also returns every layer's router logits.
 
     Args:
-      params, config, input_ids_bt, positions_bt: as in ``forward``; ``config`` must
+      params, config, input_ids_bt, positions_bt, segment_ids_bt: as in ``forward``;
+        ``config`` must
         have experts (``n_experts > 0``).
 
     Returns:
@@ -456,16 +443,23 @@ def forward_with_router_logits(
     """
     if not config.is_moe:
         raise ValueError("forward_with_router_logits: the config has no experts (n_experts=0)")
-    h_btd, _, router_lbte = _forward(params, config, input_ids_bt, positions_bt, None, True)
+    h_btd, _, router_lbte = _forward(
+        params, config, input_ids_bt, positions_bt, None, True, segment_ids_bt
+    )
     return h_btd, router_lbte
 
 
-def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_router):
+def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_router, segments):
     """``forward``, plus the stacked router logits [L, B, T, E] when ``collect_router``."""
     if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
         raise ValueError(
             f"forward: input_ids_bt {input_ids_bt.shape} and positions_bt "
             f"{positions_bt.shape} must both be [B, T]"
+        )
+    if segments is not None and (kv_cache is not None or segments.shape != input_ids_bt.shape):
+        raise ValueError(
+            f"forward: segment_ids_bt {segments.shape} must be [B, T] like input_ids_bt "
+            f"{input_ids_bt.shape}, and is for a pass without a cache"
         )
     unrolled = isinstance(params["layers"], tuple | list)
     paged = isinstance(kv_cache, PagedKVCache)
@@ -497,11 +491,14 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
             lp, ck, cv = xs[:3]
             flag = xs[3] if sliding is None else sliding
             h_btd, (ck, cv), router_bte = _layer(
-                config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled, sliding=flag
-            )
+                config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled, sliding=flag,
+                segment_ids_bt=segments,
+            )  # fmt: skip
             return h_btd, (ck, cv, router_bte if collect_router else None)
 
-        return jax.checkpoint(body, policy=_REMAT_POLICY) if config.remat else body
+        if not config.remat:
+            return body
+        return jax.checkpoint(body, policy=_REMAT_POLICY if config.remat_policy == "dots" else None)
 
     if unrolled:
         n = len(params["layers"])

@@ -59,6 +59,7 @@ def _model(exp: ExperimentConfig, max_seq_len: int) -> tuple[ModelConfig, str]:
         compute_dtype=spec.compute_dtype,
         remat=spec.remat,
         logits_chunk=spec.logits_chunk,
+        attention=spec.attention,
         max_seq_len=max(config.max_seq_len, max_seq_len),
     )
     return config, f"{spec.preset} ({spec.source})"

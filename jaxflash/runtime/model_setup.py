@@ -68,8 +68,9 @@ def load_model(
         model's context (naming the fields).
     """
     overrides = dict(
-        compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk
-    )
+        compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk,
+        attention=spec.attention,
+    )  # fmt: skip
     need_len = rollout.max_prefill_length + rollout.sampling.max_new_tokens
     try:  # a file the importers refuse (unknown RoPE type, activation, tensor) is input
         if spec.source == "gguf":

@@ -8,7 +8,8 @@ compile-only chips) and reads XLA's memory and cost analyses.
 Programs (what the live run executes):
 
 - ``train_step``: the learner step at [M, b, T] (``learner.step``), with the KL
-  reference's forward inside it when ``learner.kl_coef > 0``.
+  reference's forward inside it when ``learner.kl_coef > 0``; attention as
+  ``model.attention`` resolves on the mesh's chips (splash on TPU).
 - ``prefill_<bucket>``: the engine's prefill at each power-of-two bucket up to
   ``max_prefill_length`` (``prefill_rows`` rows).
 - ``decode_block_<n>``: the slot loop's ``generate_block`` of ``decode_block``
@@ -40,7 +41,7 @@ from jaxflash.generation.engine.state import state_shardings as engine_state_sha
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, state_shardings
-from jaxflash.learner.step import batch_sharding, make_train_step
+from jaxflash.learner.step import batch_sharding, make_train_step, mesh_context
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, logical_axes, lora_model_layout, unstack_layers
@@ -117,7 +118,13 @@ def train_step_program(
         for k in TRAIN_BATCH_FIELDS
     }
     jitted = step._jitted  # noqa: SLF001 (TrainStep has no AOT entry point of its own)
-    lower = lambda: jitted.lower(state, batch)  # noqa: E731
+
+    def lower():
+        # On TPU attention is the splash kernel: its shard_map reads the mesh, and a
+        # Pallas kernel lowers for compile-only chips once one is the default device.
+        with mesh_context(mesh, model), jax.default_device(mesh.devices.flat[0]):
+            return jitted.lower(state, batch)
+
     prog = Lowerable("train_step", "learner", mesh, lower, per_device_bytes((state, batch)))
     return prog, state
 

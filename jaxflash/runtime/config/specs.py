@@ -148,6 +148,7 @@ class ModelSpec:
     compute_dtype: str = "float32"
     remat: bool = True
     logits_chunk: int = 64
+    attention: str = "auto"  # ModelConfig.attention, checked there (this module imports no jax)
     chat_template: str = ""
     extra_stop_ids: tuple[int, ...] = ()
     chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,171 @@
+"""Sequence packing: the rows of a padded TrainBatch laid end to end in fewer rows.
+
+``pack_batch`` pads every sequence of a batch to one length bucket, so a batch with
+one long response and many short ones is mostly padding. ``pack_rows`` moves each
+row's tokens (up to its last loss-carrying target: nothing after it feeds the loss)
+into rows of ``row_length`` tokens by first-fit decreasing, each sequence with its
+own segment id (1, 2, ... within a row; 0 marks padding) and its own positions
+(RoPE restarts per sequence). The model attends within segments
+(``models.attention``), so every token sees exactly the context it had unpacked and
+the logprobs are those of the unpacked batch (tests/test_packing.py).
+
+What the loss reads per sequence must then be read per segment: the sequence count
+of the ``seq-mean-*`` normalisers is counted over segments (``sequence_count``);
+losses and aggregations that reduce over a row as one sequence (GSPO's sequence
+ratio, sequence-level rollout corrections, seq-mean-token-mean's per-row length, the
+dual cycle's per-row labels) are refused with packing (``check_packing``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash.learner.batching import TRAIN_BATCH_FIELDS
+from jaxflash.types import TrainBatch
+
+# Losses whose per-token terms read only their own token (no sum over a row).
+TOKEN_LEVEL_LOSSES = ("vanilla_pg", "ppo", "decoupled_ppo", "tis", "cispo", "token_mis", "icepop")
+# Aggregations that need only token sums and the (segment-counted) sequence count.
+PACKABLE_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def check_packing(loss: str, aggregation: str, replay_loss: str | None) -> None:
+    """Refuse what would read a packed row as one sequence.
+
+    Raises:
+      ValueError: a loss outside ``TOKEN_LEVEL_LOSSES``, an aggregation outside
+        ``PACKABLE_AGGREGATIONS``, or a replay loss (the dual cycle labels rows).
+    """
+    if loss not in TOKEN_LEVEL_LOSSES:
+        raise ValueError(
+            f"LearnerConfig.packing needs a token-level loss {TOKEN_LEVEL_LOSSES}; {loss!r} "
+            "reduces over a row as one sequence (set packing=False)"
+        )
+    if aggregation not in PACKABLE_AGGREGATIONS:
+        raise ValueError(
+            f"LearnerConfig.packing needs aggregation in {PACKABLE_AGGREGATIONS}, got "
+            f"{aggregation!r} (its per-row length would mix packed sequences)"
+        )
+    if replay_loss is not None:
+        raise ValueError("LearnerConfig.packing does not take a replay_loss (rows carry a cycle)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each row of the unpacked batch went: row ``row[i]``, tokens
+    ``[offset[i], offset[i] + length[i])``; length 0 (row ``-1``): it had no loss."""
+
+    row: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+
+
+def _needed_lengths(mask_bt: np.ndarray) -> np.ndarray:
+    """Tokens each row needs: through its last loss-carrying target (0 if none)."""
+    valid = mask_bt > 0
+    last = valid.shape[1] - 1 - np.argmax(valid[:, ::-1], axis=1)
+    return np.where(valid.any(axis=1), last + 1, 0)
+
+
+def pack_rows(
+    batch: TrainBatch,
+    *,
+    row_length: int = 0,
+    min_rows: int = 1,
+) -> tuple[TrainBatch, Placement]:
+    """Pack a host TrainBatch's rows into fewer rows with segment ids.
+
+    Args:
+      batch: TrainBatch of numpy arrays [B, T], one sequence per row (``pack_batch``).
+      row_length: tokens per packed row if longer than the batch's T (which
+        ``pack_batch`` bucketed from its longest sequence); 0: T.
+      min_rows: at least this many rows (empty ones are all-masked).
+
+    Returns:
+      (packed TrainBatch [R, L] with ``segment_ids_bt`` set, Placement of each
+      input row). Rows without a loss-carrying token are left out.
+
+    Raises:
+      ValueError: a batch that is already packed (a row with segment id > 1) or not
+        [B, T].
+    """
+    if batch.segment_ids_bt is not None and np.max(batch.segment_ids_bt) > 1:
+        raise ValueError("pack_rows: the batch is already packed (a row has 2+ segments)")
+    mask = np.asarray(batch.loss_mask_bt)
+    if mask.ndim != 2:
+        raise ValueError(f"pack_rows: expected [B, T] arrays, got {mask.shape}")
+    need = _needed_lengths(mask)
+    length = max(row_length, mask.shape[1])
+    # First-fit decreasing (stable: equal lengths keep their order).
+    order = sorted((i for i in range(len(need)) if need[i] > 0), key=lambda i: -need[i])
+    free: list[int] = []
+    row = np.full(len(need), -1, np.int64)
+    offset = np.zeros(len(need), np.int64)
+    for i in order:
+        r = next((r for r, f in enumerate(free) if f >= need[i]), len(free))
+        if r == len(free):
+            free.append(length)
+        row[i], offset[i] = r, length - free[r]
+        free[r] -= need[i]
+    n_rows = max(len(free), min_rows)
+    out = {}
+    for name in TRAIN_BATCH_FIELDS:
+        src = getattr(batch, name)
+        if name == "segment_ids_bt":
+            continue
+        src = np.zeros(mask.shape, np.int32) if src is None else np.asarray(src)
+        fill = -1 if name == "token_versions_bt" else 0
+        dst = np.full((n_rows, length), fill, src.dtype)
+        for i in np.flatnonzero(row >= 0):
+            dst[row[i], offset[i] : offset[i] + need[i]] = src[i, : need[i]]
+        out[name] = dst
+    seg = np.zeros((n_rows, length), np.int32)
+    count = np.zeros(n_rows, np.int32)
+    for i in sorted(np.flatnonzero(row >= 0), key=lambda i: offset[i]):
+        count[row[i]] += 1
+        seg[row[i], offset[i] : offset[i] + need[i]] = count[row[i]]
+    # Padding: positions from 0, segment 0 (it sees only padding, and nothing sees it).
+    used = seg > 0
+    out["positions_bt"] = np.where(used, out["positions_bt"], _pad_positions(used))
+    packed = TrainBatch(**out, segment_ids_bt=seg)
+    return packed, Placement(row=row, offset=offset, length=need)
+
+
+def _pad_positions(used_rl: np.ndarray) -> np.ndarray:
+    """int32 [R, L]: 0, 1, ... along each row's padding tail."""
+    first_pad = used_rl.sum(axis=1, keepdims=True)
+    return np.maximum(np.arange(used_rl.shape[1])[None] - first_pad, 0).astype(np.int32)
+
+
+def unpack_rows(x_rl: np.ndarray, placement: Placement, shape: tuple[int, int]) -> np.ndarray:
+    """Per-token values of a packed batch [R, L] back to the unpacked rows ``shape``
+    [B, T] (zeros where a row had no token)."""
+    out = np.zeros(shape, np.asarray(x_rl).dtype)
+    for i in np.flatnonzero(placement.row >= 0):
+        o, n = placement.offset[i], placement.length[i]
+        out[i, :n] = x_rl[placement.row[i], o : o + n]
+    return out
+
+
+def padding_fraction(batch: TrainBatch) -> float:
+    """Share of a [B, T] batch's token slots that hold no sequence token (through each
+    row's last loss-carrying target; rows without loss count as padding)."""
+    mask = np.asarray(batch.loss_mask_bt)
+    mask = mask.reshape(-1, mask.shape[-1])
+    return 1.0 - float(_needed_lengths(mask).sum()) / mask.size
+
+
+def sequence_count(mask_bt: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+    """float32: sequences (row, segment) with at least one valid token, over [..., T]
+    arrays whose segments are contiguous runs (``pack_rows``)."""
+    valid = mask_bt > 0
+    t = jnp.arange(valid.shape[-1])
+    last_valid = jax.lax.cummax(jnp.where(valid, t, -1), axis=valid.ndim - 1)
+    prev = jnp.concatenate([jnp.full(valid.shape[:-1] + (1,), -1), last_valid[..., :-1]], -1)
+    prev_seg = jnp.take_along_axis(segment_ids_bt, jnp.maximum(prev, 0), axis=-1)
+    first = valid & ((prev < 0) | (prev_seg != segment_ids_bt))
+    return jnp.sum(first).astype(jnp.float32)
