@@ -195,22 +195,6 @@ class ExperimentConfig:
                 f"mesh.generation {dict(m.generation)} needs {n_gen} devices but with "
                 f"mesh.colocated=True it runs on the learner's {n_learner} (mesh.learner)",
             )
-        # Agentic runs evaluate env.eval_seeds (data.* is refused with env.name).
-        field, evals = (
-            ("env.eval_seeds", self.env.eval_seeds)
-            if self.env.name
-            else (
-                "data.eval_size",
-                self.data.eval_size,
-            )
-        )
-        _check(
-            not (m.generation_processes and evals),
-            f"{field}={evals} with mesh.generation_processes=True: "
-            "evaluation runs on an engine in the controller's process, which has none when "
-            f"generation runs in separate programs; set {field}=0 (evaluating through "
-            "the generation programs is not built yet)",
-        )
         _check(
             not (m.generation_processes and self.learner.lora is not None),
             "learner.lora with mesh.generation_processes=True: generation programs receive "
