@@ -248,7 +248,7 @@ class ExperimentConfig:
             + ["advantage"],
             "eval": _fields(EvalSpec),
             "checkpoint": _fields(CheckpointSpec),
-            "replay": _fields(ReplaySpec),
+            "replay": [f for f in _fields(ReplaySpec) if f != "seed"],  # the run's seed
             "controller": _fields(ControllerSpec),
             "env": _fields(EnvSpec),
         }
