@@ -366,7 +366,11 @@ class ProcessFleet:
         raise ValueError("elastic moves need thread servers (runtime.config.elastic_spec)")
 
     def generator(self) -> ProgramGenerate:
-        """What evaluation generates with: the programs, beside the rollout's requests."""
+        """What evaluation generates with: the programs, beside the rollout's requests
+        (started here if the scheduler has not yet: the evaluation before step 1)."""
+        for server in self._servers:
+            if not server.started:
+                server.start()
         return ProgramGenerate(self._servers, engine_config(self._exp), EVAL_TIMEOUT_S)
 
     def close(self) -> None:

@@ -137,13 +137,20 @@ class RemoteGenerationServer:
         with self._cond:
             return self._version
 
+    @property
+    def started(self) -> bool:
+        """``start`` was called (the supervisor runs, or ran)."""
+        return self._thread.ident is not None
+
     def start(self) -> None:
-        """Start supervising; returns once the program runs the board's version.
+        """Start supervising; returns once the program runs the board's version. Again
+        (the scheduler's start after an evaluation started it): only waits for that.
 
         Raises:
           RemoteServerDownError: not up within ``start_timeout_s``.
         """
-        self._thread.start()
+        if not self.started:
+            self._thread.start()
         end = time.monotonic() + self._start_timeout_s
         with self._cond:
             while not self._up and time.monotonic() < end and self._thread.is_alive():
