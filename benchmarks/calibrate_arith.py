@@ -45,6 +45,7 @@ def main() -> None:
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.rewards.base import combined
+    from jaxflash.runtime.fleet.eval_generation import EngineGenerate
     from jaxflash.runtime.rollout.reward_pool import RewardPool
     from jaxflash.runtime.workloads.evaluation import evaluate
     from jaxflash.types import SamplingParams
@@ -91,8 +92,7 @@ def main() -> None:
     t0 = time.monotonic()
     with RewardPool(combined({"math": 1.0}), num_workers=2, timeout_s=10.0) as pool:
         out = evaluate(
-            engine,
-            params,
+            EngineGenerate(engine, params, tokenizer.stop_ids),
             prompts,
             samples_per_prompt=args.n,
             sampling=sampling,

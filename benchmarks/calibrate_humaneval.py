@@ -41,6 +41,7 @@ def main() -> None:
     from jaxflash.models.tokenizer import Tokenizer
     from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.rewards.code_reward import CodeReward
+    from jaxflash.runtime.fleet.eval_generation import EngineGenerate
     from jaxflash.runtime.rollout.reward_pool import RewardPool
     from jaxflash.runtime.workloads.evaluation import evaluate
     from jaxflash.types import SamplingParams
@@ -79,8 +80,7 @@ def main() -> None:
     t0 = time.monotonic()
     with Recording(reward, num_workers=2, timeout_s=10.0) as pool:
         out = evaluate(
-            engine,
-            params,
+            EngineGenerate(engine, params, tokenizer.stop_ids),
             prompts,
             samples_per_prompt=args.n,
             sampling=sampling,

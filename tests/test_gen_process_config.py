@@ -49,8 +49,7 @@ def test_refused_combinations_name_the_fields(change, match):
         ExperimentConfig.from_config_dict(c)
 
 
-def test_evaluation_needs_an_engine_in_the_controller():
+def test_evaluation_runs_on_the_generation_programs_too():
     c = _config()
-    c.data.eval_size = 8
-    with pytest.raises(ConfigError, match="data.eval_size=8 with mesh.generation_processes"):
-        ExperimentConfig.from_config_dict(c)
+    c.data.eval_size = 8  # evaluated through the programs (runtime.fleet.eval_generation)
+    assert ExperimentConfig.from_config_dict(c).data.eval_size == 8

@@ -8,7 +8,8 @@ pulling every policy version from the learner's ``WeightSender``.
 Checked:
 * with α = 0 the process run reproduces the thread run: same prompts, sampled
   tokens, rewards and learner metrics; every program installs every version bit
-  for bit equal to the learner's params (SHA-256 on both sides);
+  for bit equal to the learner's params (SHA-256 on both sides); both evaluate
+  (before training and at the last step), the process run through its programs;
 * a generation process SIGKILLed while it holds samples: detected, its samples
   re-routed to the other server, the process restarted and resynced to the
   current version; the run completes and every prompt is accounted for.
@@ -37,12 +38,18 @@ def _rows(path):
 
 
 def _config(
-    *, processes: bool, steps: int, alpha: int, digests: bool = False, max_new_tokens: int = 8
+    *,
+    processes: bool,
+    steps: int,
+    alpha: int,
+    digests: bool = False,
+    max_new_tokens: int = 8,
+    eval_size: int = 0,
 ):
     c = smoke_async.get_config()  # learner fsdp 3 x tensor 2, two 1-device slices
     c.rollout.max_new_tokens = max_new_tokens
     c.total_steps = steps
-    c.data.eval_size = 0  # evaluation needs an engine in the controller's process
+    c.data.eval_size = eval_size  # > 0: evaluated on the programs too (fleet.eval_generation)
     c.rollout.async_ratio = alpha
     c.checkpoint.every = 1
     c.mesh.generation_processes = processes
@@ -60,8 +67,9 @@ def _accounted(m):
 @pytest.mark.timeout(900)
 def test_generation_processes_reproduce_the_thread_run_bit_for_bit(tmp_path):
     threads, procs = str(tmp_path / "threads"), str(tmp_path / "procs")
-    rlvr.run(_config(processes=False, steps=2, alpha=0), workdir=threads)
-    last = rlvr.run(_config(processes=True, steps=2, alpha=0, digests=True), workdir=procs)
+    rlvr.run(_config(processes=False, steps=2, alpha=0, eval_size=2), workdir=threads)
+    exp = _config(processes=True, steps=2, alpha=0, digests=True, eval_size=2)
+    last = rlvr.run(exp, workdir=procs)
     assert last["policy_version"] == 2 and _accounted(last)
 
     def by_key(workdir):
@@ -73,11 +81,13 @@ def test_generation_processes_reproduce_the_thread_run_bit_for_bit(tmp_path):
     for key, row in t_rows.items():
         for field in ("response_tokens", "reward", "start_version", "finish_reason"):
             assert p_rows[key][field] == row[field], (key, field)
-    for t, p in zip(
-        _rows(os.path.join(threads, "metrics.jsonl")),
-        _rows(os.path.join(procs, "metrics.jsonl")),
-        strict=True,
-    ):
+    p_metrics = _rows(os.path.join(procs, "metrics.jsonl"))
+    assert [r["step"] for r in p_metrics if "eval_accuracy" in r] == [0, 2]
+    for t, p in zip(_rows(os.path.join(threads, "metrics.jsonl")), p_metrics, strict=True):
+        if "eval_accuracy" in p:  # evaluated (at steps 0 and 2) on the programs too
+            assert p["eval_prompts"] == t["eval_prompts"] == 2 and p["eval_failed"] == 0
+        if t["step"] == 0:
+            continue  # the evaluation before training: no update
         for key in ("tokens", "loss", "pg_loss", "grad_norm", "prompts_trained"):
             assert p[key] == t[key], (t["step"], key)  # behaviour logprobs crossed bit for bit
 

@@ -50,7 +50,7 @@ def test_task_workload_derives_the_limits_and_regenerates_prompts_in_flight():
     with pytest.raises(ValueError, match="needs a scorer"):
         w.dispatch(None)
     with pytest.raises(ValueError, match="reward_pool"):
-        w.evaluate(None, None, None, version=0)
+        w.evaluate(None, None, version=0)
 
 
 def test_checkpoint_meta_keeps_what_resuming_reads():

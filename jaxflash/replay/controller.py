@@ -129,14 +129,12 @@ def _decision_metrics(d: Decision) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ControllerConfig:
-    """Bounds and gains of ``AdaptiveController`` (validated eagerly).
+class ControllerKnobs:
+    """The adaptive controller's gains and bounds that a user sets (``controller.*`` in a
+    config; their one definition and default: ``ControllerConfig`` and the config's
+    ``ControllerSpec`` both extend this).
 
     Attributes:
-      batch_samples: learner batch size in samples (B * G).
-      max_async_ratio: the user's maximum alpha.
-      group_size: G, samples per prompt (fresh samples come in whole groups);
-        must divide batch_samples.
       max_replay_ratio: largest rho, < 1. replay_step: rho increment.
       ess_min: replay-cycle ESS below which rho and alpha go down.
       staleness_target: mean staleness above which alpha goes down (None: off).
@@ -144,14 +142,9 @@ class ControllerConfig:
       queue_high: queue depth, in steps of fresh samples, that means training-bound
         (>= 1: a generation-bound step has at most one step queued).
       smoothing: EMA weight of the newest rate measurement, in (0, 1].
-      device_quantum: devices moved at once (one generation slice).
-      min_learner_devices, min_generation_devices: floors of the role split.
       move_patience: consecutive same-bound steps before, and steps between, moves.
     """
 
-    batch_samples: int
-    max_async_ratio: int
-    group_size: int = 1
     max_replay_ratio: float = 0.75
     replay_step: float = 0.125
     ess_min: float = 0.5
@@ -159,10 +152,34 @@ class ControllerConfig:
     balance_margin: float = 0.15
     queue_high: float = 2.0
     smoothing: float = 0.5
+    move_patience: int = 3
+
+    def knobs(self) -> dict[str, Any]:
+        """These fields and their values (what ``ControllerConfig`` is built with)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ControllerKnobs)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ControllerConfig(ControllerKnobs):
+    """Bounds and gains of ``AdaptiveController`` (validated eagerly).
+
+    Attributes:
+      batch_samples: learner batch size in samples (B * G).
+      max_async_ratio: the user's maximum alpha.
+      group_size: G, samples per prompt (fresh samples come in whole groups);
+        must divide batch_samples.
+      device_quantum: devices moved at once (one generation slice).
+      min_learner_devices, min_generation_devices: floors of the role split.
+      max_replay_ratio, replay_step, ess_min, staleness_target, balance_margin,
+        queue_high, smoothing, move_patience: ``ControllerKnobs``.
+    """
+
+    batch_samples: int
+    max_async_ratio: int
+    group_size: int = 1
     device_quantum: int = 1
     min_learner_devices: int = 1
     min_generation_devices: int = 1
-    move_patience: int = 3
 
     def __post_init__(self) -> None:
         checks = {

@@ -65,6 +65,15 @@ class Console:
         self._last_output = now()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._noted: set[str] = set()
+
+    def once(self, key: str, note: str) -> str:
+        """``note`` the first time ``key`` is asked, "" after (e.g. "the first generation
+        compiles the engine": the engine is compiled once, by whichever runs first)."""
+        with self._lock:
+            first = key not in self._noted
+            self._noted.add(key)
+        return note if first else ""
 
     def line(self, text: str) -> None:
         """Print one line now (and restart the silence timer)."""

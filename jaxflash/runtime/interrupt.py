@@ -35,11 +35,12 @@ class DeferredInterrupt:
         self._previous: Any = None
         self._installed = False
 
-    def install(self) -> None:
-        """Handle SIGINT here from now on (a no-op outside the main thread)."""
+    def install(self) -> DeferredInterrupt:
+        """Handle SIGINT here from now on (a no-op outside the main thread); returns self."""
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
             self._installed = True
+        return self
 
     def restore(self) -> None:
         """Put the previous SIGINT handler back (idempotent)."""

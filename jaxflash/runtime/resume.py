@@ -156,6 +156,16 @@ def finished_step(workdir: str, total_steps: int) -> int | None:
     return step if step is not None and step >= total_steps else None
 
 
+def finished_run(workdir: str, total_steps: int, console: Any) -> dict[str, Any] | None:
+    """A run already finished in ``workdir``: said on ``console``, its last metrics row
+    returned (nothing is resumed); None: a fresh start or a resume."""
+    step = finished_step(workdir, total_steps)
+    if step is None:
+        return None
+    console.line(finished_note(workdir, step, total_steps))
+    return last_metrics(workdir)
+
+
 def finished_note(workdir: str, step: int, total_steps: int) -> str:
     """The console's answer to a run asked to continue past its finished last step."""
     return (
@@ -163,6 +173,32 @@ def finished_note(workdir: str, step: int, total_steps: int) -> str:
         f"{total_steps}. To train further, run the same command with "
         f"--config.total_steps=<more than {step}> (it resumes from step {step}); "
         "to start over, pass a new --workdir."
+    )
+
+
+def resumed_note(meta: CheckpointMeta, ledger: PromptLedger, total_steps: int, workdir: str) -> str:
+    """The console's line for a run resumed from ``meta``'s checkpoint."""
+    return (
+        f"resumed from step {meta.step} of {total_steps} in {workdir} (data cursor "
+        f"{meta.data_cursor}; {len(ledger.open_ids)} prompts in flight, generated again)"
+    )
+
+
+def stopped_note(version: int, workdir: str, *, preempted: bool) -> str:
+    """The console's line for a run that stops before its last step (SIGTERM, stop_after)."""
+    if preempted:
+        return (
+            f"preempted (SIGTERM): saved step {version}; run the same command to "
+            f"resume {workdir} from it"
+        )
+    return f"stopped after step {version} (stop_after)"
+
+
+def finished_line(version: int, total_steps: int, elapsed: str, workdir: str) -> str:
+    """The console's last line of a run that reached its last step."""
+    return (
+        f"finished {version}/{total_steps} steps in {elapsed}: {workdir}/metrics.jsonl, "
+        f"rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"
     )
 
 

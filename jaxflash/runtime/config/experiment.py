@@ -204,22 +204,6 @@ class ExperimentConfig:
                 f"mesh.generation {dict(m.generation)} needs {n_gen} devices but with "
                 f"mesh.colocated=True it runs on the learner's {n_learner} (mesh.learner)",
             )
-        # Agentic runs evaluate env.eval_seeds (data.* is refused with env.name).
-        field, evals = (
-            ("env.eval_seeds", self.env.eval_seeds)
-            if self.env.name
-            else (
-                "data.eval_size",
-                self.data.eval_size,
-            )
-        )
-        _check(
-            not (m.generation_processes and evals),
-            f"{field}={evals} with mesh.generation_processes=True: "
-            "evaluation runs on an engine in the controller's process, which has none when "
-            f"generation runs in separate programs; set {field}=0 (evaluating through "
-            "the generation programs is not built yet)",
-        )
 
     def with_prompt_lengths(self, max_prompt_tokens: int) -> ExperimentConfig:
         """A copy with ``data.max_prompt_tokens`` (and a 0 ``rollout.max_prefill_length``)
@@ -267,7 +251,7 @@ class ExperimentConfig:
             + ["advantage"],
             "eval": _fields(EvalSpec),
             "checkpoint": _fields(CheckpointSpec),
-            "replay": _fields(ReplaySpec),
+            "replay": [f for f in _fields(ReplaySpec) if f != "seed"],  # the run's seed
             "controller": _fields(ControllerSpec),
             "env": _fields(EnvSpec),
         }

@@ -1,6 +1,10 @@
 """Config sections ``replay.*`` and ``controller.*``: the dual replay cycle and its scheduler.
 
-``ReplaySpec`` and ``ControllerSpec`` validate their own fields;
+One dataclass per concept, owned by the lower package: ``ReplaySpec`` is the buffer's
+``replay.replay_config.ReplayConfig`` plus the cycle's own fields (ratio, advantages,
+correction), ``ControllerSpec`` the controller's ``replay.controller.ControllerKnobs``
+plus who sets rho (kind, schedules, elastic); no field or default is written twice.
+Each validates its fields, naming them as the config does;
 ``check_replay_combination`` refuses, naming the fields, every combination whose
 settings would be silently ignored (it runs in ``ExperimentConfig.__post_init__``,
 before any model is loaded). The runtime builds the buffer, the composer and the
@@ -21,7 +25,7 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.replay.controller import ControllerConfig
+from jaxflash.replay.controller import ControllerConfig, ControllerKnobs
 from jaxflash.replay.dual_cycle import ADVANTAGE_MODES
 from jaxflash.replay.replay_config import ReplayConfig
 from jaxflash.runtime.config.specs import ConfigError, check
@@ -30,7 +34,7 @@ CONTROLLER_KINDS = ("none", "fixed", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReplaySpec:
+class ReplaySpec(ReplayConfig):
     """``replay.*``: the replay cycle mixed into every learner batch.
 
     Attributes:
@@ -39,9 +43,10 @@ class ReplaySpec:
         the learner batch keeps ``rollout.prompts_per_step`` groups' worth of
         rows, of which round((1 - rho) * prompts_per_step) groups are fresh.
       capacity, max_age, max_reuse, sampler, recency_exponent, freshness_tau,
-        freshness_base, prompt_strategy, drop_uniform_groups: the buffer
-        (``replay.replay_config.ReplayConfig``; fields a sampler would ignore
-        must stay None).
+        freshness_base, prompt_strategy, drop_uniform_groups: the buffer's, inherited
+        from ``replay.replay_config.ReplayConfig`` (fields a sampler would ignore
+        must stay None). Its ``seed`` is not a config key: the buffer's RNG is seeded
+        from the run's seed (``buffer_config``).
       advantages: "fixed" (stored at ingestion, Marin) | "joint" | "split" (RePO:
         need sampler="per_prompt").
       advantage_estimator: estimator "joint"/"split" recompute with (None there
@@ -62,15 +67,6 @@ class ReplaySpec:
     """
 
     ratio: float = 0.0
-    capacity: int = 1024
-    max_age: int = 4
-    max_reuse: int = 1
-    sampler: str = "uniform"
-    recency_exponent: float | None = None
-    freshness_tau: float | None = None
-    freshness_base: str = "abs_advantage"
-    prompt_strategy: str | None = None
-    drop_uniform_groups: bool = True
     advantages: str = "fixed"
     advantage_estimator: str | None = None
     correction: str | None = None
@@ -118,7 +114,7 @@ class ReplaySpec:
                     .replace("LearnerConfig.replay_loss", "replay.correction")
                 ) from None
         try:
-            self.buffer_config(seed=0)
+            super().__post_init__()  # the buffer's own checks
         except ValueError as e:
             raise ConfigError(str(e).replace("ReplayConfig.", "replay.")) from None
 
@@ -147,23 +143,13 @@ class ReplaySpec:
         )
 
     def buffer_config(self, *, seed: int) -> ReplayConfig:
-        """The buffer's ``ReplayConfig`` (its RNG seeded with ``seed``)."""
-        return ReplayConfig(
-            capacity=self.capacity,
-            max_age=self.max_age,
-            max_reuse=self.max_reuse,
-            sampler=self.sampler,
-            recency_exponent=self.recency_exponent,
-            freshness_tau=self.freshness_tau,
-            freshness_base=self.freshness_base,
-            prompt_strategy=self.prompt_strategy,
-            drop_uniform_groups=self.drop_uniform_groups,
-            seed=seed,
-        )
+        """The buffer's own ``ReplayConfig`` (these fields; its RNG seeded with ``seed``)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(ReplayConfig)}
+        return ReplayConfig(**{**own, "seed": seed})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ControllerSpec:
+class ControllerSpec(ControllerKnobs):
     """``controller.*``: who sets the replay ratio each step.
 
     Attributes:
@@ -172,8 +158,8 @@ class ControllerSpec:
       replay_schedule: "fixed" only: "from_step:rho,..." e.g. "0:0.25,10:0.5"
         (the first from_step 0, the first rho equal to replay.ratio).
       max_replay_ratio, replay_step, ess_min, staleness_target, balance_margin,
-        queue_high, smoothing, move_patience: "adaptive" only, as in
-        ``replay.controller.ControllerConfig``. Its alpha stays within
+        queue_high, smoothing, move_patience: "adaptive" only, inherited from
+        ``replay.controller.ControllerKnobs``. Its alpha stays within
         rollout.async_ratio (the user's maximum).
 
       elastic: move devices between the learner and the generation slices when the
@@ -194,14 +180,6 @@ class ControllerSpec:
 
     kind: str = "none"
     replay_schedule: str = ""
-    max_replay_ratio: float = 0.75
-    replay_step: float = 0.125
-    ess_min: float = 0.5
-    staleness_target: float | None = None
-    balance_margin: float = 0.15
-    queue_high: float = 2.0
-    smoothing: float = 0.5
-    move_patience: int = 3
     elastic: bool = False
     device_schedule: str = ""
 
@@ -280,14 +258,7 @@ class ControllerSpec:
             batch_samples=batch_samples,
             max_async_ratio=max_async_ratio,
             group_size=group_size,
-            max_replay_ratio=self.max_replay_ratio,
-            replay_step=self.replay_step,
-            ess_min=self.ess_min,
-            staleness_target=self.staleness_target,
-            balance_margin=self.balance_margin,
-            queue_high=self.queue_high,
-            smoothing=self.smoothing,
-            move_patience=self.move_patience,
+            **self.knobs(),
         )
 
     def max_ratio(self, replay: ReplaySpec) -> float:

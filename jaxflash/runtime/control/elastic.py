@@ -71,12 +71,11 @@ class ElasticPool:
 
     Args:
       learner: the learner (its state moves; one process only).
-      fleet: the thread fleet (slot i = server i of the scheduler).
-      scheduler: the rollout scheduler whose servers are retired and added.
+      fleet: the thread fleet (it retires and adds slots and their servers,
+        ``ThreadFleet.resize``; a slot's index is its server's in the pool).
+      scheduler: the rollout the fleet's servers leave and join.
       placement: the starting placement (disjoint, thread servers).
       learner_shape: ``mesh.learner`` axis sizes (fsdp takes the size changes).
-      server_kwargs: ``ThreadFleet.server``'s keyword arguments for new servers
-        (stop ids, partial_rollout, on_finished, clock, server_factory).
       state: ``state_dict`` from a checkpoint (moves and re-queued counts go on).
 
     Raises:
@@ -91,7 +90,6 @@ class ElasticPool:
         scheduler: RolloutScheduler,
         placement: Placement,
         learner_shape: Mapping[str, int],
-        server_kwargs: dict[str, Any],
         state: dict[str, Any] | None = None,
     ):
         if placement.colocated or not placement.generation:
@@ -99,7 +97,6 @@ class ElasticPool:
         self._learner, self._fleet, self._scheduler = learner, fleet, scheduler
         self._learner_shape = dict(learner_shape)
         self._gen_shape = dict(placement.generation[0].shape)
-        self._server_kwargs = dict(server_kwargs)
         self._devices = {int(d.id): d for d in jax.devices()}
         self.split = RoleSplit(
             learner=_ids(placement.learner),
@@ -131,29 +128,23 @@ class ElasticPool:
             return self.learner_devices
         learner_axes(self._learner_shape, len(change.after.learner))  # raises first
         t0 = time.perf_counter()
-        requeued = 0
-        for s in change.to_learner:  # stop generating there before the learner takes it
-            i = self._slot.pop(s)
-            requeued += self._scheduler.retire_server(i)
-            self._fleet.remove_slice(i)
-        report = self._learner.move_to(self._learner_mesh(change.after.learner))
-        jax.block_until_ready(self._learner.state)
-        version = self._learner.step
-        for s in change.to_generation:  # weights on the new slice before it takes requests
-            mesh = make_mesh([self._devices[d] for d in s], self._gen_shape)
-            i, params = self._fleet.add_slice(mesh, self._learner, version)
-            server = self._fleet.server(i, params, version=version, **self._server_kwargs)
-            j = self._scheduler.add_server(server)
-            if i != j:
-                raise RuntimeError(f"ElasticPool: fleet slot {i} is scheduler server {j}")
-            self._slot[s] = i
+        done = self._fleet.resize(
+            retire=[self._slot.pop(s) for s in change.to_learner],
+            learner_mesh=self._learner_mesh(change.after.learner),
+            add=[make_mesh([self._devices[d] for d in s], self._gen_shape)
+                 for s in change.to_generation],
+            learner=self._learner,
+            rollout=self._scheduler,
+        )  # fmt: skip
+        self._slot.update(zip(change.to_generation, done.added, strict=True))
+        requeued = done.requeued
         self.split = change.after
         self.requeued += requeued
         record = MoveRecord(
             to_learner=sum(len(s) for s in change.to_learner),
             to_generation=sum(len(s) for s in change.to_generation),
             requeued=requeued,
-            bytes=report.bytes,
+            bytes=done.reshard_bytes,
             seconds=time.perf_counter() - t0,
         )
         log.info("elastic move%s: %s", "" if counted else " (resume)", record)
@@ -204,7 +195,6 @@ def make_elastic(
     fleet: Any,
     scheduler: RolloutScheduler,
     placement: Placement,
-    server_kwargs: dict[str, Any],
     extra: dict[str, Any],
     learner_devices: int | None,
 ) -> ElasticPool | None:
@@ -212,7 +202,7 @@ def make_elastic(
 
     Args:
       exp: the ``ExperimentConfig`` (``runtime.elastic_spec.check_elastic`` passed).
-      learner, fleet, scheduler, placement, server_kwargs: as ``ElasticPool``.
+      learner, fleet, scheduler, placement: as ``ElasticPool``.
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start).
       learner_devices: the decision in force's learner size (the replay cycle's;
         on resume the checkpointed split, moved to here before the first step).
@@ -225,7 +215,6 @@ def make_elastic(
         scheduler=scheduler,
         placement=placement,
         learner_shape=exp.mesh.learner,
-        server_kwargs=server_kwargs,
         state=extra.get("elastic"),
     )
     if learner_devices is not None and learner_devices != pool.learner_devices:

@@ -27,6 +27,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from jaxflash.replay.controller import (
     AdaptiveController,
     ControllerInputs,
@@ -63,6 +65,29 @@ class StepReport:
     queue_samples: int
     staleness_mean: float
     replay_ess: float | None
+
+    @classmethod
+    def measure(
+        cls,
+        *,
+        next_version: int,
+        samples_generated: int,
+        queue_samples: int,
+        step_s: float,
+        train_s: float,
+        staleness: np.ndarray,
+        learner_metrics: dict[str, Any],
+    ) -> StepReport:
+        """A step's report from its raw measures: ``staleness`` int [fresh samples
+        trained] (versions); of the learner's metrics, the rows that carried loss
+        ("sequences"; none on a skipped step) and the replay ESS ("replay_ess_token")."""
+        return cls(
+            next_version=next_version, samples_generated=samples_generated, step_s=step_s,
+            train_s=train_s, trained_samples=int(learner_metrics.get("sequences", 0)),
+            queue_samples=queue_samples,
+            staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
+            replay_ess=learner_metrics.get("replay_ess_token"),
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

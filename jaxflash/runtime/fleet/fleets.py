@@ -12,8 +12,11 @@ One RL loop (``runtime.loop``) drives either kind through the same calls:
   every learner process's ``WeightSender`` (``LearnerProgram.offer``); each
   program pulls the version it is told (``WeightOffer``) into its own sharding.
 
-``publish(learner, version)`` returns what ``RolloutScheduler.publish`` hands to
-each server (params on its mesh, or a ``WeightOffer``).
+The fleet owns its servers and their weights: ``start`` puts the first weights on
+every server and builds ``pool``, what the rollout routes to; ``publish(learner,
+version, rollout)`` copies (or offers) each new version and has the rollout hand it
+to every server (params on its mesh, or a ``WeightOffer``); ``resize`` is the elastic
+move; ``generator`` is what held-out evaluation generates with, on either kind.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jax.sharding import Mesh
 
 from jaxflash.models.lora import tree_bytes
 from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.fleet.eval_generation import EngineGenerate, ProgramGenerate
 from jaxflash.runtime.fleet.gen_endpoint import FixedProgram, LocalProgram, ProgramClient
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.fleet.learner_program import LearnerProgram
@@ -42,6 +46,8 @@ from jaxflash.runtime.fleet.remote_server import (
 )
 from jaxflash.runtime.fleet.rpc_wire import WeightOffer
 from jaxflash.runtime.model_setup import engine_config, lora_base_source, make_engine
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.server_pool import ServerPool
 from jaxflash.sync.publish import AdapterPublisher, Publisher
 from jaxflash.sync.reshard import LayoutCache
 from jaxflash.sync.transfer_digest import tree_digest
@@ -49,117 +55,174 @@ from jaxflash.sync.transfer_layout import TreeLayout
 
 TRANSFER_CHUNK_BYTES = 64 << 20
 TRANSFER_TIMEOUT_S = 120.0
+EVAL_TIMEOUT_S = 3600.0  # one evaluation on the generation programs, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """What every server of a fleet is built with, given once (``make_fleet``).
+
+    Attributes:
+      on_finished: where finished samples go (the rollout's ``Inbox.generated``).
+      clock: the run's time source (timings; thread servers' too).
+      server_factory: builds each thread server like ``GenerationServer`` (tests
+        wrap it to inject faults; generation programs take only the default).
+    """
+
+    on_finished: Callable[[Any], None]
+    clock: Any
+    server_factory: Callable[..., Any] = GenerationServer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightSync:
+    """One publish: the copy (or offer + pull) and the handover to the servers.
+
+    Attributes:
+      copy_s: seconds until every server held the weights (D2D copies, or pulls).
+      handover_s: seconds the rollout took to hand them over and release capacity.
+      bytes: bytes moved, all servers together (the adapters only under LoRA).
+    """
+
+    copy_s: float
+    handover_s: float
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Resized:
+    """One ``ThreadFleet.resize``: requests re-queued, the learner's reshard, new slots."""
+
+    requeued: int
+    reshard_bytes: int
+    added: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A generation slot: engine, its param shardings, its publisher, the params it holds."""
+
+    engine: Any
+    shardings: Any
+    publisher: Publisher | AdapterPublisher
+    params: Any = None
 
 
 class ThreadFleet:
     """Generation servers as threads on this program's generation meshes.
 
-    Slot i holds server i's engine (``servers`` builds them in this order), or
-    None once the elastic pool retired it (``remove_slice``); ``add_slice`` appends
-    an engine for devices the learner gave back. Engines are built once per device
-    layout (``sync.reshard.LayoutCache``): a slice that returns to devices it held
-    before reuses its engine and compiled programs.
+    Slot i holds server i of ``pool`` (the pool gives the index; a slot retired by
+    ``resize`` is gone, one added takes the pool's next index). Engines are built
+    once per device layout (``sync.reshard.LayoutCache``): a slice that returns to
+    devices it held before reuses its engine and compiled programs.
     """
 
-    def __init__(self, exp: ExperimentConfig, model_config: Any, placement: Placement, tokenizer):
+    def __init__(
+        self,
+        exp: ExperimentConfig,
+        model_config: Any,
+        placement: Placement,
+        tokenizer: Any,
+        servers: ServerSettings,
+    ):
         self._engine_for = LayoutCache(lambda mesh: make_engine(exp, model_config, mesh, tokenizer))
-        self.engines: list[tuple[Any, Any] | None] = [
-            self._engine_for(mesh) for mesh in placement.generation
-        ]
         self._lora = exp.learner.lora is not None
-        self._publishers: list[Any] = [self._publisher(slot) for slot in self.engines]
-        self._published: list[Any] = [None] * len(self.engines)
+        self._stop_ids, self._partial = tokenizer.stop_ids, exp.rollout.partial_rollout
+        self._settings = servers
+        self._slots = {i: self._slot(mesh) for i, mesh in enumerate(placement.generation)}
+        self.pool: ServerPool | None = None  # ``start`` builds it
         self.last_publish_bytes = 0  # bytes the last publish moved, all slots together
 
-    def _publisher(self, slot: tuple[Any, Any]) -> Publisher | AdapterPublisher:
+    def _slot(self, mesh: Mesh) -> _Slot:
+        engine, shardings = self._engine_for(mesh)
         # LoRA: the base goes to the slot once, then only the adapters move.
-        return AdapterPublisher(*slot) if self._lora else Publisher()
+        publisher = AdapterPublisher(engine, shardings) if self._lora else Publisher()
+        return _Slot(engine, shardings, publisher)
 
-    def _push(self, pub: Any, learner: LearnerProgram, shardings: Any, version: int) -> Any:
+    def _push(self, slot: _Slot, learner: LearnerProgram, version: int) -> None:
+        pub = slot.publisher
         if isinstance(pub, AdapterPublisher):
-            params = pub.publish(learner.params, learner.base, version).params
+            slot.params = pub.publish(learner.params, learner.base, version).params
             self.last_publish_bytes += pub.last_bytes
-            return params
-        self.last_publish_bytes += tree_bytes(learner.params)
-        return pub.publish(learner.params, shardings, version).params
+        else:
+            self.last_publish_bytes += tree_bytes(learner.params)
+            slot.params = pub.publish(learner.params, slot.shardings, version).params
+
+    def _copy(self, slots: list[_Slot], learner: LearnerProgram, version: int) -> None:
+        """Learner params -> each slot's mesh, device to device (version ``version``)."""
+        for slot in slots:
+            self._push(slot, learner, version)
+        jax.block_until_ready([slot.params for slot in slots])
+
+    def _server(self, i: int, slot: _Slot, version: int) -> Any:
+        s = self._settings
+        return s.server_factory(
+            f"gen{i}", slot.engine, slot.params, policy_version=version, stop_ids=self._stop_ids,
+            partial_rollout=self._partial, on_finished=s.on_finished, clock=s.clock,
+        )  # fmt: skip
 
     @property
     def engine_builds(self) -> int:
         """Engines built so far (one per generation device layout ever used)."""
         return self._engine_for.builds
 
-    def publish(self, learner: LearnerProgram, version: int) -> list[Any]:
-        """Learner params -> every generation mesh, device to device (version v).
-
-        Returns the fleet's own list (slot i: server i's params, None once retired),
-        which ``remove_slice`` / ``add_slice`` keep current between publishes.
-        """
+    def start(self, learner: LearnerProgram, version: int) -> ServerPool:
+        """The learner's params on every slot as ``version``, a server each: ``pool``
+        (what the rollout routes to; started by the scheduler)."""
         self.last_publish_bytes = 0
-        out = [
-            None if slot is None else self._push(pub, learner, slot[1], version)
-            for pub, slot in zip(self._publishers, self.engines, strict=True)
-        ]
-        jax.block_until_ready([p for p in out if p is not None])
-        self._published = out
-        return out
+        self._copy(list(self._slots.values()), learner, version)
+        self.pool = ServerPool([self._server(i, s, version) for i, s in self._slots.items()])
+        return self.pool
 
-    def remove_slice(self, i: int) -> None:
-        """Slot i's devices joined the learner: it gets no weights any more (its
-        published copy is dropped, freeing those devices)."""
-        self.engines[i] = None
-        self._publishers[i] = None
-        self._published[i] = None
+    def publish(
+        self, learner: LearnerProgram, version: int, rollout: RolloutScheduler
+    ) -> WeightSync:
+        """Learner params -> every slot, device to device; then ``rollout`` hands them to
+        the servers (under its lock: deaths are seen there) and releases capacity."""
+        clock = self._settings.clock
+        t0 = clock.now()
+        self.last_publish_bytes = 0
+        self._copy(list(self._slots.values()), learner, version)
+        copy_s = clock.now() - t0
+        held = [self._slots[i].params if i in self._slots else None for i in range(len(self.pool))]
+        handover_s = rollout.publish(held, version)
+        return WeightSync(copy_s=copy_s, handover_s=handover_s, bytes=self.last_publish_bytes)
 
-    def add_slice(self, mesh: Mesh, learner: LearnerProgram, version: int) -> tuple[int, Any]:
-        """A slot on ``mesh`` holding the learner's params as ``version`` (device to
-        device, before any server takes requests on it); returns (its index, params)."""
-        engine, shardings = self._engine_for(mesh)
-        publisher = self._publisher((engine, shardings))
-        params = self._push(publisher, learner, shardings, version)
-        jax.block_until_ready(params)
-        self.engines.append((engine, shardings))
-        self._publishers.append(publisher)
-        self._published.append(params)
-        return len(self.engines) - 1, params
-
-    def server(
+    def resize(
         self,
-        i: int,
-        params: Any,
         *,
-        version: int,
-        stop_ids: Any,
-        partial_rollout: str,
-        on_finished: Callable,
-        clock: Any,
-        server_factory: Callable[..., Any] = GenerationServer,
-    ) -> Any:
-        """The server of slot i (named gen{i}), holding ``params`` at ``version``."""
-        slot = self.engines[i]
-        if slot is None:
-            raise ValueError(f"ThreadFleet.server: slot {i} was retired")
-        return server_factory(
-            f"gen{i}",
-            slot[0],
-            params,
-            policy_version=version,
-            stop_ids=stop_ids,
-            partial_rollout=partial_rollout,
-            on_finished=on_finished,
-            clock=clock,
-        )
+        retire: list[int],
+        learner_mesh: Mesh,
+        add: list[Mesh],
+        learner: LearnerProgram,
+        rollout: RolloutScheduler,
+    ) -> Resized:
+        """The elastic move (between learner steps, after the step's publish).
 
-    def servers(self, gen_params: list[Any], *, version: int, **server_kwargs: Any) -> list[Any]:
-        """One server per slot (``server``'s keyword arguments)."""
-        return [
-            self.server(i, params, version=version, **server_kwargs)
-            for i, params in enumerate(gen_params)
-        ]
+        Servers ``retire`` leave the rollout (their requests re-queued) and their slots
+        go; the learner state moves onto ``learner_mesh``; then each mesh of ``add``
+        gets a slot holding the learner's params and a server, which joins the rollout
+        at the pool's next index only then.
+        """
+        requeued = 0
+        for i in retire:  # stop generating there before the learner takes the devices
+            requeued += rollout.retire_server(i)
+            del self._slots[i]
+        report = learner.move_to(learner_mesh)
+        jax.block_until_ready(learner.state)
+        version, added = learner.step, []
+        for mesh in add:  # weights on the new slice before it takes requests
+            slot = self._slot(mesh)
+            self._copy([slot], learner, version)
+            i = rollout.add_server(self._server(len(self.pool), slot, version))
+            self._slots[i] = slot
+            added.append(i)
+        return Resized(requeued=requeued, reshard_bytes=report.bytes, added=tuple(added))
 
-    def eval_target(self, gen_params: list[Any]) -> tuple[Any, Any] | None:
-        """(engine, params) that evaluation runs on: the first slot not retired."""
-        i = next(i for i, slot in enumerate(self.engines) if slot is not None)
-        return self.engines[i][0], gen_params[i]
+    def generator(self) -> EngineGenerate:
+        """What evaluation generates with: the first slot's engine at its params."""
+        slot = self._slots[min(self._slots)]
+        return EngineGenerate(slot.engine, slot.params, self._stop_ids)
 
     def close(self) -> None:
         pass
@@ -178,18 +241,31 @@ class ProcessFleet:
       model_config: the model every program builds.
       stop_ids: ids that end a response (``Tokenizer.stop_ids``).
       workdir: program logs go to ``<workdir>/generation/``.
+      servers: what each ``RemoteGenerationServer`` reports to (its clock is the
+        wall clock: only the publish timings read ``servers.clock``).
 
     Raises:
+      ValueError: a ``server_factory`` other than the default (it builds thread
+        servers; fault-injecting factories do not apply to processes); programs
+        that report different layouts.
       ProgramUnavailableError: a program did not start or refused its configuration.
-      ValueError: programs report different layouts.
     """
 
-    def __init__(self, exp: ExperimentConfig, model_config: Any, stop_ids: Any, workdir: str):
+    def __init__(
+        self,
+        exp: ExperimentConfig,
+        model_config: Any,
+        stop_ids: Any,
+        workdir: str,
+        servers: ServerSettings,
+    ):
+        if servers.server_factory is not GenerationServer:
+            raise ValueError("server_factory applies to thread servers, not generation programs")
         m = exp.mesh
         self._servers: list[RemoteGenerationServer] = []  # close() may run before the end
         self._dir = os.path.join(workdir, "generation")
         os.makedirs(self._dir, exist_ok=True)
-        self._exp = exp
+        self._exp, self._settings = exp, servers
         config = {
             "model_config": dataclasses.asdict(model_config),
             "engine": dataclasses.asdict(engine_config(exp)),
@@ -232,9 +308,10 @@ class ProcessFleet:
             raise ValueError("generation programs report different weight layouts")
         self.layout = TreeLayout.from_json(layouts[0])
         self._board: OfferBoard | None = None
+        self.pool: ServerPool | None = None  # ``start`` builds it
         self.last_publish_bytes = 0  # bytes offered by the last publish, per program
 
-    def publish(self, learner: LearnerProgram, version: int) -> list[WeightOffer]:
+    def _offer(self, learner: LearnerProgram, version: int) -> WeightOffer:
         """Offer the learner's params as ``version``; the same offer for every program."""
         if self._board is None and learner.base is not None:
             for client in self.clients:  # the programs' LoRA bases are the learner's
@@ -251,11 +328,39 @@ class ProcessFleet:
         if self._board is None:
             self._board = OfferBoard(offer)
         self._board.post(offer)
-        if self._servers:  # every program installs it before the scheduler hands it over
-            with futures.ThreadPoolExecutor(len(self._servers)) as pool:
-                for _ in pool.map(lambda s: self._pull(s, offer), self._servers):
-                    pass
-        return [offer] * len(self.clients)
+        return offer
+
+    def start(self, learner: LearnerProgram, version: int) -> ServerPool:
+        """Offer ``version``; one ``RemoteGenerationServer`` per program: ``pool`` (each
+        pulls that version when the scheduler starts it)."""
+        self._offer(learner, version)
+        self._servers = [
+            RemoteGenerationServer(
+                client,
+                self._board,
+                partial_rollout=self._exp.rollout.partial_rollout,
+                on_finished=self._settings.on_finished,
+                log_path=os.path.join(self._dir, f"{client.name}.jsonl"),
+            )
+            for client in self.clients
+        ]
+        self.pool = ServerPool(self._servers)
+        return self.pool
+
+    def publish(
+        self, learner: LearnerProgram, version: int, rollout: RolloutScheduler
+    ) -> WeightSync:
+        """Offer ``version``; every program installs it (pulls in parallel) before
+        ``rollout`` hands the offer to the servers and releases capacity."""
+        clock = self._settings.clock
+        t0 = clock.now()
+        offer = self._offer(learner, version)
+        with futures.ThreadPoolExecutor(len(self._servers)) as pool:
+            for _ in pool.map(lambda s: self._pull(s, offer), self._servers):
+                pass
+        copy_s = clock.now() - t0
+        handover_s = rollout.publish([offer] * len(self.clients), version)
+        return WeightSync(copy_s=copy_s, handover_s=handover_s, bytes=self.last_publish_bytes)
 
     @staticmethod
     def _pull(server: RemoteGenerationServer, offer: WeightOffer) -> None:
@@ -264,43 +369,16 @@ class ProcessFleet:
         except RemoteServerDownError:
             pass  # its check() raises now: the scheduler re-routes, the supervisor restarts
 
-    def servers(
-        self,
-        gen_params: list[Any],
-        *,
-        version: int,
-        stop_ids: Any,
-        partial_rollout: str,
-        on_finished: Callable,
-        clock: Any,
-        server_factory: Callable[..., Any] = GenerationServer,
-    ) -> list[RemoteGenerationServer]:
-        """One ``RemoteGenerationServer`` per program (after the first ``publish``).
+    def resize(self, **_: Any) -> Resized:
+        raise ValueError("elastic moves need thread servers (runtime.config.elastic_spec)")
 
-        Raises:
-          ValueError: a ``server_factory`` other than the default (it builds
-            thread servers; fault-injecting factories do not apply to processes).
-        """
-        del gen_params, stop_ids, clock  # configured already; time is the wall clock
-        if server_factory is not GenerationServer:
-            raise ValueError("server_factory applies to thread servers, not generation programs")
-        if self._board is None or self._board.latest.version != int(version):
-            raise RuntimeError(f"ProcessFleet.servers: publish version {version} first")
-        self._servers = [
-            RemoteGenerationServer(
-                client,
-                self._board,
-                partial_rollout=partial_rollout,
-                on_finished=on_finished,
-                log_path=os.path.join(self._dir, f"{client.name}.jsonl"),
-            )
-            for client in self.clients
-        ]
-        return self._servers
-
-    def eval_target(self, gen_params: list[Any]) -> tuple[Any, Any] | None:
-        del gen_params
-        return None  # refused by ExperimentConfig (data.eval_size must be 0)
+    def generator(self) -> ProgramGenerate:
+        """What evaluation generates with: the programs, beside the rollout's requests
+        (started here if the scheduler has not yet: the evaluation before step 1)."""
+        for server in self._servers:
+            if not server.started:
+                server.start()
+        return ProgramGenerate(self._servers, engine_config(self._exp), EVAL_TIMEOUT_S)
 
     def close(self) -> None:
         """Shut the programs down unless servers own them (the scheduler stops those)."""
@@ -310,9 +388,14 @@ class ProcessFleet:
 
 
 def make_fleet(
-    exp: ExperimentConfig, model_config: Any, placement: Placement, tokenizer: Any, workdir: str
+    exp: ExperimentConfig,
+    model_config: Any,
+    placement: Placement,
+    tokenizer: Any,
+    workdir: str,
+    servers: ServerSettings,
 ) -> ThreadFleet | ProcessFleet:
-    """The fleet ``exp.mesh`` asks for."""
+    """The fleet ``exp.mesh`` asks for (its engines built, or its programs configured)."""
     if exp.mesh.generation_processes:
-        return ProcessFleet(exp, model_config, tokenizer.stop_ids, workdir)
-    return ThreadFleet(exp, model_config, placement, tokenizer)
+        return ProcessFleet(exp, model_config, tokenizer.stop_ids, workdir, servers)
+    return ThreadFleet(exp, model_config, placement, tokenizer, servers)

@@ -118,6 +118,7 @@ class RemoteGenerationServer:
         self._requested = int(board.latest.version)
         self._pulled = -1  # the last version ``pull`` saw installed
         self._outstanding: set[RequestKey] = set()
+        self._routes: dict[RequestKey, Callable[[Sample], None]] = {}  # not to on_finished
         self._counts: collections.Counter = collections.Counter()
         self._last_event = time.monotonic()
         self._stream: Any = None
@@ -136,13 +137,20 @@ class RemoteGenerationServer:
         with self._cond:
             return self._version
 
+    @property
+    def started(self) -> bool:
+        """``start`` was called (the supervisor runs, or ran)."""
+        return self._thread.ident is not None
+
     def start(self) -> None:
-        """Start supervising; returns once the program runs the board's version.
+        """Start supervising; returns once the program runs the board's version. Again
+        (the scheduler's start after an evaluation started it): only waits for that.
 
         Raises:
           RemoteServerDownError: not up within ``start_timeout_s``.
         """
-        self._thread.start()
+        if not self.started:
+            self._thread.start()
         end = time.monotonic() + self._start_timeout_s
         with self._cond:
             while not self._up and time.monotonic() < end and self._thread.is_alive():
@@ -167,17 +175,36 @@ class RemoteGenerationServer:
         with self._cond:
             return sorted(self._outstanding)
 
-    def submit(self, request: GenerationRequest) -> None:
+    @property
+    def incarnation(self) -> int | None:
+        """Which life of the program is up (each death starts a new one); None while it
+        is down. Requests submitted to a life that ended are lost (never delivered)."""
+        with self._cond:
+            return self._incarnation if self._up and not self._stopping else None
+
+    def submit(
+        self, request: GenerationRequest, on_finished: Callable[[Sample], None] | None = None
+    ) -> None:
+        """Queue one sample; ``on_finished``: where its Sample goes instead of the
+        scheduler's callback (held-out evaluation, ``fleet.eval_generation``).
+
+        Raises:
+          ValueError: the program rejects the request, or its key is outstanding here.
+          RemoteServerDownError: the program is down.
+        """
         key = (int(request.prompt_id), int(request.sample_index))
         with self._cond:
             incarnation = self._raise_if_down()
             if key in self._outstanding:
                 raise ValueError(f"{self.name}: request {key} already submitted")
             self._outstanding.add(key)
+            if on_finished is not None:
+                self._routes[key] = on_finished
         status, fields = self._call("Submit", rpc_wire.encode_request(request), incarnation)
         if status is Status.REJECTED:
             with self._cond:
                 self._outstanding.discard(key)
+                self._routes.pop(key, None)
             raise ValueError(f"{self.name}: {fields.get('error')}")
         with self._cond:
             self._counts["submitted"] += 1
@@ -187,6 +214,8 @@ class RemoteGenerationServer:
             incarnation = self._raise_if_down()
             keys = [k for k in self._outstanding if k[0] == int(prompt_id)]
             self._outstanding.difference_update(keys)  # never delivered from now on
+            for k in keys:
+                self._routes.pop(k, None)
             self._counts["aborted"] += len(keys)
         if keys:
             self._call("Abort", rpc_wire.encode({"prompt_id": int(prompt_id)}), incarnation)
@@ -324,6 +353,7 @@ class RemoteGenerationServer:
         self._up, self._error, self._acknowledged = False, err, False
         self._incarnation += 1
         self._outstanding.clear()
+        self._routes.clear()
         for k, v in self._last_stats.items():
             self._carried[k] += v
         self._last_stats = {}
@@ -374,7 +404,7 @@ class RemoteGenerationServer:
         sent = offer.version
         for header, arrays in self._client.decode_events(stream):
             kind = header.get("type")
-            deliver = None
+            deliver, to = None, self._on_finished
             with self._cond:
                 if incarnation != self._incarnation:
                     return  # declared down meanwhile (no heartbeat); the supervisor restarts it
@@ -385,6 +415,7 @@ class RemoteGenerationServer:
                         self._outstanding.discard(key)
                         self._counts["delivered"] += 1
                         deliver = rpc_wire.sample_from_message(header, arrays)
+                        to = self._routes.pop(key, self._on_finished)
                 elif kind == "version":
                     self._version = int(header["version"])
                     self._write_log("version", version=self._version)
@@ -399,7 +430,7 @@ class RemoteGenerationServer:
                     self._write_log(kind, **{k: v for k, v in header.items() if k != "type"})
                 latest = self._board.latest
             if deliver is not None:
-                self._on_finished(deliver)
+                to(deliver)
             if latest.version > sent:  # published while this program was restarting
                 self._call("Update", rpc_wire.encode({"offer": latest.to_json()}), incarnation)
                 sent = latest.version

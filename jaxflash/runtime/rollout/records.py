@@ -267,7 +267,39 @@ _STEP_LINE = (
 )
 
 
-def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]) -> str:
+def time_metrics(
+    *,
+    step_s: float,
+    train_s: float,
+    wait_s: float,
+    trained_at_s: float,
+    learner_metrics: dict[str, Any],
+    sync: Any,
+) -> dict[str, Any]:
+    """A step's times, rates and weight sync (seconds; docs/METRICS.md names).
+
+    Args:
+      step_s, train_s, wait_s: the step's, the update's and the learner's wait for the
+        batch. trained_at_s: since the first request of the run.
+      learner_metrics: the update's (its "tokens" trained).
+      sync: the publish (``fleet.WeightSync``: copy_s, handover_s, bytes).
+    """
+    return {
+        "train_time_s": train_s,
+        "train_tokens_per_s": learner_metrics.get("tokens", 0.0) / max(train_s, 1e-9),
+        "trained_at_s": trained_at_s,
+        "weight_sync_s": sync.copy_s + sync.handover_s,
+        "weight_copy_s": sync.copy_s,
+        "publish_bytes": sync.bytes,  # adapters only under LoRA
+        "learner_wait_s": wait_s,
+        "learner_idle_frac": wait_s / max(step_s, 1e-9),
+        "step_time_s": step_s,
+    }
+
+
+def step_line(
+    step: int, total_steps: int, elapsed: str, metrics: dict[str, Any], first_update: bool = False
+) -> str:
     """The console's one line per step: every column labelled, rates with their unit.
 
     Args:
@@ -275,6 +307,8 @@ def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]
       total_steps: the run's ``total_steps``.
       elapsed: time since the run started, as text.
       metrics: the step's metrics.jsonl row.
+      first_update: the step's update was the first (its time is mostly XLA compiling
+        it: said next to its rate).
     """
     parts = [f"step {step}/{total_steps}", f"elapsed {elapsed}"]
     if "step_time_s" in metrics:
@@ -299,7 +333,7 @@ def step_line(step: int, total_steps: int, elapsed: str, metrics: dict[str, Any]
         text = f"eval_accuracy {acc:.3f}" if _finite(acc) else "eval_accuracy n/a"
         text += f" ± {err:.3f}" if _finite(acc) and _finite(err) else ""
         parts.append(f"{text} ({metrics.get('eval_prompts', 0)} prompts)")
-    return " | ".join(parts)
+    return " | ".join(parts) + (" (first update: includes compiling it)" if first_update else "")
 
 
 def _finite(value: Any) -> bool:
@@ -308,7 +342,8 @@ def _finite(value: Any) -> bool:
 
 
 def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any) -> str:
-    """Writes ``<workdir>/run_config.json``: the experiment as run and the stop set.
+    """Writes ``<workdir>/run_config.json`` (making ``workdir``): the experiment as run and
+    the stop set.
 
     The experiment after everything derived at start (the task's reward, the prompt
     limits measured from the data), the prompt lengths measured, and the
@@ -321,6 +356,7 @@ def write_run_config(workdir: str, exp: Any, tokenizer: Any, prompt_lengths: Any
     Returns:
       The file's path.
     """
+    os.makedirs(workdir, exist_ok=True)  # only once the config is known to run
     stops = tokenizer.stop_set
     info = {
         "experiment": dataclasses.asdict(exp),

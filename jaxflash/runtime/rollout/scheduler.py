@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock, RealClock
+from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.rollout.inbox import Inbox
@@ -94,7 +95,8 @@ class RolloutScheduler:
 
     Args:
       servers: the generation servers (``GenerationServerProtocol``), built with
-        ``on_finished=inbox.generated``; started by ``start``.
+        ``on_finished=inbox.generated``; started by ``start``. Or a ``ServerPool`` of
+        them: the fleet's own (``fleet.pool``), which the scheduler then routes to.
       inbox: where servers, reward futures and environments report back.
       books: source, ledger, group buffer (group size G), prompts in flight at the
         checkpoint (generated again first, ``prompts_regenerated_on_resume``) and
@@ -112,7 +114,7 @@ class RolloutScheduler:
 
     def __init__(
         self,
-        servers: Sequence[GenerationServerProtocol],
+        servers: Sequence[GenerationServerProtocol] | ServerPool,
         inbox: Inbox,
         books: RolloutBooks,
         settings: RolloutSettings,
@@ -127,7 +129,7 @@ class RolloutScheduler:
         self._restored: dict[str, int] = {k: int(v) for k, v in books.counters.items()}
         self._counters: collections.Counter = collections.Counter()  # the scheduler's own
         self._counters["prompts_regenerated_on_resume"] += len(books.resume_prompts)
-        self.pool = ServerPool(servers)
+        self.pool = servers if isinstance(servers, ServerPool) else ServerPool(servers)
         self.admission = Admission(
             books.source,
             capacity=settings.capacity,
@@ -152,6 +154,7 @@ class RolloutScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._servers_seen: list[dict[str, Any]] = []  # server stats at the last step
 
     @property
     def B(self) -> int:
@@ -298,6 +301,7 @@ class RolloutScheduler:
         self.pool.start()
         self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
         self._thread.start()
+        self._servers_seen = self.server_stats()  # what server_metrics counts from
 
     def next_batch(
         self,
@@ -397,6 +401,13 @@ class RolloutScheduler:
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's cumulative ``stats()`` ({} once dead)."""
         return self.pool.stats()
+
+    def server_metrics(self, version: int) -> dict[str, Any]:
+        """The servers' generation metrics since the last call (since ``start`` at the
+        first): ``records.server_metrics`` of the step at ``version``."""
+        now = self.server_stats()
+        before, self._servers_seen = self._servers_seen, now
+        return records.server_metrics(before, now, version)
 
     def next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline (None if

@@ -1,16 +1,20 @@
-"""Held-out evaluation: accuracy (mean@n) on a fixed prompt set, scored by the run's reward."""
+"""Held-out evaluation: accuracy (mean@n) on a fixed prompt set, scored by the run's reward.
+
+It generates through whatever fleet the run has: a ``Generate`` (``fleet.generator()``:
+an engine of this process, or the generation programs) runs the requests.
+``HeldOutEval`` is the loop's call: the workload's evaluation with console progress.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from jaxflash.generation.engine.llama_engine import LlamaEngine
-from jaxflash.generation.slot_loop import SlotBatcher
-from jaxflash.generation.slot_types import check_request
+from jaxflash.runtime.clock import Clock
+from jaxflash.runtime.console import Console, EvalStatus
 from jaxflash.runtime.rollout.reward_pool import RewardPool
 from jaxflash.runtime.rollout.scoring import (
     TruncationPolicy,
@@ -18,7 +22,7 @@ from jaxflash.runtime.rollout.scoring import (
     response_text,
     scored_sample,
 )
-from jaxflash.types import GenerationRequest, Prompt, SamplingParams
+from jaxflash.types import GenerationRequest, Prompt, Sample, SamplingParams
 
 EVAL_SEED_OFFSET = 1_000_003  # eval samples never share RNG streams with training samples
 _NO_TRUNCATION_PENALTY = TruncationPolicy(mode="none")  # accuracy counts the answer alone
@@ -27,9 +31,52 @@ Progress = Callable[[int, int, int], None]
 """``progress(samples_finished, samples_total, tokens_generated_so_far)``."""
 
 
+class Generate(Protocol):
+    """What evaluation generates with (``fleet.eval_generation``: an engine here, or the
+    generation programs), at the version being evaluated."""
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ValueError if ``request`` cannot run (too long, other sampling)."""
+
+    def run(
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        version: int,
+        on_step: Callable[[list[Sample], int], None] | None = None,
+    ) -> list[Sample]:
+        """One Sample per request, in request order; ``on_step(finished, tokens so
+        far)`` as samples finish."""
+
+
+class HeldOutEval:
+    """The run's evaluation: ``self(version)`` runs the workload's on ``fleet.generator()``
+    (whatever fleet the run has) with console progress; {} when the workload holds
+    nothing out. Adds ``eval_time_s``."""
+
+    def __init__(
+        self, workload: Any, fleet: Any, reward_pool: RewardPool | None, console: Console,
+        clock: Clock,
+    ):  # fmt: skip
+        self._workload, self._fleet, self._reward_pool = workload, fleet, reward_pool
+        self._console, self._clock = console, clock
+
+    def __call__(self, version: int) -> dict[str, float]:
+        w, console, clock = self._workload, self._console, self._clock
+        if not w.eval_size:
+            return {}
+        t0 = clock.now()
+        status = EvalStatus(clock.now, unit="episodes" if w.plays_episodes else "samples")
+        note = console.once("engine", " (the first evaluation compiles the engine)")
+        announce = f"evaluating at step {version}: {w.describe_eval()}{note} ..."
+        with console.phase("evaluating", status, announce=announce):
+            generate = self._fleet.generator()
+            out = w.evaluate(generate, self._reward_pool, version=version, progress=status.update)
+        return {**out, "eval_time_s": clock.now() - t0}
+
+
 def evaluate(
-    engine: LlamaEngine,
-    params: Any,
+    generate: Generate,
     prompts: list[Prompt],
     *,
     samples_per_prompt: int,
@@ -46,12 +93,12 @@ def evaluate(
     overlaps the rest of the generation.
 
     Args:
-      engine, params: generation engine and params (engine samples ``sampling``).
+      generate: runs the requests (its engines sample ``sampling``).
       prompts: held-out prompts (the same list at every evaluation).
       samples_per_prompt: n samples per prompt.
       sampling: the training sampling (one engine, one compiled distribution).
       seed: the run seed (offset so eval never shares RNG streams with training).
-      policy_version: version of ``params``.
+      policy_version: the version evaluated (what ``generate`` holds).
       tokenizer: ``stop_ids`` (every id that ends a response) and
         ``response_text(ids)`` (the text the reward sees).
       reward_pool: the training reward pool (the same reward scores both).
@@ -78,22 +125,18 @@ def evaluate(
             for i in range(samples_per_prompt)
         ]
         try:
-            check_request(engine, reqs[0])
+            generate.check(reqs[0])
         except ValueError:
             failed += 1
             continue
         requests.extend(reqs)
     answers = {p.prompt_id: p.answer for p in prompts}
-    batcher = SlotBatcher(
-        engine, params, policy_version=policy_version, stop_ids=tokenizer.stop_ids
-    )
-    for request in requests:
-        batcher.add(request)
     if progress is not None:
         progress(0, len(requests), 0)
     scored = []  # (sample, future), in finishing order
-    while not batcher.idle:
-        for s in batcher.step():
+
+    def score(finished: list[Sample], tokens: int) -> None:
+        for s in finished:
             item = (
                 response_text(s, tokenizer),
                 answers[s.prompt_id],
@@ -101,7 +144,9 @@ def evaluate(
             )
             scored.append((s, reward_pool.submit(item)))
         if progress is not None:  # every decode step: long responses finish late
-            progress(len(scored), len(requests), batcher.stats.generated_tokens)
+            progress(len(scored), len(requests), tokens)
+
+    generate.run(requests, version=policy_version, on_step=score)
     per_prompt: dict[int, list[float]] = {}
     errored: set[int] = set()
     for s, fut in scored:

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxflash.learner.batching import pack_batch
 from jaxflash.replay.groups import DroppedGroup, Group
+from jaxflash.replay.staleness import start_version_of
+from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.scoring import TruncationPolicy
+from jaxflash.runtime.workloads.episode_metrics import episode_metrics
 from jaxflash.types import RunStoppedError, Sample, TrainBatch
 
 
@@ -38,6 +42,10 @@ class LearnerBatch:
     batch: TrainBatch | None
     samples: tuple[Sample, ...]
     advantages: np.ndarray
+
+    def staleness(self, learner_version: int) -> np.ndarray:
+        """int64 [len(samples)]: versions between each sample's start and the learner's."""
+        return np.array([learner_version - start_version_of(s) for s in self.samples], np.int64)
 
 
 def learner_batch(
@@ -77,6 +85,24 @@ def learner_batch(
         list(trained), advantages, pad_id=pad_id, max_len=max_len, num_sequences=num_sequences
     )
     return LearnerBatch(batch, trained, advantages)
+
+
+def step_batch_metrics(
+    batch: Any,
+    lb: LearnerBatch,
+    learner_metrics: dict[str, Any],
+    staleness: np.ndarray,
+) -> dict[str, Any]:
+    """What a step's batch (``rollout.batches.Batch``: its groups and dropped groups) and
+    ``lb`` put in its metrics row (docs/METRICS.md), in this order: the groups'
+    (``records.batch_metrics``), their episodes' (``episode_metrics``), the
+    update's ``learner_metrics``, the ``staleness`` of what was trained (``lb.staleness``)."""
+    return {
+        **records.batch_metrics(batch.groups, lb.samples),
+        **episode_metrics(batch.groups, batch.dropped),
+        **learner_metrics,
+        **records.staleness_metrics(staleness),
+    }
 
 
 ALL_FAILED_STEPS_LIMIT = 3  # steps in a row in which every prompt failed: the run stops

@@ -26,6 +26,7 @@ from jaxflash.runtime.console import Console
 from jaxflash.runtime.model_setup import load_tokenizer
 from jaxflash.runtime.rollout.reward_pool import RewardPool
 from jaxflash.runtime.rollout.settings import DispatchFactory
+from jaxflash.runtime.workloads.evaluation import Generate
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
 from jaxflash.runtime.workloads.task_setup import PromptLengths
 from jaxflash.runtime.workloads.task_workload import TaskWorkload
@@ -82,18 +83,19 @@ class Workload(Protocol):
 
     def evaluate(
         self,
-        engine: Any,
-        params: Any,
+        generate: Generate,
         reward_pool: RewardPool | None,
         *,
         version: int,
         progress: Callable[[int, int, int], None] | None = None,
     ) -> dict[str, float]:
-        """Held-out ``eval_accuracy`` (mean@n) and its companions at ``params``."""
+        """Held-out ``eval_accuracy`` (mean@n) and its companions at ``version``, generated
+        by ``generate`` (the fleet's: ``workloads.evaluation.Generate``)."""
 
 
 def make_workload(exp: ExperimentConfig, console: Console) -> Workload:
-    """The run's workload, built before the model loads (each long phase on the console).
+    """The run's workload, built before the model loads (each long phase on the console;
+    then a line naming it and one naming the tokenizer's stop set).
 
     Raises:
       ConfigError: the task, its data, the reward or the environment cannot run
@@ -104,5 +106,10 @@ def make_workload(exp: ExperimentConfig, console: Console) -> Workload:
         from jaxflash.runtime.workloads.agentic import EpisodeRollout  # noqa: PLC0415
 
         with console.phase(f"building environment {exp.env.name}"):
-            return EpisodeRollout(exp, load_tokenizer(exp.model))
-    return TaskWorkload.build(exp, console)
+            workload: Workload = EpisodeRollout(exp, load_tokenizer(exp.model))
+    else:
+        workload = TaskWorkload.build(exp, console)
+    console.line(workload.describe())
+    stops = workload.tokenizer.stop_set.describe(workload.tokenizer.id_to_token)
+    console.line(f"stop set (ids that end a response): {stops}")
+    return workload

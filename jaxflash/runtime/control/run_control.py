@@ -1,0 +1,96 @@
+"""The control room's door: what the loop asks of control around each learner step.
+
+``RunControl`` holds the run's replay cycle (``control.replay_cycle``), its step
+controller (``control.step_control``) and its elastic pool (``control.elastic``), each
+None when the config has none, so the loop asks without asking which:
+
+- ``fresh_prompts`` / ``async_ratio``: B and alpha in force at the start;
+- ``mix``: the step's training batch (the fresh rows, plus the replayed ones at rho);
+- ``after_step``: the typed plan for the next step (None: the settings stand), the
+  elastic move made when its role split changed;
+- ``elastic_metrics`` / ``checkpoint_state``: what a step writes and a checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxflash.runtime.control.elastic import ElasticPool, make_elastic
+from jaxflash.runtime.control.replay_cycle import make_replay_cycle
+from jaxflash.runtime.control.step_control import StepPlan, StepReport, make_step_control
+from jaxflash.runtime.fleet.placement import Placement
+from jaxflash.runtime.workloads.learner_batch import LearnerBatch
+from jaxflash.types import TrainBatch
+
+
+class RunControl:
+    """The replay cycle, the step controller and the elastic pool of one run.
+
+    Args:
+      exp: the ``ExperimentConfig``.
+      placement: the run's placement (the role split at the start).
+      extra: the checkpoint metadata's ``extra`` ({} on a fresh start): a resumed run
+        continues the checkpoint's buffer, decision and elastic counts.
+    """
+
+    def __init__(self, exp: Any, placement: Placement, extra: dict[str, Any]):
+        self._exp, self._placement, self._extra = exp, placement, extra
+        self.cycle = make_replay_cycle(exp, extra=extra)
+        self.steps = make_step_control(
+            exp,
+            learner_devices=int(placement.learner.devices.size),
+            generation_devices=sum(int(m.devices.size) for m in placement.generation),
+            extra=extra,
+        )
+        self.elastic: ElasticPool | None = None
+
+    @property
+    def fresh_prompts(self) -> int:
+        """Fresh groups per learner batch in force (B without a step controller)."""
+        return self.steps.fresh_prompts if self.steps else self._exp.rollout.prompts_per_step
+
+    @property
+    def async_ratio(self) -> int:
+        """alpha in force (``rollout.async_ratio`` without a step controller)."""
+        return self.steps.decision.async_ratio if self.steps else self._exp.rollout.async_ratio
+
+    def attach(self, *, learner: Any, fleet: Any, scheduler: Any) -> None:
+        """Build the elastic pool (``controller.elastic``) over the run's learner, fleet
+        and rollout; a resumed run moves to its checkpoint's split here."""
+        d = self.steps.decision if self.steps else None
+        self.elastic = make_elastic(
+            self._exp, learner=learner, fleet=fleet, scheduler=scheduler,
+            placement=self._placement, extra=self._extra,
+            learner_devices=d.learner_devices if d else None,
+        )  # fmt: skip
+
+    def mix(
+        self, lb: LearnerBatch, *, learner_version: int, pad_id: int, max_len: int
+    ) -> tuple[TrainBatch | None, dict[str, Any]]:
+        """The step's training batch (None: nothing carries loss) and the replay
+        cycle's metrics ({} without replay)."""
+        if self.cycle is None:
+            return lb.batch, {}
+        return self.cycle.step_batch(
+            lb, learner_version=learner_version, replay_ratio=self.steps.replay_ratio,
+            pad_id=pad_id, max_len=max_len,
+        )  # fmt: skip
+
+    def after_step(self, report: StepReport) -> StepPlan | None:
+        """The plan in force from the next step (None without a step controller): rho,
+        alpha, the requests in flight and, with the elastic pool, the role split
+        (devices move here)."""
+        if self.steps is None:
+            return None
+        move = self.elastic.move_to if self.elastic is not None else None
+        return self.steps.after_step(report, move=move)
+
+    def elastic_metrics(self) -> dict[str, Any]:
+        """The elastic pool's per-step metrics ({} without it); once per step."""
+        return self.elastic.step_metrics() if self.elastic is not None else {}
+
+    def checkpoint_state(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(the replay cycle's and step controller's state, the elastic pool's), each
+        None when off (``resume.checkpoint_meta``'s replay and elastic)."""
+        replay = {**self.cycle.state_dict(), **self.steps.state_dict()} if self.cycle else None
+        return replay, (self.elastic.state_dict() if self.elastic is not None else None)
