@@ -96,6 +96,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Decode steps per engine dispatch (fewer host round trips; same tokens). Weight
     # updates and aborts wait for the block's end.
     c.rollout.decode_block = 1
+    # KV cache: "dense" reserves every slot's max positions; "paged" takes pages of
+    # page_size positions from a pool of num_pages (0 = the dense reservation's size)
+    # as samples grow, and shares a prompt's full pages among its samples.
+    c.rollout.kv_cache = "dense"
+    c.rollout.page_size = 16  # positions per page (paged only)
+    c.rollout.num_pages = 0  # pages in the pool (paged only)
     c.rollout.max_prefill_length = 0  # the engine's prompt limit; 0 = data.max_prompt_tokens
     c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
     c.rollout.truncation = "penalty"  # penalty | mask | none: what a truncated response gets
