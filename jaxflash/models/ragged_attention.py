@@ -93,9 +93,11 @@ def head_blocks(n_q_heads: int, n_kv_heads: int, dtype) -> tuple[int, int]:
 
 def kernel_supported(config: ModelConfig, head_shards: int = 1) -> bool:
     """Whether the kernel tiles the heads one chip holds when kv heads split ``head_shards``
-    ways (not SmolLM2's 3 kv heads, for one; Qwen2.5-1.5B's 2 in bfloat16, yes)."""
+    ways, and their size (jax 0.10.2 needs H to be a multiple of 128: its float32
+    statistics are 128 lanes wide). Not SmolLM2 (3 kv heads of 64); Qwen2.5-1.5B's 2
+    heads of 128 in bfloat16, yes."""
     n, k = config.n_heads, config.n_kv_heads
-    if n % head_shards or k % head_shards:
+    if n % head_shards or k % head_shards or config.head_dim % 128:
         return False
     try:
         head_blocks(n // head_shards, k // head_shards, config.jnp_compute_dtype)
@@ -125,8 +127,10 @@ def block_sizes(
       dtype: the pool's (and the queries') dtype.
 
     Raises:
-      ValueError: see ``head_blocks``.
+      ValueError: see ``head_blocks``; head_dim not a multiple of 128.
     """
+    if head_dim % 128:
+        raise ValueError(f"ragged_paged_attention needs head_dim % 128 == 0, got {head_dim}")
     q_heads, kv_heads = head_blocks(n_q_heads, n_kv_heads, dtype)
     kv_pages = max(1, min(pages_per_row, KV_TOKENS_PER_BLOCK // page_size))
     queries = max(1, min(num_tokens, QUERIES_PER_BLOCK))
