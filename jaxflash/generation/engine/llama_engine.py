@@ -58,6 +58,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine.host_arrays import block_result, start_groups, stop_array
+from jaxflash.generation.engine.paging import resolve_paged
 from jaxflash.generation.engine.prefill import Prefiller
 from jaxflash.generation.engine.programs import Programs
 from jaxflash.generation.engine.state import (
@@ -67,7 +68,6 @@ from jaxflash.generation.engine.state import (
     EngineConfig,
     Prefix,
     SampleStart,
-    resolve_paged,
     state_shardings,
 )
 from jaxflash.generation.engine.weights import EngineWeights

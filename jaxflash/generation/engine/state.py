@@ -30,7 +30,6 @@ from jaxflash.models.paged_kv_cache import (
     PageTable,
     PoolLayout,
     init_paged_kv_cache,
-    kernel_supported,
     pages_per_row,
     pool_layout,
 )
@@ -340,40 +339,6 @@ def result_logprobs(result: DecodeResult | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
 
 
-def resolve_paged(
-    model_config: ModelConfig, config: EngineConfig, mesh: Mesh, rules: Rules | None
-) -> tuple[EngineConfig, PoolLayout | None]:
-    """A paged engine's config with ``page_groups`` and ``paged_attention="auto"``
-    resolved for ``mesh``, and the pool's layout (None: one device, or dense).
-
-    "auto" takes the TPU kernel on a TPU mesh where it tiles the heads one chip holds.
-
-    Raises:
-      ValueError: the slot groups do not divide the slots or the pages (naming the
-        mesh, both numbers and the settings to change).
-    """
-    if not config.paged:
-        return config, None
-    layout = pool_layout(model_config, mesh, rules)
-    groups = 1 if layout is None else layout.groups
-    for what, value in (("slots", config.max_concurrent_decodes), ("pages", config.pool_pages)):
-        if value % groups:
-            raise ValueError(
-                f"paged KV cache on mesh {dict(mesh.shape)}: pages and slots split into "
-                f"{groups} slot groups (mesh axes {layout.group_axes}; kv heads over "
-                f"{layout.head_axes or 'no axis'}), but {value} {what} do not divide by "
-                f"{groups} (rollout.num_slots={config.max_concurrent_decodes}, "
-                f"rollout.num_pages={config.pool_pages})"
-            )
-    attention = config.paged_attention
-    if attention == "auto":
-        on_tpu = mesh.devices.flat[0].platform == "tpu"
-        kernel = on_tpu and kernel_supported(model_config, layout)
-        attention = "tpu_kernel" if kernel else "reference"
-    config = dataclasses.replace(config, paged_attention=attention, page_groups=groups)
-    return config, layout
-
-
 def state_shardings(
     model_config: ModelConfig, config: EngineConfig, mesh: Mesh, rules: Rules | None
 ) -> tuple[DecodeState, Prefix]:
@@ -381,8 +346,11 @@ def state_shardings(
 
     Each layer's cache buffers follow ``rules`` through ``LAYER_K_LOGICAL_AXES`` /
     ``LAYER_V_LOGICAL_AXES`` (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
-    dims that do not divide stay replicated); per-slot vectors and scalars are
-    replicated. Without rules everything is replicated.
+    dims that do not divide stay replicated); a paged pool splits by kv head and by
+    slot group (``models.paged_kv_cache.pool_layout``); per-slot vectors, scalars and
+    the page table are replicated. Without rules everything is replicated. Pass the
+    engine's resolved config (``LlamaEngine.config``): the page table's static fields
+    follow it.
 
     Returns:
       (DecodeState of NamedShardings, Prefix of NamedShardings).
