@@ -122,7 +122,8 @@ def pool_layout(config: ModelConfig, mesh: Mesh | None, rules: Rules | None) -> 
 
 def local_page_ids(table_xm: jax.Array, offset: jax.Array, local_pages: int) -> jax.Array:
     """Global page ids -> this shard's (id - offset); ids of other groups and the
-    sentinel become the local sentinel ``local_pages`` (writes dropped, never read)."""
+    sentinel become the local sentinel ``local_pages`` (writes there are dropped; reads
+    clip or clamp to a real page whose contents are masked out)."""
     local = table_xm - offset
     return jnp.where((local >= 0) & (local < local_pages), local, local_pages)
 
