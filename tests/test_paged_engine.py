@@ -149,28 +149,94 @@ def test_weight_update_mid_sample(dense, paged, params, new_params, policy):
     assert_pool_full(batcher)
 
 
-def test_tensor_parallel_pool_is_split_by_kv_head(dense, params):
-    """GENERATOR_RULES on a 2-way tensor mesh: each layer's pool [N, P, 2K, H] is split
-    over its combined head axis (whole key/value pairs per shard); same samples."""
+@pytest.fixture(scope="module")
+def split():
+    """A paged engine on data=2 x tensor=2 CPU devices (GENERATOR_RULES): kv heads over
+    tensor, pages and slots over data (2 slot groups of 2 slots and 8 pages)."""
     import jax
 
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
 
-    mesh = make_mesh(jax.devices()[:2], {"tensor": 2})
-    cfg = EngineConfig(**BASE, **PAGES, **SAMPLING)
-    engine = LlamaEngine(CFG, cfg, mesh=mesh, rules=GENERATOR_RULES)
-    state = engine.init_decode_state()
-    for pool in state.cache.kv_pages:
-        assert tuple(pool.sharding.spec) == (None, None, "tensor", None)
-    requests = [request(50, 9, 6, s) for s in range(2)]
-    got, _ = run(engine, jax.tree.map(np.asarray, params), requests)
+    mesh = make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2})
+    cfg = EngineConfig(
+        **{**BASE, "max_concurrent_decodes": 4}, **{**PAGES, "num_pages": 16}, **SAMPLING
+    )
+    return LlamaEngine(CFG, cfg, mesh=mesh, rules=GENERATOR_RULES)
+
+
+def test_pool_split_by_slot_group_and_kv_head_equals_dense(dense, split, params):
+    """Each device holds a quarter of every pool (half the pages, half the heads); slots
+    map pages of their own group only, prompts are shared within a group and copied
+    across; pages run short per group (waits, preemption). Same tokens as the dense
+    engine; logprobs within 1e-5 (tensor=2 splits the heads' reductions; on data=2
+    alone they were bit-identical when measured)."""
+    import jax
+
+    assert split.config.page_groups == 2 and split.config.paged_attention == "reference"
+    for pool in split.init_decode_state().cache.kv_pages:
+        assert tuple(pool.sharding.spec) == ("data", None, "tensor", None)
+    requests = [request(p, 5 + 4 * p, 12 + 3 * p, s) for p in range(3) for s in range(2)]
+    got, batcher = run(split, jax.tree.map(np.asarray, params), requests)
     want, _ = run(dense, params, requests)
     for key in want:
         np.testing.assert_array_equal(got[key].response_tokens, want[key].response_tokens)
         np.testing.assert_allclose(
             got[key].behaviour_logprobs, want[key].behaviour_logprobs, atol=1e-5
         )
+    stats = batcher.stats
+    assert stats.shared_pages > 0 and stats.copied_pages > 0
+    assert stats.page_waits + stats.preempted > 0
+    assert_pool_full(batcher)  # check() includes the group ranges
+
+
+def test_pool_layout_puts_every_axis_not_splitting_heads_on_pages():
+    """2 kv heads: over tensor=2 they split (pages over data); over tensor=4 they cannot,
+    so tensor splits pages too (data x tensor = 8 slot groups)."""
+    import jax
+
+    from jaxflash.models.paged_kv_cache import pool_layout
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES
+
+    two = pool_layout(CFG, make_mesh(jax.devices()[:4], {"data": 2, "tensor": 2}), GENERATOR_RULES)
+    assert (two.head_axes, two.group_axes, two.groups) == (("tensor",), ("data",), 2)
+    four = pool_layout(CFG, make_mesh(jax.devices()[:8], {"data": 2, "tensor": 4}), GENERATOR_RULES)
+    assert (four.head_axes, four.group_axes, four.groups) == ((), ("data", "tensor"), 8)
+    assert tuple(four.pool_spec) == (("data", "tensor"), None, None, None)
+    assert pool_layout(CFG, make_mesh(jax.devices()[:1], {}), GENERATOR_RULES) is None
+
+
+def test_page_groups_take_pages_from_their_own_range_and_wait_apart():
+    from jaxflash.generation.slot_pages import SlotPages
+
+    pool = PagePool(num_pages=8, page_size=4, num_slots=4, pages_per_slot=5, num_groups=2)
+    assert [pool.group_of(s) for s in range(4)] == [0, 0, 1, 1]
+    assert pool.grow(0, 12) and pool.table[0, :3].tolist() == [0, 1, 2]
+    assert pool.grow(2, 4) and pool.table[2, 0] == 4  # group 1: pages 4..7
+    pool.register_prefix(0, "p", 2)
+    assert pool.map_prefix(3, "p") == 0 and pool.copies("p", 1) == 2  # not across groups
+    assert not pool.grow(1, 8) and pool.free_in(0) == 1 and pool.num_free == 4
+    pool.check()
+    pool.release(0)
+    assert pool.free_in(0) == 4 and pool.shared_pages("p", 0) == 0
+    with pytest.raises(ValueError, match="num_groups=3 must divide num_pages=8"):
+        PagePool(num_pages=8, page_size=4, num_slots=6, pages_per_slot=5, num_groups=3)
+
+    # Admission: a prompt of 9 + a block of 4 needs 4 pages; a group holds 4.
+    cfg = EngineConfig(**{**BASE, "max_concurrent_decodes": 4}, **{**PAGES, "num_pages": 8},
+                       page_groups=2, **SAMPLING)  # fmt: skip
+    pages = SlotPages(cfg, decode_block=4)
+    first = pages.admit([0, 1, 2, 3], request(60, 9, 8), 0, share=True)
+    assert (first.slot, first.shared_pages, first.copied_pages) == (0, 0, 0)
+    # The second sample prefers the group holding its prompt, where 0 pages are free:
+    # it goes to group 1 and writes its own copy of the prompt's 2 full pages.
+    second = pages.admit([1, 2, 3], request(60, 9, 8, 1), 0, share=True)
+    assert (second.slot, second.copied_pages) == (2, 2)
+    assert pages.admit([1, 3], request(61, 9, 8), 0, share=True) is None  # both groups full
+    pages.release(0)
+    assert pages.admit([0, 1, 3], request(61, 9, 8), 0, share=True).slot == 0
+    pages.pool.check()
 
 
 def test_refusals_name_the_setting(paged, params):
@@ -180,6 +246,16 @@ def test_refusals_name_the_setting(paged, params):
         check_request(big, request(40, 16, 24))
     with pytest.raises(NotImplementedError, match="kv_cache='dense'"):
         paged.insert(None, None, 0)
+    import jax
+
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES
+
+    mesh = make_mesh(jax.devices()[:2], {"data": 2})  # 3 slots cannot split into 2 groups
+    with pytest.raises(ValueError, match=r"3 slots do not divide by 2 .*rollout.num_slots=3"):
+        LlamaEngine(
+            CFG, EngineConfig(**BASE, **PAGES, **SAMPLING), mesh=mesh, rules=GENERATOR_RULES
+        )
     with pytest.raises(ValueError, match="kv_cache must be one of"):
         EngineConfig(**BASE, kv_cache="pages")
     with pytest.raises(ConfigError, match="rollout.kv_cache must be dense | paged"):

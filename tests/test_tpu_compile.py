@@ -183,6 +183,54 @@ def test_the_report_of_a_tpu_plan_has_a_roofline(tiny_plan):
     assert "DOES NOT FIT" not in table
 
 
+@pytest.fixture(scope="module")
+def paged_block():
+    """The paged engine's decode block for v5e-4 as data=2 x tensor=2: a tiny bf16 model
+    whose heads the kernel tiles (2 kv heads of 128: one per chip), 64 pages of 16."""
+    if not _HAS_LIBTPU:
+        pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
+    from jaxflash.generation.engine.state import EngineConfig
+    from jaxflash.models.presets import get_preset
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES
+    from jaxflash.sizing import programs
+    from jaxflash.sizing.tpu import topology_devices
+
+    devices = topology_devices(parse_topology("v5e-4"))
+    model = get_preset("tiny", compute_dtype="bfloat16", head_dim=128)
+    engine = EngineConfig(
+        max_concurrent_decodes=8, max_prefill_length=32, max_target_length=64, decode_block=4,
+        kv_cache="paged", page_size=16, num_pages=64,
+    )  # fmt: skip
+    mesh = make_mesh(devices, {"data": 2, "tensor": 2})
+    (block,), _, state = programs.engine_programs(model, engine, mesh, GENERATOR_RULES, buckets=[])
+    return state, block.lower().compile()
+
+
+def test_the_paged_decode_block_runs_the_kernel_on_each_chips_pages(paged_block):
+    """paged_attention="auto" on a TPU mesh: ragged_paged_attention (Mosaic) per chip under
+    shard_map; each chip holds 1/G of the pages (G = 2 slot groups over data) of its
+    kv head, and no chip ever holds a whole pool."""
+    import math
+
+    from jaxflash.sizing.programs import per_device_bytes
+
+    state, compiled = paged_block
+    pages = state.cache.pages
+    assert pages.kernel and pages.layout.groups == 2 and pages.layout.head_shards == 2
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text  # the Mosaic kernel
+    pools = state.cache.kv_pages
+    total = sum(math.prod(p.shape) * p.dtype.itemsize for p in pools)
+    per_chip = per_device_bytes(pools)
+    assert per_chip * 2 * 2 == total  # 1/G of the pages, 1/2 of the heads
+    # The donated state (its pools, the page table, per-slot vectors) aliases its
+    # outputs: per chip that is the chip's quarter of the pools, not a replica.
+    memory = compiled.memory_analysis()
+    assert per_chip <= memory.alias_size_in_bytes < per_chip + (1 << 16)
+    assert "bf16[64,16,4,128]" not in text  # no buffer of a whole layer's pool
+
+
 def test_the_launcher_says_it_in_one_line_and_exits_2_without_libtpu():
     import os
     import subprocess

@@ -29,8 +29,9 @@ share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
 Paged KV cache (``EngineConfig.kv_cache="paged"``): ``slot_pages.SlotPages`` maps
 pool pages to slots. A request waits for pages at the head of the queue
 (``stats.page_waits``); fresh samples of one prompt map its full prompt pages
-(``stats.shared_pages``); the newest running sample is preempted (restarted,
-``stats.preempted``) when the pool runs out mid-sample.
+(``stats.shared_pages``) within a slot group (``stats.copied_pages`` counts the
+copies other groups write); the newest running sample is preempted (restarted,
+``stats.preempted``) when its group runs out mid-sample.
 """
 
 from __future__ import annotations
@@ -312,22 +313,22 @@ class SlotBatcher:
         while self._queue and None in self._slots:
             placed: list[tuple[int, _Running]] = []
             shared: list[int] = []  # paged: leading pages mapped from a shared prompt
-            for slot in [s for s, r in enumerate(self._slots) if r is None]:
-                if not self._queue:
-                    break
+            free = [s for s, r in enumerate(self._slots) if r is None]
+            while free and self._queue:
                 run = next(iter(self._queue.values()))
-                if self._paging is not None:
-                    mapped = self._paging.admit(
-                        slot,
-                        run.request,
-                        len(run.tokens),
-                        share=self._prefills.share_prefix,
-                        running=self.num_running,
+                if self._paging is None:
+                    slot = free.pop(0)
+                else:
+                    got = self._paging.admit(
+                        free, run.request, len(run.tokens), share=self._prefills.share_prefix
                     )
-                    if mapped is None:  # the head waits for pages (FIFO, no overtaking)
+                    if got is None:  # the head waits for pages (FIFO, no overtaking)
                         break
-                    shared.append(mapped)
-                    self.stats.shared_pages += mapped
+                    slot = got.slot
+                    free.remove(slot)
+                    shared.append(got.shared_pages)
+                    self.stats.shared_pages += got.shared_pages
+                    self.stats.copied_pages += got.copied_pages
                 self._queue.popitem(last=False)
                 if not run.tokens:
                     run.start_version = self._version
@@ -385,7 +386,7 @@ class SlotBatcher:
         run = self._slots[slot]
         self._slots[slot] = None
         if self._paging is not None:
-            self._paging.pool.release(slot)
+            self._paging.release(slot)
         self.stats.slot_releases.append((self.stats.steps, slot, _key(run.request)))
 
     def _append(self, run: _Running, token: int, logp: float) -> FinishReason | None:
@@ -401,8 +402,6 @@ class SlotBatcher:
 
     def _finish(self, run: _Running, reason: FinishReason) -> Sample:
         self.stats.finished[reason] += 1
-        if self._paging is not None:
-            self._paging.sample_ended()  # its pages are back: admissions resume
         return Sample(
             prompt_id=run.request.prompt_id,
             sample_index=run.request.sample_index,

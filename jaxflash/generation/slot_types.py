@@ -59,6 +59,8 @@ class SlotStats:
         the queue's front) because the pool had no page for their next block.
       shared_pages: paged cache: prompt pages mapped from another sample of the
         same prompt instead of written (prefix sharing without copies).
+      copied_pages: paged cache on a mesh: prompt pages a sample wrote although
+        another slot group held them (pages are shared within a group only).
     """
 
     steps: int = 0
@@ -78,6 +80,7 @@ class SlotStats:
     page_waits: int = 0
     preempted: int = 0
     shared_pages: int = 0
+    copied_pages: int = 0
 
     @property
     def occupancy(self) -> float:
@@ -114,9 +117,10 @@ def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
     Raises:
       ValueError: naming (prompt_id, sample_index) and the reason: prompt not a
         non-empty 1-D int array, prompt longer than max_prefill_length, prompt +
-        max_new_tokens over max_target_length, a paged engine whose pool could
-        never hold the sample, or sampling parameters different from the engine's
-        (temperature / top_k / top_p are static per engine).
+        max_new_tokens over max_target_length, a paged engine whose pool (one
+        slot group's pages) could never hold the sample, or sampling parameters
+        different from the engine's (temperature / top_k / top_p are static per
+        engine).
     """
     who = f"request (prompt_id={request.prompt_id}, sample_index={request.sample_index})"
     tokens = np.asarray(request.prompt_tokens)
@@ -139,10 +143,13 @@ def check_request(engine: LlamaEngine, request: GenerationRequest) -> None:
     c = engine.config
     if c.paged:  # worst case: no page shared, every position up to the last fed token
         need = -(-(total - 1) // c.page_size)
-        if need > c.pool_pages:
+        if need > c.pages_per_group:
+            where = f"the page pool holds {c.pool_pages}"
+            if c.page_groups > 1:
+                where += f", {c.pages_per_group} per slot group of {c.page_groups}"
             raise ValueError(
                 f"{who}: prompt + max_new_tokens needs up to {need} pages of {c.page_size} "
-                f"positions, the page pool holds {c.pool_pages} (raise rollout.num_pages)"
+                f"positions, {where} (raise rollout.num_pages)"
             )
     if not c.matches(request.sampling):
         raise ValueError(

@@ -19,20 +19,113 @@ a real page whose (finite) contents are masked out.
 writes the new tokens' k/v into their pages, then gathers each row's pages into the
 dense ``[B, K, S, H]`` / ``[B, K, H, S]`` views ``models.llama._attention`` reads,
 so the attention is the dense engine's, operation for operation (same tokens and
-logprobs; tests/test_paged_engine.py).
+logprobs; tests/test_paged_engine.py). ``kernel_attention`` writes, then attends with
+the TPU kernel (``models.ragged_attention``), which reads only each row's pages.
+
+On a mesh (``PoolLayout``, from ``pool_layout``) the pool splits two ways: kv heads
+over the axes the rules give ``kv_heads`` (when they divide K), and pages over every
+other mesh axis of size > 1, the G *slot groups*. Rows (slots) split over the same
+axes, so group g holds pages [g N/G, (g+1) N/G) and rows [g B/G, (g+1) B/G), and
+the host gives a row pages of its own group only (``generation.page_pool``). Writes
+and reads then run inside ``shard_map`` on the chips that hold the row: there a page
+id becomes local (id - g N/G); ids outside the group's range (the sentinel N
+among them) become the local sentinel N/G. Each chip holds 1/G of the pages (of its
+heads), and no collective moves the pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec
 
+from jaxflash.models import ragged_attention
 from jaxflash.models.config import ModelConfig
+from jaxflash.sharding.rules import Rules, logical_to_spec
 
-PAGED_KV_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
-"""Logical axes of one layer's pool ``[N, P, 2K, H]``: split by kv head (decided on K, so a
-shard holds whole key/value pairs); pages are not split (a next step where K is small)."""
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """How pools and rows split over a mesh (static and hashable: a ``PageTable`` field).
+
+    Attributes:
+      mesh: the engine's mesh.
+      head_axes: mesh axes splitting the kv heads (whole (key, value) pairs per shard).
+      group_axes: mesh axes splitting pages and rows into ``groups`` slot groups, in
+        mesh order (group g = the linear index over them, major to minor).
+    """
+
+    mesh: Mesh
+    head_axes: tuple[str, ...] = ()
+    group_axes: tuple[str, ...] = ()
+
+    @property
+    def groups(self) -> int:
+        """G, slot groups (1 when pages are not split)."""
+        return math.prod(self.mesh.shape[a] for a in self.group_axes)
+
+    @property
+    def head_shards(self) -> int:
+        """Shards of the kv heads (1 when they are not split)."""
+        return math.prod(self.mesh.shape[a] for a in self.head_axes)
+
+    def spec(self, *dims: str | None) -> PartitionSpec:
+        """PartitionSpec with "groups" / "heads" dims mapped to their mesh axes."""
+        axes = {"groups": self.group_axes, "heads": self.head_axes}
+
+        def one(d):
+            got = axes.get(d, ()) if d else ()
+            return None if not got else got[0] if len(got) == 1 else got
+
+        return PartitionSpec(*map(one, dims))
+
+    @property
+    def pool_spec(self) -> PartitionSpec:
+        """One layer's pool [N, P, 2K, H]: pages over groups, combined heads over heads."""
+        return self.spec("groups", None, "heads", None)
+
+    def shard(self, fn: Callable, in_specs, out_specs) -> Callable:
+        """``fn`` per shard (``jax.shard_map`` over the whole mesh)."""
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+
+    def page_offset(self, local_pages: int) -> jax.Array:
+        """Inside ``shard``: the first global page id of this shard's group."""
+        if not self.group_axes:
+            return jnp.zeros((), jnp.int32)
+        return jax.lax.axis_index(self.group_axes) * local_pages
+
+
+def pool_layout(config: ModelConfig, mesh: Mesh | None, rules: Rules | None) -> PoolLayout | None:
+    """The split of a paged pool on ``mesh``: kv heads as ``rules`` split them (decided on
+    K), pages and rows over every other mesh axis of size > 1.
+
+    Returns:
+      None on one device (nothing to split). Without rules everything is replicated
+      (a layout with no axes: G = 1).
+    """
+    if mesh is None or mesh.devices.size == 1:
+        return None
+    if rules is None:
+        return PoolLayout(mesh)
+    entry = logical_to_spec(("kv_heads",), mesh, rules, (config.n_kv_heads,))[0]
+    heads = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    groups = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in heads)
+    return PoolLayout(mesh, heads, groups)
+
+
+def local_page_ids(table_xm: jax.Array, offset: jax.Array, local_pages: int) -> jax.Array:
+    """Global page ids -> this shard's (id - offset); ids of other groups and the
+    sentinel become the local sentinel ``local_pages`` (writes there are dropped; reads
+    clip or clamp to a real page whose contents are masked out)."""
+    local = table_xm - offset
+    return jnp.where((local >= 0) & (local < local_pages), local, local_pages)
 
 
 @struct.dataclass
@@ -46,11 +139,13 @@ class PageTable:
         are cut to it so scores have the dense engine's shape).
       kernel: attend with the TPU kernel (``kernel_attention``) instead of the
         pure-JAX views; TPU only (static).
+      layout: the pool's split over the engine's mesh (static); None on one device.
     """
 
     table_bm: jax.Array
     max_len: int = struct.field(pytree_node=False)
     kernel: bool = struct.field(pytree_node=False, default=False)
+    layout: PoolLayout | None = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
@@ -88,21 +183,28 @@ def init_paged_kv_cache(
     page_size: int,
     *,
     kernel: bool = False,
+    layout: PoolLayout | None = None,
 ) -> PagedKVCache:
     """Zero pools (L x [N, P, 2K, H]) and a page table of sentinels (no row owns a page).
 
     Raises:
-      ValueError: a size < 1.
+      ValueError: a size < 1, or ``layout``'s G groups not dividing num_pages or batch.
     """
     for name, value in (("batch", batch), ("max_len", max_len), ("num_pages", num_pages)):
         if value < 1:
             raise ValueError(f"init_paged_kv_cache: {name} must be >= 1, got {value}")
     if page_size < 1:
         raise ValueError(f"init_paged_kv_cache: page_size must be >= 1, got {page_size}")
+    groups = 1 if layout is None else layout.groups
+    if num_pages % groups or batch % groups:
+        raise ValueError(
+            f"init_paged_kv_cache: num_pages={num_pages} and batch={batch} must both be "
+            f"divisible by the {groups} slot groups of mesh axes {layout.group_axes}"
+        )
     shape = (num_pages, page_size, 2 * config.n_kv_heads, config.head_dim)
     pools = tuple(jnp.zeros(shape, config.jnp_compute_dtype) for _ in range(config.n_layers))
     table = jnp.full((batch, pages_per_row(max_len, page_size)), num_pages, jnp.int32)
-    pages = PageTable(table_bm=table, max_len=max_len, kernel=kernel)
+    pages = PageTable(table_bm=table, max_len=max_len, kernel=kernel, layout=layout)
     return PagedKVCache(kv_pages=pools, pages=pages)
 
 
@@ -138,15 +240,63 @@ def write_pages(
     )
 
 
-def gather_views(pool_npch: jax.Array, pages: PageTable) -> tuple[jax.Array, jax.Array]:
-    """Each row's pages as the dense layouts: keys [B, K, S, H], values [B, K, H, S]."""
-    b, m = pages.table_bm.shape
+def write_rows(
+    pool_npch: jax.Array,
+    layout: PoolLayout | None,
+    table_xm: jax.Array,
+    kv_xtch: jax.Array,
+    positions_xt: jax.Array,
+) -> jax.Array:
+    """``write_pages`` for rows that every group sees (the start program's new samples,
+    [X, M] rows of the global table): each group writes the tokens whose pages it
+    holds, in place; nothing crosses chips."""
+    if layout is None:
+        return write_pages(pool_npch, table_xm, kv_xtch, positions_xt)
+
+    def local(pool, table, kv, pos):
+        table = local_page_ids(table, layout.page_offset(pool.shape[0]), pool.shape[0])
+        return write_pages(pool, table, kv, pos)
+
+    specs = (layout.pool_spec, PartitionSpec(), layout.spec(None, None, "heads"), PartitionSpec())
+    return layout.shard(local, specs, layout.pool_spec)(pool_npch, table_xm, kv_xtch, positions_xt)
+
+
+def gather_views(
+    pool_npch: jax.Array, table_bm: jax.Array, max_len: int
+) -> tuple[jax.Array, jax.Array]:
+    """Each row's pages as the dense layouts: keys [B, K, S, H], values [B, K, H, S]
+    (S = ``max_len``; entries that hold no page clip to a real page, masked later)."""
+    b, m = table_bm.shape
     _, page_size, two_k, h = pool_npch.shape
-    rows_bmpch = jnp.take(pool_npch, pages.table_bm, axis=0, mode="clip")
-    rows_bsch = rows_bmpch.reshape(b, m * page_size, two_k, h)[:, : pages.max_len]
+    rows_bmpch = jnp.take(pool_npch, table_bm, axis=0, mode="clip")
+    rows_bsch = rows_bmpch.reshape(b, m * page_size, two_k, h)[:, :max_len]
     k_bksh = rows_bsch[:, :, 0::2].transpose(0, 2, 1, 3)
     v_bkhs = rows_bsch[:, :, 1::2].transpose(0, 2, 3, 1)
     return k_bksh, v_bkhs
+
+
+def _per_group(pages: PageTable, fn: Callable, pool_npch, rows: tuple, out_rows: tuple):
+    """Run ``fn(pool, local table, *rows)`` on each shard of ``pages.layout`` (rows split
+    over groups, their head axis 2 over heads), or once without a layout.
+
+    ``rows`` and ``out_rows`` pair each [B, ...] array with its spec dims after B.
+    """
+    layout = pages.layout
+    arrays = [a for a, _ in rows]
+    if layout is None:
+        return fn(pool_npch, pages.table_bm, *arrays)
+
+    def local(pool, table, *arrays):
+        table = local_page_ids(table, layout.page_offset(pool.shape[0]), pool.shape[0])
+        return fn(pool, table, *arrays)
+
+    in_specs = (
+        layout.pool_spec,
+        layout.spec("groups", None),
+        *(layout.spec("groups", *dims) for _, dims in rows),
+    )
+    out_specs = (layout.pool_spec, *(layout.spec("groups", *dims) for dims in out_rows))
+    return layout.shard(local, in_specs, out_specs)(pool_npch, pages.table_bm, *arrays)
 
 
 def write_and_view(
@@ -158,28 +308,24 @@ def write_and_view(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write the new tokens' k/v, then read every row's pages (the pure-JAX path).
 
+    On a mesh both run per shard (``PoolLayout``): the views come out split over the
+    slot groups and kv heads.
+
     Returns:
       (updated pool [N, P, 2K, H], keys [B, K, S, H], values [B, K, H, S]).
     """
-    pool_npch = write_pages(pool_npch, pages.table_bm, interleave_kv(k_btkh, v_btkh), positions_bt)
-    k_bksh, v_bkhs = gather_views(pool_npch, pages)
-    return pool_npch, k_bksh, v_bkhs
 
+    def fn(pool, table, k, v, pos):
+        pool = write_pages(pool, table, interleave_kv(k, v), pos)
+        return (pool, *gather_views(pool, table, pages.max_len))
 
-def kernel_supported(config: ModelConfig) -> bool:
-    """Whether ``ragged_paged_attention`` can tile this model's heads (jax 0.10.2 needs the
-    2K combined heads, over the dtype's packing, to be 1, 2, 4 or a multiple of 8: not
-    SmolLM2's 3 kv heads in float32, for one)."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # noqa: PLC0415
-        kernel,
+    rows = (
+        (k_btkh, (None, "heads", None)),
+        (v_btkh, (None, "heads", None)),
+        (positions_bt, (None,)),
     )
-
-    dtype = config.jnp_compute_dtype
-    try:
-        kernel.get_min_heads_per_blk(config.n_heads, 2 * config.n_kv_heads, dtype, dtype)
-    except (ValueError, AssertionError):
-        return False
-    return True
+    views = (("heads", None, None), ("heads", None, None))
+    return _per_group(pages, fn, pool_npch, rows, views)
 
 
 def kernel_attention(
@@ -195,29 +341,33 @@ def kernel_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new tokens' k/v, then attend with ``ragged_paged_attention`` (TPU).
 
-    Each row's T tokens must sit at consecutive positions ending at
-    ``positions_bt[b, -1]`` (decode: T = 1), so the row's keys are its first
-    ``positions_bt[b, -1] + 1`` positions — the kernel reads only those pages,
-    where the pure-JAX path reads all M of every row. Online softmax in float32:
-    equal to the reference within float rounding, not bit for bit.
+    Per shard on a mesh (``PoolLayout``): each chip writes and reads only its own
+    pages, for its own rows and heads. Each row's T tokens must sit at consecutive
+    positions ending at ``positions_bt[b, -1]`` (decode: T = 1); the kernel reads
+    only the pages up to that position (``models.ragged_attention.attend``), where
+    the pure-JAX path reads all M of every row. Equal to the reference within float
+    rounding, not bit for bit.
 
     Returns:
       (updated pool [N, P, 2K, H], attention output [B, T, N, H] in q's dtype).
-    """
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # noqa: PLC0415
-        ragged_paged_attention,
-    )
 
-    pool_npch = write_pages(pool_npch, pages.table_bm, interleave_kv(k_btkh, v_btkh), positions_bt)
-    b, t, n, h = q_btnh.shape
-    out = ragged_paged_attention(
-        q_btnh.reshape(b * t, n, h).astype(pool_npch.dtype),
-        pool_npch,
-        (positions_bt[:, -1] + 1).astype(jnp.int32),
-        pages.table_bm,
-        jnp.arange(b + 1, dtype=jnp.int32) * t,
-        jnp.full((1,), b, jnp.int32),
-        sm_scale=scale,
-        sliding_window=sliding_window,
-    )
-    return pool_npch, out.reshape(b, t, n, h)
+    Raises:
+      ValueError: the kernel cannot tile one shard's heads.
+    """
+
+    def fn(pool, table, q, k, v, pos):
+        pool = write_pages(pool, table, interleave_kv(k, v), pos)
+        out = ragged_attention.attend(
+            q, pool, table, pos, scale=scale, sliding_window=sliding_window
+        )
+        return pool, out
+
+    heads = (None, "heads", None)
+    rows = ((q_btnh, heads), (k_btkh, heads), (v_btkh, heads), (positions_bt, (None,)))
+    return _per_group(pages, fn, pool_npch, rows, (heads,))
+
+
+def kernel_supported(config: ModelConfig, layout: PoolLayout | None = None) -> bool:
+    """Whether the TPU kernel tiles the heads of one shard of ``layout``
+    (``models.ragged_attention.kernel_supported``)."""
+    return ragged_attention.kernel_supported(config, 1 if layout is None else layout.head_shards)

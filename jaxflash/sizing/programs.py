@@ -162,7 +162,7 @@ def engine_programs(
     shapes = jax.eval_shape(unstack_layers, stacked)
     params = _abstract(shapes, engine_shardings(model, mesh, rules, lora))
     rep = NamedSharding(mesh, PartitionSpec())
-    state_sh, _ = engine_state_shardings(model, config, mesh, rules)
+    state_sh, _ = engine_state_shardings(model, engine.config, mesh, rules)  # resolved
     state = _abstract(jax.eval_shape(engine.init_decode_state), state_sh)
     rows = config.prefill_rows
     out = []
@@ -176,7 +176,13 @@ def engine_programs(
     live = jax.ShapeDtypeStruct((B,), np.bool_, sharding=rep)
     stop = jax.ShapeDtypeStruct(stop_array([]).shape, np.int32, sharding=rep)
     block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
-    lower = lambda: block.lower(params, state, live, stop)  # noqa: E731
+
+    def lower():
+        # A paged engine on TPU attends with a Pallas kernel: it lowers for compile-only
+        # chips once one is the default device (as in train_step_program).
+        with jax.default_device(mesh.devices.flat[0]):
+            return block.lower(params, state, live, stop)
+
     out.append(
         Lowerable(
             f"decode_block_{steps}", "generation", mesh, lower, per_device_bytes((params, state))

@@ -10,4 +10,6 @@
 - ``params``: the unstacked param layout on the generation mesh; ``weights``: the
   trees an engine accepts, their placement and LoRA adapters (``EngineWeights``).
 - ``host_arrays``: host-side padding and grouping of the programs' inputs.
+- ``paging``: a paged engine's slot groups and attention path on its mesh
+  (``resolve_paged``).
 """

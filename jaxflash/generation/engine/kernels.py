@@ -41,7 +41,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import LayerKVCache, init_layer_kv_cache
 from jaxflash.models.llama import forward, unembed, unstack_layers
 from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.paged_kv_cache import PagedKVCache, interleave_kv, write_pages
+from jaxflash.models.paged_kv_cache import PagedKVCache, interleave_kv, write_rows
 
 __all__ = ["generate", "generate_block", "insert", "prefill", "sample_first", "start"]
 
@@ -105,7 +105,8 @@ def with_page_table(state: DecodeState, table_bm) -> DecodeState:
 def _place_pages(paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g) -> PagedKVCache:
     """Write prefill rows ``cache[row_g]`` into the pages of slots ``slot_g`` (the
     state's page table), skipping each entry's first ``from_g`` pages (a shared
-    prompt's, already in the pool); padding entries (slot B) write nothing."""
+    prompt's, already in the pool); padding entries (slot B) write nothing. On a
+    split pool each slot group writes its own slots' pages (``write_rows``)."""
     table_bm = paged.pages.table_bm
     num_pages, page_size = paged.kv_pages[0].shape[:2]
     table_gm = jnp.take(table_bm, slot_g, axis=0, mode="fill", fill_value=num_pages)
@@ -116,7 +117,8 @@ def _place_pages(paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g
     def write(pool, k_nksh, v_nkhs):
         k_gtkh = k_nksh[row_g].transpose(0, 2, 1, 3)
         v_gtkh = v_nkhs[row_g].transpose(0, 3, 1, 2)
-        return write_pages(pool, table_gm, interleave_kv(k_gtkh, v_gtkh), pos_gt)
+        kv_gtch = interleave_kv(k_gtkh, v_gtkh)
+        return write_rows(pool, paged.pages.layout, table_gm, kv_gtch, pos_gt)
 
     pools = tuple(map(write, paged.kv_pages, cache.k_bksh, cache.v_bkhs))
     return paged.replace(kv_pages=pools)

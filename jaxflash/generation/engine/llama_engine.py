@@ -49,7 +49,6 @@ bucket), insert once per bucket, generate once, generate_block once per block si
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +58,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine.host_arrays import block_result, start_groups, stop_array
+from jaxflash.generation.engine.paging import resolve_paged
 from jaxflash.generation.engine.prefill import Prefiller
 from jaxflash.generation.engine.programs import Programs
 from jaxflash.generation.engine.state import (
@@ -73,7 +73,6 @@ from jaxflash.generation.engine.state import (
 from jaxflash.generation.engine.weights import EngineWeights
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.lora import LoraConfig
-from jaxflash.models.paged_kv_cache import kernel_supported
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
@@ -118,18 +117,8 @@ class LlamaEngine:
                 f"ModelConfig.max_seq_len={model_config.max_seq_len}"
             )
         self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], {})
-        if config.paged_attention == "auto":
-            # The TPU kernel on one TPU chip per engine where it tiles the heads; a
-            # tensor-split pool would need it under shard_map (not done yet).
-            kernel = (
-                config.paged
-                and self._mesh.devices.flat[0].platform == "tpu"
-                and self._mesh.devices.size == 1
-                and kernel_supported(model_config)
-            )
-            config = dataclasses.replace(
-                config, paged_attention="tpu_kernel" if kernel else "reference"
-            )
+        # Paged: the pool's slot groups and "auto" attention follow the mesh.
+        config, layout = resolve_paged(model_config, config, self._mesh, rules)
         self.model_config = model_config
         self.config = config
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
@@ -141,7 +130,7 @@ class LlamaEngine:
         self.weights = EngineWeights(model_config, self._mesh, rules, lora)
         state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
         self._programs = Programs(
-            model_config, config, state_sh, self._prefix_shardings, self._replicated
+            model_config, config, state_sh, self._prefix_shardings, self._replicated, layout
         )
         # Prompt prefill (buckets, batched prefill, first tokens); see engine.prefill.
         self.prefiller = Prefiller(config, self._programs, self._replicated)

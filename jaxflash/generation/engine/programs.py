@@ -25,6 +25,7 @@ from jaxflash.generation.engine.state import (
     empty_decode_state,
 )
 from jaxflash.models.config import ModelConfig
+from jaxflash.models.paged_kv_cache import PoolLayout
 
 
 class Programs:
@@ -35,6 +36,7 @@ class Programs:
       state_shardings: DecodeState of NamedShardings (``state_shardings``).
       prefix_shardings: Prefix of NamedShardings.
       replicated: NamedSharding for everything replicated.
+      layout: a paged pool's split over the mesh (``models.paged_kv_cache.pool_layout``).
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class Programs:
         state_shardings: DecodeState,
         prefix_shardings: Prefix,
         replicated: NamedSharding,
+        layout: PoolLayout | None = None,
     ):
         self._mc, self._ec = model_config, engine_config
         self.traces: collections.Counter[str] = collections.Counter()
@@ -103,7 +106,9 @@ class Programs:
         )
         self._block_out = (state_shardings, rep, rep, rep)
         self._blocks: dict[int, Callable] = {}
-        self.init_state = jax.jit(lambda: empty_decode_state(mc, ec), out_shardings=state_shardings)
+        self.init_state = jax.jit(
+            lambda: empty_decode_state(mc, ec, layout), out_shardings=state_shardings
+        )
 
     def generate_block(self, steps: int) -> Callable:
         """The ``generate_block`` program for ``steps`` (compiled on first use)."""

@@ -26,11 +26,12 @@ from jaxflash.models.kv_cache import (
     init_layer_kv_cache,
 )
 from jaxflash.models.paged_kv_cache import (
-    PAGED_KV_LOGICAL_AXES,
     PagedKVCache,
     PageTable,
+    PoolLayout,
     init_paged_kv_cache,
     pages_per_row,
+    pool_layout,
 )
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
@@ -73,9 +74,14 @@ class EngineConfig:
         dense reservation. A request whose prompt + max_new_tokens needs more than
         N pages is refused by ``check_request`` (failed, with that reason).
       paged_attention: "auto" (the TPU kernel ``ragged_paged_attention`` when the
-        engine runs on one TPU chip and the kernel tiles the model's heads, else the
-        pure-JAX reference), "reference" or "tpu_kernel"; the engine resolves "auto"
-        when it is built.
+        engine's mesh is on TPU and the kernel tiles the heads one chip holds, else
+        the pure-JAX reference), "reference" or "tpu_kernel"; the engine resolves
+        "auto" when it is built.
+      page_groups: G, slot groups the pool's pages and the slots split into (set by
+        the engine from its mesh, ``models.paged_kv_cache.pool_layout``: every mesh
+        axis that does not split kv heads); slot b takes pages only from group
+        b // (B / G)'s N / G pages (``generation.page_pool``). B and N must be
+        divisible by G.
     """
 
     max_concurrent_decodes: int
@@ -92,6 +98,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 0
     paged_attention: str = "auto"
+    page_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.paged_attention not in ("auto", "reference", "tpu_kernel"):
@@ -121,6 +128,13 @@ class EngineConfig:
                 f"EngineConfig.max_prefill_length={self.max_prefill_length} must be < "
                 f"max_target_length={self.max_target_length} (room for a response)"
             )
+        g = self.page_groups
+        if g < 1 or self.max_concurrent_decodes % g or (self.paged and self.pool_pages % g):
+            raise ValueError(
+                f"EngineConfig: the paged pool splits into page_groups={g} slot groups, which "
+                f"must divide max_concurrent_decodes={self.max_concurrent_decodes} and "
+                f"num_pages={self.pool_pages}"
+            )
         # SamplingParams validates temperature / top_k / top_p with named errors.
         SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
@@ -142,6 +156,11 @@ class EngineConfig:
     def pool_pages(self) -> int:
         """N, pages in the pool (``num_pages``, or the dense reservation B * M)."""
         return self.num_pages or self.max_concurrent_decodes * self.pages_per_slot
+
+    @property
+    def pages_per_group(self) -> int:
+        """N / G, pages of one slot group."""
+        return self.pool_pages // self.page_groups
 
     def matches(self, sampling: SamplingParams) -> bool:
         """Whether a request's distribution is the one this engine samples from."""
@@ -327,8 +346,11 @@ def state_shardings(
 
     Each layer's cache buffers follow ``rules`` through ``LAYER_K_LOGICAL_AXES`` /
     ``LAYER_V_LOGICAL_AXES`` (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
-    dims that do not divide stay replicated); per-slot vectors and scalars are
-    replicated. Without rules everything is replicated.
+    dims that do not divide stay replicated); a paged pool splits by kv head and by
+    slot group (``models.paged_kv_cache.pool_layout``); per-slot vectors, scalars and
+    the page table are replicated. Without rules everything is replicated. Pass the
+    engine's resolved config (``LlamaEngine.config``): the page table's static fields
+    follow it.
 
     Returns:
       (DecodeState of NamedShardings, Prefix of NamedShardings).
@@ -346,16 +368,17 @@ def state_shardings(
         return LayerKVCache(k_bksh=(k_sh,) * c.n_layers, v_bkhs=(v_sh,) * c.n_layers)
 
     if config.paged:
-        # Pools follow the kv_heads rule, decided on K so a shard holds whole
-        # (key, value) pairs of the interleaved axis; the page table is replicated.
-        shape = (config.pool_pages, config.page_size, c.n_kv_heads, c.head_dim)
-        axes = PAGED_KV_LOGICAL_AXES
-        spec = rep.spec if rules is None else logical_to_spec(axes, mesh, rules, shape)
-        pool = NamedSharding(mesh, spec)
+        # Pools split by kv head and by slot group (``pool_layout``); the page table is
+        # replicated (each shard reads its rows' entries).
+        layout = pool_layout(c, mesh, rules)
+        pool = rep if layout is None else NamedSharding(mesh, layout.pool_spec)
         big = PagedKVCache(
             kv_pages=(pool,) * c.n_layers,
             pages=PageTable(
-                table_bm=rep, max_len=config.max_target_length, kernel=config.paged_kernel
+                table_bm=rep,
+                max_len=config.max_target_length,
+                kernel=config.paged_kernel,
+                layout=layout,
             ),
         )
     else:
@@ -368,8 +391,12 @@ def state_shardings(
     return decode, prefix
 
 
-def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> DecodeState:
+def empty_decode_state(
+    model_config: ModelConfig, config: EngineConfig, layout: PoolLayout | None = None
+) -> DecodeState:
     """All slots idle: zero caches (``init_layer_kv_cache``) and zero per-slot vectors.
+
+    ``layout``: a paged pool's split (``pool_layout`` of the engine's mesh and rules).
 
     Call it under jit (``LlamaEngine.init_decode_state`` does) so that every
     field is its own buffer: ``generate`` and ``insert`` donate the state, and
@@ -388,6 +415,7 @@ def empty_decode_state(model_config: ModelConfig, config: EngineConfig) -> Decod
             config.pool_pages,
             config.page_size,
             kernel=config.paged_kernel,
+            layout=layout,
         )
     else:
         cache = init_layer_kv_cache(model_config, B, config.max_target_length)
