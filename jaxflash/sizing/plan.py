@@ -28,6 +28,7 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules
 from jaxflash.sizing import programs as sp
+from jaxflash.sizing.kv_pool import KvPool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,8 @@ class ProgramCost:
       refused: the compiler's message when it refused the program for memory
         ("" when it compiled); peak is then the compiler's total requirement.
       capacity_bytes: HBM the compiler said is available ("refused" only), else 0.
+      unseen_bytes: HBM bytes XLA's cost analysis cannot see (reads inside a Mosaic
+        kernel), computed on paper; added to ``bytes_accessed`` in the roofline.
     """
 
     name: str
@@ -58,6 +61,7 @@ class ProgramCost:
     held_bytes: int = 0
     refused: str = ""
     capacity_bytes: int = 0
+    unseen_bytes: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -68,6 +72,28 @@ class ProgramCost:
     def resident_bytes(self) -> int:
         """What the device must hold while it runs: the program's peak + held buffers."""
         return self.peak_bytes + self.held_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What ``plan_programs`` compiled, per device.
+
+    Attributes:
+      costs: one ProgramCost per program, in the order the table prints them.
+      kv: the engine's KV cache as the compiled DecodeState allocates it.
+      engine_weight_bytes: the engine's weights one generation chip holds.
+      learner_state_bytes: the learner's TrainState one learner chip holds.
+      decode_steps: decode steps in the ``decode_block_<n>`` program.
+    """
+
+    costs: list[ProgramCost]
+    kv: KvPool
+    engine_weight_bytes: int
+    learner_state_bytes: int
+    decode_steps: int
+
+    def by_name(self) -> dict[str, ProgramCost]:
+        return {c.name: c for c in self.costs}
 
 
 _UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -158,7 +184,7 @@ def plan_programs(
     colocated: bool = False,
     elastic_meshes: Sequence[Mesh] = (),
     prefill_buckets: Sequence[int] | None = None,
-) -> list[ProgramCost]:
+) -> Plan:
     """Compile every program of a run for its meshes and return their costs.
 
     Args:
@@ -173,8 +199,9 @@ def plan_programs(
       prefill_buckets: prefill only these buckets (default: every bucket).
 
     Returns:
-      ProgramCost per program: train_step, prefill_<bucket>..., decode_block_<n>,
-      publish, install, elastic_<a>to<b>...
+      The ``Plan``: a ProgramCost per program (train_step, prefill_<bucket>...,
+      decode_block_<n>, publish, install, elastic_<a>to<b>...), the engine's KV
+      cache as allocated and its weights per chip.
     """
     train, state = sp.train_step_program(
         model, learner, learner_mesh, learner_rules, batch_size=batch_size, seq_len=seq_len
@@ -207,7 +234,10 @@ def plan_programs(
             for p in progs
         ]
         out.append(_merge(name, costs))
-    return out
+    return Plan(
+        costs=out, kv=KvPool.from_state(dstate), engine_weight_bytes=eng_b,
+        learner_state_bytes=state_b, decode_steps=engine.decode_block,
+    )  # fmt: skip
 
 
 def local_capacity(devices: Sequence[Any]) -> int | None:
