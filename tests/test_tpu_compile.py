@@ -125,6 +125,8 @@ _HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def tiny_plan():
     if not _HAS_LIBTPU:
         pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
+    import dataclasses
+
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.presets import get_preset
@@ -144,15 +146,21 @@ def tiny_plan():
         model, LearnerConfig(lr=1e-3, micro_batch_size=4), make_mesh(devices[:2], {"fsdp": 2}),
         LEARNER_RULES, batch_size=8, seq_len=64,
     )  # fmt: skip
-    (block,), _, _ = programs.engine_programs(
-        model, engine, make_mesh(devices[2:], {"tensor": 2}), GENERATOR_RULES, buckets=[]
+    gmesh = make_mesh(devices[2:], {"tensor": 2})
+    (block,), _, _ = programs.engine_programs(model, engine, gmesh, GENERATOR_RULES, buckets=[])
+    # The paged engine's block: 24 pages of 8 for 8 slots of 64 positions (reference path:
+    # a 2-chip engine), renamed so the rows stay apart.
+    paged = dataclasses.replace(engine, kv_cache="paged", page_size=8, num_pages=24)
+    (pblock,), _, pstate = programs.engine_programs(
+        model, paged, gmesh, GENERATOR_RULES, buckets=[]
     )
+    pcost = dataclasses.replace(measure(pblock), name="paged_decode_block_4")
     costs = [measure(train), measure(block)]
-    return model, devices, {c.name: c for c in costs}, train
+    return model, devices, {c.name: c for c in costs}, train, (pcost, pstate)
 
 
 def test_train_step_and_decode_block_compile_for_abstract_v5e_chips(tiny_plan):
-    model, devices, by, _ = tiny_plan
+    model, devices, by, *_ = tiny_plan
     assert devices[0].platform == "tpu" and devices[0].device_kind == "TPU v5 lite"
     assert list(by) == ["train_step", "decode_block_4"]
     for c in by.values():
@@ -175,8 +183,25 @@ def test_the_tpu_train_step_attends_with_the_splash_kernel(tiny_plan):
     assert "tpu_custom_call" in text  # the Mosaic kernel (dense attention has none)
 
 
+def test_the_paged_decode_block_compiles_with_the_pool_it_allocates(tiny_plan):
+    """The decode row of a paged engine: its pool (not a dense cache) is what the block
+    takes and returns, split over the 2 KV heads; the reference path gathers every
+    page-table entry of every slot, and XLA counts at least that."""
+    from jaxflash.sizing.kv_pool import KvPool, decode_traffic
+
+    model, _, _, _, (cost, state) = tiny_plan
+    kv = KvPool.from_state(state)
+    assert (kv.kind, kv.attention, kv.slots, kv.pool_tokens) == ("paged", "reference", 8, 192)
+    # bf16 pool [24, 8, 2 x 2, 16] per layer, split 2 ways by KV head.
+    assert kv.chip_bytes == model.n_layers * 24 * 8 * 4 * model.head_dim * 2 // 2
+    assert not cost.refused and cost.alias_bytes >= kv.chip_bytes
+    t = decode_traffic(kv, xla_bytes=cost.bytes_accessed, steps=4, weight_bytes=0)
+    assert t.kv_gathered == kv.reserved_tokens * kv.token_chip_bytes > t.kv_in_use
+    assert t.xla >= t.kv_gathered and t.kernel_unseen == 0
+
+
 def test_the_report_of_a_tpu_plan_has_a_roofline(tiny_plan):
-    _, _, by, _ = tiny_plan
+    _, _, by, *_ = tiny_plan
     table = format_plan(list(by.values()), chip=CHIPS["v5e"])
     row = next(line for line in table.splitlines() if line.startswith("train_step"))
     assert row.endswith("ms") and float(row.split()[-1][:-2]) > 0

@@ -235,7 +235,8 @@ def _forecast(
 ) -> str:  # fmt: skip
     """The simulator's forecast of trained samples/s over the slice's splits
     (``sizing.forecast``); a line saying why where it cannot be made."""
-    from jaxflash.sizing.forecast import RunShape, forecast_report  # noqa: PLC0415
+    from jaxflash.sizing.forecast import forecast_report  # noqa: PLC0415
+    from jaxflash.sizing.sim_costs import RunShape  # noqa: PLC0415
 
     r, m = exp.rollout, exp.mesh
     learner = math.prod(int(v) for v in m.learner.values())

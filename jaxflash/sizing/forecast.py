@@ -1,30 +1,11 @@
-"""What to rent: the compiled programs' roofline times, run through the pod-scale simulator.
+"""What to rent: the compiled programs' roofline costs, run through the pod-scale simulator.
 
-The dry run compiles every program of a run (``sizing.plan``); here their costs
-become a ``runtime.simulate.CostModel`` and the real scheduler runs the config's
-workload on it under virtual time (``runtime.simulate.simulate``), for the
-synchronous baseline and asynchronous training, over the learner/generation splits
-of the slice. Every figure is a model figure: roofline times (max(FLOPs / peak,
-bytes / HBM bandwidth) per program, a lower bound that ignores ICI collectives,
-latency and host overhead) through a simulator -- not a measurement.
-
-How each cost is built (``program_times``):
-
-- train step: the ``train_step`` roofline over its [B, T] tokens, per token, on the
-  config's learner chips; other learner sizes scale it linearly (the simulator's
-  ``LearnerCost``), and a step trains the batch's rows padded to its longest
-  sequence (or its real tokens with ``learner.packing``).
-- prefill: a least-squares line through the ``prefill_<bucket>`` rooflines (seconds
-  vs bucket tokens), per prompt and per prompt token.
-- decode step as a function of live slots: ``base + per_live_slot x live``. On the
-  reference path (pure-JAX gather) and with a dense cache a step reads every slot's
-  reservation, so it costs the compiled step at any live count (``base``). On the
-  kernel path XLA's count misses the kernel's KV reads (``sizing.kv_pool``): each
-  live slot adds its K/V at the mean live context (on paper).
-- publish: the ``publish`` and ``install`` rooflines plus the copy of one generation
-  chip's weights over ICI (at half the chip's published bidirectional bandwidth; not
-  modelled for a chip without that figure). Generation pauses meanwhile.
-- reward: instant (rule-based verifiers on host workers).
+The dry run compiles every program of a run (``sizing.plan``); ``sizing.sim_costs``
+turns their costs into a ``runtime.simulate.CostModel``, and here the real scheduler
+runs the config's workload on it under virtual time (``runtime.simulate.simulate``):
+the synchronous baseline (colocated on the whole slice, α = 0), and sync and async
+(α) training on each learner/generation split of the slice. Every figure is a model
+figure -- roofline times through a simulator -- not a measurement.
 
 Splits: the generation slice keeps its compiled size (``mesh.generation``); the
 learner takes the rest in whole slices. A learner size is kept where the batch
@@ -36,23 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-from jaxflash.runtime.simulate import (
-    CostModel,
-    DecodeCost,
-    LearnerCost,
-    LogNormal,
-    PrefillCost,
-    RewardCost,
-    SimConfig,
-    SimResult,
-    SyncCost,
-    Workload,
-    simulate,
-)
-from jaxflash.sizing.chips import ChipSpec, roofline_seconds
+from jaxflash.runtime.simulate import CostModel, SimConfig, SimResult, Workload, simulate
+from jaxflash.sizing.chips import ChipSpec
 from jaxflash.sizing.plan import Plan
+from jaxflash.sizing.sim_costs import (
+    ProgramTimes,
+    RunShape,
+    assumed_workload,
+    cost_model,
+    mean_live_context,
+    program_times,
+)
 
 GIB = 1 << 30
 MODEL_NOTE = (
@@ -60,205 +35,6 @@ MODEL_NOTE = (
     "bounds: no ICI collectives, latency or host overhead) run through the simulator "
     "(jaxflash.runtime.simulate)"
 )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunShape:
-    """The run's placement and workload as its config gives them.
-
-    Attributes:
-      slice_chips: chips of the slice (the topology).
-      learner_chips: the config's learner chips (where ``train_step`` was compiled).
-      gen_chips: chips of one generation slice (server).
-      slots: decode slots per server.
-      prompts_per_step, group_size: B prompts x G samples per learner step.
-      prompt_tokens: the prompt limit (``rollout.max_prefill_length``).
-      max_new_tokens: the response budget.
-      async_ratio: α of the async figure (the config's, or 2 where it says 0).
-      packing: ``learner.packing`` (the learner trains real tokens, not padded rows).
-      micro_batch_size: ``learner.micro_batch_size``.
-      seq_len: T of the compiled train step (prompt limit + budget).
-      hbm_bytes: usable HBM per chip.
-    """
-
-    slice_chips: int
-    learner_chips: int
-    gen_chips: int
-    slots: int
-    prompts_per_step: int
-    group_size: int
-    prompt_tokens: int
-    max_new_tokens: int
-    async_ratio: int
-    packing: bool
-    micro_batch_size: int
-    seq_len: int
-    hbm_bytes: int
-
-    @property
-    def batch(self) -> int:
-        return self.prompts_per_step * self.group_size
-
-
-def assumed_workload(shape: RunShape, seed: int = 0) -> tuple[Workload, str]:
-    """The response lengths the forecast assumes (a config fixes only the budget).
-
-    Lognormal, median an eighth of the budget (σ 1.0; a per-prompt scale
-    σ_p 0.5: hard prompts are long for every sample), capped at ``max_new_tokens``;
-    prompts of half the prompt limit. Returns (workload, one line saying so).
-    """
-    median = max(1.0, shape.max_new_tokens / 8)
-    prompt = max(1, shape.prompt_tokens // 2)
-    work = Workload(
-        lengths=LogNormal(median=median, sigma=1.0),
-        max_tokens=shape.max_new_tokens,
-        prompt_tokens=(prompt,),
-        prompt_sigma=0.5,
-        seed=seed,
-    )
-    lens = _sample_lengths(work, shape)
-    capped = float(np.mean(lens >= shape.max_new_tokens))
-    line = (
-        f"workload (assumed; the config fixes B, G and the budget, not the lengths): "
-        f"{shape.prompts_per_step} prompts x {shape.group_size} samples a step, prompts of "
-        f"{prompt} tokens, responses lognormal median {median:.0f} tokens, sigma 1.0, "
-        f"per-prompt sigma 0.5, capped at {shape.max_new_tokens} (mean {lens.mean():.0f}, "
-        f"{100 * capped:.1f} % capped)"
-    )
-    return work, line
-
-
-def _sample_lengths(work: Workload, shape: RunShape, prompts: int = 256) -> np.ndarray:
-    return np.asarray(
-        [work.response_len(p, i) for p in range(prompts) for i in range(shape.group_size)], float
-    )
-
-
-def mean_live_context(work: Workload, shape: RunShape) -> float:
-    """Tokens of context a live slot holds, averaged over decode steps: a sample of r
-    tokens is live r steps at contexts P+1..P+r, so Σ r(P + (r+1)/2) / Σ r."""
-    r = _sample_lengths(work, shape)
-    p = work.prompt_len(0)
-    return float(np.sum(r * (p + (r + 1) / 2)) / np.sum(r))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProgramTimes:
-    """Seconds per program from the roofline (what the CostModel is built from).
-
-    Attributes:
-      train_step_s: the compiled step over ``train_tokens`` on the learner chips.
-      train_tokens: B x T of the compiled step.
-      prefill_base_s, prefill_token_s: a prefill call: base + per bucket token.
-      decode_base_s: a decode step's cost at any live count.
-      decode_live_s: added per live slot (kernel path: its KV at the mean context).
-      publish_s, install_s, transfer_s: the weight hand-over's parts.
-      path: how the decode step was priced.
-    """
-
-    train_step_s: float
-    train_tokens: int
-    prefill_base_s: float
-    prefill_token_s: float
-    decode_base_s: float
-    decode_live_s: float
-    publish_s: float
-    install_s: float
-    transfer_s: float
-    path: str
-
-    @property
-    def sync_s(self) -> float:
-        return self.publish_s + self.install_s + self.transfer_s
-
-
-def program_times(
-    plan: Plan,
-    chip: ChipSpec,
-    shape: RunShape,
-    *,
-    context_tokens: float,
-    kernel_what_if: bool = False,
-    share: int = 1,
-) -> ProgramTimes:
-    """Roofline seconds of each program of ``plan`` on ``chip`` (see the module doc).
-
-    Args:
-      plan: from ``sizing.plan.plan_programs``.
-      chip: the chip's figures.
-      shape: the run (the compiled train step is [B, T] = shape.batch x shape.seq_len).
-      context_tokens: mean live context of a slot (``mean_live_context``).
-      kernel_what_if: price the decode step as the TPU kernel over a pool split over
-        every chip of the generation slice would run it (page-split pool): weights on
-        paper, plus each live slot's KV, instead of the compiled path.
-      share: devices per chip (2 on v4, where each TensorCore is a device).
-
-    Raises:
-      ValueError: a program the forecast needs is missing or was refused.
-    """
-    by = plan.by_name()
-    decode = [c for c in plan.costs if c.name.startswith("decode_block")]
-    missing = [n for n in ("train_step", "publish", "install") if n not in by]
-    missing += [] if len(decode) == 1 else ["decode_block"]
-    refused = [c.name for c in plan.costs if c.refused]
-    if missing or refused:
-        raise ValueError(
-            f"forecast: needs every program compiled; missing {missing}, refused {refused}"
-        )
-
-    def roof(c) -> float:
-        return roofline_seconds(c.flops, c.bytes_accessed + c.unseen_bytes, chip, share=share)
-
-    prefill = sorted(
-        (int(c.name.split("_")[1]), roof(c)) for c in plan.costs if c.name.startswith("prefill_")
-    )
-    base = slope = 0.0
-    if len(prefill) > 1:
-        slope, base = np.polyfit([b for b, _ in prefill], [t for _, t in prefill], 1)
-    elif prefill:
-        slope = prefill[0][1] / prefill[0][0]
-    block, steps, kv = decode[0], plan.decode_steps, plan.kv
-    bandwidth = chip.hbm_bandwidth / share
-    if kernel_what_if:
-        step = roofline_seconds(block.flops / steps, plan.engine_weight_bytes, chip, share=share)
-        live = context_tokens * kv.token_bytes / block.devices / bandwidth
-        path = "kernel what-if"
-    elif kv.attention == "tpu_kernel":
-        step = roofline_seconds(
-            block.flops / steps, block.bytes_accessed / steps, chip, share=share
-        )
-        live = context_tokens * kv.token_chip_bytes / bandwidth
-        path = kv.attention
-    else:
-        step, live, path = roof(block) / steps, 0.0, kv.attention
-    ici = chip.ici_bandwidth / 2 / share
-    return ProgramTimes(
-        train_step_s=roof(by["train_step"]), train_tokens=shape.batch * shape.seq_len,
-        prefill_base_s=max(0.0, float(base)), prefill_token_s=max(0.0, float(slope)),
-        decode_base_s=step, decode_live_s=live,
-        publish_s=roof(by["publish"]), install_s=roof(by["install"]),
-        transfer_s=plan.engine_weight_bytes / ici if ici else 0.0, path=path,
-    )  # fmt: skip
-
-
-def cost_model(times: ProgramTimes, shape: RunShape, chip: ChipSpec) -> CostModel:
-    """The simulator's CostModel from the program times (see the module doc)."""
-    return CostModel(
-        name=f"roofline of the compiled programs on {chip.kind} (model figures)",
-        decode=DecodeCost(base_s=times.decode_base_s, per_active_slot_s=times.decode_live_s),
-        prefill=PrefillCost(per_prompt_s=times.prefill_base_s,
-                            per_prompt_token_s=times.prefill_token_s),
-        learner=LearnerCost(
-            step_s=0.0, per_token_s=times.train_step_s / times.train_tokens,
-            padding="packed" if shape.packing else "bucket",
-            reference_devices=shape.learner_chips,
-        ),
-        sync=SyncCost(weight_sync_s=times.sync_s, colocated_s=times.publish_s + times.install_s,
-                      stalls_generation=True),
-        reward=RewardCost(latency_s=0.0, workers=1),
-        server_devices=shape.gen_chips,
-        meta={"source": "jaxflash.sizing.forecast: roofline of the compiled programs"},
-    )  # fmt: skip
 
 
 # -- splits and runs ---------------------------------------------------------------
@@ -386,15 +162,53 @@ def _costs_line(times: ProgramTimes, shape: RunShape, chip: ChipSpec) -> str:
     )
 
 
-def forecast_report(
-    plan: Plan, chip: ChipSpec, shape: RunShape, *, topology: str = "", share: int = 1
-) -> str:
-    """The forecast printed under the dry run's table (see the module doc).
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """What ``make_forecast`` simulated (seconds, samples/s: model figures).
+
+    Attributes:
+      shape: the run.
+      work_line: the assumed workload, in words.
+      context_tokens: mean live context of a slot.
+      times: the program times the cost model was built from.
+      tried: every split considered (fitting or not, and why).
+      runs: sync and async per fitting split.
+      colocated: the synchronous baseline on the whole slice.
+      colocated_bytes: its per-chip estimate (learner + engine on each chip).
+      best: the async run with the most trained samples/s.
+      what_if: (times, run) with the decode step priced as the TPU kernel over a
+        page-split pool, at the best split; None on the kernel path.
+    """
+
+    shape: RunShape
+    work_line: str
+    context_tokens: float
+    times: ProgramTimes
+    tried: list[Split]
+    runs: list[Run]
+    colocated: Run
+    colocated_bytes: float
+    best: Run
+    what_if: tuple[ProgramTimes, Run] | None
+
+    @property
+    def sync_same_split(self) -> Run:
+        """The α = 0 run on the best async run's split."""
+        return next(
+            r
+            for r in self.runs
+            if r.learner_chips == self.best.learner_chips and r.mode != self.best.mode
+        )
+
+
+def make_forecast(plan: Plan, chip: ChipSpec, shape: RunShape, *, share: int = 1) -> Forecast:
+    """Simulate the run on the plan's costs (see the module doc).
 
     Runs the simulator 2 x (fitting splits) + 2 times: sync (α = 0) and async (α =
     ``shape.async_ratio``) per split, the colocated synchronous baseline on the whole
-    slice, and, where the engine gathers (reference path), the async run at the best
-    split with the decode step priced as the TPU kernel over a page-split pool.
+    slice, and, where the engine reads every slot's reservation (reference path or a
+    dense cache), the async run at the best split with the decode step priced as the
+    TPU kernel over a page-split pool.
 
     Raises:
       ValueError: a program is missing or refused (``program_times``), or no split fits.
@@ -411,47 +225,65 @@ def forecast_report(
             + "; ".join(f"{s.learner_chips}+{s.servers}x{shape.gen_chips}: {s.why}" for s in tried)
         )
     a = shape.async_ratio
-    runs = []
-    for s in ok:
-        for alpha in (0, a):
-            run = simulate_mode(
-                costs, work, shape, alpha=alpha, learner_chips=s.learner_chips, servers=s.servers
-            )
-            runs.append(run)
-    asyncs = [r for r in runs if r.mode.startswith("async")]
-    best = max(asyncs, key=lambda r: r.result.samples_per_s)
-    n_servers = shape.slice_chips // shape.gen_chips
+    runs = [
+        simulate_mode(costs, work, shape, alpha=alpha, learner_chips=s.learner_chips,
+                      servers=s.servers)
+        for s in ok
+        for alpha in (0, a)
+    ]  # fmt: skip
+    best = max(
+        (r for r in runs if r.mode.startswith("async")), key=lambda r: r.result.samples_per_s
+    )
     coloc = simulate_mode(costs, work, shape, alpha=0, learner_chips=shape.slice_chips,
-                          servers=n_servers, colocated=True)  # fmt: skip
+                          servers=shape.slice_chips // shape.gen_chips, colocated=True)  # fmt: skip
+    by = plan.by_name()
+    decode = next(c for c in plan.costs if c.name.startswith("decode_block"))
+    learner_state = plan.learner_state_bytes
+    coloc_bytes = (
+        learner_state * shape.learner_chips / shape.slice_chips
+        + by["train_step"].resident_bytes - learner_state + decode.resident_bytes
+    )  # fmt: skip
+    what_if = None
+    if times.path in ("reference", "dense"):
+        t = program_times(plan, chip, shape, context_tokens=context, kernel_what_if=True,
+                          share=share)  # fmt: skip
+        run = simulate_mode(cost_model(t, shape, chip), work, shape, alpha=a,
+                            learner_chips=best.learner_chips, servers=best.servers)  # fmt: skip
+        what_if = (t, run)
+    return Forecast(
+        shape=shape, work_line=work_line, context_tokens=context, times=times, tried=tried,
+        runs=runs, colocated=coloc, colocated_bytes=coloc_bytes, best=best, what_if=what_if,
+    )  # fmt: skip
+
+
+def format_forecast(f: Forecast, chip: ChipSpec, *, topology: str = "") -> str:
+    """The forecast printed under the dry run's table."""
+    shape, best, coloc = f.shape, f.best, f.colocated
+    a = shape.async_ratio
     name = topology or f"{shape.slice_chips} {chip.kind} chips"
     lines = [
         f"forecast for {name} ({MODEL_NOTE})",
-        "  " + work_line + f"; mean live context {context:,.0f} tokens",
-        _costs_line(times, shape, chip),
+        "  " + f.work_line + f"; mean live context {f.context_tokens:,.0f} tokens",
+        _costs_line(f.times, shape, chip),
         f"  {'mode':15s} {'learner':>7s} {'generation':>14s} {'samples/s':>10s} "
         f"{'step s':>8s} {'train':>6s} {'publish':>7s} {'idle':>5s} {'gen occup':>9s} "
         f"{'g idle':>6s} {'stale':>6s}",
         _row(coloc, shape, shared=True),
-        *(_row(r, shape) for r in runs),
+        *(_row(r, shape) for r in f.runs),
+        "  (train / publish / idle: shares of the learner's time; gen occup: live share of "
+        "the slots; g idle: share of time a server has no live slot; stale: mean versions)",
     ]
-    sync_same = next(r for r in runs if r.learner_chips == best.learner_chips and r is not best)
+    rate = best.result.samples_per_s
     lines.append(
         f"  best split for async a={a}: learner {best.learner_chips} chips + generation "
-        f"{best.servers} x {shape.gen_chips} chips: {best.result.samples_per_s:.3f} trained "
-        f"samples/s, {best.result.samples_per_s / coloc.result.samples_per_s:.2f}x sync "
-        f"colocated, {best.result.samples_per_s / sync_same.result.samples_per_s:.2f}x sync "
-        f"a=0 on the same split"
+        f"{best.servers} x {shape.gen_chips} chips: {rate:.3f} trained samples/s, "
+        f"{rate / coloc.result.samples_per_s:.2f}x sync colocated, "
+        f"{rate / f.sync_same_split.result.samples_per_s:.2f}x sync a=0 on the same split"
     )
-    coloc_peak = (
-        plan.learner_state_bytes * shape.learner_chips / shape.slice_chips
-        + plan.by_name()["train_step"].resident_bytes
-        - plan.learner_state_bytes
-        + next(c for c in plan.costs if c.name.startswith("decode_block")).resident_bytes
-    )
-    verdict = "fits" if coloc_peak <= 0.9 * shape.hbm_bytes else "would NOT fit"
+    verdict = "fits" if f.colocated_bytes <= 0.9 * shape.hbm_bytes else "would NOT fit"
     lines.append(
         f"  sync colocated holds the learner and an engine on every chip: about "
-        f"{coloc_peak / GIB:.2f} GiB of {shape.hbm_bytes / GIB:.2f} ({verdict}; the "
+        f"{f.colocated_bytes / GIB:.2f} GiB of {shape.hbm_bytes / GIB:.2f} ({verdict}; the "
         f"baseline the speed-ups are measured against)"
     )
     lines.append(
@@ -459,20 +291,23 @@ def forecast_report(
         + "; ".join(
             f"{s.learner_chips}+{s.servers}x{shape.gen_chips} "
             + (f"{s.peak_bytes / GIB:.1f} GiB ok" if s.fits else f"skipped: {s.why}")
-            for s in tried
+            for s in f.tried
         )
     )
-    if times.path in ("reference", "dense"):
-        what_if = program_times(
-            plan, chip, shape, context_tokens=context, kernel_what_if=True, share=share
-        )
-        run = simulate_mode(cost_model(what_if, shape, chip), work, shape, alpha=a,
-                            learner_chips=best.learner_chips, servers=best.servers)  # fmt: skip
+    if f.what_if is not None:
+        t, run = f.what_if
         lines.append(
             f"  what-if, decode by the TPU kernel over a pool split over all "
             f"{shape.gen_chips} chips (page-split pool: not on main): step "
-            f"{1e3 * what_if.decode_base_s:.2f} ms + {1e6 * what_if.decode_live_s:.1f} us per "
-            f"live slot; async a={a} on the best split: {run.result.samples_per_s:.3f} "
-            f"samples/s ({run.result.samples_per_s / best.result.samples_per_s:.2f}x)"
+            f"{1e3 * t.decode_base_s:.2f} ms + {1e6 * t.decode_live_s:.1f} us per live slot; "
+            f"async a={a} on the best split: {run.result.samples_per_s:.3f} samples/s "
+            f"({run.result.samples_per_s / rate:.2f}x)"
         )
     return "\n".join(lines)
+
+
+def forecast_report(
+    plan: Plan, chip: ChipSpec, shape: RunShape, *, topology: str = "", share: int = 1
+) -> str:
+    """``make_forecast`` then ``format_forecast`` (the dry run's forecast lines)."""
+    return format_forecast(make_forecast(plan, chip, shape, share=share), chip, topology=topology)

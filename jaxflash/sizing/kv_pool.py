@@ -216,7 +216,7 @@ def format_traffic(name: str, t: DecodeTraffic, pool: KvPool) -> str:
     """Lines under the plan: XLA's bytes vs the paper figure, and what the path reads."""
     gb = 1e9
     head = (
-        f"{name} HBM bytes per chip and step, pool {100 * t.fill:.0f} % in use "
+        f"decode HBM bytes per chip and step of {name}, pool {100 * t.fill:.0f} % in use "
         f"({t.in_use_tokens:,} of {pool.pool_tokens:,} tokens): XLA's cost analysis "
         f"{t.xla / gb:.3f} GB; on paper weights {t.weights / gb:.3f} GB + KV of pages in "
         f"use {t.kv_in_use / gb:.3f} GB = {t.paper / gb:.3f} GB; XLA / paper "

@@ -28,7 +28,10 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules
 from jaxflash.sizing import programs as sp
-from jaxflash.sizing.kv_pool import KvPool
+from jaxflash.sizing.kv_pool import KvPool, decode_traffic
+
+DECODE_FILL = 0.5
+"""Pool fill at which the plan prices KV reads it computes on paper (the kernel path)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -217,9 +220,16 @@ def plan_programs(
     other_l = eng_b + cache_b if colocated else 0  # engine buffers on the learner's chips
     other_g = state_b if colocated else 0  # learner buffers on the engine's chips
     out = [measure(train, held_bytes=other_l)]
+    kv = KvPool.from_state(dstate)
     for prog in gen:
         held = other_g + (cache_b if prog.name.startswith("prefill") else 0)
-        out.append(measure(prog, held_bytes=held))
+        cost = measure(prog, held_bytes=held)
+        if prog.name.startswith("decode_block") and kv.attention == "tpu_kernel":
+            # XLA does not count the Mosaic kernel's KV reads: add them on paper.
+            t = decode_traffic(kv, xla_bytes=cost.bytes_accessed, steps=engine.decode_block,
+                               weight_bytes=eng_b, fill=DECODE_FILL)  # fmt: skip
+            cost = dataclasses.replace(cost, unseen_bytes=t.kernel_unseen * engine.decode_block)
+        out.append(cost)
     out.append(measure(pub, held_bytes=state_b - params_b + other_l))
     out.append(measure(install, held_bytes=eng_b + cache_b + other_g))
     for target in elastic_meshes:
@@ -235,7 +245,7 @@ def plan_programs(
         ]
         out.append(_merge(name, costs))
     return Plan(
-        costs=out, kv=KvPool.from_state(dstate), engine_weight_bytes=eng_b,
+        costs=out, kv=kv, engine_weight_bytes=eng_b,
         learner_state_bytes=state_b, decode_steps=engine.decode_block,
     )  # fmt: skip
 
