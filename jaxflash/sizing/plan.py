@@ -29,6 +29,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules
 from jaxflash.sizing import programs as sp
 from jaxflash.sizing.kv_pool import KvPool, decode_traffic
+from jaxflash.sizing.paper import train_step_flops
 
 DECODE_FILL = 0.5
 """Pool fill at which the plan prices KV reads it computes on paper (the kernel path)."""
@@ -50,6 +51,8 @@ class ProgramCost:
       capacity_bytes: HBM the compiler said is available ("refused" only), else 0.
       unseen_bytes: HBM bytes XLA's cost analysis cannot see (reads inside a Mosaic
         kernel), computed on paper; added to ``bytes_accessed`` in the roofline.
+      unseen_flops: FLOPs it cannot see (loop bodies counted once, Mosaic kernels),
+        computed on paper (``sizing.paper``); added to ``flops`` in the roofline.
     """
 
     name: str
@@ -65,6 +68,7 @@ class ProgramCost:
     refused: str = ""
     capacity_bytes: int = 0
     unseen_bytes: float = 0.0
+    unseen_flops: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -219,7 +223,11 @@ def plan_programs(
     eng_b, cache_b = sp.per_device_bytes(eng_params), sp.per_device_bytes(dstate)
     other_l = eng_b + cache_b if colocated else 0  # engine buffers on the learner's chips
     other_g = state_b if colocated else 0  # learner buffers on the engine's chips
-    out = [measure(train, held_bytes=other_l)]
+    train_cost = measure(train, held_bytes=other_l)
+    # XLA counts one micro-batch of one layer (scan bodies once) and no splash kernel.
+    paper = train_step_flops(model, batch=batch_size, seq_len=seq_len, kl=learner.uses_reference)
+    unseen = max(0.0, paper / learner_mesh.devices.size - train_cost.flops)
+    out = [dataclasses.replace(train_cost, unseen_flops=0.0 if train_cost.refused else unseen)]
     kv = KvPool.from_state(dstate)
     for prog in gen:
         held = other_g + (cache_b if prog.name.startswith("prefill") else 0)

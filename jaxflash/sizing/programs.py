@@ -63,7 +63,8 @@ class Lowerable:
       arg_bytes: per-device bytes of its arguments (from their shardings), for a
         program the compiler refuses as too large.
       count: how many times the run executes it per occasion (an elastic move's
-        leaves of one shape); costs are multiplied by it.
+        leaves of one shape), or the trips of the while loop it is (a decode block's
+        steps: XLA's cost analysis counts a loop body once); costs are multiplied by it.
     """
 
     name: str
@@ -177,11 +178,9 @@ def engine_programs(
     stop = jax.ShapeDtypeStruct(stop_array([]).shape, np.int32, sharding=rep)
     block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
     lower = lambda: block.lower(params, state, live, stop)  # noqa: E731
-    out.append(
-        Lowerable(
-            f"decode_block_{steps}", "generation", mesh, lower, per_device_bytes((params, state))
-        )
-    )
+    # count=steps: the block is a while loop, whose body XLA's cost analysis counts once.
+    arg = per_device_bytes((params, state))
+    out.append(Lowerable(f"decode_block_{steps}", "generation", mesh, lower, arg, count=steps))
     return out, params, state
 
 

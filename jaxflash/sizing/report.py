@@ -132,9 +132,9 @@ def format_plan(
         if chip is None or c.refused:
             roof = "        -"
         else:
-            total = c.bytes_accessed + c.unseen_bytes
-            ms = roofline_seconds(c.flops, total, chip, share=share) * 1e3
-            roof = f"{ms:7.2f}ms" + ("*" if c.unseen_bytes else "")
+            flops, total = c.flops + c.unseen_flops, c.bytes_accessed + c.unseen_bytes
+            ms = roofline_seconds(flops, total, chip, share=share) * 1e3
+            roof = f"{ms:7.2f}ms" + ("*" if c.unseen_bytes or c.unseen_flops else "")
         flops = "        -" if c.refused else f"{c.flops / 1e9:9.1f}"
         gbytes = "      -" if c.refused else f"{c.bytes_accessed / 1e9:7.2f}"
         mark = " REFUSED" if c.refused else ""
@@ -154,10 +154,12 @@ def format_plan(
             f"{chip.hbm_bandwidth / 1e9:.0f} GB/s) per {chip.kind} chip ({chip.source})"
             + (f", 1/{share} each per device" if share > 1 else "")
         )
-    if any(c.unseen_bytes for c in costs):
+    if any(c.unseen_bytes or c.unseen_flops for c in costs):
         lines.append(
-            "* bytes XLA's cost analysis does not see (KV reads inside a Mosaic kernel) are "
-            "added on paper: see the decode lines below"
+            "* with what XLA's cost analysis does not see, computed on paper (GFLOP and GB "
+            "are XLA's): it counts a loop body once (the train step's micro-batch and layer "
+            "scans, the decode block's steps) and nothing inside a Mosaic kernel (splash "
+            "attention; the paged kernel's KV reads)"
         )
     for c, cap in broken:
         over = c.resident_bytes - cap
