@@ -9,7 +9,8 @@ and the simulator's forecast on their roofline costs.
 Each case is a disjoint placement on one slice, at the settings of the configs a
 user starts from (``configs/tpu_qwen2p5_1p5b_v5e.py``, ``configs/tpu_llama3p1_8b_v5p.py``):
 fp32 master weights, bf16 compute, splash attention (``model.attention=auto`` on
-TPU), ``model.remat_policy="full"``, a paged KV cache of ``page_size`` 32; GRPO
+TPU), ``model.remat_policy="full"``, ``learner.packing``, a paged KV cache of
+``page_size`` 32; GRPO
 batches of prompts x 8 samples, prompts of 1,024 tokens and the rest of T response;
 the learner on the first chips (fsdp, one sequence per chip per micro-batch),
 generation engines of ``tensor`` chips after it (as many as fill the slice).
@@ -84,7 +85,7 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
     n = case.learner
     lmesh = make_mesh(devices[:n], {"fsdp": n})
     gmesh = make_mesh(devices[n : n + case.tensor], {"tensor": case.tensor})
-    learner = LearnerConfig(lr=1e-6, micro_batch_size=n)
+    learner = LearnerConfig(lr=1e-6, micro_batch_size=n, packing=True)
     t0 = time.perf_counter()
     plan = plan_programs(
         model, learner, engine,
@@ -119,7 +120,7 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
         shape = RunShape(
             slice_chips=len(devices), learner_chips=n, gen_chips=case.tensor, slots=case.slots,
             prompts_per_step=case.batch // 8, group_size=8, prompt_tokens=PROMPT,
-            max_new_tokens=case.length - PROMPT, async_ratio=2, packing=False,
+            max_new_tokens=case.length - PROMPT, async_ratio=2, packing=True,
             micro_batch_size=n, seq_len=case.length, hbm_bytes=cap,
         )  # fmt: skip
         try:
@@ -165,10 +166,12 @@ def markdown(results: list[dict]) -> str:
             if "best_async_a2" in f
             else f.get("error", "-")
         )
+        gen = f"{r['engines']} x tensor={r['tensor']}"
         rows.append(
             f"| {r['preset']} | {r['topology']} ({r['capacity_gib']:.2f} GiB) | {r['length']} | "
-            f"fsdp={r['learner']} | {r['engines']} x tensor={r['tensor']} | {r['batch']} | {r['slots']} / "
-            f"{r['pool_tokens']:,} | " + " | ".join(cells.get(n, "-") for n in names) + f" | {fc} |"
+            f"fsdp={r['learner']} | {gen} | {r['batch']} | {r['slots']} / {r['pool_tokens']:,} | "
+            + " | ".join(cells.get(n, "-") for n in names)
+            + f" | {fc} |"
         )
     return "\n".join(rows)
 

@@ -20,9 +20,9 @@ Shapes (what the dry run compiles; docs/TPU.md "Presets x slices" has the number
 
 - learner: fsdp=32 on chips 0-31 (a v5p-64's worth), a train step of 256 samples
   (32 prompts x 8) of up to 1,024 prompt + 31,744 response = 32,768 tokens: the
-  worst case of a 256 x 8,192-token budget with long tails (with
-  ``learner.packing`` the real step trains the real tokens), micro-batches of 32 (one
-  sequence per chip), ``model.remat_policy="full"``.
+  worst case of a 256 x 8,192-token budget with long tails (``learner.packing``: the
+  step trains the real tokens in rows of 32,768), micro-batches of 32 (one row per
+  chip), ``model.remat_policy="full"``.
 - generation: chips 32-63 as 4 engines of tensor=8 (8 v5p chips each), each 256 slots
   of up to 32,768 positions and a page pool of 65,536 pages x 32 = 2,097,152 tokens
   (a quarter of its slots' dense reservation), split over the 8 KV heads. On main a
@@ -72,4 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.learner.lr = 1e-6
     c.learner.micro_batch_size = 32  # one 32k-token sequence per chip per micro-step
+    # Sequences end to end in rows of T with segment ids: the step trains the real tokens
+    # (long-tailed lengths: padding one per row is most of a batch; docs/TPU.md).
+    c.learner.packing = True
     return c

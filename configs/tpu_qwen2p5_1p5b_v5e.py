@@ -20,7 +20,8 @@ Shapes (what the dry run compiles; docs/TPU.md "Presets x slices" has the number
 
 - learner: fsdp=8 on chips 0-7, a train step of 64 samples (8 prompts x 8) of up to
   1,024 prompt + 7,168 response = 8,192 tokens, micro-batches of 8 (one sequence
-  per chip), ``model.remat_policy="full"`` (only each layer's input is saved).
+  per chip), ``model.remat_policy="full"`` (only each layer's input is saved),
+  ``learner.packing`` (rows of 8,192 tokens with segment ids: the real tokens only).
 - generation: chips 8-15 as 4 engines of tensor=2, each 32 slots of up to 8,192
   positions and a page pool of 4,096 pages x 32 = 131,072 tokens (half its slots'
   dense reservation): 128 slots and 524,288 pool tokens over the 8 chips. Main
@@ -75,4 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.learner.lr = 1e-6
     c.learner.micro_batch_size = 8  # one 8192-token sequence per chip per micro-step
+    # Sequences end to end in rows of T with segment ids: the step trains the real tokens
+    # (long-tailed lengths: padding one per row is most of a batch; docs/TPU.md).
+    c.learner.packing = True
     return c

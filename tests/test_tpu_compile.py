@@ -259,3 +259,35 @@ def test_an_elastic_move_compiles_the_reshard_programs_it_runs():
     for p in grow + shrink:
         cost = measure(p)
         assert cost.argument_bytes > 0 and cost.peak_bytes >= cost.argument_bytes
+
+
+def test_xla_counts_a_loop_body_once():
+    """Why the plan computes the train step's FLOPs on paper and multiplies the decode
+    block's costs by its steps: a scan of 10 matmuls reports the FLOPs of one."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 64))
+
+    def flops(fn):
+        return jax.jit(fn).lower(x).compile().cost_analysis()["flops"]
+
+    one = flops(lambda a: a @ a)
+    ten = flops(lambda a: jax.lax.scan(lambda c, _: (c @ a, None), a, None, length=10)[0])
+    assert one == 2 * 64**3 and ten == pytest.approx(one, abs=8)  # + the loop counter
+
+
+def test_train_step_flops_on_paper_by_hand():
+    from jaxflash.models.presets import get_preset
+    from jaxflash.sizing.paper import matmul_params, train_step_flops
+
+    tiny = get_preset("tiny", remat=True, remat_policy="full")  # tied, 2 layers, d 64
+    # Per layer q 64x4x16 + k, v 64x2x16 + o 4x16x64 + gate, up, down 64x128: 36,864;
+    # x 2 layers + the tied head 512 x 64.
+    assert matmul_params(tiny) == 2 * 36864 + 512 * 64
+    # 4 passes (forward, backward x 2, full remat's recompute) x 8 x 64 tokens x
+    # (2 x 106,496 + attention 4 x 32.5 positions x 4 heads x 16 x 2 layers).
+    per_token = 2 * 106496 + 4 * 32.5 * 4 * 16 * 2
+    assert train_step_flops(tiny, batch=8, seq_len=64) == 4 * 8 * 64 * per_token
+    dots = get_preset("tiny", remat=True)  # matmul outputs kept: no recompute of them
+    assert train_step_flops(dots, batch=8, seq_len=64, kl=True) == 4 * 8 * 64 * per_token
