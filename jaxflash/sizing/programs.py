@@ -163,7 +163,9 @@ def engine_programs(
     shapes = jax.eval_shape(unstack_layers, stacked)
     params = _abstract(shapes, engine_shardings(model, mesh, rules, lora))
     rep = NamedSharding(mesh, PartitionSpec())
-    state_sh, _ = engine_state_shardings(model, config, mesh, rules)
+    # The engine's own config: "auto" paged attention resolved (the kernel flag is part
+    # of the state's tree).
+    state_sh, _ = engine_state_shardings(model, engine.config, mesh, rules)
     state = _abstract(jax.eval_shape(engine.init_decode_state), state_sh)
     rows = config.prefill_rows
     out = []
@@ -177,7 +179,13 @@ def engine_programs(
     live = jax.ShapeDtypeStruct((B,), np.bool_, sharding=rep)
     stop = jax.ShapeDtypeStruct(stop_array([]).shape, np.int32, sharding=rep)
     block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
-    lower = lambda: block.lower(params, state, live, stop)  # noqa: E731
+
+    def lower():
+        # A Pallas kernel (the paged engine's ragged_paged_attention) lowers for
+        # compile-only chips once one is the default device (Mosaic reads its kind).
+        with jax.default_device(mesh.devices.flat[0]):
+            return block.lower(params, state, live, stop)
+
     # count=steps: the block is a while loop, whose body XLA's cost analysis counts once.
     arg = per_device_bytes((params, state))
     out.append(Lowerable(f"decode_block_{steps}", "generation", mesh, lower, arg, count=steps))

@@ -190,7 +190,8 @@ def program_times(
         )
 
     def roof(c) -> float:
-        return roofline_seconds(c.flops, c.bytes_accessed + c.unseen_bytes, chip, share=share)
+        flops, nbytes = c.flops + c.unseen_flops, c.bytes_accessed + c.unseen_bytes
+        return roofline_seconds(flops, nbytes, chip, share=share)
 
     prefill = sorted(
         (int(c.name.split("_")[1]), roof(c)) for c in plan.costs if c.name.startswith("prefill_")
