@@ -68,9 +68,7 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
     from jaxflash.models.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
-    from jaxflash.sizing.forecast import make_forecast
     from jaxflash.sizing.plan import plan_programs
-    from jaxflash.sizing.sim_costs import RunShape
     from jaxflash.sizing.tpu import topology_devices
 
     topo = parse_topology(case.topology)
@@ -116,27 +114,40 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
             for c in plan.costs
         ],
     }
+    out["plan"] = plan.to_dict()  # the compiled costs: --reforecast reuses them
     if forecast:
-        shape = RunShape(
-            slice_chips=len(devices), learner_chips=n, gen_chips=case.tensor, slots=case.slots,
-            prompts_per_step=case.batch // 8, group_size=8, prompt_tokens=PROMPT,
-            max_new_tokens=case.length - PROMPT, async_ratio=2, packing=True,
-            micro_batch_size=n, seq_len=case.length, hbm_bytes=cap,
-        )  # fmt: skip
-        try:
-            f = make_forecast(plan, topo.chip, shape)
-        except ValueError as err:
-            out["forecast"] = {"error": str(err)}
-        else:
-            out["forecast"] = {
-                "sync_colocated": round(f.colocated.result.samples_per_s, 3),
-                "best_async_a2": round(f.best.result.samples_per_s, 3),
-                "best_split": f"{f.best.learner_chips}+{f.best.servers}x{case.tensor}",
-                "sync_same_split": round(f.sync_same_split.result.samples_per_s, 3),
-                "kernel_what_if": round(f.what_if[1].result.samples_per_s, 3)
-                if f.what_if
-                else None,
-            }
+        out["forecast"] = forecast_summary(case, plan)
+    return out
+
+
+def forecast_summary(case: Case, plan) -> dict:
+    """The simulator's figures on a plan's roofline costs (model figures, seconds of
+    simulation, no compile): sync colocated, the best async split, the kernel what-if."""
+    from jaxflash.sizing.forecast import make_forecast
+    from jaxflash.sizing.sim_costs import RunShape
+
+    topo = parse_topology(case.topology)
+    cap = topo.chip.usable_hbm_bytes
+    shape = RunShape(
+        slice_chips=topo.chips, learner_chips=case.learner, gen_chips=case.tensor,
+        slots=case.slots, prompts_per_step=case.batch // 8, group_size=8,
+        prompt_tokens=PROMPT, max_new_tokens=case.length - PROMPT, async_ratio=2,
+        packing=True, micro_batch_size=case.learner, seq_len=case.length, hbm_bytes=cap,
+    )  # fmt: skip
+    try:
+        f = make_forecast(plan, topo.chip, shape)
+    except ValueError as err:
+        return {"error": str(err)}
+    out = {
+        "sync_colocated": round(f.colocated.result.samples_per_s, 3),
+        "best_async_a2": round(f.best.result.samples_per_s, 3),
+        "best_split": f"{f.best.learner_chips}+{f.best.servers}x{case.tensor}",
+        "sync_same_split": round(f.sync_same_split.result.samples_per_s, 3),
+    }
+    if f.what_if is not None:
+        run = f.what_if[1]
+        out["kernel_what_if"] = round(run.result.samples_per_s, 3)
+        out["kernel_what_if_split"] = f"{run.learner_chips}+{run.servers}x{case.tensor}"
     return out
 
 
@@ -166,6 +177,8 @@ def markdown(results: list[dict]) -> str:
             if "best_async_a2" in f
             else f.get("error", "-")
         )
+        if f.get("kernel_what_if"):
+            fc += f"; kernel what-if {f['kernel_what_if']} ({f['kernel_what_if_split']})"
         gen = f"{r['engines']} x tensor={r['tensor']}"
         rows.append(
             f"| {r['preset']} | {r['topology']} ({r['capacity_gib']:.2f} GiB) | {r['length']} | "
@@ -182,10 +195,26 @@ def main() -> None:
     ap.add_argument("--only", default="", help="one preset")
     ap.add_argument("--no_forecast", action="store_true", help="compile only")
     ap.add_argument("--table", default="", help="print the markdown table of a results file")
+    ap.add_argument(
+        "--reforecast", default="", help="recompute a results file's forecasts (no compile)"
+    )
     args = ap.parse_args()
     if args.table:
         with open(args.table, encoding="utf-8") as f:
             print(markdown(json.load(f)))
+        return
+    if args.reforecast:
+        from jaxflash.sizing.plan import Plan
+
+        with open(args.reforecast, encoding="utf-8") as f:
+            results = json.load(f)
+        names = {f.name for f in dataclasses.fields(Case)}
+        for r in results:
+            case = Case(**{k: v for k, v in r.items() if k in names})
+            r["forecast"] = forecast_summary(case, Plan.from_dict(r["plan"]))
+            print(case.preset, r["forecast"], flush=True)
+        with open(args.reforecast, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
         return
     for case in CASES:
         parse_topology(case.topology)  # a typo fails before any compile

@@ -176,8 +176,8 @@ class Forecast:
       colocated: the synchronous baseline on the whole slice.
       colocated_bytes: its per-chip estimate (learner + engine on each chip).
       best: the async run with the most trained samples/s.
-      what_if: (times, run) with the decode step priced as the TPU kernel over a
-        page-split pool, at the best split; None on the kernel path.
+      what_if: (times, best async run over the fitting splits) with the decode step
+        priced as the TPU kernel over a page-split pool; None on the kernel path.
     """
 
     shape: RunShape
@@ -207,8 +207,8 @@ def make_forecast(plan: Plan, chip: ChipSpec, shape: RunShape, *, share: int = 1
     Runs the simulator 2 x (fitting splits) + 2 times: sync (α = 0) and async (α =
     ``shape.async_ratio``) per split, the colocated synchronous baseline on the whole
     slice, and, where the engine reads every slot's reservation (reference path or a
-    dense cache), the async run at the best split with the decode step priced as the
-    TPU kernel over a page-split pool.
+    dense cache), async per split again with the decode step priced as the TPU kernel
+    over a page-split pool.
 
     Raises:
       ValueError: a program is missing or refused (``program_times``), or no split fits.
@@ -247,8 +247,12 @@ def make_forecast(plan: Plan, chip: ChipSpec, shape: RunShape, *, share: int = 1
     if times.path in ("reference", "dense"):
         t = program_times(plan, chip, shape, context_tokens=context, kernel_what_if=True,
                           share=share)  # fmt: skip
-        run = simulate_mode(cost_model(t, shape, chip), work, shape, alpha=a,
-                            learner_chips=best.learner_chips, servers=best.servers)  # fmt: skip
+        kernel = cost_model(t, shape, chip)
+        run = max(
+            (simulate_mode(kernel, work, shape, alpha=a, learner_chips=s.learner_chips,
+                           servers=s.servers) for s in ok),
+            key=lambda r: r.result.samples_per_s,
+        )  # fmt: skip
         what_if = (t, run)
     return Forecast(
         shape=shape, work_line=work_line, context_tokens=context, times=times, tried=tried,
@@ -300,8 +304,10 @@ def format_forecast(f: Forecast, chip: ChipSpec, *, topology: str = "") -> str:
             f"  what-if, decode by the TPU kernel over a pool split over all "
             f"{shape.gen_chips} chips (page-split pool: not on main): step "
             f"{1e3 * t.decode_base_s:.2f} ms + {1e6 * t.decode_live_s:.1f} us per live slot; "
-            f"async a={a} on the best split: {run.result.samples_per_s:.3f} samples/s "
-            f"({run.result.samples_per_s / rate:.2f}x)"
+            f"best async a={a}: learner {run.learner_chips} chips + generation {run.servers} x "
+            f"{shape.gen_chips}: {run.result.samples_per_s:.3f} samples/s "
+            f"({run.result.samples_per_s / rate:.2f}x; learner idle "
+            f"{time_split(run)['idle']:.2f}, gen occupancy {run.result.occupancy:.2f})"
         )
     return "\n".join(lines)
 

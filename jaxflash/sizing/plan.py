@@ -102,6 +102,19 @@ class Plan:
     def by_name(self) -> dict[str, ProgramCost]:
         return {c.name: c for c in self.costs}
 
+    def to_dict(self) -> dict:
+        """JSON form: the compiled costs, reusable without compiling (``from_dict``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(
+            costs=[ProgramCost(**c) for c in d["costs"]], kv=KvPool(**d["kv"]),
+            engine_weight_bytes=int(d["engine_weight_bytes"]),
+            learner_state_bytes=int(d["learner_state_bytes"]),
+            decode_steps=int(d["decode_steps"]),
+        )  # fmt: skip
+
 
 _UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _NUM = r"([\d.]+)\s*([KMGT]?)i?B?"
