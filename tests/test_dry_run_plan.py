@@ -185,3 +185,24 @@ def test_the_forecast_prints_sync_async_a_best_split_and_says_it_is_a_model():
     assert "skipped: micro-batch 6" in text
     # The reference path gathers: the forecast says what the TPU kernel would buy.
     assert "what-if, decode by the TPU kernel" in text
+
+
+@pytest.mark.parametrize(
+    "name, slots, pool, positions",
+    [("tpu_qwen2p5_1p5b_v5e", 32, 131072, 8192), ("tpu_llama3p1_8b_v5p", 256, 2097152, 32768)],
+)
+def test_the_tpu_presets_convert_with_their_sizes(name, slots, pool, positions):
+    import importlib
+
+    c = importlib.import_module(f"configs.{name}").get_config()
+    exp = ExperimentConfig.from_config_dict(c)
+    r = exp.rollout
+    assert (exp.model.remat_policy, exp.model.compute_dtype) == ("full", "bfloat16")
+    assert (r.kv_cache, r.num_slots, r.num_pages * r.page_size) == ("paged", slots, pool)
+    assert exp.data.max_prompt_tokens + r.sampling.max_new_tokens == positions
+    assert exp.learner.packing and not exp.mesh.colocated and r.async_ratio == 2
+    # The launch command in the docstring is the one docs/TPU.md gives.
+    assert (
+        f"--config configs/{name}.py --dry_run --topology"
+        in importlib.import_module(f"configs.{name}").__doc__
+    )
