@@ -284,6 +284,15 @@ def format_forecast(f: Forecast, chip: ChipSpec, *, topology: str = "") -> str:
         f"{rate / coloc.result.samples_per_s:.2f}x sync colocated, "
         f"{rate / f.sync_same_split.result.samples_per_s:.2f}x sync a=0 on the same split"
     )
+    r, idle = best.result, time_split(best)["idle"]
+    neck = "generation" if idle > 0.5 else "learner"
+    lines.append(
+        f"  where the time goes at the best split: the {neck} sets the pace (learner idle "
+        f"{idle:.2f}, slots {r.occupancy:.2f} occupied); a sample spends {r.mu_gen_s:.1f} s in "
+        f"a slot on average, the longest {r.l_gen_s:.1f} s; ROLL Flash's generation bound "
+        f"mu/K + L/((a+1)N) = {r.bound_s_per_sample:.3f} s per sample, simulated "
+        f"{r.s_per_sample:.3f}"
+    )
     verdict = "fits" if f.colocated_bytes <= 0.9 * shape.hbm_bytes else "would NOT fit"
     lines.append(
         f"  sync colocated holds the learner and an engine on every chip: about "
