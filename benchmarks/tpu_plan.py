@@ -17,7 +17,7 @@ generation engines of ``tensor`` chips after it (as many as fill the slice).
 Programs: train step, prefill at buckets 16 and 1,024 (the others lie between),
 decode block of 8 steps, publish and install. Memory figures are XLA's for libtpu
 0.0.42.1's compiler; "refused" means that compiler refused the program for HBM.
-The forecast (``jaxflash.sizing.forecast``) is model figures: roofline costs
+The forecast (``jaxflash.runtime.simulate.forecast``) is model figures: roofline costs
 through the simulator, not measurements.
 """
 
@@ -123,8 +123,8 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
 def forecast_summary(case: Case, plan) -> dict:
     """The simulator's figures on a plan's roofline costs (model figures, seconds of
     simulation, no compile): sync colocated, the best async split, the kernel what-if."""
-    from jaxflash.sizing.forecast import make_forecast
-    from jaxflash.sizing.sim_costs import RunShape
+    from jaxflash.runtime.simulate.forecast import make_forecast
+    from jaxflash.runtime.simulate.plan_costs import RunShape
 
     topo = parse_topology(case.topology)
     cap = topo.chip.usable_hbm_bytes

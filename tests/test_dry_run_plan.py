@@ -93,7 +93,7 @@ def test_lora_compiles_the_adapter_step_and_reports_what_it_saves():
     assert lora_peak > 0 and full_peak > 0 and "full fine-tuning" in saving
 
 
-# -- the forecast (sizing.forecast) on a stub plan: no compile ------------------------
+# -- the forecast (simulate.forecast) on a stub plan: no compile ------------------------
 
 GIB = 1 << 30
 V5E_BW = 819e9  # bytes/s: a program reading V5E_BW * t bytes has a roofline of t seconds
@@ -129,8 +129,8 @@ def _stub_plan(attention="reference"):
 
 
 def _shape(**kw):
+    from jaxflash.runtime.simulate.plan_costs import RunShape
     from jaxflash.sizing.chips import CHIPS
-    from jaxflash.sizing.sim_costs import RunShape
 
     base = dict(
         slice_chips=8, learner_chips=4, gen_chips=2, slots=16, prompts_per_step=4,
@@ -141,8 +141,8 @@ def _shape(**kw):
 
 
 def test_program_times_are_the_rooflines_of_the_compiled_programs():
+    from jaxflash.runtime.simulate.plan_costs import program_times
     from jaxflash.sizing.chips import CHIPS
-    from jaxflash.sizing.sim_costs import program_times
 
     t = program_times(_stub_plan(), CHIPS["v5e"], _shape(), context_tokens=100.0)
     assert t.train_step_s == pytest.approx(1.0) and t.train_tokens == 16 * 320
@@ -158,7 +158,7 @@ def test_program_times_are_the_rooflines_of_the_compiled_programs():
 
 
 def test_splits_keep_the_sequences_per_chip_and_the_hbm_margin():
-    from jaxflash.sizing.forecast import splits
+    from jaxflash.runtime.simulate.forecast import splits
 
     got = {s.learner_chips: s for s in splits(_stub_plan(), _shape())}
     assert sorted(got) == [2, 4, 6]  # 8 chips minus 1..3 generation slices of 2
@@ -170,8 +170,8 @@ def test_splits_keep_the_sequences_per_chip_and_the_hbm_margin():
 
 
 def test_the_forecast_prints_sync_async_a_best_split_and_says_it_is_a_model():
+    from jaxflash.runtime.simulate.forecast import forecast_report
     from jaxflash.sizing.chips import CHIPS
-    from jaxflash.sizing.forecast import forecast_report
 
     text = forecast_report(_stub_plan(), CHIPS["v5e"], _shape(), topology="v5e-8")
     assert "MODEL FIGURES, NOT MEASUREMENTS" in text and "roofline" in text
@@ -206,3 +206,14 @@ def test_the_tpu_presets_convert_with_their_sizes(name, slots, pool, positions):
         f"--config configs/{name}.py --dry_run --topology"
         in importlib.import_module(f"configs.{name}").__doc__
     )
+
+
+def test_a_given_workload_replaces_the_assumed_one():
+    from jaxflash.runtime.simulate import Replay, Workload
+    from jaxflash.runtime.simulate.forecast import make_forecast
+    from jaxflash.sizing.chips import CHIPS
+
+    work = Workload(lengths=Replay(((8, 16, 32, 200),)), max_tokens=256, prompt_tokens=(32,))
+    f = make_forecast(_stub_plan(), CHIPS["v5e"], _shape(), workload=work)
+    assert "workload (given)" in f.work_line and "Replay lengths" in f.work_line
+    assert f.best.result.len_max == 200 and f.best.result.samples_per_s > 0

@@ -234,9 +234,9 @@ def _forecast(
     topology: str | None, capacity: int | None,
 ) -> str:  # fmt: skip
     """The simulator's forecast of trained samples/s over the slice's splits
-    (``sizing.forecast``); a line saying why where it cannot be made."""
-    from jaxflash.sizing.forecast import forecast_report  # noqa: PLC0415
-    from jaxflash.sizing.sim_costs import RunShape  # noqa: PLC0415
+    (``simulate.forecast``); a line saying why where it cannot be made."""
+    from jaxflash.runtime.simulate.forecast import forecast_report  # noqa: PLC0415
+    from jaxflash.runtime.simulate.plan_costs import RunShape  # noqa: PLC0415
 
     r, m = exp.rollout, exp.mesh
     learner = math.prod(int(v) for v in m.learner.values())

@@ -1,6 +1,6 @@
 """What to rent: the compiled programs' roofline costs, run through the pod-scale simulator.
 
-The dry run compiles every program of a run (``sizing.plan``); ``sizing.sim_costs``
+The dry run compiles every program of a run (``sizing.plan``); ``simulate.plan_costs``
 turns their costs into a ``runtime.simulate.CostModel``, and here the real scheduler
 runs the config's workload on it under virtual time (``runtime.simulate.simulate``):
 the synchronous baseline (colocated on the whole slice, α = 0), and sync and async
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxflash.runtime.simulate import CostModel, SimConfig, SimResult, Workload, simulate
-from jaxflash.sizing.chips import ChipSpec
-from jaxflash.sizing.plan import Plan
-from jaxflash.sizing.sim_costs import (
+from jaxflash.runtime.simulate.costs import CostModel
+from jaxflash.runtime.simulate.driver import SimConfig, simulate
+from jaxflash.runtime.simulate.metrics import SimResult
+from jaxflash.runtime.simulate.plan_costs import (
     ProgramTimes,
     RunShape,
     assumed_workload,
@@ -28,6 +28,9 @@ from jaxflash.sizing.sim_costs import (
     mean_live_context,
     program_times,
 )
+from jaxflash.runtime.simulate.workload import Workload
+from jaxflash.sizing.chips import ChipSpec
+from jaxflash.sizing.plan import Plan
 
 GIB = 1 << 30
 MODEL_NOTE = (
@@ -201,8 +204,22 @@ class Forecast:
         )
 
 
-def make_forecast(plan: Plan, chip: ChipSpec, shape: RunShape, *, share: int = 1) -> Forecast:
+def make_forecast(
+    plan: Plan,
+    chip: ChipSpec,
+    shape: RunShape,
+    *,
+    share: int = 1,
+    workload: Workload | None = None,
+) -> Forecast:
     """Simulate the run on the plan's costs (see the module doc).
+
+    Args:
+      plan: the compiled programs (``sizing.plan.plan_programs`` or ``Plan.from_dict``).
+      chip: the chip's figures; ``share``: devices per chip (2 on v4).
+      shape: the run's placement and workload sizes.
+      workload: response lengths to simulate (e.g. ``Replay.from_rollouts`` of a run);
+        default ``assumed_workload(shape)``.
 
     Runs the simulator 2 x (fitting splits) + 2 times: sync (α = 0) and async (α =
     ``shape.async_ratio``) per split, the colocated synchronous baseline on the whole
@@ -213,7 +230,17 @@ def make_forecast(plan: Plan, chip: ChipSpec, shape: RunShape, *, share: int = 1
     Raises:
       ValueError: a program is missing or refused (``program_times``), or no split fits.
     """
-    work, work_line = assumed_workload(shape)
+    if workload is None:
+        work, work_line = assumed_workload(shape)
+    else:
+        kind = type(workload.lengths).__name__
+        work, work_line = (
+            workload,
+            (
+                f"workload (given): {shape.prompts_per_step} prompts x {shape.group_size} "
+                f"samples a step, {kind} lengths capped at {workload.max_tokens}"
+            ),
+        )
     context = mean_live_context(work, shape)
     times = program_times(plan, chip, shape, context_tokens=context, share=share)
     costs = cost_model(times, shape, chip)

@@ -31,16 +31,15 @@ import dataclasses
 
 import numpy as np
 
-from jaxflash.runtime.simulate import (
+from jaxflash.runtime.simulate.costs import (
     CostModel,
     DecodeCost,
     LearnerCost,
-    LogNormal,
     PrefillCost,
     RewardCost,
     SyncCost,
-    Workload,
 )
+from jaxflash.runtime.simulate.workload import LogNormal, Workload
 from jaxflash.sizing.chips import ChipSpec, roofline_seconds
 from jaxflash.sizing.plan import Plan
 
@@ -241,5 +240,5 @@ def cost_model(times: ProgramTimes, shape: RunShape, chip: ChipSpec) -> CostMode
                       stalls_generation=True),
         reward=RewardCost(latency_s=0.0, workers=1),
         server_devices=shape.gen_chips,
-        meta={"source": "jaxflash.sizing.forecast: roofline of the compiled programs"},
+        meta={"source": "jaxflash.runtime.simulate.forecast: roofline of the compiled programs"},
     )  # fmt: skip
