@@ -184,7 +184,7 @@ def test_the_forecast_prints_sync_async_a_best_split_and_says_it_is_a_model():
     assert "learner" in best and "x sync colocated" in best and "samples/s" in best
     assert "skipped: micro-batch 6" in text
     # The reference path gathers: the forecast says what the TPU kernel would buy.
-    assert "what-if, decode by the TPU kernel" in text
+    assert "what-if, decode by the paged TPU kernel" in text
 
 
 @pytest.mark.parametrize(
