@@ -129,19 +129,22 @@ class KvPool:
         """Positions the slots' page tables address: B x ceil(S / P) x P."""
         return self.slots * -(-self.positions // self.page_size) * self.page_size
 
+    def _split_words(self) -> str:
+        return f"split {self.split:g} ways" if self.split > 1 else "not split: whole on a chip"
+
     def describe(self) -> str:
         """One line: what the engine allocates, per chip."""
         if self.kind == "dense":
             return (
                 f"dense KV cache {self.slots} slots x {self.positions} positions = "
                 f"{self.pool_tokens:,} tokens, {self.chip_bytes / GIB:.2f} GiB per chip "
-                f"(split {self.split:g} ways)"
+                f"({self._split_words()})"
             )
         return (
             f"paged KV pool {self.pool_tokens:,} tokens ({self.pages:,} pages x "
             f"{self.page_size}), {self.slots} slots of up to {self.positions} positions "
             f"({self.pool_tokens / self.reserved_tokens:.2f} of the dense reservation), "
-            f"{self.chip_bytes / GIB:.2f} GiB per chip (split {self.split:g} ways), "
+            f"{self.chip_bytes / GIB:.2f} GiB per chip ({self._split_words()}), "
             f"attention {self.attention}"
         )
 

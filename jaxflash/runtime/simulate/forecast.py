@@ -159,7 +159,7 @@ def _costs_line(times: ProgramTimes, shape: RunShape, chip: ChipSpec) -> str:
         f"{1e6 * tok:.2f} us per token; linear in tokens and 1/chips; rows "
         f"{'packed' if shape.packing else 'padded to the longest'}); prefill "
         f"{1e3 * times.prefill_base_s:.2f} ms + {1e6 * times.prefill_token_s:.2f} us per "
-        f"prompt token; {decode}, server of {shape.gen_chips} chips x {shape.slots} slots; "
+        f"prompt token; {decode}, a server of {shape.gen_chips} chip(s) x {shape.slots} slots; "
         f"publish {1e3 * times.publish_s:.2f} ms + install {1e3 * times.install_s:.2f} ms"
         f"{copy}; generation waits for it; rewards instant"
     )
