@@ -4,9 +4,8 @@ The 8B preset a user starts from on TPU v5p (95 GB HBM per chip): asynchronous
 (alpha = 2) on disjoint slices, bf16 compute over fp32 master weights, splash
 attention with full remat in the learner, a paged KV cache in the engines.
 
-Size it first, without a TPU (``pip install -e '.[tpu]'``; 30+ min of compile on 2
-busy CPU cores: the 32-layer engine is unrolled), then read the per-chip table and
-the simulator's forecast:
+Size it first, without a TPU (``pip install -e '.[tpu]'``; about 4 min of compile
+on 2 busy CPU cores), then read the per-chip table and the simulator's forecast:
 
     python launch/tpu_pod.py --config configs/tpu_llama3p1_8b_v5p.py --dry_run --topology v5p-128
 
@@ -31,6 +30,12 @@ Shapes (what the dry run compiles; docs/TPU.md "Presets x slices" has the number
 
 ``--config.mesh.num_generation_slices=1`` is the v5p-64 + one 8-chip engine layout
 (24 chips idle: the forecast under the dry-run table shows what each split buys).
+
+Cost: every program fits with >= 50 % of HBM free per chip (train step 42.1 GiB,
+decode block 45.5 of 95.74; at 256 x 8,192, ``--config.rollout.max_new_tokens=7168``,
+the train step needs 16.1). Forecast (model figures, assumed lengths): 0.106 trained
+samples/s async (0.031 sync) with main's reference decode path (262 ms a step: it
+reads every slot's 32k reservation), 5.8 with the paged kernel over a page-split pool.
 """
 
 import ml_collections
