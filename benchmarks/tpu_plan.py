@@ -1,22 +1,30 @@
-"""Per-chip peak of every program, per preset and TPU slice, compiled without a TPU.
+"""Per-chip peak of every program, per preset and TPU slice, compiled without a TPU,
+and the simulator's forecast on their roofline costs.
 
     pip install -e '.[tpu]'
     python benchmarks/tpu_plan.py --out benchmarks/results/tpu_plan.json   # docs/TPU.md table
-    python benchmarks/tpu_plan.py --only qwen2p5_1p5b --lengths 2048
-    python benchmarks/tpu_plan.py --micro_batch_size 1 --slots 32 --out ..._small.json
+    python benchmarks/tpu_plan.py --only qwen2p5_1p5b
+    python benchmarks/tpu_plan.py --table benchmarks/results/tpu_plan.json
 
-Each case is a disjoint placement on one slice: the learner on the first chips
-(fsdp), generation slices of ``tensor`` chips after it, at the settings a user
-would start from (fp32 master weights, bf16 compute, remat on, GRPO batch of
-prompts x 8 samples, prompt = T / 4, the rest response). Programs: train step,
-prefill at the largest bucket (the smaller buckets need less), decode block of 8
-steps, publish and install. Memory figures are XLA's for libtpu 0.0.42.1's
-compiler; "refused" means that compiler refused the program for HBM.
+Each case is a disjoint placement on one slice, at the settings of the configs a
+user starts from (``configs/tpu_qwen2p5_1p5b_v5e.py``, ``configs/tpu_llama3p1_8b_v5p.py``):
+fp32 master weights, bf16 compute, splash attention (``model.attention=auto`` on
+TPU), ``model.remat_policy="full"``, ``learner.packing``, a paged KV cache of
+``page_size`` 32; GRPO
+batches of prompts x 8 samples, prompts of 1,024 tokens and the rest of T response;
+the learner on the first chips (fsdp, one sequence per chip per micro-batch),
+generation engines of ``tensor`` chips after it (as many as fill the slice).
+Programs: train step, prefill at buckets 16 and 1,024 (the others lie between),
+decode block of 8 steps, publish and install. Memory figures are XLA's for libtpu
+0.0.42.1's compiler; "refused" means that compiler refused the program for HBM.
+The forecast (``jaxflash.runtime.simulate.forecast``) is model figures: roofline costs
+through the simulator, not measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,16 +35,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported: libtpu 
 
 from jaxflash.sizing.chips import parse_topology  # noqa: E402
 
-# (preset, slice, learner chips, generation tensor size, slots, batch sequences, micro)
+PROMPT = 1024
+PAGE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One preset on one slice (chips, tokens)."""
+
+    preset: str
+    topology: str
+    learner: int  # fsdp chips
+    tensor: int  # chips per generation engine (the pool splits over KV heads up to it)
+    slots: int  # per engine
+    pool_tokens: int  # per engine
+    batch: int  # sequences per learner step
+    length: int  # T = prompt + response budget
+
+
 CASES = [
-    ("qwen2p5_1p5b", "v5e-16", 8, 8, 128, 64, 8),
-    ("qwen2p5_7b", "v5p-64", 16, 8, 256, 256, 4),
-    ("llama3p1_8b", "v5p-64", 16, 8, 256, 256, 4),
-    ("qwen3_8b", "v5p-64", 16, 8, 256, 256, 4),
+    # 2 KV heads: a pool splits 2 ways on main, so engines of 2 chips (4 x 32 slots).
+    Case("qwen2p5_1p5b", "v5e-16", 8, 2, 32, 131072, 64, 8192),
+    Case("qwen2p5_7b", "v5p-128", 32, 4, 256, 2097152, 256, 32768),
+    Case("llama3p1_8b", "v5p-128", 32, 8, 256, 2097152, 256, 32768),
+    Case("qwen3_8b", "v5p-128", 32, 8, 256, 2097152, 256, 32768),
 ]
 
 
-def run_case(case: tuple, length: int, *, micro: int = 0, slots: int = 0) -> dict:
+def run_case(case: Case, *, forecast: bool = True) -> dict:
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.presets import get_preset
@@ -45,39 +71,34 @@ def run_case(case: tuple, length: int, *, micro: int = 0, slots: int = 0) -> dic
     from jaxflash.sizing.plan import plan_programs
     from jaxflash.sizing.tpu import topology_devices
 
-    preset, name, n_learner, tensor, case_slots, batch, case_micro = case
-    micro, slots = micro or case_micro, slots or case_slots
-    topo = parse_topology(name)
+    topo = parse_topology(case.topology)
     devices = topology_devices(topo)
-    model = get_preset(preset, compute_dtype="bfloat16", remat=True, max_seq_len=length)
-    prompt = length // 4
+    model = get_preset(case.preset, compute_dtype="bfloat16", remat=True,
+                       remat_policy="full", max_seq_len=case.length, logits_chunk=256)  # fmt: skip
     engine = EngineConfig(
-        max_concurrent_decodes=slots,
-        max_prefill_length=prompt,
-        max_target_length=length,
-        decode_block=8,
-    )
-    lmesh = make_mesh(devices[:n_learner], {"fsdp": n_learner})
-    gmesh = make_mesh(devices[n_learner : n_learner + tensor], {"tensor": tensor})
+        max_concurrent_decodes=case.slots, max_prefill_length=PROMPT,
+        max_target_length=case.length, decode_block=8, kv_cache="paged", page_size=PAGE,
+        num_pages=case.pool_tokens // PAGE,
+    )  # fmt: skip
+    n = case.learner
+    lmesh = make_mesh(devices[:n], {"fsdp": n})
+    gmesh = make_mesh(devices[n : n + case.tensor], {"tensor": case.tensor})
+    learner = LearnerConfig(lr=1e-6, micro_batch_size=n, packing=True)
     t0 = time.perf_counter()
-    costs = plan_programs(
-        model, LearnerConfig(lr=1e-6, micro_batch_size=micro), engine,
+    plan = plan_programs(
+        model, learner, engine,
         learner_mesh=lmesh, learner_rules=LEARNER_RULES,
         generation_mesh=gmesh, generation_rules=GENERATOR_RULES,
-        batch_size=batch, seq_len=length, prefill_buckets=[prompt],
+        batch_size=case.batch, seq_len=case.length, prefill_buckets=[16, PROMPT],
     )  # fmt: skip
+    compile_s = time.perf_counter() - t0
     cap = topo.chip.usable_hbm_bytes // max(1, len(devices) // topo.chips)
-    return {
-        "preset": preset,
-        "topology": name,
-        "length": length,
-        "learner": f"fsdp={n_learner}",
-        "generation": f"tensor={tensor}",
-        "batch": batch,
-        "micro_batch": micro,
-        "slots": slots,
+    out = {
+        **dataclasses.asdict(case),
         "capacity_gib": cap / 2**30,
-        "compile_s": round(time.perf_counter() - t0, 1),
+        "engines": (topo.chips - n) // case.tensor,
+        "compile_s": round(compile_s, 1),
+        "kv": plan.kv.describe(),
         "programs": [
             {
                 "name": c.name,
@@ -90,66 +111,127 @@ def run_case(case: tuple, length: int, *, micro: int = 0, slots: int = 0) -> dic
                 "gbytes": round(c.bytes_accessed / 1e9, 2),
                 "fits_10pct": (not c.refused) and c.resident_bytes <= 0.9 * cap,
             }
-            for c in costs
+            for c in plan.costs
         ],
     }
+    out["plan"] = plan.to_dict()  # the compiled costs: --reforecast reuses them
+    if forecast:
+        out["forecast"] = forecast_summary(case, plan)
+    return out
+
+
+def forecast_summary(case: Case, plan) -> dict:
+    """The simulator's figures on a plan's roofline costs (model figures, seconds of
+    simulation, no compile): sync colocated, the best async split, the kernel what-if."""
+    from jaxflash.runtime.simulate.forecast import make_forecast
+    from jaxflash.runtime.simulate.plan_costs import RunShape
+
+    topo = parse_topology(case.topology)
+    cap = topo.chip.usable_hbm_bytes
+    shape = RunShape(
+        slice_chips=topo.chips, learner_chips=case.learner, gen_chips=case.tensor,
+        slots=case.slots, prompts_per_step=case.batch // 8, group_size=8,
+        prompt_tokens=PROMPT, max_new_tokens=case.length - PROMPT, async_ratio=2,
+        packing=True, micro_batch_size=case.learner, seq_len=case.length, hbm_bytes=cap,
+    )  # fmt: skip
+    try:
+        f = make_forecast(plan, topo.chip, shape)
+    except ValueError as err:
+        return {"error": str(err)}
+    out = {
+        "sync_colocated": round(f.colocated.result.samples_per_s, 3),
+        "best_async_a2": round(f.best.result.samples_per_s, 3),
+        "best_split": f"{f.best.learner_chips}+{f.best.servers}x{case.tensor}",
+        "sync_same_split": round(f.sync_same_split.result.samples_per_s, 3),
+    }
+    if f.what_if is not None:
+        run = f.what_if[1]
+        out["kernel_what_if"] = round(run.result.samples_per_s, 3)
+        out["kernel_what_if_split"] = f"{run.learner_chips}+{run.servers}x{case.tensor}"
+    return out
+
+
+def _kind(name: str) -> str:
+    return name.split("_")[0] if name.startswith("prefill") else name
 
 
 def markdown(results: list[dict]) -> str:
-    """One row per case: per-chip peak (program + what is held meanwhile) of each program."""
+    """One row per case: per-chip peak (program + what is held meanwhile) of each program,
+    then the forecast's trained samples/s (model figures)."""
     names = []
     for r in results:
         for p in r["programs"]:
-            kind = p["name"].split("_")[0] if p["name"].startswith("prefill") else p["name"]
-            if kind not in names:
-                names.append(kind)
-    head = "| preset | slice | T | learner | generation | batch / micro | slots | "
-    head += " | ".join(names) + " |"
-    rows = [head, "|" + "---|" * (7 + len(names))]
+            if _kind(p["name"]) not in names:
+                names.append(_kind(p["name"]))
+    head = "| preset | slice | T | learner | generation | batch | slots / pool per engine | "
+    head += " | ".join(names) + " | forecast samples/s (sync coloc / async a=2, split) |"
+    rows = [head, "|" + "---|" * (8 + len(names))]
     for r in results:
         cells = {}
-        for p in r["programs"]:
-            kind = p["name"].split("_")[0] if p["name"].startswith("prefill") else p["name"]
+        for p in r["programs"]:  # the largest prefill bucket is the last
             mark = "refused" if p["refused"] else ("ok" if p["fits_10pct"] else "over 90 %")
-            cells[kind] = f"{p['peak_gib']:.2f} ({mark})"
+            cells[_kind(p["name"])] = f"{p['peak_gib']:.2f} ({mark})"
+        f = r.get("forecast") or {}
+        fc = (
+            f"{f['sync_colocated']} / {f['best_async_a2']} ({f['best_split']})"
+            if "best_async_a2" in f
+            else f.get("error", "-")
+        )
+        if f.get("kernel_what_if"):
+            fc += f"; kernel what-if {f['kernel_what_if']} ({f['kernel_what_if_split']})"
+        gen = f"{r['engines']} x tensor={r['tensor']}"
         rows.append(
             f"| {r['preset']} | {r['topology']} ({r['capacity_gib']:.2f} GiB) | {r['length']} | "
-            f"{r['learner']} | {r['generation']} | {r['batch']} / {r['micro_batch']} | "
-            f"{r['slots']} | " + " | ".join(cells.get(n, "-") for n in names) + " |"
+            f"fsdp={r['learner']} | {gen} | {r['batch']} | {r['slots']} / {r['pool_tokens']:,} | "
+            + " | ".join(cells.get(n, "-") for n in names)
+            + f" | {fc} |"
         )
     return "\n".join(rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="JSON file (rewritten after every case)")
     ap.add_argument("--only", default="", help="one preset")
-    ap.add_argument("--lengths", default="2048,8192", help="sequence lengths T")
-    ap.add_argument("--micro_batch_size", type=int, default=0, help="override every case's")
-    ap.add_argument("--slots", type=int, default=0, help="override every case's decode slots")
+    ap.add_argument("--no_forecast", action="store_true", help="compile only")
     ap.add_argument("--table", default="", help="print the markdown table of a results file")
+    ap.add_argument(
+        "--reforecast", default="", help="recompute a results file's forecasts (no compile)"
+    )
     args = ap.parse_args()
     if args.table:
         with open(args.table, encoding="utf-8") as f:
             print(markdown(json.load(f)))
         return
+    if args.reforecast:
+        from jaxflash.sizing.plan import Plan
+
+        with open(args.reforecast, encoding="utf-8") as f:
+            results = json.load(f)
+        names = {f.name for f in dataclasses.fields(Case)}
+        for r in results:
+            case = Case(**{k: v for k, v in r.items() if k in names})
+            r["forecast"] = forecast_summary(case, Plan.from_dict(r["plan"]))
+            print(case.preset, r["forecast"], flush=True)
+        with open(args.reforecast, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+        return
     for case in CASES:
-        parse_topology(case[1])  # a typo fails before any compile
+        parse_topology(case.topology)  # a typo fails before any compile
     results = []
     for case in CASES:
-        if args.only and case[0] != args.only:
+        if args.only and case.preset != args.only:
             continue
-        for length in (int(x) for x in args.lengths.split(",")):
-            r = run_case(case, length, micro=args.micro_batch_size, slots=args.slots)
-            results.append(r)
-            cells = " | ".join(
-                f"{p['name']} {'refused' if p['refused'] else p['peak_gib']}" for p in r["programs"]
-            )
-            print(f"{r['preset']} {r['topology']} T={length} ({r['compile_s']} s): {cells}",
-                  flush=True)  # fmt: skip
-            if args.out:
-                with open(args.out, "w", encoding="utf-8") as f:
-                    json.dump(results, f, indent=1)
+        r = run_case(case, forecast=not args.no_forecast)
+        results.append(r)
+        cells = " | ".join(
+            f"{p['name']} {'refused' if p['refused'] else p['peak_gib']}" for p in r["programs"]
+        )
+        print(f"{case.preset} {case.topology} T={case.length} ({r['compile_s']} s): {cells}; "
+              f"forecast {r.get('forecast')}", flush=True)  # fmt: skip
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.preset = "smollm2_135m"  # architecture for source=random
     c.model.compute_dtype = "float32"  # bfloat16 on accelerators (fp32 master weights)
     c.model.remat = True  # rematerialise layer activations in the learner
+    c.model.remat_policy = "dots"  # dots: keep matmul outputs | full: only each layer's input
     c.model.logits_chunk = 64  # tokens per chunk of the vocabulary log-softmax
     # Learner attention: auto (splash on TPU, cuDNN on GPU, blockwise on CPU) | dense |
     # blockwise | dot_product | splash (jaxflash/models/attention.py).

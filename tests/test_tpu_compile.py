@@ -125,6 +125,8 @@ _HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 def tiny_plan():
     if not _HAS_LIBTPU:
         pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
+    import dataclasses
+
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.models.presets import get_preset
@@ -144,15 +146,21 @@ def tiny_plan():
         model, LearnerConfig(lr=1e-3, micro_batch_size=4), make_mesh(devices[:2], {"fsdp": 2}),
         LEARNER_RULES, batch_size=8, seq_len=64,
     )  # fmt: skip
-    (block,), _, _ = programs.engine_programs(
-        model, engine, make_mesh(devices[2:], {"tensor": 2}), GENERATOR_RULES, buckets=[]
+    gmesh = make_mesh(devices[2:], {"tensor": 2})
+    (block,), _, _ = programs.engine_programs(model, engine, gmesh, GENERATOR_RULES, buckets=[])
+    # The paged engine's block: 24 pages of 8 for 8 slots of 64 positions (reference path:
+    # a 2-chip engine), renamed so the rows stay apart.
+    paged = dataclasses.replace(engine, kv_cache="paged", page_size=8, num_pages=24)
+    (pblock,), _, pstate = programs.engine_programs(
+        model, paged, gmesh, GENERATOR_RULES, buckets=[]
     )
+    pcost = dataclasses.replace(measure(pblock), name="paged_decode_block_4")
     costs = [measure(train), measure(block)]
-    return model, devices, {c.name: c for c in costs}, train
+    return model, devices, {c.name: c for c in costs}, train, (pcost, pstate)
 
 
 def test_train_step_and_decode_block_compile_for_abstract_v5e_chips(tiny_plan):
-    model, devices, by, _ = tiny_plan
+    model, devices, by, *_ = tiny_plan
     assert devices[0].platform == "tpu" and devices[0].device_kind == "TPU v5 lite"
     assert list(by) == ["train_step", "decode_block_4"]
     for c in by.values():
@@ -175,8 +183,25 @@ def test_the_tpu_train_step_attends_with_the_splash_kernel(tiny_plan):
     assert "tpu_custom_call" in text  # the Mosaic kernel (dense attention has none)
 
 
+def test_the_paged_decode_block_compiles_with_the_pool_it_allocates(tiny_plan):
+    """The decode row of a paged engine: its pool (not a dense cache) is what the block
+    takes and returns, split over the 2 KV heads; the reference path gathers every
+    page-table entry of every slot, and XLA counts at least that."""
+    from jaxflash.sizing.kv_pool import KvPool, decode_traffic
+
+    model, _, _, _, (cost, state) = tiny_plan
+    kv = KvPool.from_state(state)
+    assert (kv.kind, kv.attention, kv.slots, kv.pool_tokens) == ("paged", "reference", 8, 192)
+    # bf16 pool [24, 8, 2 x 2, 16] per layer, split 2 ways by KV head.
+    assert kv.chip_bytes == model.n_layers * 24 * 8 * 4 * model.head_dim * 2 // 2
+    assert not cost.refused and cost.alias_bytes >= kv.chip_bytes
+    t = decode_traffic(kv, xla_bytes=cost.bytes_accessed, steps=4, weight_bytes=0)
+    assert t.kv_gathered == kv.reserved_tokens * kv.token_chip_bytes > t.kv_in_use
+    assert t.xla >= t.kv_gathered and t.kernel_unseen == 0
+
+
 def test_the_report_of_a_tpu_plan_has_a_roofline(tiny_plan):
-    _, _, by, _ = tiny_plan
+    _, _, by, *_ = tiny_plan
     table = format_plan(list(by.values()), chip=CHIPS["v5e"])
     row = next(line for line in table.splitlines() if line.startswith("train_step"))
     assert row.endswith("ms") and float(row.split()[-1][:-2]) > 0
@@ -282,3 +307,35 @@ def test_an_elastic_move_compiles_the_reshard_programs_it_runs():
     for p in grow + shrink:
         cost = measure(p)
         assert cost.argument_bytes > 0 and cost.peak_bytes >= cost.argument_bytes
+
+
+def test_xla_counts_a_loop_body_once():
+    """Why the plan computes the train step's FLOPs on paper and multiplies the decode
+    block's costs by its steps: a scan of 10 matmuls reports the FLOPs of one."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 64))
+
+    def flops(fn):
+        return jax.jit(fn).lower(x).compile().cost_analysis()["flops"]
+
+    one = flops(lambda a: a @ a)
+    ten = flops(lambda a: jax.lax.scan(lambda c, _: (c @ a, None), a, None, length=10)[0])
+    assert one == 2 * 64**3 and ten == pytest.approx(one, abs=8)  # + the loop counter
+
+
+def test_train_step_flops_on_paper_by_hand():
+    from jaxflash.models.presets import get_preset
+    from jaxflash.sizing.paper import matmul_params, train_step_flops
+
+    tiny = get_preset("tiny", remat=True, remat_policy="full")  # tied, 2 layers, d 64
+    # Per layer q 64x4x16 + k, v 64x2x16 + o 4x16x64 + gate, up, down 64x128: 36,864;
+    # x 2 layers + the tied head 512 x 64.
+    assert matmul_params(tiny) == 2 * 36864 + 512 * 64
+    # 4 passes (forward, backward x 2, full remat's recompute) x 8 x 64 tokens x
+    # (2 x 106,496 + attention 4 x 32.5 positions x 4 heads x 16 x 2 layers).
+    per_token = 2 * 106496 + 4 * 32.5 * 4 * 16 * 2
+    assert train_step_flops(tiny, batch=8, seq_len=64) == 4 * 8 * 64 * per_token
+    dots = get_preset("tiny", remat=True)  # matmul outputs kept: no recompute of them
+    assert train_step_flops(dots, batch=8, seq_len=64, kl=True) == 4 * 8 * 64 * per_token

@@ -58,6 +58,7 @@ def _model(exp: ExperimentConfig, max_seq_len: int) -> tuple[ModelConfig, str]:
     config = config.replace(
         compute_dtype=spec.compute_dtype,
         remat=spec.remat,
+        remat_policy=spec.remat_policy,
         logits_chunk=spec.logits_chunk,
         attention=spec.attention,
         max_seq_len=max(config.max_seq_len, max_seq_len),
@@ -157,7 +158,7 @@ def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
         )
     batch = r.prompts_per_step * r.group_size
     econf = engine_config(exp)
-    costs = plan_programs(
+    plan = plan_programs(
         model, exp.learner, econf,
         learner_mesh=lmesh, learner_rules=LEARNER_RULES,
         generation_mesh=gmesh, generation_rules=GENERATOR_RULES,
@@ -170,20 +171,32 @@ def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
         max_prefill_length=econf.max_prefill_length, prefill_rows=econf.prefill_rows,
         learner_mesh=dict(lmesh.shape), generation_mesh=dict(gmesh.shape),
         n_kv_heads=model.n_kv_heads, colocated=placement.colocated,
+        kv_cache=econf.kv_cache, page_size=econf.page_size, num_pages=econf.pool_pages,
     )  # fmt: skip
     kl = ", KL reference inside train_step" if exp.learner.uses_reference else ""
+    kv = plan.kv
+    cache = (
+        f"cache {seq_len}"
+        if kv.kind == "dense"
+        else f"paged KV pool {kv.pool_tokens:,} tokens ({kv.pages:,} pages x {kv.page_size}) "
+        f"for {kv.slots} slots of up to {kv.positions} positions, attention {kv.attention}"
+    )
+    remat = f"{model.remat} ({model.remat_policy})" if model.remat else "False"
     title = (
         f"{what}, {model.param_dtype} params, {model.compute_dtype} compute, remat "
-        f"{model.remat}, on {where}: {placement.describe()}\n"
+        f"{remat}, on {where}: {placement.describe()}\n"
         f"learner {dict(lmesh.shape)} batch [{batch}, {seq_len}] micro "
         f"{exp.learner.micro_batch_size}{kl}; one generation slice {dict(gmesh.shape)} "
-        f"{r.num_slots} slots, prefill {exp.rollout.max_prefill_length}, cache {seq_len}, "
+        f"{r.num_slots} slots, prefill {exp.rollout.max_prefill_length}, {cache}, "
         f"decode block {econf.decode_block}"
     )
     capacity = None if chip is not None and topology else local_capacity(devices)
     table = format_plan(
-        costs, title=title, chip=chip, share=share, capacity=capacity, settings=settings
+        plan.costs, title=title, chip=chip, share=share, capacity=capacity, settings=settings
     )
+    table += "\n" + _kv_lines(plan)
+    if chip is not None:
+        table += "\n" + _forecast(exp, plan, chip, share, len(devices), topology, capacity)
     lora = exp.learner.lora
     if lora is not None:  # what LoRA saves: full fine-tuning's step, compiled alike
         import dataclasses  # noqa: PLC0415
@@ -197,5 +210,51 @@ def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
             batch_size=batch, seq_len=seq_len,
         )  # fmt: skip
         what = f"rank {lora.rank} over a {lora.base_dtype} base"
-        table += "\n" + format_lora_saving(costs[0], measure(full), what)
+        table += "\n" + format_lora_saving(plan.costs[0], measure(full), what)
     return table + note
+
+
+def _kv_lines(plan: Any) -> str:
+    """The engine's KV cache as allocated, and the decode step's bytes: XLA vs paper."""
+    from jaxflash.sizing.kv_pool import decode_traffic, format_traffic  # noqa: PLC0415
+
+    block = next(c for c in plan.costs if c.name.startswith("decode_block"))
+    lines = [f"KV per generation chip: {plan.kv.describe()}"]
+    if not block.refused:
+        t = decode_traffic(
+            plan.kv, xla_bytes=block.bytes_accessed, steps=plan.decode_steps,
+            weight_bytes=plan.engine_weight_bytes,
+        )  # fmt: skip
+        lines.append(format_traffic(block.name, t, plan.kv))
+    return "\n".join(lines)
+
+
+def _forecast(
+    exp: ExperimentConfig, plan: Any, chip: Any, share: int, n_devices: int,
+    topology: str | None, capacity: int | None,
+) -> str:  # fmt: skip
+    """The simulator's forecast of trained samples/s over the slice's splits
+    (``simulate.forecast``); a line saying why where it cannot be made."""
+    from jaxflash.runtime.simulate.forecast import forecast_report  # noqa: PLC0415
+    from jaxflash.runtime.simulate.plan_costs import RunShape  # noqa: PLC0415
+
+    r, m = exp.rollout, exp.mesh
+    learner = math.prod(int(v) for v in m.learner.values())
+    alpha = r.async_ratio or 2
+    shape = RunShape(
+        slice_chips=n_devices, learner_chips=learner,
+        gen_chips=math.prod(int(v) for v in m.generation.values()), slots=r.num_slots,
+        prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+        prompt_tokens=r.max_prefill_length, max_new_tokens=r.sampling.max_new_tokens,
+        async_ratio=alpha, packing=exp.learner.packing,
+        micro_batch_size=exp.learner.micro_batch_size,
+        seq_len=r.max_prefill_length + r.sampling.max_new_tokens,
+        hbm_bytes=capacity or chip.usable_hbm_bytes // share,
+    )  # fmt: skip
+    try:
+        text = forecast_report(plan, chip, shape, topology=topology or "", share=share)
+    except ValueError as err:
+        return f"forecast: not made ({err})"
+    if not r.async_ratio:
+        text += f"\n  (the config runs rollout.async_ratio=0; async is shown at a={alpha})"
+    return text

@@ -13,9 +13,9 @@ Chip figures (per chip, from the Google Cloud TPU system-architecture pages):
 - v4: https://cloud.google.com/tpu/docs/v4 -- 275 bf16 TFLOP/s, 32 GiB HBM2,
   1200 GB/s.
 - v5e: https://cloud.google.com/tpu/docs/v5e -- 197 bf16 TFLOP/s, 16 GB HBM2,
-  819 GB/s.
+  819 GB/s, 400 GB/s bidirectional ICI per chip.
 - v5p: https://cloud.google.com/tpu/docs/v5p -- 459 bf16 TFLOP/s, 95 GB HBM2e,
-  2765 GB/s.
+  2765 GB/s, 1200 GB/s bidirectional ICI per chip.
 - v6e (Trillium): https://cloud.google.com/tpu/docs/v6e -- 918 bf16 TFLOP/s,
   32 GB HBM, 1638 GB/s.
 
@@ -47,6 +47,9 @@ class ChipSpec:
         v4 / v5p, whose ``v5p-8`` is 4 chips; 1 for v5e / v6e).
       dims: rank of the chip grid (2 for v5e / v6e, 3 for v4 / v5p).
       source: the page the figures come from.
+      ici_bandwidth: bidirectional inter-chip interconnect bandwidth per chip,
+        bytes/s, as published (0: not taken from a source here; the forecast then
+        leaves the weight copy between slices out).
     """
 
     kind: str
@@ -57,6 +60,7 @@ class ChipSpec:
     cores_in_name: int
     dims: int
     source: str
+    ici_bandwidth: float = 0.0
 
 
 CHIPS: dict[str, ChipSpec] = {
@@ -79,6 +83,7 @@ CHIPS: dict[str, ChipSpec] = {
         cores_in_name=1,
         dims=2,
         source="https://cloud.google.com/tpu/docs/v5e",
+        ici_bandwidth=400e9,
     ),
     "v5p": ChipSpec(
         kind="v5p",
@@ -89,6 +94,7 @@ CHIPS: dict[str, ChipSpec] = {
         cores_in_name=2,
         dims=3,
         source="https://cloud.google.com/tpu/docs/v5p",
+        ici_bandwidth=1200e9,
     ),
     "v6e": ChipSpec(
         kind="v6e",

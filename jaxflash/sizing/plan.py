@@ -28,6 +28,11 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules
 from jaxflash.sizing import programs as sp
+from jaxflash.sizing.kv_pool import KvPool, decode_traffic
+from jaxflash.sizing.paper import train_step_flops
+
+DECODE_FILL = 0.5
+"""Pool fill at which the plan prices KV reads it computes on paper (the kernel path)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +49,10 @@ class ProgramCost:
       refused: the compiler's message when it refused the program for memory
         ("" when it compiled); peak is then the compiler's total requirement.
       capacity_bytes: HBM the compiler said is available ("refused" only), else 0.
+      unseen_bytes: HBM bytes XLA's cost analysis cannot see (reads inside a Mosaic
+        kernel), computed on paper; added to ``bytes_accessed`` in the roofline.
+      unseen_flops: FLOPs it cannot see (loop bodies counted once, Mosaic kernels),
+        computed on paper (``sizing.paper``); added to ``flops`` in the roofline.
     """
 
     name: str
@@ -58,6 +67,8 @@ class ProgramCost:
     held_bytes: int = 0
     refused: str = ""
     capacity_bytes: int = 0
+    unseen_bytes: float = 0.0
+    unseen_flops: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -68,6 +79,41 @@ class ProgramCost:
     def resident_bytes(self) -> int:
         """What the device must hold while it runs: the program's peak + held buffers."""
         return self.peak_bytes + self.held_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What ``plan_programs`` compiled, per device.
+
+    Attributes:
+      costs: one ProgramCost per program, in the order the table prints them.
+      kv: the engine's KV cache as the compiled DecodeState allocates it.
+      engine_weight_bytes: the engine's weights one generation chip holds.
+      learner_state_bytes: the learner's TrainState one learner chip holds.
+      decode_steps: decode steps in the ``decode_block_<n>`` program.
+    """
+
+    costs: list[ProgramCost]
+    kv: KvPool
+    engine_weight_bytes: int
+    learner_state_bytes: int
+    decode_steps: int
+
+    def by_name(self) -> dict[str, ProgramCost]:
+        return {c.name: c for c in self.costs}
+
+    def to_dict(self) -> dict:
+        """JSON form: the compiled costs, reusable without compiling (``from_dict``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(
+            costs=[ProgramCost(**c) for c in d["costs"]], kv=KvPool(**d["kv"]),
+            engine_weight_bytes=int(d["engine_weight_bytes"]),
+            learner_state_bytes=int(d["learner_state_bytes"]),
+            decode_steps=int(d["decode_steps"]),
+        )  # fmt: skip
 
 
 _UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -158,7 +204,7 @@ def plan_programs(
     colocated: bool = False,
     elastic_meshes: Sequence[Mesh] = (),
     prefill_buckets: Sequence[int] | None = None,
-) -> list[ProgramCost]:
+) -> Plan:
     """Compile every program of a run for its meshes and return their costs.
 
     Args:
@@ -173,8 +219,9 @@ def plan_programs(
       prefill_buckets: prefill only these buckets (default: every bucket).
 
     Returns:
-      ProgramCost per program: train_step, prefill_<bucket>..., decode_block_<n>,
-      publish, install, elastic_<a>to<b>...
+      The ``Plan``: a ProgramCost per program (train_step, prefill_<bucket>...,
+      decode_block_<n>, publish, install, elastic_<a>to<b>...), the engine's KV
+      cache as allocated and its weights per chip.
     """
     train, state = sp.train_step_program(
         model, learner, learner_mesh, learner_rules, batch_size=batch_size, seq_len=seq_len
@@ -189,10 +236,21 @@ def plan_programs(
     eng_b, cache_b = sp.per_device_bytes(eng_params), sp.per_device_bytes(dstate)
     other_l = eng_b + cache_b if colocated else 0  # engine buffers on the learner's chips
     other_g = state_b if colocated else 0  # learner buffers on the engine's chips
-    out = [measure(train, held_bytes=other_l)]
+    train_cost = measure(train, held_bytes=other_l)
+    # XLA counts one micro-batch of one layer (scan bodies once) and no splash kernel.
+    paper = train_step_flops(model, batch=batch_size, seq_len=seq_len, kl=learner.uses_reference)
+    unseen = max(0.0, paper / learner_mesh.devices.size - train_cost.flops)
+    out = [dataclasses.replace(train_cost, unseen_flops=0.0 if train_cost.refused else unseen)]
+    kv = KvPool.from_state(dstate)
     for prog in gen:
         held = other_g + (cache_b if prog.name.startswith("prefill") else 0)
-        out.append(measure(prog, held_bytes=held))
+        cost = measure(prog, held_bytes=held)
+        if prog.name.startswith("decode_block") and kv.attention == "tpu_kernel":
+            # XLA does not count the Mosaic kernel's KV reads: add them on paper.
+            t = decode_traffic(kv, xla_bytes=cost.bytes_accessed, steps=engine.decode_block,
+                               weight_bytes=eng_b, fill=DECODE_FILL)  # fmt: skip
+            cost = dataclasses.replace(cost, unseen_bytes=t.kernel_unseen * engine.decode_block)
+        out.append(cost)
     out.append(measure(pub, held_bytes=state_b - params_b + other_l))
     out.append(measure(install, held_bytes=eng_b + cache_b + other_g))
     for target in elastic_meshes:
@@ -207,7 +265,10 @@ def plan_programs(
             for p in progs
         ]
         out.append(_merge(name, costs))
-    return out
+    return Plan(
+        costs=out, kv=kv, engine_weight_bytes=eng_b,
+        learner_state_bytes=state_b, decode_steps=engine.decode_block,
+    )  # fmt: skip
 
 
 def local_capacity(devices: Sequence[Any]) -> int | None:

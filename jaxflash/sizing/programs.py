@@ -63,7 +63,8 @@ class Lowerable:
       arg_bytes: per-device bytes of its arguments (from their shardings), for a
         program the compiler refuses as too large.
       count: how many times the run executes it per occasion (an elastic move's
-        leaves of one shape); costs are multiplied by it.
+        leaves of one shape), or the trips of the while loop it is (a decode block's
+        steps: XLA's cost analysis counts a loop body once); costs are multiplied by it.
     """
 
     name: str
@@ -162,7 +163,9 @@ def engine_programs(
     shapes = jax.eval_shape(unstack_layers, stacked)
     params = _abstract(shapes, engine_shardings(model, mesh, rules, lora))
     rep = NamedSharding(mesh, PartitionSpec())
-    state_sh, _ = engine_state_shardings(model, engine.config, mesh, rules)  # resolved
+    # The engine's own config: "auto" paged attention resolved (the kernel flag is part
+    # of the state's tree).
+    state_sh, _ = engine_state_shardings(model, engine.config, mesh, rules)
     state = _abstract(jax.eval_shape(engine.init_decode_state), state_sh)
     rows = config.prefill_rows
     out = []
@@ -178,16 +181,14 @@ def engine_programs(
     block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
 
     def lower():
-        # A paged engine on TPU attends with a Pallas kernel: it lowers for compile-only
-        # chips once one is the default device (as in train_step_program).
+        # A Pallas kernel (the paged engine's ragged_paged_attention) lowers for
+        # compile-only chips once one is the default device (Mosaic reads its kind).
         with jax.default_device(mesh.devices.flat[0]):
             return block.lower(params, state, live, stop)
 
-    out.append(
-        Lowerable(
-            f"decode_block_{steps}", "generation", mesh, lower, per_device_bytes((params, state))
-        )
-    )
+    # count=steps: the block is a while loop, whose body XLA's cost analysis counts once.
+    arg = per_device_bytes((params, state))
+    out.append(Lowerable(f"decode_block_{steps}", "generation", mesh, lower, arg, count=steps))
     return out, params, state
 
 

@@ -31,6 +31,9 @@ class Settings:
     generation_mesh: dict
     n_kv_heads: int
     colocated: bool
+    kv_cache: str = "dense"
+    page_size: int = 0
+    num_pages: int = 0
 
 
 def advice(cost: ProgramCost, s: Settings) -> str:
@@ -69,9 +72,17 @@ def advice(cost: ProgramCost, s: Settings) -> str:
             f"mesh.generation.tensor={tensor} splits the cache by KV heads only up to "
             f"n_kv_heads={s.n_kv_heads}"
         )
+        if s.kv_cache == "paged":
+            return (
+                f"paged KV pool of rollout.num_pages={s.num_pages} x rollout.page_size="
+                f"{s.page_size} tokens: lower rollout.num_pages (a request needing more "
+                f"pages than the pool is refused) or rollout.num_slots (now {s.num_slots}; "
+                f"the reference path gathers every slot's {s.cache_len} positions) ({split})" + held
+            )
         return (
             f"dense KV cache of rollout.num_slots={s.num_slots} x {s.cache_len} positions: "
-            f"lower rollout.num_slots or rollout.max_new_tokens ({split})" + held
+            f"lower rollout.num_slots or rollout.max_new_tokens, or rollout.kv_cache=paged "
+            f"({split})" + held
         )
     if cost.name in ("publish", "install"):
         return (
@@ -121,8 +132,9 @@ def format_plan(
         if chip is None or c.refused:
             roof = "        -"
         else:
-            ms = roofline_seconds(c.flops, c.bytes_accessed, chip, share=share) * 1e3
-            roof = f"{ms:7.2f}ms"
+            flops, total = c.flops + c.unseen_flops, c.bytes_accessed + c.unseen_bytes
+            ms = roofline_seconds(flops, total, chip, share=share) * 1e3
+            roof = f"{ms:7.2f}ms" + ("*" if c.unseen_bytes or c.unseen_flops else "")
         flops = "        -" if c.refused else f"{c.flops / 1e9:9.1f}"
         gbytes = "      -" if c.refused else f"{c.bytes_accessed / 1e9:7.2f}"
         mark = " REFUSED" if c.refused else ""
@@ -141,6 +153,13 @@ def format_plan(
             f"roofline = max(FLOPs / {chip.peak_flops / 1e12:.0f} TFLOP/s, bytes / "
             f"{chip.hbm_bandwidth / 1e9:.0f} GB/s) per {chip.kind} chip ({chip.source})"
             + (f", 1/{share} each per device" if share > 1 else "")
+        )
+    if any(c.unseen_bytes or c.unseen_flops for c in costs):
+        lines.append(
+            "* with what XLA's cost analysis does not see, computed on paper (GFLOP and GB "
+            "are XLA's): it counts a loop body once (the train step's micro-batch and layer "
+            "scans, the decode block's steps) and nothing inside a Mosaic kernel (splash "
+            "attention; the paged kernel's KV reads)"
         )
     for c, cap in broken:
         over = c.resident_bytes - cap

@@ -147,6 +147,8 @@ class ModelSpec:
     preset: str = "smollm2_135m"
     compute_dtype: str = "float32"
     remat: bool = True
+    # What remat keeps: "dots" (matmul outputs) | "full" (each layer's input only).
+    remat_policy: str = "dots"
     logits_chunk: int = 64
     attention: str = "auto"  # ModelConfig.attention, checked there (this module imports no jax)
     chat_template: str = ""
@@ -184,6 +186,10 @@ class ModelSpec:
         check(
             self.compute_dtype in ("float32", "bfloat16"),
             f"model.compute_dtype must be float32 | bfloat16, got {self.compute_dtype!r}",
+        )
+        check(
+            self.remat_policy in ("dots", "full"),
+            f"model.remat_policy must be dots | full, got {self.remat_policy!r}",
         )
 
 

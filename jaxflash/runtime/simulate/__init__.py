@@ -19,6 +19,10 @@ environment latency per turn, the slot freed meanwhile); ``SimConfig.replay_rati
 for replayed samples trained per fresh one; ``CostModel.contention`` for shared
 hardware. See docs/SIMULATION.md.
 
+``simulate.forecast`` (with ``simulate.plan_costs``) builds a cost model from a dry run's
+compiled TPU programs (roofline times) and forecasts trained samples/s over a slice's
+learner/generation splits (docs/TPU.md "The forecast").
+
 ``simulate.episodes`` runs the real environment manager (every episode its own
 loop, redundancy, env faults) in virtual time against real environments, with or
 without a batch barrier (docs/ASYNC.md "Agentic environments").
