@@ -135,3 +135,38 @@ def test_bf16_smollm2_engine_learner_gap_is_bf16_sized():
     print(f"SmolLM2-135M engine vs learner max |logp gap|: fp32 {gap32:.3g}, bf16 {gap16:.3g}")
     assert gap32 < 1e-4
     assert gap16 < 0.2  # bf16 rounding of activations and cache, not a mismatch of code
+
+
+def test_a_bf16_engine_holds_its_matmul_weights_in_bf16_with_the_same_tokens():
+    """bf16 compute over fp32 master weights: ``place_params`` stores the matmul weights
+    (and qkv biases) in bf16 -- what a decode step reads, 2 bytes a weight and no convert
+    per block -- and the norms and embedding in fp32 (fp32 RMSNorm and logits, as in the
+    learner). Tokens and logprobs equal those of the same engine on the fp32 stacked
+    params bit for bit (the same cast, done once); the plan sizes the same layout."""
+    import jax.numpy as jnp
+
+    from jaxflash.sharding.rules import GENERATOR_RULES
+    from jaxflash.sizing.programs import engine_programs
+
+    bf16 = get_preset("tiny", compute_dtype="bfloat16", qkv_bias=True)
+    params = init_params(bf16, seed=0)
+    engine = LlamaEngine(
+        bf16, EngineConfig(max_concurrent_decodes=2, max_prefill_length=16, max_target_length=32)
+    )
+    placed = engine.place_params(params)
+    layer = placed["layers"][0]
+    assert {k for k, v in layer.items() if v.dtype == jnp.bfloat16} == {
+        k for k in layer if k.startswith(("w_", "b_"))
+    }
+    assert layer["attn_norm_ld"].dtype == placed["embed_vd"].dtype == jnp.float32
+    assert engine.place_params(placed) is not None  # the engine's own layout is accepted
+    requests = _requests(bf16.vocab_size, n=2, max_new=6)
+    got = run_requests(engine, placed, requests, policy_version=0, eos_id=NO_EOS)
+    ref = run_requests(engine, params, requests, policy_version=0, eos_id=NO_EOS)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
+        np.testing.assert_array_equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    mesh = make_mesh(jax.devices()[:1], {})
+    _, planned, _ = engine_programs(bf16, engine.config, mesh, GENERATOR_RULES, buckets=[])
+    dtypes = jax.tree.map(lambda x: x.dtype, (planned, placed))
+    assert dtypes[0] == dtypes[1]

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.generation.engine.params import engine_shardings, place
+from jaxflash.generation.engine.params import as_engine_dtypes, engine_shardings, place
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, lora_model_layout, unstack_layers
@@ -39,6 +39,7 @@ class EngineWeights:
         self, model_config: ModelConfig, mesh: Mesh, rules: Rules | None, lora: LoraConfig | None
     ):
         self._mesh = mesh
+        self._model_config = model_config
         self.lora = lora
         self._unstack_adapters: Any = None  # with_adapters' jitted unstacking, built once
         self.shardings = engine_shardings(model_config, mesh, rules, lora)
@@ -48,21 +49,25 @@ class EngineWeights:
             stacked = lora_model_layout(model_config, lora)[0]
         one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
         unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}
-        # What set_params / load_params accept: the model's tree, layers stacked or not.
+        # What set_params / load_params accept: the model's tree, layers stacked or not,
+        # or the engine's own (placed: matmul weights maybe in the compute dtype).
         self._signatures = {
             "stacked": leaf_signatures(stacked),
             "unstacked": leaf_signatures(unstacked),
+            "engine": leaf_signatures(as_engine_dtypes(unstacked, model_config, lora)),
         }
 
     def place_params(self, params: Any) -> Any:
         """Params in the engine's layout (layers unstacked) on the engine's mesh.
 
         Takes stacked (learner / sync / checkpoint) or unstacked params, host or
-        device; see ``engine.params.place``. Every program also accepts stacked
-        params, but then slices each layer out of the stack at every call.
+        device; see ``engine.params.place`` (with bfloat16 compute over float32
+        weights, the matmul weights are stored in bfloat16: ``engine_dtypes``). Every
+        program also accepts stacked params, but then slices each layer out of the
+        stack (and casts it) at every call.
         """
         self.check_params(params)
-        return place(params, self.shardings, self._mesh)
+        return place(params, self.shardings, self._mesh, self._model_config, self.lora)
 
     def place_base(self, base: Any) -> Any:
         """The frozen base of a LoRA engine, placed once (layers unstacked).
@@ -129,9 +134,9 @@ class EngineWeights:
                 "", f"LlamaEngine: params must be a dict with 'layers', got {type(params).__name__}"
             )
         kind = "unstacked" if isinstance(params["layers"], tuple | list) else "stacked"
+        offered = leaf_signatures(params)
+        if kind == "unstacked" and offered == self._signatures["engine"]:
+            return  # already in the engine's layout (placed)
         check_same_leaves(
-            leaf_signatures(params),
-            self._signatures[kind],
-            sender="new params",
-            receiver="engine's model",
+            offered, self._signatures[kind], sender="new params", receiver="engine's model"
         )
