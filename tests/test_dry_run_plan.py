@@ -29,7 +29,7 @@ def test_the_report_covers_the_configs_meshes_and_batch():
     assert "(12 pages x 8) for 8 slots of up to 32 positions, attention reference" in report
     # The decode block's bytes: XLA's count against weights + the pages in use.
     (traffic,) = [x for x in report.splitlines() if x.startswith("decode HBM bytes")]
-    assert "48 of 96 tokens" in traffic and "XLA / paper" in traffic
+    assert "48 of 96 tokens" in traffic and "(XLA + kernel reads) / paper" in traffic
     assert "gather reads every page of every slot (256 tokens" in report
     assert "forecast" not in report  # CPU devices: no chip figures, no roofline
 
@@ -189,7 +189,7 @@ def test_the_forecast_prints_sync_async_a_best_split_and_says_it_is_a_model():
 
 @pytest.mark.parametrize(
     "name, slots, pool, positions",
-    [("tpu_qwen2p5_1p5b_v5e", 32, 131072, 8192), ("tpu_llama3p1_8b_v5p", 256, 2097152, 32768)],
+    [("tpu_qwen2p5_1p5b_v5e", 128, 524288, 8192), ("tpu_llama3p1_8b_v5p", 256, 2097152, 32768)],
 )
 def test_the_tpu_presets_convert_with_their_sizes(name, slots, pool, positions):
     import importlib

@@ -24,6 +24,12 @@ entries for v5e. The rule (``block_sizes``):
 - VMEM limit: twice what the blocks need (double-buffered KV pages, q and output
   blocks, float32 accumulators), at least ``MIN_VMEM_LIMIT_BYTES`` (the scoped
   default of v5e; every TPU generation from v4 on has at least that much VMEM).
+- rows per call: the kernel prefetches its whole page table into SMEM (scalar
+  memory, 1 MiB on v5p). 256 rows x 1,024 pages (32k positions in pages of 32) are
+  1 MiB of int32 and the compiler refuses the program ("Ran out of memory in memory
+  space smem", Llama-3.1-8B's engine on v5p, libtpu 0.0.42.1). ``attend`` therefore
+  calls the kernel on chunks of at most ``rows_per_call`` rows, whose tables take at
+  most ``SMEM_TABLE_BYTES``; the pool is shared, the outputs are concatenated.
 
 The kernel never reads a page-table entry past a row's length, except page 0 of
 the row (the padding of its last block). ``attend`` therefore maps entries that
@@ -45,6 +51,9 @@ from jaxflash.models.config import ModelConfig
 KV_TOKENS_PER_BLOCK = 512
 QUERIES_PER_BLOCK = 32
 MIN_VMEM_LIMIT_BYTES = 16 << 20
+SMEM_TABLE_BYTES = 512 << 10
+"""Page-table bytes one kernel call may prefetch into SMEM (half of v5p's 1 MiB: the
+kernel's other scalars and Mosaic's own need the rest)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +156,13 @@ def block_sizes(
     return KernelBlocks(q_heads, kv_heads, kv_pages, queries, limit)
 
 
+def rows_per_call(pages_per_row: int) -> int:
+    """Rows one kernel call takes: as many as keep its int32 page table [rows, M] within
+    ``SMEM_TABLE_BYTES`` (at least 1). E.g. M = 1,024 (32k positions, pages of 32): 128.
+    """
+    return max(1, SMEM_TABLE_BYTES // (4 * max(1, pages_per_row)))
+
+
 def pages_read(kv_len: np.ndarray, page_size: int, kv_pages_per_block: int) -> np.ndarray:
     """Pages the kernel DMAs for rows of ``kv_len`` positions (per head block): whole
     blocks of ``kv_pages_per_block`` pages up to ceil(kv_len / P) (module docstring)."""
@@ -168,7 +184,8 @@ def attend(
     Each row's T tokens sit at consecutive positions ending at ``positions_bt[b, -1]``
     and are already written to the pool, so the row's keys are its first
     ``positions_bt[b, -1] + 1`` positions. Online softmax in float32: equal to the
-    pure-JAX reference within float rounding, not bit for bit.
+    pure-JAX reference within float rounding, not bit for bit. One kernel call per
+    ``rows_per_call(M)`` rows (each call's page table is prefetched into SMEM).
 
     Args:
       q_btnh: [B, T, N, H] queries (cast to the pool's dtype).
@@ -191,21 +208,29 @@ def attend(
     # for a running row); a row without a first page (an idle slot) attends over T.
     table_bm = jnp.where(mapped_bm, table_bm, 0).astype(jnp.int32)
     kv_len_b = jnp.where(mapped_bm[:, 0], positions_bt[:, -1] + 1, t).astype(jnp.int32)
-    blocks = block_sizes(
-        num_tokens=b * t, pages_per_row=table_bm.shape[1], page_size=page_size,
-        n_q_heads=n, n_kv_heads=two_k // 2, head_dim=h, dtype=pool_npch.dtype,
-    )  # fmt: skip
-    out = _kernel_module().ragged_paged_attention(
-        q_btnh.reshape(b * t, n, h).astype(pool_npch.dtype),
-        pool_npch,
-        kv_len_b,
-        table_bm,
-        jnp.arange(b + 1, dtype=jnp.int32) * t,
-        jnp.full((1,), b, jnp.int32),
-        sm_scale=scale,
-        sliding_window=sliding_window,
-        num_kv_pages_per_block=blocks.kv_pages,
-        num_queries_per_block=blocks.queries,
-        vmem_limit_bytes=blocks.vmem_limit_bytes,
-    )
-    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+    out_dtype, q_btnh = q_btnh.dtype, q_btnh.astype(pool_npch.dtype)
+    rows = rows_per_call(table_bm.shape[1])  # the page table of a call fits SMEM
+    outs = []
+    for lo in range(0, b, rows):
+        r = min(rows, b - lo)
+        blocks = block_sizes(
+            num_tokens=r * t, pages_per_row=table_bm.shape[1], page_size=page_size,
+            n_q_heads=n, n_kv_heads=two_k // 2, head_dim=h, dtype=pool_npch.dtype,
+        )  # fmt: skip
+        outs.append(
+            _kernel_module().ragged_paged_attention(
+                q_btnh[lo : lo + r].reshape(r * t, n, h),
+                pool_npch,
+                kv_len_b[lo : lo + r],
+                table_bm[lo : lo + r],
+                jnp.arange(r + 1, dtype=jnp.int32) * t,
+                jnp.full((1,), r, jnp.int32),
+                sm_scale=scale,
+                sliding_window=sliding_window,
+                num_kv_pages_per_block=blocks.kv_pages,
+                num_queries_per_block=blocks.queries,
+                vmem_limit_bytes=blocks.vmem_limit_bytes,
+            )
+        )
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+    return out.reshape(b, t, n, h).astype(out_dtype)

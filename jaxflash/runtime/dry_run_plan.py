@@ -223,7 +223,7 @@ def _kv_lines(plan: Any) -> str:
     if not block.refused:
         t = decode_traffic(
             plan.kv, xla_bytes=block.bytes_accessed, steps=plan.decode_steps,
-            weight_bytes=plan.engine_weight_bytes,
+            weight_bytes=plan.engine_weight_bytes, hbm_bytes=block.hbm_bytes,
         )  # fmt: skip
         lines.append(format_traffic(block.name, t, plan.kv))
     return "\n".join(lines)

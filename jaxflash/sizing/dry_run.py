@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
-from jaxflash.generation.engine.params import engine_shardings
+from jaxflash.generation.engine.params import as_engine_dtypes, engine_shardings
 from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.engine.state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
@@ -150,7 +150,9 @@ def compile_engine(
     engine = LlamaEngine(model_config, engine_config, mesh=mesh, rules=rules)
     # The engine decodes with its layers unstacked (one buffer per layer), as placed
     # by ``LlamaEngine.place_params``.
-    shapes = jax.eval_shape(unstack_layers, abstract_params(model_config))
+    # (bfloat16 compute over float32 weights: the matmul weights in bfloat16, as placed).
+    shapes = as_engine_dtypes(jax.eval_shape(unstack_layers, abstract_params(model_config)),
+                              model_config)  # fmt: skip
     shardings = engine_shardings(model_config, mesh, rules)
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings

@@ -28,6 +28,7 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules
 from jaxflash.sizing import programs as sp
+from jaxflash.sizing.hbm_traffic import hbm_traffic
 from jaxflash.sizing.kv_pool import KvPool, decode_traffic
 from jaxflash.sizing.paper import train_step_flops
 
@@ -53,6 +54,10 @@ class ProgramCost:
         kernel), computed on paper; added to ``bytes_accessed`` in the roofline.
       unseen_flops: FLOPs it cannot see (loop bodies counted once, Mosaic kernels),
         computed on paper (``sizing.paper``); added to ``flops`` in the roofline.
+      hbm_bytes: HBM bytes read from the compiled TPU program instruction by
+        instruction (``sizing.hbm_traffic``: VMEM staging not counted, loop bodies x
+        their trips); 0 where not computed (other programs, CPU, or a walk that does
+        not reproduce XLA's own count). Replaces ``bytes_accessed`` in the roofline.
     """
 
     name: str
@@ -69,6 +74,13 @@ class ProgramCost:
     capacity_bytes: int = 0
     unseen_bytes: float = 0.0
     unseen_flops: float = 0.0
+    hbm_bytes: float = 0.0
+
+    @property
+    def traffic_bytes(self) -> float:
+        """The bytes the roofline uses: the HBM walk's where computed, else XLA's count,
+        plus what neither sees (computed on paper)."""
+        return (self.hbm_bytes if self.hbm_bytes > 0 else self.bytes_accessed) + self.unseen_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -165,6 +177,11 @@ def measure(prog: sp.Lowerable, *, held_bytes: int = 0) -> ProgramCost:
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list | tuple):  # older jax: one dict per computation
         cost = cost[0] if cost else {}
+    xla_bytes = max(0.0, float(cost.get("bytes accessed", 0.0)))
+    hbm = 0.0
+    if prog.loop_trips and prog.mesh.devices.flat[0].platform == "tpu":
+        walk = hbm_traffic(compiled.as_text(), trips=prog.loop_trips, xla_bytes=xla_bytes)
+        hbm = walk.hbm if walk.agrees else 0.0  # else XLA's count, as before
     return ProgramCost(
         **base,
         argument_bytes=int(m.argument_size_in_bytes),
@@ -173,8 +190,9 @@ def measure(prog: sp.Lowerable, *, held_bytes: int = 0) -> ProgramCost:
         temp_bytes=int(m.temp_size_in_bytes),
         # max(0, .): XLA reports -1 for a program it has no count for.
         flops=max(0.0, float(cost.get("flops", 0.0))) * prog.count,
-        bytes_accessed=max(0.0, float(cost.get("bytes accessed", 0.0))) * prog.count,
+        bytes_accessed=xla_bytes * prog.count,
         held_bytes=held_bytes,
+        hbm_bytes=hbm * (1 if prog.loop_trips else prog.count),
     )
 
 
@@ -248,7 +266,8 @@ def plan_programs(
         if prog.name.startswith("decode_block") and kv.attention == "tpu_kernel":
             # XLA does not count the Mosaic kernel's KV reads: add them on paper.
             t = decode_traffic(kv, xla_bytes=cost.bytes_accessed, steps=engine.decode_block,
-                               weight_bytes=eng_b, fill=DECODE_FILL)  # fmt: skip
+                               weight_bytes=eng_b, fill=DECODE_FILL,
+                               hbm_bytes=cost.hbm_bytes)  # fmt: skip
             cost = dataclasses.replace(cost, unseen_bytes=t.kernel_unseen * engine.decode_block)
         out.append(cost)
     out.append(measure(pub, held_bytes=state_b - params_b + other_l))

@@ -17,7 +17,9 @@ Programs (what the live run executes):
 - ``publish``: the learner -> generation weight copy's program (``sync.publish``):
   params resharded on the learner's chips to the engine's layout.
 - ``install``: the engine placing published (stacked) weights as its unstacked
-  layers (``generation.engine.params.place``), on the generation chips.
+  layers (``generation.engine.params.place``; with bfloat16 compute over float32
+  weights, the matmul weights cast to bfloat16 in the same program), on the
+  generation chips.
 - ``elastic_<a>to<b>``: the per-leaf programs ``sync.reshard`` runs when an
   elastic move resizes the learner from a to b devices.
 """
@@ -35,7 +37,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine.host_arrays import stop_array
 from jaxflash.generation.engine.llama_engine import LlamaEngine
-from jaxflash.generation.engine.params import engine_shardings
+from jaxflash.generation.engine.params import (
+    as_engine_dtypes,
+    engine_shardings,
+    narrow_dtype,
+    unstack_to_engine,
+)
 from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.engine.state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
@@ -65,6 +72,9 @@ class Lowerable:
       count: how many times the run executes it per occasion (an elastic move's
         leaves of one shape), or the trips of the while loop it is (a decode block's
         steps: XLA's cost analysis counts a loop body once); costs are multiplied by it.
+      loop_trips: a decode block's steps: its HBM bytes are also read from the compiled
+        TPU program instruction by instruction (``sizing.hbm_traffic``), the loop body
+        counted this many times; 0 for programs without that count.
     """
 
     name: str
@@ -73,6 +83,7 @@ class Lowerable:
     lower: Callable[[], Any]
     arg_bytes: int
     count: int = 1
+    loop_trips: int = 0
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -156,11 +167,13 @@ def engine_programs(
         adapters beside their weights.
 
     Returns:
-      (programs, abstract engine params (unstacked), abstract DecodeState).
+      (programs, abstract engine params (unstacked, in the dtypes the engine holds:
+      ``generation.engine.params.engine_dtypes``), abstract DecodeState).
     """
     engine = LlamaEngine(model, config, mesh=mesh, rules=rules, lora=lora)
     stacked = abstract_params(model) if lora is None else lora_model_layout(model, lora)[0]
     shapes = jax.eval_shape(unstack_layers, stacked)
+    shapes = as_engine_dtypes(shapes, model, lora)
     params = _abstract(shapes, engine_shardings(model, mesh, rules, lora))
     rep = NamedSharding(mesh, PartitionSpec())
     # The engine's own config: "auto" paged attention resolved (the kernel flag is part
@@ -188,7 +201,10 @@ def engine_programs(
 
     # count=steps: the block is a while loop, whose body XLA's cost analysis counts once.
     arg = per_device_bytes((params, state))
-    out.append(Lowerable(f"decode_block_{steps}", "generation", mesh, lower, arg, count=steps))
+    out.append(
+        Lowerable(f"decode_block_{steps}", "generation", mesh, lower, arg, count=steps,
+                  loop_trips=steps)
+    )  # fmt: skip
     return out, params, state
 
 
@@ -223,9 +239,8 @@ def publish_programs(
         lambda sh: NamedSharding(generation_mesh, PartitionSpec(None, *sh.spec)), eng["layers"][0]
     )
     stacked = _abstract(shapes["layers"], stack_sh)
-    unstack = jax.jit(
-        lambda layers: unstack_layers({"layers": layers})["layers"], out_shardings=eng["layers"]
-    )
+    narrow = narrow_dtype(model, lora)
+    unstack = jax.jit(lambda layers: unstack_to_engine(layers, narrow), out_shardings=eng["layers"])
     install = Lowerable(
         "install", "generation", generation_mesh, lambda: unstack.lower(stacked),
         per_device_bytes(stacked),

@@ -122,7 +122,7 @@ def format_plan(
     lines = [title] if title else []
     lines.append(
         f"{'program':18s} {'dev':>4s} {'args':>7s} {'temp':>7s} {'peak':>7s} {'held':>7s} "
-        f"{'HBM':>7s} {'free':>7s} {'GFLOP':>9s} {'GB':>7s} {'roofline':>9s}"
+        f"{'HBM':>7s} {'free':>7s} {'GFLOP':>9s} {'GB':>7s} {'HBM GB':>7s} {'roofline':>9s}"
     )
     broken = []
     for c in costs:
@@ -132,15 +132,17 @@ def format_plan(
         if chip is None or c.refused:
             roof = "        -"
         else:
-            flops, total = c.flops + c.unseen_flops, c.bytes_accessed + c.unseen_bytes
-            ms = roofline_seconds(flops, total, chip, share=share) * 1e3
+            flops = c.flops + c.unseen_flops
+            ms = roofline_seconds(flops, c.traffic_bytes, chip, share=share) * 1e3
             roof = f"{ms:7.2f}ms" + ("*" if c.unseen_bytes or c.unseen_flops else "")
         flops = "        -" if c.refused else f"{c.flops / 1e9:9.1f}"
         gbytes = "      -" if c.refused else f"{c.bytes_accessed / 1e9:7.2f}"
+        hbm_gb = f"{c.hbm_bytes / 1e9:7.2f}" if c.hbm_bytes > 0 else "      -"
         mark = " REFUSED" if c.refused else ""
         lines.append(
             f"{c.name:18s} {c.devices:4d} {_g(c.argument_bytes)} {_g(c.temp_bytes)} "
-            f"{_g(c.peak_bytes)} {_g(c.held_bytes)} {hbm} {free} {flops} {gbytes} {roof}{mark}"
+            f"{_g(c.peak_bytes)} {_g(c.held_bytes)} {hbm} {free} {flops} {gbytes} {hbm_gb} "
+            f"{roof}{mark}"
         )
         if cap is not None and (c.refused or c.resident_bytes > cap):
             broken.append((c, cap))
@@ -148,6 +150,13 @@ def format_plan(
         "GiB per device: args, temp(oraries), peak = args + outputs - aliased + temp; held = "
         "other buffers resident meanwhile; free = HBM - peak - held"
     )
+    if any(c.hbm_bytes > 0 for c in costs):
+        lines.append(
+            "GB: XLA's cost analysis (every memory space: on TPU it counts each weight again "
+            "for its staging through VMEM); HBM GB: the compiled program's HBM reads and "
+            "writes, instruction by instruction (sizing.hbm_traffic), used in the roofline "
+            "where given"
+        )
     if chip is not None:
         lines.append(
             f"roofline = max(FLOPs / {chip.peak_flops / 1e12:.0f} TFLOP/s, bytes / "

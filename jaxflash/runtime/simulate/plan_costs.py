@@ -14,8 +14,9 @@ collectives, latency and host overhead -- and ``cost_model`` into a
 - decode step as a function of live slots: ``base + per_live_slot x live``. On the
   reference path (pure-JAX gather) and with a dense cache a step reads every slot's
   reservation, so it costs the compiled step at any live count. On the kernel path
-  XLA's count misses the kernel's KV reads (``sizing.kv_pool``): each live slot adds
-  its K/V at the mean live context, on paper.
+  the compiled step's bytes (its HBM walk, ``sizing.hbm_traffic``, else XLA's count)
+  miss the kernel's KV reads (``sizing.kv_pool``): each live slot adds its K/V at the
+  mean live context, on paper.
 - publish: the ``publish`` and ``install`` rooflines plus the copy of one generation
   chip's weights over ICI (at half the chip's published bidirectional bandwidth; left
   out for a chip without that figure). Generation waits for it.
@@ -189,8 +190,7 @@ def program_times(
         )
 
     def roof(c) -> float:
-        flops, nbytes = c.flops + c.unseen_flops, c.bytes_accessed + c.unseen_bytes
-        return roofline_seconds(flops, nbytes, chip, share=share)
+        return roofline_seconds(c.flops + c.unseen_flops, c.traffic_bytes, chip, share=share)
 
     prefill = sorted(
         (int(c.name.split("_")[1]), roof(c)) for c in plan.costs if c.name.startswith("prefill_")
@@ -207,9 +207,8 @@ def program_times(
         live = context_tokens * kv.token_bytes / block.devices / bandwidth
         path = "kernel what-if"
     elif kv.attention == "tpu_kernel":
-        step = roofline_seconds(
-            block.flops / steps, block.bytes_accessed / steps, chip, share=share
-        )
+        counted = block.hbm_bytes if block.hbm_bytes > 0 else block.bytes_accessed
+        step = roofline_seconds(block.flops / steps, counted / steps, chip, share=share)
         live = context_tokens * kv.token_chip_bytes / bandwidth
         path = kv.attention
     else:
