@@ -13,10 +13,13 @@ TPU), ``model.remat_policy="full"``, ``learner.packing``, a paged KV cache of
 ``page_size`` 32; GRPO
 batches of prompts x 8 samples, prompts of 1,024 tokens and the rest of T response;
 the learner on the first chips (fsdp, one sequence per chip per micro-batch),
-generation engines of ``tensor`` chips after it (as many as fill the slice).
-Programs: train step, prefill at buckets 16 and 1,024 (the others lie between),
-decode block of 8 steps, publish and install. Memory figures are XLA's for libtpu
-0.0.42.1's compiler; "refused" means that compiler refused the program for HBM.
+generation engines of ``data`` x ``tensor`` chips after it (as many as fill the slice:
+KV heads over tensor, pages and slots over data), attending with the paged TPU kernel
+where it tiles one chip's heads. Programs: train step, prefill at buckets 16 and 1,024
+(the others lie between), decode block of 8 steps, publish and install. Memory
+figures are XLA's for libtpu 0.0.42.1's compiler; "refused" means that compiler
+refused the program for HBM; the decode bytes are the compiled block's HBM walk
+(``sizing.hbm_traffic``) and XLA's own count.
 The forecast (``jaxflash.runtime.simulate.forecast``) is model figures: roofline costs
 through the simulator, not measurements.
 """
@@ -46,16 +49,27 @@ class Case:
     preset: str
     topology: str
     learner: int  # fsdp chips
-    tensor: int  # chips per generation engine (the pool splits over KV heads up to it)
+    tensor: int  # an engine's tensor axis (KV heads split over it)
     slots: int  # per engine
     pool_tokens: int  # per engine
     batch: int  # sequences per learner step
     length: int  # T = prompt + response budget
+    data: int = 1  # an engine's data axis (slot groups: pages and slots split over it)
+
+    @property
+    def engine_chips(self) -> int:
+        return self.data * self.tensor
+
+    @property
+    def engine_mesh(self) -> dict:
+        return (
+            {"data": self.data, "tensor": self.tensor} if self.data > 1 else {"tensor": self.tensor}
+        )
 
 
 CASES = [
-    # 2 KV heads: a pool splits 2 ways on main, so engines of 2 chips (4 x 32 slots).
-    Case("qwen2p5_1p5b", "v5e-16", 8, 2, 32, 131072, 64, 8192),
+    # 2 KV heads over tensor=2, the pool's pages and the slots over data=4: one engine.
+    Case("qwen2p5_1p5b", "v5e-16", 8, 2, 128, 524288, 64, 8192, data=4),
     Case("qwen2p5_7b", "v5p-128", 32, 4, 256, 2097152, 256, 32768),
     Case("llama3p1_8b", "v5p-128", 32, 8, 256, 2097152, 256, 32768),
     Case("qwen3_8b", "v5p-128", 32, 8, 256, 2097152, 256, 32768),
@@ -82,7 +96,7 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
     )  # fmt: skip
     n = case.learner
     lmesh = make_mesh(devices[:n], {"fsdp": n})
-    gmesh = make_mesh(devices[n : n + case.tensor], {"tensor": case.tensor})
+    gmesh = make_mesh(devices[n : n + case.engine_chips], case.engine_mesh)
     learner = LearnerConfig(lr=1e-6, micro_batch_size=n, packing=True)
     t0 = time.perf_counter()
     plan = plan_programs(
@@ -96,9 +110,10 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
     out = {
         **dataclasses.asdict(case),
         "capacity_gib": cap / 2**30,
-        "engines": (topo.chips - n) // case.tensor,
+        "engines": (topo.chips - n) // case.engine_chips,
         "compile_s": round(compile_s, 1),
         "kv": plan.kv.describe(),
+        "decode_bytes": decode_bytes(plan),
         "programs": [
             {
                 "name": c.name,
@@ -109,6 +124,7 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
                 "refused": c.refused,
                 "gflop": round(c.flops / 1e9, 1),
                 "gbytes": round(c.bytes_accessed / 1e9, 2),
+                "hbm_gbytes": round(c.hbm_bytes / 1e9, 2),
                 "fits_10pct": (not c.refused) and c.resident_bytes <= 0.9 * cap,
             }
             for c in plan.costs
@@ -117,6 +133,32 @@ def run_case(case: Case, *, forecast: bool = True) -> dict:
     out["plan"] = plan.to_dict()  # the compiled costs: --reforecast reuses them
     if forecast:
         out["forecast"] = forecast_summary(case, plan)
+    return out
+
+
+def decode_bytes(plan) -> dict:
+    """A decode step's bytes per chip at a half-full pool (GB): XLA's count, the HBM walk,
+    the kernel's KV reads (on paper), and weights + in-use KV (paper); the two ratios."""
+    from jaxflash.sizing.kv_pool import decode_traffic
+
+    block = next(c for c in plan.costs if c.name.startswith("decode_block"))
+    if block.refused:
+        return {}
+    t = decode_traffic(
+        plan.kv, xla_bytes=block.bytes_accessed, steps=plan.decode_steps,
+        weight_bytes=plan.engine_weight_bytes, hbm_bytes=block.hbm_bytes,
+    )  # fmt: skip
+    out = {
+        "attention": plan.kv.attention,
+        "xla_gb": round(t.xla / 1e9, 3),
+        "hbm_gb": round(t.hbm / 1e9, 3),
+        "kernel_kv_gb": round(t.kernel_unseen / 1e9, 3),
+        "weights_gb": round(t.weights / 1e9, 3),
+        "kv_in_use_gb": round(t.kv_in_use / 1e9, 3),
+        "xla_ratio": round((t.xla + t.kernel_unseen) / t.paper, 2),
+    }
+    if t.hbm > 0:
+        out["hbm_ratio"] = round((t.hbm + t.kernel_unseen) / t.paper, 2)
     return out
 
 
@@ -129,7 +171,7 @@ def forecast_summary(case: Case, plan) -> dict:
     topo = parse_topology(case.topology)
     cap = topo.chip.usable_hbm_bytes
     shape = RunShape(
-        slice_chips=topo.chips, learner_chips=case.learner, gen_chips=case.tensor,
+        slice_chips=topo.chips, learner_chips=case.learner, gen_chips=case.engine_chips,
         slots=case.slots, prompts_per_step=case.batch // 8, group_size=8,
         prompt_tokens=PROMPT, max_new_tokens=case.length - PROMPT, async_ratio=2,
         packing=True, micro_batch_size=case.learner, seq_len=case.length, hbm_bytes=cap,
@@ -141,18 +183,27 @@ def forecast_summary(case: Case, plan) -> dict:
     out = {
         "sync_colocated": round(f.colocated.result.samples_per_s, 3),
         "best_async_a2": round(f.best.result.samples_per_s, 3),
-        "best_split": f"{f.best.learner_chips}+{f.best.servers}x{case.tensor}",
+        "best_split": f"{f.best.learner_chips}+{f.best.servers}x{case.engine_chips}",
         "sync_same_split": round(f.sync_same_split.result.samples_per_s, 3),
     }
     if f.what_if is not None:
         run = f.what_if[1]
         out["kernel_what_if"] = round(run.result.samples_per_s, 3)
-        out["kernel_what_if_split"] = f"{run.learner_chips}+{run.servers}x{case.tensor}"
+        out["kernel_what_if_split"] = f"{run.learner_chips}+{run.servers}x{case.engine_chips}"
     return out
 
 
 def _kind(name: str) -> str:
     return name.split("_")[0] if name.startswith("prefill") else name
+
+
+def _decode_cell(d: dict) -> str:
+    """HBM walk (+ kernel KV) / XLA (+ kernel KV) / weights + in-use KV, at half a pool."""
+    if not d:
+        return "-"
+    paper = d["weights_gb"] + d["kv_in_use_gb"]
+    hbm = f"{d['hbm_gb'] + d['kernel_kv_gb']:.2f}" if d.get("hbm_gb") else "-"
+    return f"{hbm} / {d['xla_gb'] + d['kernel_kv_gb']:.2f} / {paper:.2f} ({d['attention']})"
 
 
 def markdown(results: list[dict]) -> str:
@@ -164,8 +215,9 @@ def markdown(results: list[dict]) -> str:
             if _kind(p["name"]) not in names:
                 names.append(_kind(p["name"]))
     head = "| preset | slice | T | learner | generation | batch | slots / pool per engine | "
-    head += " | ".join(names) + " | forecast samples/s (sync coloc / async a=2, split) |"
-    rows = [head, "|" + "---|" * (8 + len(names))]
+    head += " | ".join(names) + " | decode GB per step and chip: HBM / XLA / paper |"
+    head += " forecast samples/s (sync coloc / async a=2, split) |"
+    rows = [head, "|" + "---|" * (9 + len(names))]
     for r in results:
         cells = {}
         for p in r["programs"]:  # the largest prefill bucket is the last
@@ -179,12 +231,15 @@ def markdown(results: list[dict]) -> str:
         )
         if f.get("kernel_what_if"):
             fc += f"; kernel what-if {f['kernel_what_if']} ({f['kernel_what_if_split']})"
-        gen = f"{r['engines']} x tensor={r['tensor']}"
+        data = r.get("data", 1)
+        gen = (
+            f"{r['engines']} x " + (f"data={data} x " if data > 1 else "") + f"tensor={r['tensor']}"
+        )
         rows.append(
             f"| {r['preset']} | {r['topology']} ({r['capacity_gib']:.2f} GiB) | {r['length']} | "
             f"fsdp={r['learner']} | {gen} | {r['batch']} | {r['slots']} / {r['pool_tokens']:,} | "
             + " | ".join(cells.get(n, "-") for n in names)
-            + f" | {fc} |"
+            + f" | {_decode_cell(r.get('decode_bytes') or {})} | {fc} |"
         )
     return "\n".join(rows)
 

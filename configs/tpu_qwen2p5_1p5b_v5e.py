@@ -4,7 +4,7 @@ The preset a user starts from on TPU v5e (16 GB HBM per chip): asynchronous
 (alpha = 2) on disjoint slices, bf16 compute over fp32 master weights, splash
 attention with full remat in the learner, and a paged KV cache in the engine.
 
-Size it first, without a TPU (``pip install -e '.[tpu]'``; 6.6 min of compile on 2
+Size it first, without a TPU (``pip install -e '.[tpu]'``; 4-7 min of compile on 2
 busy CPU cores, 4.4 GB of RAM), then read the per-chip table and the simulator's forecast:
 
     python launch/tpu_pod.py --config configs/tpu_qwen2p5_1p5b_v5e.py --dry_run --topology v5e-16

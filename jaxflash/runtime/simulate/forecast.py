@@ -338,9 +338,9 @@ def format_forecast(f: Forecast, chip: ChipSpec, *, topology: str = "") -> str:
         t, run = f.what_if
         lines.append(
             f"  what-if, decode by the paged TPU kernel (it reads the pages in use only) "
-            f"over a pool split over all {shape.gen_chips} chips (this engine attends by the "
-            f"reference path: the kernel needs a TPU mesh whose chips hold heads it tiles, "
-            f"head_dim a multiple of 128)" + ": step "
+            f"over a pool split over all {shape.gen_chips} chips (this engine decodes by the "
+            f"{f.times.path} path; the kernel needs rollout.kv_cache=paged on a TPU mesh whose "
+            f"chips hold heads it tiles, head_dim a multiple of 128): step "
             f"{1e3 * t.decode_base_s:.2f} ms + {1e6 * t.decode_live_s:.1f} us per live slot; "
             f"best async a={a}: learner {run.learner_chips} chips + generation {run.servers} x "
             f"{shape.gen_chips}: {run.result.samples_per_s:.3f} samples/s "
