@@ -13,8 +13,8 @@ Python), each in fresh processes, alternating between the trees:
   start, imports, config, model init, engine build and compile, the first prefill.
 - ``import loop``: ``python -X importtime -c "import <the runtime loop>"``, the
   cumulative time of every top-level import (``jaxflash.runtime.loop``;
-  ``jaxflash.runtime.rlvr`` in trees older than its rename), and what TensorFlow and
-  JetStream took of it.
+  ``jaxflash.runtime.rlvr`` in trees older than its rename), and what JetStream took of
+  it and TensorFlow of that (``engine_api`` pulls TensorFlow through seqio).
 
 Plus, once: the import of ``jetstream.engine.engine_api`` alone (what the engine paid
 while it subclassed ``engine_api.Engine``: it pulls TensorFlow through seqio). The
@@ -163,7 +163,7 @@ def main() -> None:
         print(f"\n{name}")
         print(f"  first token, smoke launch: {stat(tokens[name])}")
         print(f"  import {loop_module(tree)}: {stat([r['total'] for r in rows])}")
-        for part in ("tensorflow", "jetstream"):
+        for part in ("jetstream", "tensorflow"):  # nested: jetstream pulls tensorflow
             print(f"    of which {part}: {stat([r[part] for r in rows])}")
     print(
         f"\nimport jetstream.engine.engine_api alone: {engine_api['total']:.1f} s "
