@@ -383,7 +383,7 @@ def forward(
       fresh_cache: the (dense) cache holds nothing a query may see, and row b's
         tokens sit at positions 0..T-1 (a prefill): attention is then causal
         self-attention over the T new tokens, computed as ``config.attention`` says
-        (O(T) memory), and k/v are written into the cache after it. Same result as
+        (O(T) memory except "dense"), and k/v are written into the cache after it. Same result as
         the cached pass to float rounding, without its [T, S] scores
         (``models.layer_attention``).
 
