@@ -158,23 +158,33 @@ def test_alpha2_staleness_bound_counters_and_resume(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_async_smoke_restart_policy_two_steps(tmp_path):
-    """The fast end-to-end check: α = 1, partial_rollout=restart, stale groups regenerated."""
+    """The fast end-to-end check: α = 1, partial_rollout=restart, stale groups regenerated,
+    on the paged KV cache (the dense engine's tokens, tests/test_paged_engine.py), whose
+    page counters reach the step metrics."""
     c = smoke_async.get_config()
     c.data.eval_size = 0
     c.total_steps = 2
     c.rollout.async_ratio = 1
     c.rollout.partial_rollout = "restart"
     c.rollout.stale_policy = "regenerate"
+    c.rollout.kv_cache, c.rollout.page_size = "paged", 4  # the dense reservation's pages
     workdir = tmp_path / "run"
     rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(workdir))
     metrics = _rows(workdir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
+    assert not _undocumented(metrics)
     for m in metrics:
         assert 0 <= m["staleness_max"] <= 1
         assert m["prompts_trained"] == 4 * m["step"]
         assert m["prompts_taken"] <= (1 + 1) * 4 + 4 * m["step"]
         for key in ("gen0_version_lag", "gen1_version_lag", "weight_sync_s", "gen_idle_frac"):
             assert key in m
+        # Pages: a pool as large as the dense reservation never runs out.
+        assert 0 < m["gen_kv_cache_usage_peak"] <= 1 and 0 <= m["gen_kv_cache_usage"] <= 1
+        assert m["gen_preemptions"] == m["gen_kv_page_waits"] == 0
+        assert m["gen_prefix_cache_copied_pages"] == 0  # one device per server: one group
+        # (Hits depend on a prompt's samples meeting on one server; counted in test_records.)
+        assert m["gen_prefix_cache_hit_pages"] >= 0
     for r in _rows(workdir / "rollouts.jsonl"):
         # restart: a sample never mixes versions, and it starts where its tokens start.
         assert r["token_version_min"] == r["token_version_max"] == r["start_version"]
