@@ -196,7 +196,11 @@ def test_async_smoke_restart_policy_two_steps(tmp_path):
         wait, train, publish = (t["learner"][k] for k in ("wait", "train", "publish"))
         assert wait[0] <= wait[1] <= train[0] <= train[1] <= publish[0] <= publish[1]
         assert len(t["gen"]) == 2 and all(a <= b for spans in t["gen"] for a, b in spans)
-        assert len(t["reward"]) >= 8 and all(a <= b for a, b in t["reward"])
+        assert all(a <= b for a, b in t["reward"])
+    # Every scored sample's span lands in some step's row (spans are taken since the
+    # previous step): with alpha = 1 a step's samples may all be scored in the step
+    # before, so only the run's total is bounded (2 steps x 8 trained samples).
+    assert sum(len(t["reward"]) for t in timeline) >= 8 * len(timeline)
     assert any(t["gen"][0] for t in timeline) and any(t["gen"][1] for t in timeline)
     check_report_pngs(str(workdir), {"curves", "staleness", "timeline"}, timeline_step=2)
 
