@@ -172,6 +172,53 @@ def test_fixed_prefill_rows_make_results_independent_of_companions(params, rows)
     np.testing.assert_allclose(alone.behaviour_logprobs, ref.behaviour_logprobs, atol=1e-5)
 
 
+# Long-prefill attention: the tiny model at a 512-token bucket (two of the blockwise
+# path's 256-key blocks on CPU), and its qk-norm and sliding-window (Gemma 3) variants.
+LONG = {
+    "llama": CFG.replace(max_seq_len=1024),
+    "qwen3_qk_norm": CFG.replace(max_seq_len=1024, qk_norm=True, head_dim=24, qkv_bias=True),
+    "gemma3_window": CFG.replace(
+        max_seq_len=1024, qk_norm=True, norm_offset=1.0, mlp_activation="gelu_tanh",
+        sandwich_norm=True, scale_embeddings=True, query_pre_attn_scalar=24.0,
+        sliding_window=100, layer_types=("sliding_attention", "full_attention"),
+        rope_local_theta=100.0,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family",  # gemma3 (qk norm, sliding + full layers) in the fast suite; the others slow
+    [f if f == "gemma3_window" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(LONG)],
+)
+def test_a_bucket_above_prefill_dense_max_attends_in_o_t_and_matches_dense(family):
+    """prefill_dense_max=256: the 512 bucket attends through model.attention ("auto":
+    blockwise here), with no [T, T] scores, and gives the dense prefill's cache and
+    last-position logits to float32 rounding (5e-5; measured <= 1e-5). The first layer's
+    cache is bit-identical: its k/v come before any attention."""
+    config = LONG[family]
+    params = jax.tree.map(lambda x: 4 * x if x.ndim > 1 else x, init_params(config, seed=1))
+    base = EngineConfig(max_concurrent_decodes=2, max_prefill_length=512, max_target_length=520)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 512), dtype=np.int32)
+    lengths = np.asarray([512, 300], np.int32)
+    out = {}
+    for name, dense_max in (("dense", 1024), ("o_t", 256)):
+        engine = LlamaEngine(config, dataclasses.replace(base, prefill_dense_max=dense_max))
+        placed = engine.place_params(params)
+        lowered = engine.prefill_jit.lower(placed, ids, lengths)
+        assert ("2x2x512x512xf32" in lowered.as_text()) == (name == "dense"), name  # [N,K,G,T,T]
+        out[name] = lowered.compile()(placed, ids, lengths)
+    dense, o_t = out["dense"], out["o_t"]
+    np.testing.assert_allclose(o_t.logits_nv, dense.logits_nv, atol=5e-5, rtol=0)
+    leaves = zip(jax.tree.leaves(o_t.cache), jax.tree.leaves(dense.cache), strict=True)
+    for i, (a, b) in enumerate(leaves):
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=0, err_msg=f"cache buffer {i}")
+    for a, b in (
+        (o_t.cache.k_bksh[0], dense.cache.k_bksh[0]),
+        (o_t.cache.v_bkhs[0], dense.cache.v_bkhs[0]),
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_place_params_unstacks_once_and_is_idempotent(engine, params):
     placed = engine.place_params(params)
     assert isinstance(placed["layers"], tuple) and len(placed["layers"]) == CFG.n_layers

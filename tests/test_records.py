@@ -120,43 +120,6 @@ def test_staleness_and_learner_metrics():
     }
 
 
-def test_server_metrics_are_per_step_differences():
-    before = [
-        {
-            "version": 1,
-            "live_slot_steps": 10,
-            "slot_steps": 20,
-            "busy_s": 1.0,
-            "idle_s": 1.0,
-            "generated_tokens": 100,
-        },
-        {
-            "version": 1,
-            "live_slot_steps": 0,
-            "slot_steps": 0,
-            "busy_s": 0.0,
-            "idle_s": 0.0,
-            "generated_tokens": 0,
-        },
-    ]
-    now = [
-        {
-            "version": 2,
-            "live_slot_steps": 40,
-            "slot_steps": 60,
-            "busy_s": 3.0,
-            "idle_s": 1.0,
-            "generated_tokens": 300,
-        },
-        {},  # dead
-    ]
-    m = records.server_metrics(before, now, version=3)
-    assert m["gen0_occupancy"] == 0.75 and m["gen0_version_lag"] == 1
-    assert "gen1_occupancy" not in m and m["gen_version_lag_max"] == 1
-    assert m["gen_tokens"] == 200 and m["gen_tokens_per_s"] == 100.0
-    assert m["gen_idle_frac"] == 0.0 and m["gen_slot_occupancy"] == 0.75
-
-
 def test_learner_batch_masks_truncated_samples_out_of_loss_and_baseline():
     grpo = get_advantage_estimator("grpo")
     groups = [_group(0, [1.0, 0.0, 1.0], truncated={2}), _group(1, [0.0, 0.0, 0.0])]

@@ -208,6 +208,41 @@ def test_the_report_of_a_tpu_plan_has_a_roofline(tiny_plan):
     assert "DOES NOT FIT" not in table
 
 
+def test_a_long_prefill_compiles_with_splash_and_no_t_by_t_scores():
+    """A bucket above ``prefill_dense_max`` on a v5e chip: the prefill attends with the
+    splash kernel (Mosaic), holds no [T, T] array (the dense prefill's masks and scores
+    are [T, T]), and its temporaries stay below an eighth of one layer's float32 [T, T]
+    scores (T = 2048). Measured for Qwen2.5-1.5B, bf16, T = 8192: 6.84 GiB of
+    temporaries dense, 0.37 GiB O(T) (benchmarks/prefill_memory.py, docs/TPU.md)."""
+    if not _HAS_LIBTPU:
+        pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
+    import re
+
+    from jaxflash.generation.engine.state import EngineConfig
+    from jaxflash.models.presets import get_preset
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES
+    from jaxflash.sizing import programs
+    from jaxflash.sizing.tpu import topology_devices
+
+    t = 2048
+    devices = topology_devices(parse_topology("v5e-4"))
+    model = get_preset("tiny", compute_dtype="bfloat16", max_seq_len=2 * t)
+    engine = EngineConfig(
+        max_concurrent_decodes=8, max_prefill_length=t, max_target_length=t + 64,
+        prefill_dense_max=t // 2,
+    )  # fmt: skip
+    (prefill, _), _, _ = programs.engine_programs(
+        model, engine, make_mesh(devices[:1], {}), GENERATOR_RULES, buckets=[t]
+    )
+    compiled = prefill.lower().compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text
+    assert not re.search(rf"\[[\d,]*{t},{t}\]", text)  # no [..., T, T] buffer
+    scores = model.n_heads * t * t * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < scores / 8
+
+
 @pytest.fixture(scope="module")
 def paged_block():
     """The paged engine's decode block for v5e-4 as data=2 x tensor=2: a tiny bf16 model

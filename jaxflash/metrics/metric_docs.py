@@ -93,6 +93,28 @@ METRICS: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
+        "`gen_kv_pages_in_use`, `gen_kv_cache_usage`, `gen_kv_cache_usage_peak`",
+        (
+            "paged KV cache only (`rollout.kv_cache=paged`): pages mapped at the step's end,"
+            " all servers; their share of the servers' page pools (KV-cache usage); the "
+            "largest share one server had in use at once since it started"
+        ),
+    ),
+    (
+        (
+            "`gen_preemptions`, `gen_kv_page_waits`, `gen_prefix_cache_hit_pages`, "
+            "`gen_prefix_cache_copied_pages`"
+        ),
+        (
+            "paged KV cache only, during the step, all servers: running samples preempted "
+            "because their slot group ran out of pages (restarted from the queue's front, "
+            "their tokens dropped); fills at which the queue's head waited for free pages "
+            "while a slot was free; prompt pages mapped from another sample of the same "
+            "prompt instead of written (prefix-cache hits, in pages); prompt pages written "
+            "again because only another slot group held them (a pool split over a mesh)"
+        ),
+    ),
+    (
         "`train_time_s`, `train_tokens_per_s`",
         "the learner update's wall time; `tokens` / it",
     ),

@@ -38,17 +38,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflash.models import lora
-from jaxflash.models.attention import (
-    attention_scale,
-    cache_visibility,
-    dense_attention,
-    self_attention,
-)
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KVCache, LayerKVCache, write_layer_rows, write_rows
+from jaxflash.models.kv_cache import KVCache, LayerKVCache
+from jaxflash.models.layer_attention import layer_attention
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.moe import moe_mlp
-from jaxflash.models.paged_kv_cache import PagedKVCache, PageTable, kernel_attention, write_and_view
+from jaxflash.models.paged_kv_cache import PagedKVCache
 from jaxflash.models.params import Params, get_params
 from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
@@ -246,6 +241,7 @@ def _layer(
     layer_cache=False,
     sliding: bool | jax.Array = False,
     segment_ids_bt=None,
+    fresh=False,
 ):
     """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None),
     router logits float32 [B, T, E] or None for a dense MLP).
@@ -255,6 +251,8 @@ def _layer(
     ``sliding``: this layer attends within ``config.sliding_window`` and uses
     ``config.rope_local_theta`` (a bool, or a traced bool inside the layer scan).
     ``segment_ids_bt``: packed segments of a cache-free pass (``forward``).
+    ``fresh``: the cache is fresh (``forward``'s ``fresh_cache``). Attention itself is
+    ``models.layer_attention``.
     """
     cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
 
@@ -288,32 +286,10 @@ def _layer(
 
     q_btnh = rope(q_btnh)
     k_btkh = rope(k_btkh).astype(cd)
-    if cache_k is None:  # causal within segments (models.attention); positions feed RoPE
-        attn_btnh = self_attention(
-            q_btnh, k_btkh, v_btkh, config, segment_ids_bt=segment_ids_bt, sliding=sliding
-        )
-    elif isinstance(cache_v, PageTable) and cache_v.kernel:  # TPU: ragged_paged_attention
-        window = config.sliding_window if sliding is True else None
-        cache_k, attn_btnh = kernel_attention(
-            cache_k, cache_v, q_btnh, k_btkh, v_btkh, positions_bt,
-            scale=attention_scale(config, config.head_dim), sliding_window=window,
-        )  # fmt: skip
-    else:
-        if isinstance(cache_v, PageTable):  # a PagedKVCache layer: (pool, page table)
-            cache_k, keys_bksh, values_bkhs = write_and_view(
-                cache_k, cache_v, k_btkh, v_btkh, positions_bt
-            )
-        elif layer_cache:
-            cache_k, cache_v = write_layer_rows(cache_k, cache_v, k_btkh, v_btkh, positions_bt)
-            keys_bksh, values_bkhs = cache_k, cache_v
-        else:
-            cache_k = write_rows(cache_k, k_btkh, positions_bt)
-            cache_v = write_rows(cache_v, v_btkh, positions_bt)
-            keys_bksh, values_bkhs = cache_k.transpose(0, 2, 1, 3), cache_v.transpose(0, 2, 3, 1)
-        visible_bts = cache_visibility(
-            positions_bt, keys_bksh.shape[2], sliding, config.sliding_window
-        )
-        attn_btnh = dense_attention(q_btnh, keys_bksh, values_bkhs, visible_bts, config)
+    attn_btnh, cache_k, cache_v = layer_attention(
+        config, q_btnh, k_btkh, v_btkh, positions_bt, cache_k, cache_v,
+        layer_cache=layer_cache, sliding=sliding, segment_ids_bt=segment_ids_bt, fresh=fresh,
+    )  # fmt: skip
     attn_btd = jnp.einsum(
         "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
     )
@@ -379,6 +355,7 @@ def forward(
     kv_cache: KVCache | LayerKVCache | None = None,
     *,
     segment_ids_bt: jax.Array | None = None,
+    fresh_cache: bool = False,
 ) -> tuple[jax.Array, KVCache | LayerKVCache | None]:
     """Pure forward pass: token ids -> final-normed hidden states.
 
@@ -403,6 +380,12 @@ def forward(
         into each row (a token attends to earlier tokens of its own segment; RoPE
         positions should restart per segment). None: each row is one sequence.
         Attention runs as ``config.attention`` says (``models.attention``).
+      fresh_cache: the (dense) cache holds nothing a query may see, and row b's
+        tokens sit at positions 0..T-1 (a prefill): attention is then causal
+        self-attention over the T new tokens, computed as ``config.attention`` says
+        (O(T) memory except "dense"), and k/v are written into the cache after it. Same result as
+        the cached pass to float rounding, without its [T, S] scores
+        (``models.layer_attention``).
 
     Returns:
       (h_btd float32 [B, T, D], updated cache of the same type, or None). Logits
@@ -410,11 +393,16 @@ def forward(
 
     Raises:
       ValueError: if input and position shapes differ, the cache's batch differs,
-        the cache layout does not match the params layout, or segment ids come with
-        a cache or in another shape.
+        the cache layout does not match the params layout, segment ids come with
+        a cache or in another shape, or ``fresh_cache`` comes without a dense cache.
     """
+    if fresh_cache and (kv_cache is None or isinstance(kv_cache, PagedKVCache)):
+        raise ValueError(
+            f"forward: fresh_cache=True needs a KVCache or LayerKVCache, got "
+            f"{type(kv_cache).__name__}"
+        )
     h_btd, cache, _ = _forward(
-        params, config, input_ids_bt, positions_bt, kv_cache, False, segment_ids_bt
+        params, config, input_ids_bt, positions_bt, kv_cache, False, segment_ids_bt, fresh_cache
     )
     return h_btd, cache
 
@@ -449,7 +437,9 @@ def forward_with_router_logits(
     return h_btd, router_lbte
 
 
-def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_router, segments):
+def _forward(
+    params, config, input_ids_bt, positions_bt, kv_cache, collect_router, segments, fresh=False
+):
     """``forward``, plus the stacked router logits [L, B, T, E] when ``collect_router``."""
     if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
         raise ValueError(
@@ -492,7 +482,7 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
             flag = xs[3] if sliding is None else sliding
             h_btd, (ck, cv), router_bte = _layer(
                 config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled, sliding=flag,
-                segment_ids_bt=segments,
+                segment_ids_bt=segments, fresh=fresh,
             )  # fmt: skip
             return h_btd, (ck, cv, router_bte if collect_router else None)
 
@@ -507,9 +497,14 @@ def _forward(params, config, input_ids_bt, positions_bt, kv_cache, collect_route
         else:
             ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
         bodies = {flag: layer_fn(flag) for flag in set(sliding_l)}
+        # fresh: h is materialised after every layer, else the TPU compiler fuses all the
+        # residual adds into one at the end that keeps every layer's f32 [B, T, D] MLP output
+        # alive (Qwen2.5-1.5B, T = 2048, v5e: 1.01 vs 0.08 GiB; benchmarks/prefill_memory.py).
         new_k, new_v, routers = [], [], []
         for lp, ck, cv, sliding in zip(params["layers"], ks, vs, sliding_l, strict=True):
             h_btd, (ck, cv, router_bte) = bodies[sliding](h_btd, (lp, ck, cv))
+            if fresh:
+                h_btd = jax.lax.optimization_barrier(h_btd)
             new_k.append(ck)
             new_v.append(cv)
             routers.append(router_bte)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,6 +151,9 @@ def parse_oom(message: str) -> tuple[int, int] | None:
     return _bytes(m.group(1), m.group(2)), _bytes(m.group(3), m.group(4))
 
 
+_CACHE_READ_WARNING = "Error reading persistent compilation cache entry"
+
+
 def measure(prog: sp.Lowerable, *, held_bytes: int = 0) -> ProgramCost:
     """Compile ``prog`` and read its memory plan and cost (see ProgramCost).
 
@@ -159,7 +163,13 @@ def measure(prog: sp.Lowerable, *, held_bytes: int = 0) -> ProgramCost:
     """
     base = dict(name=prog.name, role=prog.role, devices=prog.mesh.devices.size)
     try:
-        compiled = prog.lower().compile()
+        with warnings.catch_warnings():
+            # With a persistent compilation cache set (common on TPU VMs), jax stores a
+            # compile-only chip's executable but cannot load it back ("PjRtCompiler must
+            # be constructed with a Client"): it warns and compiles again, as without a
+            # cache. Nothing is lost; the warning is noise in the plan.
+            warnings.filterwarnings("ignore", _CACHE_READ_WARNING, UserWarning)
+            compiled = prog.lower().compile()
     except jax.errors.JaxRuntimeError as err:
         oom = parse_oom(str(err))
         if oom is None:

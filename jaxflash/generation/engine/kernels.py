@@ -4,7 +4,8 @@
 configuration bound (``functools.partial``) and counts the traces from outside.
 None of them reads or writes anything but its arguments.
 
-- ``prefill``: N sequences of one bucket in one forward pass -> ``PrefillBatch``.
+- ``prefill``: N sequences of one bucket in one forward pass -> ``PrefillBatch``
+  (dense attention up to ``EngineConfig.prefill_dense_max`` tokens, O(T) above).
 - ``sample_first``: first tokens of G samples from prefill logits.
 - ``start``: ``sample_first`` + write each sample's prefill rows and per-slot
   vectors into its slot (one dispatch for a whole fill).
@@ -26,8 +27,11 @@ the engine before these programs were unrolled (tests/test_engine_golden.py).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, use_abstract_mesh
 
 from jaxflash.generation.engine.state import (
     DecodeResult,
@@ -46,14 +50,34 @@ from jaxflash.models.paged_kv_cache import PagedKVCache, interleave_kv, write_ro
 __all__ = ["generate", "generate_block", "insert", "prefill", "sample_first", "start"]
 
 
-def prefill(params, ids_nt, true_length_n, *, model_config: ModelConfig) -> PrefillBatch:
+def prefill(
+    params,
+    ids_nt,
+    true_length_n,
+    *,
+    model_config: ModelConfig,
+    dense_max: int | None = None,
+    mesh: Mesh | None = None,
+) -> PrefillBatch:
     """Run N sequences of one bucket; keep their caches and last-position logits.
+
+    Attention: a bucket of T <= ``dense_max`` tokens writes k/v into a fresh cache and
+    attends over it with [T, T] scores per head (the dense path, bit-identical to the
+    engine's goldens); a longer one attends causally over its own tokens through
+    ``model_config.attention`` (blockwise on CPU, XLA / cuDNN flash on GPU, splash on
+    TPU: O(T) memory) and then writes k/v (``forward(..., fresh_cache=True)``). The
+    two agree to float rounding (tests/test_engine_block.py).
 
     Args:
       params: model params (stacked or unstacked layers).
       ids_nt: int32 [N, T] right-padded token ids.
       true_length_n: int32 [N] lengths in [1, T].
       model_config: static.
+      dense_max: largest bucket prefilled densely (``EngineConfig.prefill_dense_max``);
+        None: every bucket.
+      mesh: the engine's mesh: the O(T) path runs under its abstract mesh, so that
+        "auto" resolves for the mesh's chips and splash's ``shard_map`` (and Mosaic,
+        for compile-only chips) find them.
 
     Returns:
       PrefillBatch (caches of N rows and length T, lengths, float32 logits [N, V]).
@@ -62,7 +86,14 @@ def prefill(params, ids_nt, true_length_n, *, model_config: ModelConfig) -> Pref
     n, t = ids_nt.shape
     positions_nt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
     cache = init_layer_kv_cache(model_config, n, t)
-    h_ntd, cache = forward(params, model_config, ids_nt, positions_nt, cache)
+    if dense_max is None or t <= dense_max:
+        h_ntd, cache = forward(params, model_config, ids_nt, positions_nt, cache)
+    else:
+        scope = contextlib.nullcontext() if mesh is None else use_abstract_mesh(mesh.abstract_mesh)
+        with scope:
+            h_ntd, cache = forward(
+                params, model_config, ids_nt, positions_nt, cache, fresh_cache=True
+            )
     h_nd = jnp.take_along_axis(h_ntd, (true_length_n - 1)[:, None, None], axis=1)[:, 0]
     logits_nv = logits_from_hidden(h_nd, unembed(params, model_config)).astype(jnp.float32)
     return PrefillBatch(cache=cache, true_length_n=true_length_n, logits_nv=logits_nv)

@@ -54,7 +54,12 @@ class Programs:
         self.prefill = jax.jit(
             self._counted(
                 lambda p, ids, n: f"prefill_{ids.shape[0]}x{ids.shape[1]}",
-                functools.partial(kernels.prefill, model_config=mc),
+                functools.partial(
+                    kernels.prefill,
+                    model_config=mc,
+                    dense_max=ec.prefill_dense_max,
+                    mesh=replicated.mesh,
+                ),
             ),
             out_shardings=PrefillBatch(
                 cache=prefix_shardings.cache, true_length_n=rep, logits_nv=rep

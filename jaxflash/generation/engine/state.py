@@ -60,6 +60,12 @@ class EngineConfig:
         bit for bit; on CPU batching prompts does not speed the (compute-bound)
         prefill up. On accelerators, 8-32 fills the matrix units better; XLA's
         kernels then round a few results 1 ulp differently than with 1 row.
+      prefill_dense_max: largest prefill bucket (tokens) attended with dense [T, T]
+        scores over a fresh cache, bit-identical to the engine's goldens; longer
+        buckets attend through ``ModelConfig.attention``'s O(T) path (splash on TPU;
+        ``engine.kernels.prefill``), equal to float rounding. 0: every bucket O(T).
+        At 1024 the dense scores of a 12-head model are 48 MiB per row and layer;
+        at 8192, 3 GiB.
       decode_block: decode steps per dispatch of a ``SlotBatcher`` driving this
         engine (one compiled block program per size). Tokens and logprobs do not
         depend on it; admissions, aborts and weight updates take effect at block
@@ -93,6 +99,7 @@ class EngineConfig:
     greedy: bool = False
     min_prefill_bucket: int = 16
     prefill_rows: int = 1
+    prefill_dense_max: int = 1024
     decode_block: int = 1
     kv_cache: str = "dense"
     page_size: int = 16
@@ -109,6 +116,10 @@ class EngineConfig:
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(
                 f"EngineConfig.kv_cache must be one of {KV_CACHE_KINDS}, got {self.kv_cache!r}"
+            )
+        if self.prefill_dense_max < 0:
+            raise ValueError(
+                f"EngineConfig.prefill_dense_max must be >= 0, got {self.prefill_dense_max}"
             )
         if self.page_size < 1 or self.num_pages < 0:
             raise ValueError(

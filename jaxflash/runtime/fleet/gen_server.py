@@ -250,13 +250,27 @@ class GenerationServer:
         generated_tokens (including tokens later dropped by restarts), submitted,
         delivered, aborted, weight_updates (applied), wakeups (loop passes: one
         per decode step or command batch; flat while idle), restarted, recomputed,
-        recompute_tokens, recompute_fallbacks.
+        recompute_tokens, recompute_fallbacks. A paged engine adds its pool's
+        kv_pages_in_use, kv_pages_peak (most in use at once) and kv_pages_total, and
+        the slot loop's preempted, page_waits, shared_pages and copied_pages
+        (``SlotStats``).
 
         Raises:
           GenerationServerError: the loop failed.
         """
         self.check()
-        s = self._batcher.stats
+        s, pool = self._batcher.stats, self._batcher.pages
+        paged = {}
+        if pool is not None:
+            paged = {
+                "kv_pages_in_use": pool.in_use,
+                "kv_pages_peak": pool.peak_in_use,
+                "kv_pages_total": pool.num_pages,
+                "preempted": s.preempted,
+                "page_waits": s.page_waits,
+                "shared_pages": s.shared_pages,
+                "copied_pages": s.copied_pages,
+            }
         with self._cond:
             return {
                 "name": self.name,
@@ -279,6 +293,7 @@ class GenerationServer:
                 "recomputed": s.recomputed,
                 "recompute_tokens": s.recompute_tokens,
                 "recompute_fallbacks": s.recompute_fallbacks,
+                **paged,
             }
 
     def __enter__(self) -> GenerationServer:

@@ -38,15 +38,16 @@ from typing import Any
 from jaxflash.runtime.fleet import rpc_wire
 from jaxflash.runtime.fleet.gen_endpoint import ProgramClient
 from jaxflash.runtime.fleet.rpc_wire import Status, WeightOffer
+from jaxflash.runtime.rollout.server_metrics import CUMULATIVE_STATS
 from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 
 log = logging.getLogger(__name__)
 RequestKey = tuple[int, int]
 
-# Counters ``GenerationServer.stats`` accumulates over its life (``records.server_metrics``
-# differences them per step). A restarted program counts from 0 again, so the totals of
-# earlier incarnations are carried over: the per-step differences never go negative.
-_CUMULATIVE = ("live_slot_steps", "slot_steps", "busy_s", "idle_s", "generated_tokens")
+# ``CUMULATIVE_STATS``: counters ``GenerationServer.stats`` accumulates over its life
+# (``rollout.server_metrics`` differences them per step). A restarted program counts from
+# 0 again, so the totals of earlier incarnations are carried over: the per-step
+# differences never go negative.
 
 
 class RemoteServerDownError(RuntimeError):
@@ -123,7 +124,7 @@ class RemoteGenerationServer:
         self._last_event = time.monotonic()
         self._stream: Any = None
         self._stopping = False
-        self._carried = dict.fromkeys(_CUMULATIVE, 0.0)  # totals of earlier incarnations
+        self._carried = dict.fromkeys(CUMULATIVE_STATS, 0.0)  # totals of earlier incarnations
         self._last_stats: dict[str, float] = {}  # this incarnation's latest totals
         self._thread = threading.Thread(
             target=self._supervise, name=f"remote-{self.name}", daemon=True
@@ -295,8 +296,8 @@ class RemoteGenerationServer:
         with self._cond:
             out = dict(fields["stats"])
             if incarnation == self._incarnation:
-                self._last_stats = {k: float(out.get(k, 0)) for k in _CUMULATIVE}
-            for k in _CUMULATIVE:
+                self._last_stats = {k: float(out.get(k, 0)) for k in CUMULATIVE_STATS}
+            for k in CUMULATIVE_STATS:
                 out[k] = float(out.get(k, 0)) + self._carried[k]
             out.update(
                 queued_or_running=len(self._outstanding),

@@ -1,7 +1,8 @@
 """What a run writes: one definition of each rollouts.jsonl field and per-step metric.
 
 Both placements (colocated and disjoint slices) write exactly these; the README's
-tables document every name here. Host-side numpy only.
+tables document every name here (the generation servers' ``gen*`` metrics come from
+``server_metrics``). Host-side numpy only.
 """
 
 from __future__ import annotations
@@ -208,48 +209,6 @@ def timeline_row(
         "gen": [[rel(s) for s in server] for server in spans.get("gen", [])],
         "reward": [rel(s) for s in spans.get("reward", [])],
     }
-
-
-def server_metrics(
-    before: Sequence[dict[str, Any]], now: Sequence[dict[str, Any]], version: int
-) -> dict[str, Any]:
-    """Generation over one step, from each server's cumulative ``stats()`` at its ends.
-
-    Returns:
-      gen{i}_occupancy (fraction of server i's decode slots live during its decode
-      steps this step), gen{i}_version_lag (learner version - the version server i
-      generated with), gen_slot_occupancy (the same over all servers),
-      gen_idle_frac (server idle time / (busy + idle) this step), gen_tokens
-      (tokens generated this step, including ones later dropped) and
-      gen_tokens_per_s (gen_tokens / busy seconds). Dead and retired servers are
-      left out; a server added during the step (elastic pool) counts from 0.
-    """
-    out: dict[str, Any] = {}
-    live = slots = busy = idle = tokens = 0.0
-    lags = []
-    if len(before) > len(now):
-        raise ValueError(f"server_metrics: {len(before)} servers before, {len(now)} now")
-    for i, n in enumerate(now):
-        b = before[i] if i < len(before) else {}
-        if not n:
-            continue
-        d = {k: float(n.get(k, 0)) - float(b.get(k, 0)) for k in _CUMULATIVE}
-        out[f"gen{i}_occupancy"] = (
-            d["live_slot_steps"] / d["slot_steps"] if d["slot_steps"] else 0.0
-        )
-        out[f"gen{i}_version_lag"] = int(version - n["version"])
-        lags.append(out[f"gen{i}_version_lag"])
-        live, slots = live + d["live_slot_steps"], slots + d["slot_steps"]
-        busy, idle, tokens = busy + d["busy_s"], idle + d["idle_s"], tokens + d["generated_tokens"]
-    out["gen_slot_occupancy"] = live / slots if slots else 0.0
-    out["gen_idle_frac"] = idle / (busy + idle) if busy + idle > 0 else 0.0
-    out["gen_version_lag_max"] = max(lags) if lags else 0
-    out["gen_tokens"] = int(tokens)
-    out["gen_tokens_per_s"] = tokens / busy if busy > 0 else 0.0
-    return out
-
-
-_CUMULATIVE = ("live_slot_steps", "slot_steps", "busy_s", "idle_s", "generated_tokens")
 
 
 # (metric, label, format) of the console's step line, in order; absent ones are left out.

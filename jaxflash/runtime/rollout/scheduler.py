@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock, RealClock
-from jaxflash.runtime.rollout import records
+from jaxflash.runtime.rollout import server_metrics as gen_metrics
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.rollout.inbox import Inbox
@@ -404,10 +404,10 @@ class RolloutScheduler:
 
     def server_metrics(self, version: int) -> dict[str, Any]:
         """The servers' generation metrics since the last call (since ``start`` at the
-        first): ``records.server_metrics`` of the step at ``version``."""
+        first): ``rollout.server_metrics.server_metrics`` of the step at ``version``."""
         now = self.server_stats()
         before, self._servers_seen = self._servers_seen, now
-        return records.server_metrics(before, now, version)
+        return gen_metrics.server_metrics(before, now, version)
 
     def next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline (None if
