@@ -16,21 +16,21 @@ from jaxflash.algorithms.distributions import (
     floor_logprobs,
     processed_log_softmax,
 )
+from jaxflash.models.block import rms_norm
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.kv_cache import init_kv_cache
 from jaxflash.models.llama import (
     Llama,
     abstract_params,
-    apply_rope,
     forward,
     init_params,
     logical_axes,
-    rms_norm,
     unembed,
 )
 from jaxflash.models.logprobs import logits_from_hidden, target_logprobs
 from jaxflash.models.params import get_params, set_params
 from jaxflash.models.presets import get_preset
+from jaxflash.models.rope import apply_rope
 
 TINY = get_preset("tiny")
 

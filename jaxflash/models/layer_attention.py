@@ -1,5 +1,5 @@
 """One decoder layer's attention, given what it has for a cache: the dispatch of
-``models.llama._layer``.
+``models.block.decoder_layer``.
 
 Four cases, picked by the cache the layer gets (``layer_attention``):
 

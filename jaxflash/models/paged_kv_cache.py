@@ -17,7 +17,7 @@ a real page whose (finite) contents are masked out.
 
 ``write_and_view`` is the pure-JAX path the engine decodes with on CPU and GPU: it
 writes the new tokens' k/v into their pages, then gathers each row's pages into the
-dense ``[B, K, S, H]`` / ``[B, K, H, S]`` views ``models.llama._attention`` reads,
+dense ``[B, K, S, H]`` / ``[B, K, H, S]`` views ``models.layer_attention`` reads,
 so the attention is the dense engine's, operation for operation (same tokens and
 logprobs; tests/test_paged_engine.py). ``kernel_attention`` writes, then attends with
 the TPU kernel (``models.ragged_attention``), which reads only each row's pages.
