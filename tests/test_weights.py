@@ -19,6 +19,7 @@ from jaxflash.models import llama
 from jaxflash.models.kv_cache import init_kv_cache
 from jaxflash.models.logprobs import logits_from_hidden
 from jaxflash.models.presets import get_preset
+from jaxflash.models.rope import apply_rope
 from jaxflash.models.weights_gguf import (
     config_from_gguf_metadata,
     load_gguf,
@@ -75,7 +76,7 @@ def test_unpermuted_rotate_half_equals_interleaved_on_gguf_rows():
     q_gguf = (x_btd @ w_gguf_od.T).reshape(1, t, n, h)
     q_hf = (x_btd @ unpermute_qk_rows(w_gguf_od, n).T).reshape(1, t, n, h)
     rot_gguf = _interleaved_rope(q_gguf, pos_bt, 100.0)
-    rot_hf = np.asarray(llama.apply_rope(jnp.asarray(q_hf), jnp.asarray(pos_bt), 100.0))
+    rot_hf = np.asarray(apply_rope(jnp.asarray(q_hf), jnp.asarray(pos_bt), 100.0))
     # Same rotated vectors up to the within-head row order, so every dot product agrees.
     perm = unpermute_qk_rows(np.arange(n * h), n).reshape(n, h) % h
     np.testing.assert_allclose(
