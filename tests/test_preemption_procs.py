@@ -4,8 +4,8 @@ separate processes.
 The whole job runs as on a pod host: ``launch/tpu_pod.py`` is the learner program
 (controller in its process) and starts one generation program per slice.
 
-* SIGTERM after the first step: it finishes the step it is in, saves it, shuts the
-  generation programs down and exits 0.
+* SIGTERM after the first step: it stops at its next wait (or after the update it
+  runs), saves the last trained step, shuts the generation programs down and exits 0.
 * SIGINT to the job's process group after the first step (what a terminal's Ctrl-C
   does): it stops at its next safe point and exits 130 within a generous bound (a
   hang detector), without a traceback or gRPC errors, and leaves no process behind.

@@ -8,12 +8,17 @@
 * α = 2 (configs/smoke_async.py): every trained sample has 0 <= staleness <= 2,
   rollouts.jsonl agrees, the counters add up, and a restart keeps the version and
   the counters, regenerates the prompts that were in flight and trains none twice.
+* SIGTERM (one learner process) stops a run in its rollout wait or its evaluation,
+  with the last trained step saved (the launcher's end-to-end case:
+  tests/test_preemption_procs.py).
 * Empty batches: truncation=mask with every sample truncated runs to the end in
   both placements, each step skipped and counted.
 """
 
+import io
 import json
 import os
+import signal
 
 import pytest
 
@@ -21,6 +26,7 @@ from configs import smoke, smoke_async
 from jaxflash.metrics.reference import undocumented
 from jaxflash.runtime import loop as rlvr
 from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.console import Console
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from tests.report_fixtures import check_report_pngs
 
@@ -254,3 +260,60 @@ def test_stop_after_ends_the_run_evaluated_and_checkpointed(tmp_path):
     assert "eval_accuracy" in metrics[-1] and "eval_accuracy" not in metrics[1]
     assert last["policy_version"] == 2
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+class _SigtermOnVersion(GenerationServer):
+    """A real server that sends this process SIGTERM when it is handed a request while
+    holding weights of version ``AT`` (α = 0: step AT + 1's first request)."""
+
+    AT = 1
+
+    def submit(self, request):
+        if self.version >= self.AT and not getattr(_SigtermOnVersion, "sent", False):
+            _SigtermOnVersion.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        super().submit(request)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_while_generating_saves_the_last_trained_step_and_resumes(tmp_path):
+    # A long rollout must not delay a preemption: the run stops in its wait, saves step 1
+    # (not on disk: checkpoint.every is 100) and resumes there.
+    c = smoke.get_config()
+    c.total_steps, c.data.eval_size, c.checkpoint.every = 3, 0, 100
+    exp = ExperimentConfig.from_config_dict(c)
+    handler, out = signal.getsignal(signal.SIGTERM), io.StringIO()
+    last = rlvr.run(exp, workdir=str(tmp_path), server_factory=_SigtermOnVersion,
+                    console=Console(out))  # fmt: skip
+    assert _SigtermOnVersion.sent and signal.getsignal(signal.SIGTERM) is handler
+    assert last["policy_version"] == 1
+    assert [m["step"] for m in _rows(tmp_path / "metrics.jsonl")] == [1]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    assert "preempted (SIGTERM): saved step 1" in out.getvalue()
+    assert "finished" not in out.getvalue()
+    out = io.StringIO()
+    rlvr.run(exp, workdir=str(tmp_path), console=Console(out))
+    assert "resumed from step 1" in out.getvalue() and "finished 3/3 steps" in out.getvalue()
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    closed = sum(rows[-1][f"prompts_{o}"] for o in ("trained", "filtered", "stale", "failed"))
+    assert rows[-1]["prompts_taken"] == closed + rows[-1]["prompts_in_flight"]
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_during_evaluation_skips_it_and_saves_the_step(tmp_path):
+    c = smoke.get_config()
+    c.total_steps, c.eval.every, c.checkpoint.every = 3, 1, 100
+
+    def sigterm(metrics):
+        os.kill(os.getpid(), signal.SIGTERM)  # after step 1 trained, before its evaluation
+        return False
+
+    out = io.StringIO()
+    exp = ExperimentConfig.from_config_dict(c)
+    rlvr.run(exp, workdir=str(tmp_path), stop_after=sigterm, console=Console(out))
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in rows] == [0, 1]
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" not in rows[1]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    assert "preempted (SIGTERM): saved step 1" in out.getvalue()

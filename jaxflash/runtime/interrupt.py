@@ -11,6 +11,12 @@ in order and the launcher exits with status 130. A second SIGINT interrupts at
 once (Python's default again), for a shutdown that itself hangs -- possibly in the
 middle of a checkpoint write, which is then abandoned: ``interrupted_message`` reads
 the checkpoint directory as left and says which step a resume starts from.
+
+SIGTERM (preemption; one learner process: ``LearnerProgram`` records it) must not
+wait for a long rollout or an evaluation: a TPU VM's notice is about 30 s.
+``check_stop`` raises ``Preempted`` for it where the loop waits (each wait slice of
+the rollout, each decode step of an evaluation); the loop then saves the last
+trained step unless it is on disk, and stops (``runtime.loop``).
 """
 
 from __future__ import annotations
@@ -18,9 +24,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from jaxflash.checkpoint.storage import steps_on_disk
+
+
+class Preempted(Exception):  # noqa: N818 (a stop, not an error)
+    """SIGTERM arrived: raised by ``DeferredInterrupt.check_stop`` where a wait can end."""
 
 
 class DeferredInterrupt:
@@ -28,9 +39,11 @@ class DeferredInterrupt:
 
     ``install`` puts the handler in place (main thread only; elsewhere nothing is
     installed and ``check`` never raises); ``restore`` puts the previous one back.
+    ``preempted()`` says whether a SIGTERM arrived (``check_stop``); None: never.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, preempted: Callable[[], bool] | None = None) -> None:
+        self._preempted = preempted
         self._requested = threading.Event()
         self._previous: Any = None
         self._installed = False
@@ -61,6 +74,16 @@ class DeferredInterrupt:
         """
         if self._requested.is_set():
             raise KeyboardInterrupt
+
+    def check_stop(self) -> None:
+        """``check``, and raise ``Preempted`` if a SIGTERM arrived (call in waits).
+
+        Raises:
+          KeyboardInterrupt: a SIGINT arrived. Preempted: a SIGTERM arrived.
+        """
+        self.check()
+        if self._preempted is not None and self._preempted():
+            raise Preempted
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         del signum, frame

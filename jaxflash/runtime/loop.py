@@ -25,7 +25,7 @@ from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_setup import start_learner
 from jaxflash.runtime.fleet.placement import carve
-from jaxflash.runtime.interrupt import DeferredInterrupt
+from jaxflash.runtime.interrupt import DeferredInterrupt, Preempted
 from jaxflash.runtime.resume import checkpoint_meta, finished_line, finished_run, stopped_note
 from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.inbox import Inbox
@@ -46,11 +46,8 @@ def run(
     """Runs (or resumes) ``exp`` in ``workdir``; returns the last step's metrics (a finished
     run: its last row). ``server_factory`` builds each thread server (tests inject faults);
     ``stop_after(metrics)`` True ends the run after that step, saved like a last one.
-
-    Raises: ConfigError (the task, data, reward or environment cannot run: found before the
-      model loads), TimeoutError (no batch in time), RuntimeError (every server died),
-      FloatingPointError (a non-finite loss, gradient norm or entropy).
-    """
+    Raises: ConfigError (found before the model loads), TimeoutError (no batch in time),
+      RuntimeError (every server died), FloatingPointError (non-finite loss, grad or entropy)."""
     clock, console = clock or RealClock(), console or Console(None)
     check_replay_learner(exp.replay, exp.controller, multi_process=learner_links is not None)
     t_run = clock.now()
@@ -82,11 +79,11 @@ def run(
     elapsed = lambda: duration(clock.now() - t_run)  # noqa: E731
     writer, metrics = MetricsWriter(workdir), {}
     preempted, failing = False, 0  # failing: steps in a row in which every prompt failed
-    interrupt = DeferredInterrupt().install()  # Ctrl-C: raised at the checks below only
+    interrupt = DeferredInterrupt(lambda: learner.sigterm).install()  # raised at checks only
     try:
         if version == 0 and workload.eval_size:
             console.background(f"step 0/{exp.total_steps}")
-            metrics = evaluate(0)
+            metrics = evaluate(0, stop=interrupt.check_stop)  # SIGTERM: stops, unscored
             row = writer.write_step(0, {**metrics, **ledger.metrics()})
             console.line(records.step_line(0, exp.total_steps, elapsed(), row))
         scheduler.start()
@@ -98,7 +95,7 @@ def run(
             note = console.once("engine", " (the first generation compiles the engine)")
             status = GenerationStatus(scheduler, clock.now, samples=B * G, episodes=episodic)
             with console.phase(f"{label}: generating{note}", status):
-                batch = scheduler.next_batch(version, timeout_s=wait_s, stop=interrupt.check)
+                batch = scheduler.next_batch(version, timeout_s=wait_s, stop=interrupt.check_stop)
             writer.write_rollouts(batch.rows)
             # 5. Advantages (per token for episodes), packed; + the replay cycle's rows at rho.
             lb = workload.learner_batch(batch.groups, num_sequences=B * G, **pack)
@@ -153,7 +150,7 @@ def run(
             stopping = stop_after is not None and bool(stop_after(metrics))
             interrupt.check()  # 8. Evaluate.
             if version % exp.eval.every == 0 or version == exp.total_steps or stopping:
-                metrics.update(evaluate(version))
+                metrics.update(evaluate(version, stop=interrupt.check_stop))
             records.check_finite(metrics, version)
             row = writer.write_step(version, metrics)
             console.line(records.step_line(version, exp.total_steps, elapsed(), row, compiled_now))
@@ -167,14 +164,17 @@ def run(
             if preempted or stopping:
                 console.line(stopped_note(version, workdir, preempted=preempted))
                 break
+    except Preempted:  # SIGTERM in a wait: the last trained step is saved (once); the step
+        if learner.saved_step < version:  # in flight is generated again on resume
+            learner.save(checkpoint_meta(version, snapshot, *control.checkpoint_state()))
+        console.line(stopped_note(version, workdir, preempted=True))
     finally:
         interrupt.restore()  # a Ctrl-C while shutting down interrupts at once
         console.background("shutting down: stopping the servers, writing the last checkpoint")
         # The scheduler aborts what is outstanding (counted) and stops the servers first.
-        for part in (scheduler, fleet, learner, reward_pool, writer):
-            if part is not None:
-                part.close()
+        for part in (p for p in (scheduler, fleet, learner, reward_pool, writer) if p):
+            part.close()
         console.background(None)
-    if not preempted:
+    if not (preempted or learner.sigterm):
         console.line(finished_line(version, exp.total_steps, elapsed(), workdir))
     return metrics

@@ -186,6 +186,11 @@ def resumed_note(meta: CheckpointMeta, ledger: PromptLedger, total_steps: int, w
 
 def stopped_note(version: int, workdir: str, *, preempted: bool) -> str:
     """The console's line for a run that stops before its last step (SIGTERM, stop_after)."""
+    if preempted and version == 0:
+        return (
+            f"preempted (SIGTERM) before its first step: nothing to save; run the same "
+            f"command to start {workdir}"
+        )
     if preempted:
         return (
             f"preempted (SIGTERM): saved step {version}; run the same command to "

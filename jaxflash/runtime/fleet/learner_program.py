@@ -17,13 +17,15 @@ Preemption (SIGTERM). Multi-process: JAX's preemption service catches SIGTERM on
 any process and ``multihost_utils.reached_preemption_sync_point(step)`` returns
 True on every process at the same step (the max step any process reported, + 1),
 so all of them save that step and exit cleanly. One process: a SIGTERM handler
-sets a flag read at the next step boundary.
+sets a flag that the loop reads at every wait (``interrupt.check_stop``) and at the
+step's end; a second SIGTERM ends the process at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -116,6 +118,7 @@ class LearnerProgram:
         self._base_record: dict[str, Any] | None = None  # LoRA: named in checkpoints
         self._train_step, self._shardings = self._per_mesh(mesh)
         self._pump = None if sender is None else SenderPump(sender)
+        self.saved_step = int(self.meta.step)  # the newest checkpoint's step (0: none)
         self._sigterm = False
         self._previous_handler = None
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
@@ -223,6 +226,7 @@ class LearnerProgram:
     def save(self, meta: CheckpointMeta) -> None:
         """Checkpoint the state with ``meta`` (meta.step == step)."""
         self._post("save", meta=meta.to_json())
+        self.saved_step = int(meta.step)
         if self.state.base is None:
             self.checkpointer.save(self.state, meta)
             return
@@ -273,10 +277,18 @@ class LearnerProgram:
         if self._links is not None:
             self._links.post(op, arrays, **fields)
 
+    @property
+    def sigterm(self) -> bool:
+        """One process: whether a SIGTERM arrived (the loop stops at its next wait or
+        step end); with several, always False (their sync point decides at step ends)."""
+        return self._sigterm
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         del signum, frame
-        log.warning("SIGTERM: saving at the end of this step, then stopping")
+        # os.write, not logging: the interrupted code may hold the handler's lock.
+        os.write(2, b"\nSIGTERM: saving the last trained step, then stopping (again: at once)\n")
         self._sigterm = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process
 
 
 def follow(exp: ExperimentConfig, workdir: str, *, host: str = "127.0.0.1") -> int:

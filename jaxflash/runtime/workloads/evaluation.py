@@ -7,6 +7,7 @@ an engine of this process, or the generation programs) runs the requests.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ import numpy as np
 
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.console import Console, EvalStatus
+from jaxflash.runtime.interrupt import Preempted
 from jaxflash.runtime.rollout.reward_pool import RewardPool
 from jaxflash.runtime.rollout.scoring import (
     TruncationPolicy,
@@ -24,6 +26,7 @@ from jaxflash.runtime.rollout.scoring import (
 )
 from jaxflash.types import GenerationRequest, Prompt, Sample, SamplingParams
 
+log = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003  # eval samples never share RNG streams with training samples
 _NO_TRUNCATION_PENALTY = TruncationPolicy(mode="none")  # accuracy counts the answer alone
 
@@ -61,7 +64,10 @@ class HeldOutEval:
         self._workload, self._fleet, self._reward_pool = workload, fleet, reward_pool
         self._console, self._clock = console, clock
 
-    def __call__(self, version: int) -> dict[str, float]:
+    def __call__(self, version: int, stop: Callable[[], None] | None = None) -> dict[str, float]:
+        """Evaluate ``version``; ``stop()`` is called at every progress report (each decode
+        step, or every 0.2 s on generation programs): a ``Preempted`` it raises ends the
+        evaluation unscored ({} : a preempted run saves rather than evaluates)."""
         w, console, clock = self._workload, self._console, self._clock
         if not w.eval_size:
             return {}
@@ -69,9 +75,19 @@ class HeldOutEval:
         status = EvalStatus(clock.now, unit="episodes" if w.plays_episodes else "samples")
         note = console.once("engine", " (the first evaluation compiles the engine)")
         announce = f"evaluating at step {version}: {w.describe_eval()}{note} ..."
+
+        def progress(done: int, total: int, tokens: int) -> None:
+            if stop is not None:
+                stop()
+            status.update(done, total, tokens)
+
         with console.phase("evaluating", status, announce=announce):
             generate = self._fleet.generator()
-            out = w.evaluate(generate, self._reward_pool, version=version, progress=status.update)
+            try:
+                out = w.evaluate(generate, self._reward_pool, version=version, progress=progress)
+            except Preempted:
+                log.warning("evaluation at step %d stopped by SIGTERM: not scored", version)
+                return {}
         return {**out, "eval_time_s": clock.now() - t0}
 
 
