@@ -196,6 +196,9 @@ def main(argv: list[str]) -> None:
             f"config error: --workdir {_WORKDIR.value} is a file, not a directory", file=sys.stderr
         )
         sys.exit(2)
+    if _TOPOLOGY.value is not None and not _TOPOLOGY.value.strip():
+        print("config error: --topology is empty; name a slice (e.g. v5e-16)", file=sys.stderr)
+        sys.exit(2)
     if _TOPOLOGY.value and not _DRY_RUN.value:
         print("config error: --topology needs --dry_run (it compiles, it does not run)",
               file=sys.stderr)  # fmt: skip

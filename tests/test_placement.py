@@ -4,6 +4,7 @@ import jax
 import pytest
 
 from jaxflash.runtime.config.experiment import MeshSpec
+from jaxflash.runtime.config.specs import ConfigError
 from jaxflash.runtime.fleet.placement import carve
 
 
@@ -37,7 +38,8 @@ def test_disjoint_slices_follow_the_learner():
 
 def test_too_few_devices_name_both_numbers():
     spec = MeshSpec(learner={"fsdp": 8}, colocated=False, num_generation_slices=2)
-    with pytest.raises(ValueError, match="needs 10 devices .* only 8 are available"):
+    # ConfigError: the launcher prints it as one line ("config error: ...").
+    with pytest.raises(ConfigError, match="needs 10 devices .* only 8 are available"):
         carve(spec)
-    with pytest.raises(ValueError, match="mesh.generation .* needs 4 devices .* learner's 2"):
+    with pytest.raises(ConfigError, match="mesh.generation .* needs 4 devices .* learner's 2"):
         carve(MeshSpec(learner={"fsdp": 2}, generation={"tensor": 4}))

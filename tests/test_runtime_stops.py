@@ -139,3 +139,17 @@ def test_weights_the_importer_refuses_are_a_config_error_naming_model_path(tmp_p
     exp = ExperimentConfig.from_config_dict(c)
     with pytest.raises(ConfigError, match=r"model.path=.*rope_type='yarnx'"):
         load_model(exp.model, exp.rollout, load_tokenizer(exp.model))
+
+
+def test_responses_longer_than_the_models_context_are_a_config_error(tmp_path):
+    # Found by a new-user trial: max_new_tokens past the checkpoint's context was a
+    # traceback from the model load; it is a setting, so it is a one-line config error.
+    from jaxflash.runtime.config.experiment import ConfigError
+    from jaxflash.runtime.model_setup import load_model, load_tokenizer
+
+    c = smoke.get_config()
+    c.model.source, c.model.path = "hf", _checkpoint(tmp_path)  # max_seq_len 512
+    c.rollout.max_prefill_length, c.rollout.max_new_tokens = 64, 600
+    exp = ExperimentConfig.from_config_dict(c)
+    with pytest.raises(ConfigError, match=r"= 664 exceeds the model's max_seq_len=512"):
+        load_model(exp.model, exp.rollout, load_tokenizer(exp.model))

@@ -49,6 +49,11 @@ def test_gcp_names_count_tensorcores_on_v5p_and_v4():
         ("v5e-512", "no slice of 512"),
         ("v5e:4x4x1", "2 dimensions"),
         ("sixteen", "unknown TPU kind"),
+        ("v5e:4x3", "no slice of 12 chips"),
+        ("v5e:1x8x", "not a slice name.*v5e:<grid>"),
+        ("v5e:abc", "not a slice name"),
+        ("v5p:2x2x3", "no slice of 12 chips"),
+        ("v5e:2x1", "no slice of 2 chips"),
     ],
 )
 def test_unknown_names_are_refused_listing_the_valid_ones(name, match):

@@ -99,7 +99,7 @@ def _devices(topology: str | None) -> tuple[list[Any], Any, int, str]:
             raise ConfigError(str(err)) from None
         try:
             devices = topology_devices(topo)
-        except MissingTpuExtraError as err:
+        except (MissingTpuExtraError, ValueError) as err:
             raise ConfigError(str(err)) from None
         share = max(1, len(devices) // topo.chips)
         what = f"TPU {topo.gcp_name} ({topo.libtpu_name}, {topo.chips} chips, compile only)"

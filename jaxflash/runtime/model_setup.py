@@ -62,10 +62,10 @@ def load_model(
     is sized to it.
 
     Raises:
-      ConfigError: the weight importer refuses the files (naming model.path).
-      ValueError: the tokenizer is larger than the model, or
+      ConfigError: the weight importer refuses the files (naming model.path), or
         ``rollout.max_prefill_length + rollout.max_new_tokens`` exceeds the
         model's context (naming the fields).
+      ValueError: the tokenizer is larger than the model.
     """
     overrides = dict(
         compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk,
@@ -85,7 +85,7 @@ def load_model(
     # Padded embeddings: ids past the tokenizer are masked; a larger tokenizer is refused.
     config = reconcile_vocab(config.replace(**overrides), tokenizer.vocab_size)
     if need_len > config.max_seq_len:
-        raise ValueError(
+        raise ConfigError(
             f"rollout.max_prefill_length={rollout.max_prefill_length} + "
             f"rollout.max_new_tokens={rollout.sampling.max_new_tokens} = {need_len} exceeds "
             f"the model's max_seq_len={config.max_seq_len}"

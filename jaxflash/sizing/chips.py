@@ -195,7 +195,7 @@ def parse_topology(name: str) -> Topology:
     text = name.strip().lower()
     m_grid = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)*)", text)
     m_gcp = re.fullmatch(r"([a-z0-9]+)-(\d+)", text)
-    kind = (m_grid or m_gcp).group(1) if (m_grid or m_gcp) else ""
+    kind = re.split(r"[:-]", text, maxsplit=1)[0]
     kind = _ALIASES.get(kind, kind)
     listing = ", ".join(valid_names())
     if kind not in CHIPS:
@@ -204,13 +204,22 @@ def parse_topology(name: str) -> Topology:
             f"<kind>-<N> (GCP's name: {listing}) or <kind>:<grid> (e.g. v5e:4x4)"
         )
     spec = CHIPS[kind]
+    example = f"{kind}:{'x'.join(map(str, grid_for(kind, 16)))}"
+    if not (m_grid or m_gcp):
+        raise ValueError(
+            f"--topology {name!r}: not a slice name; use {kind}-<N> (GCP's name) or "
+            f"{kind}:<grid> (e.g. {example})"
+        )
     if m_grid:
         grid = tuple(int(x) for x in m_grid.group(2).split("x"))
         if len(grid) != spec.dims or min(grid) < 1:
             raise ValueError(
-                f"--topology {name!r}: a {kind} grid has {spec.dims} dimensions "
-                f"(e.g. {kind}:{'x'.join(map(str, grid_for(kind, 16)))})"
+                f"--topology {name!r}: a {kind} grid has {spec.dims} dimensions (e.g. {example})"
             )
+        try:  # a slice size GCP offers (a power of two of chips: so is every side)
+            grid_for(kind, math.prod(grid))
+        except ValueError as err:
+            raise ValueError(f"--topology {name!r}: {err}; valid: {listing}") from None
         return Topology(name=name, chip=spec, grid=grid)
     n = int(m_gcp.group(2))
     if n % spec.cores_in_name:

@@ -52,6 +52,7 @@ def topology_devices(topology: Topology) -> list[Any]:
 
     Raises:
       MissingTpuExtraError: libtpu is absent (one line naming the package).
+      ValueError: libtpu cannot lay the slice out (its first line, naming the slice).
     """
     check_libtpu()
     for key, value in TPU_COMPILE_ENV.items():
@@ -63,7 +64,11 @@ def topology_devices(topology: Topology) -> list[Any]:
         # libtpu's default host holds 2x2x1 chips; a 1-chip slice, and v5e / v6e's
         # 8-chip single-host VM (2x4), say their host's bounds themselves.
         kwargs["chips_per_host_bounds"] = [*topology.grid, 1][:3]
-    desc = topologies.get_topology_desc(
-        topology_name=topology.libtpu_name, platform="tpu", **kwargs
-    )
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=topology.libtpu_name, platform="tpu", **kwargs
+        )
+    except Exception as err:  # libtpu's INVALID_ARGUMENT: the grid it cannot lay out
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--topology {topology.name!r}: libtpu refused it: {first}") from None
     return list(desc.devices)

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxflash.runtime.config.experiment import MeshSpec
+from jaxflash.runtime.config.specs import ConfigError
 from jaxflash.sharding.mesh import make_mesh
 
 
@@ -63,8 +64,8 @@ def carve(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> Placem
     """The placement ``spec`` asks for, over ``devices`` (default ``jax.devices()``) in order.
 
     Raises:
-      ValueError: more devices are needed than exist (both numbers named), or a
-        colocated generation mesh larger than the learner's.
+      ConfigError (a ValueError): more devices are needed than exist (both numbers
+        named), or a colocated generation mesh larger than the learner's.
     """
     devices = list(jax.devices() if devices is None else devices)
     n_learner = math.prod(int(v) for v in spec.learner.values())
@@ -73,7 +74,7 @@ def carve(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> Placem
         need, starts = n_learner, []
     elif spec.colocated:
         if n_gen > n_learner:
-            raise ValueError(
+            raise ConfigError(
                 f"mesh.generation {dict(spec.generation)} needs {n_gen} devices but a "
                 f"colocated server runs on the learner's {n_learner} (mesh.learner)"
             )
@@ -82,7 +83,7 @@ def carve(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> Placem
         need = n_learner + spec.num_generation_slices * n_gen
         starts = [n_learner + i * n_gen for i in range(spec.num_generation_slices)]
     if need > len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"mesh needs {need} devices (learner {dict(spec.learner)} = {n_learner}, "
             f"{len(starts)} generation mesh(es) of {dict(spec.generation)} = {n_gen}, "
             f"colocated={spec.colocated}) but only {len(devices)} are available"
