@@ -150,13 +150,13 @@ def format_plan(
         "GiB per device: args, temp(oraries), peak = args + outputs - aliased + temp; held = "
         "other buffers resident meanwhile; free = HBM - peak - held"
     )
-    if any(c.hbm_bytes > 0 for c in costs):
-        lines.append(
-            "GB: XLA's cost analysis (every memory space: on TPU it counts each weight again "
-            "for its staging through VMEM); HBM GB: the compiled program's HBM reads and "
-            "writes, instruction by instruction (sizing.hbm_traffic), used in the roofline "
-            "where given"
-        )
+    lines.append(
+        "GB: XLA's cost analysis (every memory space: on TPU it counts each weight again "
+        "for its staging through VMEM); HBM GB: the compiled program's HBM reads and "
+        "writes, instruction by instruction (sizing.hbm_traffic), used in the roofline "
+        "where given (- : XLA's GB is used: only TPU decode blocks are walked, and a walk "
+        "that does not reproduce XLA's count under XLA's rules is not trusted)"
+    )
     if chip is not None:
         lines.append(
             f"roofline = max(FLOPs / {chip.peak_flops / 1e12:.0f} TFLOP/s, bytes / "
