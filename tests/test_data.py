@@ -216,6 +216,7 @@ def test_prompt_source_renders_and_counts_failures():
         {"prompt": "x" * 40, "answer": "2"},
         RowFailure(source="f.jsonl", line=3, reason="bad JSON"),
         {"prompt": "ok", "answer": 4},
+        {"prompt": " \n", "answer": "5"},  # a new-user trial: trained as if it were a prompt
     ]
     out = list(PromptSource(rows, FakeTokenizer(), max_prompt_tokens=30))
     assert isinstance(out[0], Prompt)
@@ -239,6 +240,8 @@ def test_prompt_source_renders_and_counts_failures():
     )
     assert out[3].prompt_id == 3 and "'answer' must be a string, got int" in out[3].reason
     assert out[3].failure == FailureReason.MALFORMED_ROW
+    assert "malformed row: 'prompt' is empty" in out[4].reason
+    assert out[4].failure == FailureReason.MALFORMED_ROW
 
 
 def test_prompt_source_cursor_resume_and_cycle():

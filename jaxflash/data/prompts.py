@@ -202,4 +202,6 @@ def _row_problem(row: Any) -> str | None:
             return f"missing key {key!r}; row has keys {sorted(row)}"
         if not isinstance(row[key], str):
             return f"{key!r} must be a string, got {type(row[key]).__name__}"
+    if not row["prompt"].strip():  # (an empty answer may be right: a reward that ignores it)
+        return "'prompt' is empty"
     return None
