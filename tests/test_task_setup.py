@@ -90,6 +90,7 @@ def test_a_limit_the_user_set_is_checked_against_the_data(tmp_path, caplog):
     message = str(err.value)
     assert "data.max_prompt_tokens=64" in message and "rollout.max_prefill_length" in message
     assert "at least 103" in message and "set both to 0" in message
+    assert "(2 prompts of 93-103 tokens" in message
     # Only the engine's limit given: it is the prompt limit too.
     exp = _exp(data__task="file", data__path=path, rollout__max_prefill_length=128)
     kept, info = prompt_lengths(exp, [93, 103], True)

@@ -157,7 +157,7 @@ def prompt_lengths(
     )
     if lengths and too_long == len(lengths):
         raise ConfigError(
-            f"every prompt of data.task={d.task!r} measured ({info.measured}, "
+            f"every prompt of data.task={d.task!r} measured ({info.measured} prompts of "
             f"{info.shortest}-{info.longest} tokens with the chat template) is longer than "
             f"the limit of {limit} tokens (data.max_prompt_tokens={d.max_prompt_tokens}, "
             f"rollout.max_prefill_length={r.max_prefill_length}; 0 follows the other): "
