@@ -9,8 +9,9 @@ import pytest
 from jaxflash.learner.batching import bucket_length, pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_schedule
+from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import create_train_state, from_params
-from jaxflash.learner.step import make_grad_fn, make_logprob_fn, make_train_step
+from jaxflash.learner.step import make_grad_fn, make_train_step
 from jaxflash.models.llama import forward, unembed
 from jaxflash.models.logprobs import target_logprobs
 from jaxflash.models.presets import get_preset

@@ -19,8 +19,9 @@ from jaxflash.algorithms.importance import per_sample_ratio_stats, ratio_metrics
 from jaxflash.learner import cycles
 from jaxflash.learner.batching import split_micro_batches
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import from_params
-from jaxflash.learner.step import make_grad_fn, make_logprob_fn, make_train_step
+from jaxflash.learner.step import make_grad_fn, make_train_step
 from jaxflash.runtime.rollout.records import learner_metrics
 from jaxflash.sharding.rules import LEARNER_RULES
 from tests.test_learner import MODEL, _copy, _learner_config, world  # noqa: F401

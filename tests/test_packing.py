@@ -9,8 +9,9 @@ import pytest
 from jaxflash.learner.batching import pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.packing import pack_rows, padding_fraction, unpack_rows
+from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import from_params
-from jaxflash.learner.step import make_grad_fn, make_logprob_fn, make_train_step
+from jaxflash.learner.step import make_grad_fn, make_train_step
 from jaxflash.models.llama import init_params
 from jaxflash.models.presets import get_preset
 from jaxflash.sharding.mesh import make_mesh

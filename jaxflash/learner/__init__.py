@@ -2,6 +2,7 @@
 
 from jaxflash.learner.batching import bucket_length, pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import (
     TrainState,
     abstract_train_state,
@@ -9,7 +10,7 @@ from jaxflash.learner.state import (
     from_params,
     state_shardings,
 )
-from jaxflash.learner.step import make_grad_fn, make_logprob_fn, make_train_step
+from jaxflash.learner.step import make_grad_fn, make_train_step
 
 __all__ = [
     "LearnerConfig",

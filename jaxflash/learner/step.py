@@ -9,10 +9,11 @@ batch was split ("Micro-batch invariance", tests/test_learner.py).
 
 Per micro-batch: forward -> h [b, T, D] -> chunked log q(target) and entropy
 under the sampling distribution (temperature / top-k / top-p, the same q the
-engine sampled from) -> policy loss (``POLICY_LOSSES``) + optional entropy bonus
-+ optional k3 KL to reference params + optional router load-balancing loss
-(mixture-of-experts models, ``LearnerConfig.router_aux_loss_coef``; its expert loads
-are the whole batch's, so it too is micro-batch invariant).
+engine sampled from; ``learner.scoring.policy_logprobs``) -> policy loss
+(``POLICY_LOSSES``) + optional entropy bonus + optional k3 KL to reference params
++ optional router load-balancing loss (mixture-of-experts models,
+``LearnerConfig.router_aux_loss_coef``; its expert loads are the whole batch's, so it
+too is micro-batch invariant).
 
 Dual replay cycle (``LearnerConfig.replay_loss``, ``learner.cycles``): the batch's
 ``cycle_bt`` labels rows fresh or replayed; the fresh rows take ``loss`` and the
@@ -30,34 +31,29 @@ engine/learner numerical agreement (should be float rounding);
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
 from jaxflash.algorithms.kl import kl_k3
 from jaxflash.learner import cycles
-from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.device_batch import Batch, batch_sharding, device_batch, mesh_context
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
-from jaxflash.learner.packing import pack_rows, sequence_count, unpack_rows
-from jaxflash.learner.state import TrainState, param_shardings, state_shardings
-from jaxflash.models import attention
+from jaxflash.learner.packing import sequence_count
+from jaxflash.learner.scoring import policy_logprobs
+from jaxflash.learner.state import TrainState, state_shardings
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import forward, forward_with_router_logits, lora_model_layout, unembed
-from jaxflash.models.logprobs import target_logprobs
 from jaxflash.models.moe import expert_load, load_balancing_loss
-from jaxflash.sharding.rules import Rules, logical_to_spec
+from jaxflash.sharding.rules import Rules
 from jaxflash.types import TrainBatch
 
-Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
 # Per-micro-batch means of the policy loss metrics, recombined weighted by tokens.
 _MEAN_METRICS = (
     "ratio_mean",
@@ -70,35 +66,12 @@ _MEAN_METRICS = (
 )
 
 
-def _logprobs(
-    params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False, router=False
-):
-    """(logp_bt, entropy_bt[, full_logp_bt], router logits [L, b, T, E] or None)."""
-    ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
-    seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
-    if router:
-        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt, **seg)
-    else:
-        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt, **seg), None
-    return *target_logprobs(
-        h_btd,
-        unembed(params, mc),
-        mb["target_ids_bt"],
-        temperature=lc.sampling.temperature,
-        top_k=lc.sampling.top_k,
-        top_p=lc.sampling.top_p,
-        chunk=lc.logprob_chunk,
-        valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
-        full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
-    ), router_lbte
-
-
 def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig, lc: LearnerConfig):
     """float32 [E] top-k assignments over the whole batch's loss-masked tokens (a
     forward pass per micro-batch, no gradient)."""
 
     def one(mb):
-        router_lbte = _logprobs(params, mb, mc, lc, router=True)[-1]
+        router_lbte = policy_logprobs(params, mb, mc, lc, router=True)[-1]
         return expert_load(router_lbte, mb["loss_mask_bt"] > 0, mc.n_experts_per_token)
 
     return jnp.sum(jax.lax.map(one, batch), axis=0)
@@ -149,7 +122,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         if base is not None:  # LoRA: the base stays out of the differentiated argument
             ref_params = base  # the KL reference: the base without adapters (no copy)
             params = lora_lib.merge(base, params)
-        logp_bt, ent_bt, *full_bt, router_lbte = _logprobs(
+        logp_bt, ent_bt, *full_bt, router_lbte = policy_logprobs(
             params, mb, mc, lc, full_vocab=lc.uses_reference, router=use_router
         )
         mu_bt = mb["behaviour_logp_bt"]
@@ -163,7 +136,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         if lc.uses_reference:
             # KL between the tempered full-vocabulary distributions (finite even for
             # a token outside the reference's top-p nucleus; algorithms.distributions).
-            ref_full_bt = _logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc, True)[2]
+            ref_full_bt = policy_logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc, True)[2]
             kl_bt = kl_k3(full_bt[0], ref_full_bt, mask_bt)
             loss = loss + lc.kl_coef * agg(kl_bt, mask_bt, num_tokens, num_sequences)
             kl_sum = jnp.sum(jnp.where(valid_bt, kl_bt, 0.0))
@@ -296,43 +269,6 @@ def make_grad_fn(
     return grad_fn
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, micro_batch_size: int) -> NamedSharding:
-    """Sharding of [M, b, T] batch arrays: b over the rules' "batch" axes if divisible."""
-    spec = logical_to_spec((None, "batch", None), mesh, rules, (1, micro_batch_size, 1))
-    return NamedSharding(mesh, spec)
-
-
-def _to_device_batch(
-    batch: TrainBatch, micro_batch_size: int, sharding: NamedSharding, *, dual_cycle: bool
-) -> Batch:
-    """Host TrainBatch [B, T] or [M, b, T] -> dict of device arrays [M, b, T].
-
-    Raises:
-      ValueError: inconsistent shapes, or replayed rows (``cycle_bt`` != 0) for a
-        step built without ``replay_loss`` (they would silently take the fresh loss).
-    """
-    if np.ndim(batch.input_ids_bt) == 2:
-        batch = split_micro_batches(batch, micro_batch_size)
-    arrays = {k: getattr(batch, k) for k in TRAIN_BATCH_FIELDS}
-    for k in ("cycle_bt", "segment_ids_bt"):  # None: all fresh / one sequence per row
-        if arrays[k] is None:
-            arrays[k] = np.zeros(np.shape(arrays["input_ids_bt"]), np.int32)
-    if not dual_cycle and np.any(np.asarray(arrays["cycle_bt"]) != 0):
-        raise ValueError(
-            "train batch has replayed rows (cycle_bt != 0) but the learner was built "
-            "without LearnerConfig.replay_loss (one loss for every row)"
-        )
-    shape = np.shape(arrays["input_ids_bt"])
-    if len(shape) != 3 or shape[1] != micro_batch_size:
-        raise ValueError(
-            f"train batch must be [B, T] or [M, b={micro_batch_size}, T], got input_ids {shape}"
-        )
-    for k, v in arrays.items():
-        if np.shape(v) != shape:
-            raise ValueError(f"train batch field {k} has shape {np.shape(v)}, expected {shape}")
-    return jax.device_put(arrays, sharding)
-
-
 class TrainStep:
     """Callable ``train_step(state, batch) -> (state, metrics)`` (see ``make_train_step``)."""
 
@@ -344,29 +280,9 @@ class TrainStep:
         self.trace_count = 0  # incremented at trace time: a test asserts it stays 1
 
     def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-        device_batch = _device_batch(batch, self._lc, self._sharding)
+        on_devices = device_batch(batch, self._lc, self._sharding)
         with mesh_context(self._mesh, self._mc):
-            return self._jitted(state, device_batch)
-
-
-def _device_batch(batch: TrainBatch, lc: LearnerConfig, sharding: NamedSharding) -> Batch:
-    """A host batch packed (``learner.packing``) when asked, then on the devices."""
-    if lc.packing and np.ndim(batch.input_ids_bt) == 2 and _one_per_row(batch):
-        batch = pack_rows(batch, row_length=lc.pack_length)[0]
-    return _to_device_batch(batch, lc.micro_batch_size, sharding, dual_cycle=lc.dual_cycle)
-
-
-def _one_per_row(batch: TrainBatch) -> bool:
-    return batch.segment_ids_bt is None or int(np.max(batch.segment_ids_bt)) <= 1
-
-
-def mesh_context(mesh: Mesh, mc: ModelConfig):
-    """``jax.set_mesh(mesh)`` where attention runs the splash kernel (its ``shard_map``
-    reads the mesh), else a no-op (nothing else changes)."""
-    platform = mesh.devices.flat[0].platform
-    if attention.resolve(mc.attention, platform, mc.sliding_window) == "splash":
-        return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
+            return self._jitted(state, on_devices)
 
 
 def make_train_step(
@@ -433,46 +349,3 @@ def make_train_step(
     )
     step_obj = TrainStep(jitted, model_config, learner_config, b_shard, mesh)
     return step_obj
-
-
-def make_logprob_fn(
-    model_config: ModelConfig, learner_config: LearnerConfig, mesh: Mesh, rules: Rules
-) -> Callable[[Any, TrainBatch], tuple[np.ndarray, np.ndarray]]:
-    """Jitted per-token log q(target) and entropy of a batch under given params.
-
-    For proximal logprobs or evaluation. Scores the processed sampling
-    distribution of ``learner_config.sampling`` (same as the train step).
-
-    Returns:
-      ``logprob_fn(params, batch) -> (logp_bt, entropy_bt)``: ``params`` on the
-      learner shardings (under LoRA the whole model, ``lora.merge(state.base,
-      state.params)``); ``batch`` a host TrainBatch [B, T]; outputs numpy float32
-      [B, T] (masked positions hold whatever the model gives; apply the mask).
-    """
-    mc, lc = model_config, learner_config
-    b_shard = batch_sharding(mesh, rules, lc.micro_batch_size)
-    if lc.lora is None:
-        p_shard = param_shardings(mc, mesh, rules)
-    else:
-        p_shard = lora_lib.layout_shardings(*reversed(lora_model_layout(mc, lc.lora)), mesh, rules)
-
-    def fn(params, batch):
-        return jax.lax.map(lambda mb: _logprobs(params, mb, mc, lc)[:2], batch)
-
-    jitted = jax.jit(fn, in_shardings=(p_shard, b_shard))
-
-    def logprob_fn(params: Any, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
-        B, T = np.shape(batch.input_ids_bt)
-        placement = None
-        if lc.packing and _one_per_row(batch):  # scored packed, returned unpacked
-            batch, placement = pack_rows(batch, row_length=lc.pack_length)
-        rows, length = np.shape(batch.input_ids_bt)
-        device_batch = _to_device_batch(batch, lc.micro_batch_size, b_shard, dual_cycle=True)
-        with mesh_context(mesh, mc):
-            logp_mbt, ent_mbt = jax.device_get(jitted(params, device_batch))
-        out = [np.asarray(x).reshape(-1, length)[:rows] for x in (logp_mbt, ent_mbt)]
-        if placement is not None:
-            out = [unpack_rows(x, placement, (B, T)) for x in out]
-        return out[0], out[1]
-
-    return logprob_fn

@@ -36,8 +36,9 @@ from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.engine.state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.device_batch import batch_sharding
 from jaxflash.learner.state import abstract_train_state
-from jaxflash.learner.step import batch_sharding, make_train_step
+from jaxflash.learner.step import make_train_step
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, unstack_layers
 from jaxflash.sharding.rules import Rules

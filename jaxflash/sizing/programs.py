@@ -47,8 +47,9 @@ from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.engine.state import state_shardings as engine_state_shardings
 from jaxflash.learner.batching import INT_FIELDS, TRAIN_BATCH_FIELDS
 from jaxflash.learner.config import LearnerConfig
+from jaxflash.learner.device_batch import batch_sharding, mesh_context
 from jaxflash.learner.state import abstract_train_state, state_shardings
-from jaxflash.learner.step import batch_sharding, make_train_step, mesh_context
+from jaxflash.learner.step import make_train_step
 from jaxflash.models import lora as lora_lib
 from jaxflash.models.config import ModelConfig
 from jaxflash.models.llama import abstract_params, logical_axes, lora_model_layout, unstack_layers
