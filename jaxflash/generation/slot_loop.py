@@ -20,7 +20,8 @@ idling until the block ends. Tokens and logprobs are the same for every block si
 prompt + generated prefix under the new weights, then continue), see
 ``IN_FLIGHT_POLICIES``; ``abort`` removes a queued or running sample.
 ``run_requests`` is a thin loop over it. Single-threaded by design: the runtime
-layer owns any threads.
+layer owns any threads. Each sample's tokens, behaviour logprobs and versions, and
+the queue's order, are ``sample_queue``'s; the slots and the engine's state are here.
 
 Prefix sharing (``share_prefix=True``, the default): fresh requests of one prompt
 share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
@@ -36,8 +37,6 @@ copies other groups write); the newest running sample is preempted (restarted,
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import time
 from collections.abc import Collection
 from typing import Any
@@ -48,6 +47,7 @@ from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import SampleStart
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.prefill_sharing import SharedPrefills
+from jaxflash.generation.sample_queue import RunningSample, SampleQueue, request_key
 from jaxflash.generation.slot_pages import SlotPages
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
@@ -57,18 +57,6 @@ from jaxflash.generation.slot_types import (
     resolve_stop_ids,
 )
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
-
-
-@dataclasses.dataclass
-class _Running:
-    """A queued or running sample; queued with tokens = waiting for a recompute."""
-
-    request: GenerationRequest
-    start_version: PolicyVersion | None  # None until it first gets a slot
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logps: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    admitted: int = 0  # admission order (paged: the newest is preempted first)
 
 
 class SlotBatcher:
@@ -118,8 +106,8 @@ class SlotBatcher:
         self._params = engine.place_params(params)
         self._version = int(policy_version)
         self._state = engine.init_decode_state()
-        self._queue: collections.OrderedDict[RequestKey, _Running] = collections.OrderedDict()
-        self._slots: list[_Running | None] = [None] * engine.max_concurrent_decodes
+        self._queue = SampleQueue()
+        self._slots: list[RunningSample | None] = [None] * engine.max_concurrent_decodes
         # Paged engine: admission and growth over its page pool (None: dense cache).
         self._paging = SlotPages(engine.config, self.decode_block) if engine.config.paged else None
         self._admissions = 0
@@ -145,7 +133,7 @@ class SlotBatcher:
 
     def __contains__(self, key: RequestKey) -> bool:
         """Whether ``key`` is queued or running."""
-        return key in self._queue or any(r and _key(r.request) == key for r in self._slots)
+        return key in self._queue or any(r and r.key == key for r in self._slots)
 
     @property
     def idle(self) -> bool:
@@ -159,10 +147,10 @@ class SlotBatcher:
           ValueError: see ``check_request``, or the key is already queued/running.
         """
         check_request(self.engine, request)
-        key = (int(request.prompt_id), int(request.sample_index))
+        key = request_key(request)
         if key in self:
             raise ValueError(f"SlotBatcher.add: request {key} is already queued or running")
-        self._queue[key] = _Running(request, None)
+        self._queue.add(RunningSample(request, None))
         return key
 
     def abort(self, key: RequestKey) -> Sample:
@@ -178,7 +166,7 @@ class SlotBatcher:
         if key in self._queue:
             return self._finish(self._queue.pop(key), FinishReason.ABORTED)
         for slot, run in enumerate(self._slots):
-            if run is not None and _key(run.request) == key:
+            if run is not None and run.key == key:
                 self._release(slot)
                 return self._finish(run, FinishReason.ABORTED)
         raise KeyError(f"SlotBatcher.abort: no queued or running request {key}")
@@ -237,12 +225,9 @@ class SlotBatcher:
                 self.stats.recompute_fallbacks += 1
             else:
                 self.stats.recomputed += 1
-                self._queue[_key(run.request)] = run  # keeps its prefix
-                self._queue.move_to_end(_key(run.request), last=False)
+                self._queue.add_first(run)  # keeps its prefix
                 continue
-            fresh = _Running(run.request, None)
-            self._queue[_key(run.request)] = fresh
-            self._queue.move_to_end(_key(run.request), last=False)
+            self._queue.add_first(RunningSample(run.request, None))
 
     def step(self, params: Any = None, policy_version: PolicyVersion | None = None) -> list[Sample]:
         """Fill free slots, run one block of decode steps, return the samples that finished.
@@ -311,11 +296,11 @@ class SlotBatcher:
         """Start queued requests in free slots until either runs out."""
         finished: list[Sample] = []
         while self._queue and None in self._slots:
-            placed: list[tuple[int, _Running]] = []
+            placed: list[tuple[int, RunningSample]] = []
             shared: list[int] = []  # paged: leading pages mapped from a shared prompt
             free = [s for s, r in enumerate(self._slots) if r is None]
             while free and self._queue:
-                run = next(iter(self._queue.values()))
+                run = self._queue.head()
                 if self._paging is None:
                     slot = free.pop(0)
                 else:
@@ -329,7 +314,7 @@ class SlotBatcher:
                     shared.append(got.shared_pages)
                     self.stats.shared_pages += got.shared_pages
                     self.stats.copied_pages += got.copied_pages
-                self._queue.popitem(last=False)
+                self._queue.pop_head()
                 if not run.tokens:
                     run.start_version = self._version
                 self._admissions += 1
@@ -363,14 +348,12 @@ class SlotBatcher:
             self._state, tokens, logps = self.engine.start_samples(self._state, starts, table)
             for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
-                self.stats.slot_fills.append((self.stats.steps, slot, _key(run.request)))
+                self.stats.slot_fills.append((self.stats.steps, slot, run.key))
                 reason = self._append(run, int(token), float(logp))
                 if reason is not None:  # done at its first token: free the slot again
                     self._release(slot)
                     finished.append(self._finish(run, reason))
-        self._prefills.keep_only(
-            r.request.prompt_tokens for r in self._queue.values() if not r.tokens
-        )
+        self._prefills.keep_only(self._queue.fresh_prompts())
         return finished
 
     def _preempt(self, slot: int) -> None:
@@ -378,44 +361,22 @@ class SlotBatcher:
         run = self._slots[slot]
         self._release(slot)
         self.stats.preempted += 1
-        key = _key(run.request)
-        self._queue[key] = _Running(run.request, None)
-        self._queue.move_to_end(key, last=False)
+        self._queue.add_first(RunningSample(run.request, None))
 
     def _release(self, slot: int) -> None:
         run = self._slots[slot]
         self._slots[slot] = None
         if self._paging is not None:
             self._paging.release(slot)
-        self.stats.slot_releases.append((self.stats.steps, slot, _key(run.request)))
+        self.stats.slot_releases.append((self.stats.steps, slot, run.key))
 
-    def _append(self, run: _Running, token: int, logp: float) -> FinishReason | None:
-        run.tokens.append(token)
-        run.logps.append(logp)
-        run.versions.append(self._version)
+    def _append(self, run: RunningSample, token: int, logp: float) -> FinishReason | None:
         self.stats.generated_tokens += 1
-        if token in self.stop_ids:
-            return FinishReason.EOS
-        if len(run.tokens) >= run.request.sampling.max_new_tokens:
-            return FinishReason.LENGTH
-        return None
+        return run.append(token, logp, self._version, self.stop_ids)
 
-    def _finish(self, run: _Running, reason: FinishReason) -> Sample:
+    def _finish(self, run: RunningSample, reason: FinishReason) -> Sample:
         self.stats.finished[reason] += 1
-        return Sample(
-            prompt_id=run.request.prompt_id,
-            sample_index=run.request.sample_index,
-            prompt_tokens=np.asarray(run.request.prompt_tokens, np.int32),
-            response_tokens=np.asarray(run.tokens, np.int32),
-            behaviour_logprobs=np.asarray(run.logps, np.float32),
-            token_versions=np.asarray(run.versions, np.int32),
-            start_version=self._version if run.start_version is None else run.start_version,
-            finish_reason=reason,
-        )
-
-
-def _key(request: GenerationRequest) -> RequestKey:
-    return (int(request.prompt_id), int(request.sample_index))
+        return run.to_sample(reason, self._version)
 
 
 def run_requests(
