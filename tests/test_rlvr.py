@@ -263,13 +263,18 @@ def test_stop_after_ends_the_run_evaluated_and_checkpointed(tmp_path):
 
 
 class _SigtermOnVersion(GenerationServer):
-    """A real server that sends this process SIGTERM when it is handed a request while
-    holding weights of version ``AT`` (α = 0: step AT + 1's first request)."""
+    """A real server that sends this process SIGTERM at the first request it is handed
+    after weights of version ``AT`` were published to it (α = 0: step AT + 1's first
+    request; the server applies them later, in its own thread)."""
 
-    AT = 1
+    AT, armed, sent = 1, False, False
+
+    def update_weights(self, params, version):
+        super().update_weights(params, version)
+        _SigtermOnVersion.armed |= version >= self.AT
 
     def submit(self, request):
-        if self.version >= self.AT and not getattr(_SigtermOnVersion, "sent", False):
+        if _SigtermOnVersion.armed and not _SigtermOnVersion.sent:
             _SigtermOnVersion.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
         super().submit(request)
@@ -282,6 +287,7 @@ def test_sigterm_while_generating_saves_the_last_trained_step_and_resumes(tmp_pa
     c = smoke.get_config()
     c.total_steps, c.data.eval_size, c.checkpoint.every = 3, 0, 100
     exp = ExperimentConfig.from_config_dict(c)
+    _SigtermOnVersion.armed = _SigtermOnVersion.sent = False
     handler, out = signal.getsignal(signal.SIGTERM), io.StringIO()
     last = rlvr.run(exp, workdir=str(tmp_path), server_factory=_SigtermOnVersion,
                     console=Console(out))  # fmt: skip
