@@ -272,3 +272,50 @@ def test_math_reward_failed_parse_never_matches():
 )
 def test_a_number_is_answered_with_a_number_not_the_question_restated(response, label, score):
     assert math_answer_reward(response, label).score == score
+
+
+# Issue 31: the rule scored a power by its spelling (2^{10} vs 1024 -> 1, 2^6 vs 64 -> 0).
+# Sums, differences and products score 0 in every spelling; powers, quotients, roots
+# and scientific notation are ways to write one number and score by their value.
+# (Unboxed, only plain text: Math-Verify reads LaTeX outside a box or $..$ as text.)
+_PLAIN_ECHOES = ["0+63", "70-7", "70 − 7", "9*7", "9 × 7", "2^6-1", "2**6-1"]
+ECHOES = [*_PLAIN_ECHOES, *(f"\\boxed{{{e}}}" for e in [*_PLAIN_ECHOES, "9 \\times 7",
+          "9\\times{7}", "{9}\\cdot{7}", "2^{6}-1", "2^{3}\\cdot 8 - 1",
+          "\\frac{2 \\cdot 63}{2}", "3^{2} \\cdot 7", "2^{3+3}-1"])]  # fmt: skip
+SPELLINGS_OF_63 = ["63", "126/2", *(f"\\boxed{{{n}}}" for n in ["63", "126/2",
+                   "\\frac{126}{2}", "126 \\div 2", "126 ÷ 2", "6.3 \\times 10^{1}",
+                   "\\sqrt{3969}", "(63)", "{63}"])]  # fmt: skip
+
+
+@pytest.mark.parametrize("echo", ECHOES)
+def test_every_spelling_of_arithmetic_scores_0_against_a_plain_number(echo):
+    assert math_answer_reward(echo, "63").score == 0.0
+
+
+@pytest.mark.parametrize("number", SPELLINGS_OF_63)
+def test_every_spelling_of_the_number_scores_1(number):
+    assert math_answer_reward(number, "63").score == 1.0
+
+
+@pytest.mark.parametrize(
+    "response, label",
+    [
+        ("\\boxed{2^{10}}", "1024"),
+        ("\\boxed{2^10}", "1024"),
+        ("\\boxed{2^6}", "64"),  # the issue's case: scored 0 while 2^{10} scored 1
+        ("\\boxed{2^{6}}", "64"),
+        ("\\boxed{2**6}", "64"),
+        ("2**6", "64"),
+        ("The answer is 2^6.", "64"),
+        ("\\boxed{(-2)^6}", "64"),
+        ("\\boxed{-2^{6}}", "-64"),
+        ("\\boxed{4^3}", "64"),
+        ("\\boxed{2^{-1}}", "0.5"),
+        ("\\boxed{64/1}", "64"),
+        ("\\boxed{\\sqrt{4096}}", "64"),
+        ("\\boxed{9\\%}", "9"),
+        ("The answer is **64**.", "64"),  # Markdown bold is not a power
+    ],
+)
+def test_a_power_quotient_or_root_is_a_number_whatever_its_spelling(response, label):
+    assert math_answer_reward(response, label).score == 1.0

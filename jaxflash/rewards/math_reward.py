@@ -51,13 +51,23 @@ evaluate differences to 15 digits with ``chop``, so ``1/2^98`` equals
    denotes (``0.00000015``, exactly, via ``decimal``) in both the response and
    the label before parsing; exponents beyond +-64 are left alone.
 6. **A number is answered with a number.** When the label is a plain number
-   (``63``, ``-2.5``, ``3/4``, ``\\frac{3}{4}``), an answer that is arithmetic on
-   numbers (``0+63``, ``70 - 7``, ``9 \\times 7``, ``2^6 - 1``) scores 0: Math-Verify
-   evaluates it and says equal, so a policy learns to restate the question
-   ("What is 0 + 63?" -> " 0+63"), which a 10-step run on Gemma 3 270M did (held-out
-   accuracy 6 % -> 99.5 % with every answer an echo). A fraction is a number, and
-   so is scientific notation (``6.3 \\times 10^{1}``); labels that are themselves
-   expressions (``3+4i``, ``2\\sqrt{3}``, ``\\frac{1}{2^{99}}``) keep the plain rule.
+   (``63``, ``-2.5``, ``3/4``, ``\\frac{3}{4}``), an answer that adds, subtracts or
+   multiplies numbers scores 0: Math-Verify evaluates it and says equal, so a policy
+   learns to restate the question ("What is 0 + 63?" -> " 0+63"), which a 10-step run
+   on Gemma 3 270M did (held-out accuracy 6 % -> 99.5 % with every answer an echo).
+   The reward sees the response and the label, never the prompt (``rewards.base``),
+   so the echo is known by its form, that of the arithmetic prompts: a sum, a
+   difference or a product anywhere in the answer. It is read from Math-Verify's
+   parse, which leaves the arithmetic unevaluated, so each operation is one node
+   however it is typed: ``0+63``, ``70 − 7``, ``9*7``, ``9 \\times 7``,
+   ``{9}\\cdot{7}``, ``2^6 - 1``, ``2^{3}\\cdot 8 - 1`` all score 0. A power
+   (``2^6``, ``2^{6}``, ``2**6``), a quotient (``126/2``, ``\\frac{126}{2}``,
+   ``126 \\div 2``), a root, a sign, a percentage and scientific notation
+   (``6.3 \\times 10^{1}``) each write one number, as labels do (``2^{10}``,
+   ``\\frac{1}{2}``), and score by their value: ``2^6`` vs 64 and ``2^{10}`` vs 1024
+   both score 1 (a rule on the text scored ``2^6`` 0 and ``2^{10}`` 1). Labels that
+   are themselves expressions (``3+4i``, ``2\\sqrt{3}``, ``\\frac{1}{2^{99}}``) keep
+   the plain rule.
 
 Several boxed answers: Math-Verify reads every ``\\boxed{}`` of the response
 and joins the distinct ones into one set. The same value boxed twice counts
@@ -158,7 +168,7 @@ def extract_answer(response_text: str) -> list:
       Math-Verify's parse: [sympy object, extracted string] or [] if no answer.
     """
     return parse(
-        normalize_constants(normalize_scientific(response_text)),
+        normalize_powers(normalize_constants(normalize_scientific(response_text))),
         list(RESPONSE_EXTRACTION),
         parsing_timeout=None,
         raise_on_error=False,
@@ -253,13 +263,15 @@ _PLAIN_NUMBER_LABEL = re.compile(
     r"^\s*-?\s*(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?\s*$"
     r"|^\s*-?\s*\\[dt]?frac\s*\{\s*\d+\s*\}\s*\{\s*\d+\s*\}\s*$"
 )
-# An operator between two numbers (or a closing bracket and a number): arithmetic that
-# the verifier would evaluate. "/" and \frac are fractions, i.e. numbers; a power of ten
-# after a product sign is scientific notation.
-_ARITHMETIC = re.compile(
-    r"(?:\d|\)|\})\s*(?:[+*×÷^−-]|\\times|\\cdot|\\div|\\ast)\s*(?:\d|\(|\\[dt]?frac|-\s*\d)"
-)
-_SCIENTIFIC_TIMES = re.compile(r"(?:[*×]|\\times|\\cdot)\s*10\s*\^\s*\{?\s*[-+−]?\s*\d+\s*\}?")
+# Python's power operator between two operands (``2**6``, ``(2) ** 6``), as ``^`` (a LaTeX
+# box does not parse ``**``). Unspaced or spaced on both sides: a Markdown bold marker
+# (``**63**``) touches its text on one side only.
+_PYTHON_POWER = re.compile(r"(?<=[\d)}])(?:\*\*|\s+\*\*\s+)(?=[\d({]|-\d)")
+
+
+def normalize_powers(text: str) -> str:
+    """``2**6`` -> ``2^6`` (``\\boxed{2**6}`` parses as LaTeX then, like ``2**6`` unboxed)."""
+    return _PYTHON_POWER.sub("^", text)
 
 
 def plain_number_label(answer: str) -> bool:
@@ -267,11 +279,41 @@ def plain_number_label(answer: str) -> bool:
     return bool(_PLAIN_NUMBER_LABEL.match(normalize_scientific(answer.strip()).strip("$ ")))
 
 
-def arithmetic_on_numbers(text: str) -> bool:
-    """True if ``text`` (an extracted answer) is unevaluated arithmetic on numbers, e.g.
-    ``0+63`` or ``9 \\times 7`` (not ``-63``, ``3/4``, ``\\frac{3}{4}`` or
-    ``6.3 \\times 10^{1}``)."""
-    return bool(_ARITHMETIC.search(_SCIENTIFIC_TIMES.sub("", text)))
+def arithmetic_on_numbers(expr: object) -> bool:
+    """True if an answer adds, subtracts or multiplies numbers (module docstring, 6).
+
+    Read from the answer as Math-Verify parsed it, which keeps the arithmetic
+    unevaluated (``9 \\times 7`` is ``Mul(9, 7)``), so every spelling of an operation
+    is the same node: ``0+63``, ``70 − 7``, ``9*7``, ``{9}\\cdot{7}``, ``2^6-1``,
+    ``2^{3+3}``, ``\\frac{2 \\cdot 63}{2}`` -> True; ``63``, ``-63``, ``2^6``,
+    ``2^{6}``, ``2**6``, ``\\frac{126}{2}``, ``126/2``, ``126 \\div 2``,
+    ``6.3 \\times 10^{1}``, ``\\sqrt{4096}``, ``63\\%`` -> False.
+
+    Args:
+      expr: the parsed answer (``extract_answer(...)[0]``); anything else is False.
+    """
+    if not isinstance(expr, sympy.Basic):
+        return False
+    for node in sympy.preorder_traversal(expr):
+        if isinstance(node, sympy.Add) or (isinstance(node, sympy.Mul) and _is_product(node)):
+            return True
+    return False
+
+
+def _is_product(mul: sympy.Mul) -> bool:
+    """A Mul of two or more numbers, not one number written with a sign (``-1 * x``), a
+    divisor (``x * y^-1``), a percent (``x * 1/100``, unevaluated) or as scientific
+    notation (a number times a power of ten)."""
+    factors = [
+        f
+        for f in mul.args
+        if f != -1 and not (f.is_Pow and f.exp == -1) and not isinstance(f, sympy.UnevaluatedExpr)
+    ]
+    if len(factors) == 2:
+        mantissa, power = sorted(factors, key=lambda f: f.is_Pow)
+        if mantissa.is_Number and power.is_Pow and power.base == 10 and power.exp.is_Integer:
+            return False
+    return len(factors) >= 2
 
 
 def answers_match(gold: list, pred: list, *, rel_tol: float, abs_tol: float) -> bool:
@@ -358,7 +400,7 @@ class MathAnswerReward:
         if not pred:
             return RewardResult(score=0.0, components={"correct": 0.0, "answer_found": 0.0})
         correct = answers_match(list(gold), pred, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
-        if correct and plain_number_label(answer) and arithmetic_on_numbers(str(pred[-1])):
+        if correct and plain_number_label(answer) and arithmetic_on_numbers(pred[0]):
             correct = False  # the question restated, not answered (module docstring, 6)
         score = 1.0 if correct else 0.0
         return RewardResult(score=score, components={"correct": score, "answer_found": 1.0})
