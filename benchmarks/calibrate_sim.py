@@ -155,16 +155,14 @@ class Setup:
             while not b.idle:
                 prefills, fills, live = (
                     b.stats.prefills,
-                    len(b.stats.slot_fills),
+                    b.stats.fills,
                     b.stats.live_slot_steps,
                 )
                 t0 = time.perf_counter()
                 b.step()
                 dt = time.perf_counter() - t0
                 live = b.stats.live_slot_steps - live  # slots live in this step's decode
-                points.append(
-                    (live, b.stats.prefills - prefills, len(b.stats.slot_fills) - fills, slots, dt)
-                )
+                points.append((live, b.stats.prefills - prefills, b.stats.fills - fills, slots, dt))
         return points
 
     # -- learner --------------------------------------------------------------------

@@ -20,6 +20,9 @@ import numpy as np
 PolicyVersion = int
 """Learner step count whose weights produced a token; 0 = initial weights."""
 
+RequestKey = tuple[int, int]
+"""(prompt_id, sample_index): the identity of one sample's request everywhere."""
+
 
 class FinishReason(enum.StrEnum):
     """Why a sample stopped generating."""

@@ -12,7 +12,7 @@ from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig, SampleStart
 from jaxflash.generation.sampling import argmax_first, sample_key, sample_tokens
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
-from jaxflash.generation.slot_types import SlotStats
+from jaxflash.generation.slot_types import SLOT_EVENT_HISTORY, SlotStats, record_slot_event
 from jaxflash.models.llama import init_params, stack_layers, unstack_layers
 from jaxflash.models.presets import get_preset
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
@@ -97,6 +97,7 @@ def test_block_finish_and_refill_steps(engine, params):
     assert batcher.stats.steps == 4
     batcher.step()
     assert batcher.stats.slot_fills[-1] == (4, 0, (3, 0))  # refilled when block 2 began
+    assert batcher.stats.fills == len(batcher.stats.slot_fills) == 4
     # An abort between calls frees the slot for the next block; new weights apply
     # from the next block on (every token of the next block carries version 1).
     aborted = batcher.abort((1, 0))
@@ -249,3 +250,15 @@ def test_sampling_equals_jax_random_categorical_bit_for_bit():
     )
     x = np.array([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -3.0, -0.5]], np.float32)
     np.testing.assert_array_equal(argmax_first(x), np.argmax(x, axis=-1))  # first of ties
+
+
+def test_slot_event_lists_are_bounded():
+    """A server's fill/release history is bounded (it used to grow by one entry per
+    sample for the server's whole life); the newest events are the ones kept."""
+    events: list = []
+    for i in range(5 * SLOT_EVENT_HISTORY + 3):
+        record_slot_event(events, (i, 0, (i, 0)))
+        assert len(events) <= SLOT_EVENT_HISTORY
+    assert events[-1] == (5 * SLOT_EVENT_HISTORY + 2, 0, (5 * SLOT_EVENT_HISTORY + 2, 0))
+    steps = [e[0] for e in events]
+    assert steps == list(range(steps[0], steps[-1] + 1))  # a contiguous newest window

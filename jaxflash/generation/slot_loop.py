@@ -54,6 +54,7 @@ from jaxflash.generation.slot_types import (
     RequestKey,
     SlotStats,
     check_request,
+    record_slot_event,
     resolve_stop_ids,
 )
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample
@@ -348,7 +349,8 @@ class SlotBatcher:
             self._state, tokens, logps = self.engine.start_samples(self._state, starts, table)
             for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
-                self.stats.slot_fills.append((self.stats.steps, slot, run.key))
+                self.stats.fills += 1
+                record_slot_event(self.stats.slot_fills, (self.stats.steps, slot, run.key))
                 reason = self._append(run, int(token), float(logp))
                 if reason is not None:  # done at its first token: free the slot again
                     self._release(slot)
@@ -368,7 +370,7 @@ class SlotBatcher:
         self._slots[slot] = None
         if self._paging is not None:
             self._paging.release(slot)
-        self.stats.slot_releases.append((self.stats.steps, slot, run.key))
+        record_slot_event(self.stats.slot_releases, (self.stats.steps, slot, run.key))
 
     def _append(self, run: RunningSample, token: int, logp: float) -> FinishReason | None:
         self.stats.generated_tokens += 1

@@ -14,13 +14,24 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxflash.types import GenerationRequest
+from jaxflash.types import GenerationRequest, RequestKey
 
 if TYPE_CHECKING:
     from jaxflash.generation.engine.llama_engine import LlamaEngine
 
-RequestKey = tuple[int, int]
-"""(prompt_id, sample_index): identity of a request inside a batcher."""
+
+SLOT_EVENT_HISTORY = 4096
+"""Slot fills and releases a ``SlotStats`` keeps (the newest); they serve tests and
+benchmarks that look at recent scheduling, never a whole run."""
+
+
+def record_slot_event(events: list[tuple[int, int, RequestKey]], event: tuple) -> None:
+    """Appends ``event``, dropping the oldest half once ``SLOT_EVENT_HISTORY`` is passed
+    (amortised O(1); the list never holds more than ``SLOT_EVENT_HISTORY`` + 1)."""
+    events.append(event)
+    if len(events) > SLOT_EVENT_HISTORY:
+        del events[: len(events) - SLOT_EVENT_HISTORY // 2]
+
 
 IN_FLIGHT_POLICIES = ("continue", "restart", "recompute")
 """What running samples do at ``set_params`` (``config.rollout.partial_rollout``)."""
@@ -40,10 +51,13 @@ class SlotStats:
       slot_steps: steps * B.
       busy_s: wall-clock seconds spent inside ``step`` (prefill, insert, generate,
         host copies).
-      slot_fills: (steps so far, slot, key) for every insert, in order.
+      slot_fills: (steps so far, slot, key) for each insert, in order: the last
+        ``SLOT_EVENT_HISTORY`` of them (older events are dropped, so a server
+        that runs for days holds a bounded list; ``fills`` counts them all).
       slot_releases: (steps so far, slot, key) whenever a running sample leaves
-        its slot (finished or aborted); a slot refilled at once has a fill with
-        the same step count as its release.
+        its slot (finished or aborted), bounded like ``slot_fills``; a slot
+        refilled at once has a fill with the same step count as its release.
+      fills: inserts so far (every one, unlike the bounded ``slot_fills``).
       finished: samples returned, by finish reason.
       restarted: running samples sent back to the queue by
         ``set_params(..., in_flight="restart")``.
@@ -72,6 +86,7 @@ class SlotStats:
     busy_s: float = 0.0
     slot_fills: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
     slot_releases: list[tuple[int, int, RequestKey]] = dataclasses.field(default_factory=list)
+    fills: int = 0
     finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     restarted: int = 0
     recomputed: int = 0

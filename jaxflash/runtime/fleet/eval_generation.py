@@ -28,12 +28,10 @@ from jaxflash.generation.engine.prefill import Prefiller
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import check_request
 from jaxflash.runtime.fleet.remote_server import RemoteGenerationServer, RemoteServerDownError
-from jaxflash.types import GenerationRequest, Sample
+from jaxflash.types import GenerationRequest, RequestKey, Sample
 
 OnStep = Callable[[list[Sample], int], None]
 """``on_step(samples finished since the last call, tokens generated so far)``."""
-
-RequestKey = tuple[int, int]
 
 
 def _key(r: GenerationRequest | Sample) -> RequestKey:

@@ -36,10 +36,7 @@ from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.slot_loop import SlotBatcher
 from jaxflash.generation.slot_types import IN_FLIGHT_POLICIES, check_request
 from jaxflash.runtime.clock import Clock, RealClock
-from jaxflash.types import GenerationRequest, PolicyVersion, Sample
-
-RequestKey = tuple[int, int]
-
+from jaxflash.types import GenerationRequest, PolicyVersion, RequestKey, Sample
 
 _MAX_SPANS = 4096  # busy spans kept for the timeline between two reads
 _MERGE_GAP_S = 0.005  # decode blocks closer than this form one busy span

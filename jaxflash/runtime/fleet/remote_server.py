@@ -39,10 +39,9 @@ from jaxflash.runtime.fleet import rpc_wire
 from jaxflash.runtime.fleet.gen_endpoint import ProgramClient
 from jaxflash.runtime.fleet.rpc_wire import Status, WeightOffer
 from jaxflash.runtime.rollout.server_metrics import CUMULATIVE_STATS
-from jaxflash.types import GenerationRequest, PolicyVersion, Sample
+from jaxflash.types import GenerationRequest, PolicyVersion, RequestKey, Sample
 
 log = logging.getLogger(__name__)
-RequestKey = tuple[int, int]
 
 # ``CUMULATIVE_STATS``: counters ``GenerationServer.stats`` accumulates over its life
 # (``rollout.server_metrics`` differences them per step). A restarted program counts from

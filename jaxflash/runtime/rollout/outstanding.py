@@ -14,9 +14,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from jaxflash.types import GenerationRequest, PolicyVersion
-
-RequestKey = tuple[int, int]  # (prompt_id, sample_index)
+from jaxflash.types import GenerationRequest, PolicyVersion, RequestKey
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

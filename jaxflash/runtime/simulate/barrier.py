@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-RequestKey = tuple[int, int]
+from jaxflash.types import RequestKey
 
 
 class RoundBarrier:

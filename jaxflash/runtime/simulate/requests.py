@@ -15,9 +15,7 @@ import dataclasses
 import numpy as np
 
 from jaxflash.runtime.simulate.workload import Turn
-from jaxflash.types import FinishReason, GenerationRequest, Sample
-
-RequestKey = tuple[int, int]
+from jaxflash.types import FinishReason, GenerationRequest, RequestKey, Sample
 
 
 @dataclasses.dataclass
