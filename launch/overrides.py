@@ -7,7 +7,9 @@ catches any error while the flags are parsed and explains it in one line: the
 unknown key with the nearest known one (found here by walking the config the
 ``--config`` file builds; a key of a mapping-valued field such as
 ``replay.correction_kwargs`` also says how to give the whole mapping as JSON), or
-the flag library's own message.
+the flag library's own message. An argument that is not a flag
+(``config.total_steps=1``, without ``--``) is refused the same way: absl would hand it
+back unread and the run would go on without it.
 """
 
 from __future__ import annotations
@@ -126,18 +128,47 @@ def _is_mapping_field(config: Any, key: str) -> bool:
     return hasattr(node, "keys")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def leftover_message(leftover: Sequence[str]) -> str | None:
+    """The message for arguments the flag library did not take as flags, or None.
+
+    absl hands back what is not a ``--flag`` (``config.total_steps=1``, a word after
+    ``--``) instead of refusing it, and the run went on without it: refused here,
+    with the flag it most likely meant.
+
+    Args:
+      leftover: the command line's non-flag arguments (the program name excluded).
+    """
+    if not leftover:
+        return None
+    first = leftover[0].lstrip("-")
+    hint = f"--{first}" if "=" in first else "--config.<key>=<value>"
+    return (
+        f"unrecognised argument {leftover[0]!r}"
+        + (f" (and {len(leftover) - 1} more)" if len(leftover) > 1 else "")
+        + f": settings are flags, e.g. {hint}"
+    )
+
+
+def parse_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
     """``absl.app.run``'s flags parser: a bad flag exits with status 2 and one line.
 
+    Args:
+      argv: the command line (``sys.argv``).
+      flag_values: the flags to parse into (absl's global ones).
+
+    Returns:
+      ``[argv[0]]``: every other argument is a flag.
+
     Raises:
-      SystemExit(2): a flag could not be parsed (the line says which and why).
+      SystemExit(2): a flag could not be parsed, or an argument is not a flag (the
+        line says which and why).
     """
     located = _config_file(argv)
     if located is not None and not os.path.isfile(located[0]):
         print(f"config error: --config {located[0]}: no such file", file=sys.stderr)
         sys.exit(2)
     try:
-        return flags.FLAGS(json_mappings(argv))
+        rest = flag_values(json_mappings(argv))
     except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as err:
         message = unknown_override(argv)
         if message is None:
@@ -145,3 +176,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             message = f"bad command line: {text}"
         print(f"config error: {message}", file=sys.stderr)
         sys.exit(2)
+    message = leftover_message(rest[1:])
+    if message is not None:
+        print(f"config error: {message}", file=sys.stderr)
+        sys.exit(2)
+    return rest

@@ -344,3 +344,31 @@ def test_json_objects_for_mapping_fields_become_python_literals():
     out = json_mappings(argv)
     assert out[2] == "--config.learner.loss_kwargs={'dual_clip_c': None, 'clip_eps_low': 0.2}"
     assert out[:2] == config and out[3:] == argv[3:]
+
+
+def test_an_argument_that_is_not_a_flag_is_refused_in_one_line(capsys):
+    # Issue 31: `make run ARGS="config.total_steps=1"` (no --) ran the config's own
+    # number of steps: absl hands back what is not a flag, and it went unread.
+    from absl import flags
+
+    from launch.overrides import parse_flags
+
+    fv = flags.FlagValues()
+    flags.DEFINE_string("workdir", None, "Run directory.", flag_values=fv)
+    assert parse_flags(["tpu_pod.py", "--workdir=w"], fv) == ["tpu_pod.py"]
+    for argv, line in [
+        (
+            ["tpu_pod.py", "--workdir=w", "config.total_steps=1"],
+            "unrecognised argument 'config.total_steps=1': settings are flags, "
+            "e.g. --config.total_steps=1",
+        ),
+        (
+            ["tpu_pod.py", "--workdir=w", "--", "steps", "3"],
+            "unrecognised argument 'steps' (and 1 more): settings are flags, "
+            "e.g. --config.<key>=<value>",
+        ),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            parse_flags(argv, fv)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == f"config error: {line}\n"
