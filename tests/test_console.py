@@ -291,6 +291,21 @@ def test_every_name_valued_option_is_checked_before_the_model_loads(overrides, m
     assert message in str(err.value)
 
 
+def test_an_hf_model_path_missing_its_files_is_one_config_line(tmp_path):
+    # Issue 31: an existing empty directory as model.path was a 31-line traceback
+    # from the tokenizer load; the line names the path and every file it lacks.
+    with pytest.raises(ConfigError) as err:
+        _exp(model__source="hf", model__path=str(tmp_path))
+    assert str(err.value) == (
+        f"model.path={str(tmp_path)!r} (model.source=hf) has no config.json and no "
+        "tokenizer.json and no model.safetensors (or model.safetensors.index.json): "
+        "a Hugging Face checkpoint directory holds all of them"
+    )
+    for name in ("config.json", "tokenizer.json", "model.safetensors.index.json"):
+        (tmp_path / name).write_text("{}")
+    assert _exp(model__source="hf", model__path=str(tmp_path)).model.path == str(tmp_path)
+
+
 def test_unknown_keys_of_a_config_file_name_the_nearest_one():
     c = smoke.get_config().to_dict()
     c["data"]["pth"] = "x.jsonl"

@@ -73,6 +73,8 @@ def test_a_derived_prompt_length_is_assumed_and_said():
 
 def test_an_hf_source_is_refused_naming_the_way_out(tmp_path):
     c = smoke_async.get_config()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):  # (not read)
+        (tmp_path / name).write_text("{}")
     c.model.source, c.model.path = "hf", str(tmp_path)
     with pytest.raises(ConfigError, match="--config.model.source=random"):
         dry_run_report(ExperimentConfig.from_config_dict(c))

@@ -130,6 +130,16 @@ class MeshSpec:
                 check(int(size) >= 1, f"mesh.{name}.{axis} must be >= 1, got {size}")
 
 
+def _missing_hf_files(directory: str) -> list[str]:
+    """What a Hugging Face checkpoint directory lacks of what a run reads from it: the
+    model's config, the tokenizer and the weights (one file, or an index of shards)."""
+    has = lambda name: os.path.isfile(os.path.join(directory, name))  # noqa: E731
+    missing = [name for name in ("config.json", "tokenizer.json") if not has(name)]
+    if not (has("model.safetensors") or has("model.safetensors.index.json")):
+        missing.append("model.safetensors (or model.safetensors.index.json)")
+    return missing
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Where the weights come from. source: gguf | hf | random.
@@ -174,6 +184,12 @@ class ModelSpec:
         check(self.source != "hf" or bool(self.path), "model.path is required for source=hf")
         if self.source == "hf":
             check(os.path.isdir(self.path), f"model.path={self.path!r} is not a directory")
+            missing = _missing_hf_files(self.path)
+            check(
+                not missing,
+                f"model.path={self.path!r} (model.source=hf) has no {' and no '.join(missing)}: "
+                "a Hugging Face checkpoint directory holds all of them",
+            )
         elif self.path:  # gguf, or the tokenizer of a random model
             check(os.path.isfile(self.path), f"model.path={self.path!r} is not a file")
         if self.source == "random":
