@@ -164,7 +164,7 @@ class EnvFailureReason(enum.StrEnum):
 
     RAISED = "raised"  # reset/step raised an exception
     TIMEOUT = "timeout"  # the call did not return within its deadline
-    BAD_OBSERVATION = "bad_observation"  # observation is not a str
+    BAD_OBSERVATION = "bad_observation"  # not a str, or a message the chat template rejects
     BAD_REWARD = "bad_reward"  # reward is not a finite real number
     BAD_RESULT = "bad_result"  # not a 5-tuple, flags not bool, info not a mapping
 

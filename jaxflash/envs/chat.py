@@ -13,14 +13,19 @@ rendered once, tokenized once. For ChatML (SmolLM2, Qwen) after a turn that ende
 with ``<|im_end|>`` this is ``"\\n<|im_start|>user\\n{obs}<|im_end|>\\n<|im_start|>
 assistant\\n"``; the generation prompt therefore appears exactly once per turn.
 
-How the pieces are found (any Jinja chat template): render a reference conversation
-``[system?, user "U", assistant SENTINEL]`` without the generation prompt; the text
-after SENTINEL is the template's *closing* of an assistant turn (``"<|im_end|>\\n"``);
-its first token must be a stop id (the end-of-turn token the policy samples). The
-delta of a new message m is ``render(reference + [m], gen=True)`` minus the prefix
-``render(reference, gen=False)``; a template for which that is not a prefix
-(rendering earlier messages differently once a message follows) is refused with a
-clear error rather than silently mis-rendered.
+How the delta is found (any Jinja chat template; the trick of verl and SkyRL):
+render a fixed reference conversation ``[system?, user "U", assistant SENTINEL,
+new message]`` with the generation prompt; the delta is the text after SENTINEL.
+Only the text *after* the last assistant turn is taken, so a template may rewrite
+earlier turns once a message follows -- Qwen3 drops the ``<think>`` block of every
+assistant turn before the last user message -- without touching the context: the
+policy's earlier turns stay as sampled. The delta must start with a stop id (the
+end-of-turn token the policy samples, ``eot_id``).
+
+At start-up one probe checks that the delta depends on the new message alone: the
+same message after two exchanges must render the same delta as after one, and the
+next turn must be prompted as the first one was. A template that fails (one that
+numbers turns, say) is refused with a ``ValueError`` rather than mis-rendered.
 
 Tokenizers are duck-typed: ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``apply_chat_template(messages, add_generation_prompt) -> str``, ``eos_id``, and
@@ -34,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 _SENTINEL = "JAXFLASH_ASSISTANT_SENTINEL_1f7c"
+_EARLIER = "JAXFLASH_EARLIER_TURN_9b2e"  # an earlier assistant turn of the probe
+_PROBE = "JAXFLASH_PROBE_MESSAGE_4d0a"
 
 
 class ChatTokenizer(Protocol):
@@ -58,12 +65,13 @@ class TurnRenderer:
         else ``{tokenizer.eos_id}``.
 
     Attributes:
-      eot_id: the template's end-of-turn token id (first token of the closing).
+      eot_id: the template's end-of-turn token id (first token of every delta).
       stop_ids: frozenset of ids that end a turn.
 
     Raises:
-      ValueError: the template drops the assistant's content, or its closing does not
-        start with a stop id (generation would never stop where a turn ends).
+      ValueError: (one line) the template drops the assistant's content, its delta
+        does not start with a stop id (generation would never stop where a turn
+        ends), or the delta of a message depends on the turns before it (module).
     """
 
     def __init__(
@@ -80,29 +88,53 @@ class TurnRenderer:
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self._bos_prefix = list(tokenizer.encode(""))
         self._head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-        reference = [*self._head, {"role": "user", "content": "U"}]
-        reference.append({"role": "assistant", "content": _SENTINEL})
-        self._reference = reference
-        self._reference_text = tokenizer.apply_chat_template(reference, add_generation_prompt=False)
-        at = self._reference_text.rfind(_SENTINEL)
+        # The probe: the end-of-turn token, then history independence.
+        delta = self._delta([{"role": "user", "content": "U"}], _PROBE, "user")
+        delta_ids = self.encode_fragment(delta)
+        if not delta_ids or delta_ids[0] not in self.stop_ids:
+            raise ValueError(
+                f"TurnRenderer: the chat template closes an assistant turn with {delta!r}, "
+                f"whose first token {delta_ids[:1]} is not a stop id {sorted(self.stop_ids)}"
+            )
+        self.eot_id = delta_ids[0]
+        self._eot_text = tokenizer.decode([self.eot_id])
+        if not delta.startswith(self._eot_text):
+            raise ValueError(
+                f"TurnRenderer: the chat template's delta {delta!r} does not start with the "
+                f"text of its end-of-turn token {self._eot_text!r}"
+            )
+        longer = [
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": _EARLIER},
+            {"role": "user", "content": "V"},
+        ]
+        if self._delta(longer, _PROBE, "user") != delta:
+            raise ValueError(
+                "TurnRenderer: the chat template renders a new message differently after "
+                "two exchanges than after one, so it cannot be extended turn by turn "
+                "without re-rendering the policy's earlier turns"
+            )
+        first = tokenizer.apply_chat_template(self.first_messages("U"), add_generation_prompt=True)
+        bare = tokenizer.apply_chat_template(self.first_messages("U"), add_generation_prompt=False)
+        if first.startswith(bare) and not delta.endswith(first[len(bare) :]):
+            raise ValueError(
+                f"TurnRenderer: the chat template prompts the first turn with "
+                f"{first[len(bare) :]!r} but a later one with the end of {delta!r}"
+            )
+
+    def _delta(self, history: list[dict[str, str]], content: str, role: str) -> str:
+        """Text after SENTINEL in ``[system?, *history, assistant SENTINEL, (role, content)]``
+        rendered with the generation prompt."""
+        messages = [*self._head, *history, {"role": "assistant", "content": _SENTINEL}]
+        messages.append({"role": role, "content": content})
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        at = text.find(_SENTINEL)
         if at < 0:
-            raise ValueError("TurnRenderer: the chat template does not render assistant content")
-        closing = self._reference_text[at + len(_SENTINEL) :]
-        closing_ids = self.encode_fragment(closing)
-        if not closing_ids or closing_ids[0] not in self.stop_ids:
             raise ValueError(
-                f"TurnRenderer: the template closes an assistant turn with {closing!r}, whose "
-                f"first token {closing_ids[:1]} is not a stop id {sorted(self.stop_ids)}"
+                f"TurnRenderer: the chat template drops an assistant turn's content once a "
+                f"{role!r} message follows"
             )
-        self.eot_id = closing_ids[0]
-        eot_text = tokenizer.decode([self.eot_id])
-        if not closing.startswith(eot_text):
-            raise ValueError(
-                f"TurnRenderer: closing {closing!r} does not start with the text of its "
-                f"end-of-turn token {eot_text!r}"
-            )
-        self._closing = closing
-        self._eot_text = eot_text
+        return text[at + len(_SENTINEL) :]
 
     def encode_fragment(self, text: str) -> list[int]:
         """Tokens of a text fragment, without the prefix the tokenizer adds to every text."""
@@ -129,21 +161,13 @@ class TurnRenderer:
 
     def message_delta_text(self, content: str, role: str = "user") -> str:
         """Text the template adds for a new message after an assistant turn, with the
-        next generation prompt (starts where the closing of the assistant turn starts).
+        next generation prompt (starts with the closing of the assistant turn).
 
         Raises:
-          ValueError: the template is not append-only for this message (see module).
+          ValueError: the template rejects the message (its ``raise_exception``: a role
+            it does not know, say) or drops the assistant turn before it.
         """
-        full = self.tokenizer.apply_chat_template(
-            [*self._reference, {"role": role, "content": content}], add_generation_prompt=True
-        )
-        base = self._reference_text
-        if not full.startswith(base):
-            raise ValueError(
-                f"TurnRenderer: rendering a {role!r} message after an assistant turn changes "
-                "the text before it; this chat template cannot be extended turn by turn"
-            )
-        return self._closing + full[len(base) :]
+        return self._delta([{"role": "user", "content": "U"}], content, role)
 
     def between_turns(self, content: str, *, role: str = "user", ended_with_eot: bool) -> list[int]:
         """Tokens to append after a sampled turn: closing glue, the message, the generation prompt.
@@ -157,9 +181,17 @@ class TurnRenderer:
 
         Returns:
           token ids (never the policy's; their loss mask is 0).
+
+        Raises:
+          ValueError: as ``message_delta_text``.
         """
         text = self.message_delta_text(content, role)
         if ended_with_eot:  # the sampled end-of-turn token is already in the context
+            if not text.startswith(self._eot_text):
+                raise ValueError(
+                    f"TurnRenderer: the chat template closes an assistant turn before a "
+                    f"{role!r} message with {text[:40]!r}, not with {self._eot_text!r}"
+                )
             text = text[len(self._eot_text) :]
         return self.encode_fragment(text)
 

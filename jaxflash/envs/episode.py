@@ -27,8 +27,9 @@ redundancy needs). ``split_turn_index`` inverts it.
 How it ends (``EpisodeEnd``): the environment terminates (TERMINATED) or truncates
 (ENV_TRUNCATED); ``max_turns`` turns were played (MAX_TURNS); the next turn would
 not fit ``max_context_tokens`` (CONTEXT_FULL); an environment call failed
-(ENV_FAILURE, with the ``EnvFailure``) -- the episode is then isolated, never
-trained, and counted by reason.
+(ENV_FAILURE, with the ``EnvFailure``; a message the chat template rejects is a
+``bad_observation``) -- the episode is then isolated, never trained, and counted
+by reason.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.envs.base import EnvConfig, EnvFailure, ResetOutcome, StepOutcome
+from jaxflash.envs.base import (
+    EnvConfig,
+    EnvFailure,
+    EnvFailureReason,
+    ResetOutcome,
+    StepOutcome,
+)
 from jaxflash.envs.chat import TurnRenderer
 from jaxflash.types import FinishReason, GenerationRequest, PolicyVersion, Sample, SamplingParams
 
@@ -331,7 +338,13 @@ class Episode:
         ended_with_eot = last.finish_reason == FinishReason.EOS and (
             self._tokens[-1] == self.renderer.eot_id
         )
-        delta = self.renderer.between_turns(obs, role=role, ended_with_eot=ended_with_eot)
+        try:
+            delta = self.renderer.between_turns(obs, role=role, ended_with_eot=ended_with_eot)
+        except ValueError as e:  # the template rejects the message: the env's, not the run's
+            failure = EnvFailure(
+                reason=EnvFailureReason.BAD_OBSERVATION, phase="step", detail=str(e)
+            )
+            return self._finish(EpisodeEnd.ENV_FAILURE, failure)
         # The next turn needs at least one token of room after the delta.
         if len(self._prompt) + len(self._tokens) + len(delta) + 1 > self.max_context_tokens:
             return self._finish(EpisodeEnd.CONTEXT_FULL)

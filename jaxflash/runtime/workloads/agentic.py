@@ -36,6 +36,7 @@ from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.model_setup import describe_source
 from jaxflash.runtime.rollout.env_calls import close_env
 from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
@@ -83,9 +84,10 @@ class EpisodeRollout:
       tokenizer: the policy's tokenizer (chat template, stop ids).
 
     Raises:
-      ConfigError: the environment cannot be built, or a first prompt (rendered
-        for ``FIRST_PROMPTS_MEASURED`` seeds of each split) does not leave room for
-        a turn in ``env.max_context_tokens`` (names the field).
+      ConfigError: the environment cannot be built, the chat template cannot be
+        extended turn by turn (``envs.chat.TurnRenderer``; names the model), or a
+        first prompt (rendered for ``FIRST_PROMPTS_MEASURED`` seeds of each split)
+        does not leave room for a turn in ``env.max_context_tokens`` (names the field).
     """
 
     def __init__(self, exp: ExperimentConfig, tokenizer: Any) -> None:
@@ -94,7 +96,10 @@ class EpisodeRollout:
             raise ValueError("EpisodeRollout needs env.name")
         self.exp, self.spec, self.tokenizer = exp, spec, tokenizer
         self.limits = env_config(spec.name, **spec.env_options("train"))
-        self.renderer = TurnRenderer(tokenizer, system_prompt=spec.system_prompt or None)
+        try:  # a template that cannot be extended turn by turn is refused here, not mid-run
+            self.renderer = TurnRenderer(tokenizer, system_prompt=spec.system_prompt or None)
+        except ValueError as e:
+            raise ConfigError(f"model {describe_source(exp.model)}: {e}") from None
         self._latency = spec.latency()
         self._instances = itertools.count()
         self.make_eval_env: Callable[[], Any] = functools.partial(
