@@ -8,6 +8,7 @@ fire at the virtual time they are due and nothing sleeps for real.
 
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
 
@@ -628,3 +629,24 @@ def test_counters_are_the_checkpoints_plus_what_each_part_counted():
     assert c["prompts_trained"] == 3 and c["prompts_regenerated_on_resume"] == 0
     assert sched.dispatcher.counts()["samples_generated"] == 2  # the router's own, via its owner
     assert sched.snapshot().counters == {k: c[k] for k in sorted(c)}
+
+
+def test_a_malformed_row_is_warned_once_and_counted_every_epoch(tmp_path, caplog):
+    # A file is read in epochs with fresh prompt ids: its malformed rows fail every epoch.
+    from jaxflash.data.files import load_rows
+    from jaxflash.data.prompts import PromptSource
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{not json\n{"prompt": " ", "answer": "1"}\n')
+    rows = load_rows(str(path), prompt_key="prompt", answer_key="answer", on_error="skip")
+    source = PromptSource(rows, _CharTokenizer(), max_prompt_tokens=32, cycle=True)
+    sched, clock, servers, ledger = _virtual_scheduler([{}], B=3, G=2, source=source)
+    caplog.set_level(logging.WARNING, logger="jaxflash.runtime.rollout.batches")
+    for version in range(3):  # three epochs of the three rows
+        batch = drive(sched, clock, servers, version)
+        sched.mark_trained(batch.groups)
+        sched.publish([None], version + 1)
+    assert ledger.outcomes["failed"] == {"malformed_row": 6}
+    warned = [r.getMessage() for r in caplog.records if "malformed_row" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert f"{path}:2: " in warned[0] and f"{path}:3: 'prompt' is empty" in warned[1]

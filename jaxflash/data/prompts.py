@@ -155,6 +155,8 @@ class PromptSource:
         )
         problem = _row_problem(row)
         if problem is not None:
+            if "source" in meta and "line" in meta:  # a file's row: say where it is
+                problem = f"{meta['source']}:{meta['line']}: {problem}"
             return PromptFailure(
                 prompt_id=prompt_id,
                 reason=f"prompt {prompt_id}: malformed row: {problem}",

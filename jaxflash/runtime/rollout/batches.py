@@ -94,6 +94,7 @@ class BatchAssembler:
         self._dropped: list[DroppedGroup] = []
         self._rows: list[dict[str, Any]] = []
         self.taken: list[int] = []  # prompts handed out since the last publish
+        self._warned_rows: set[str] = set()  # malformed rows already warned of
 
     @property
     def assembling(self) -> bool:
@@ -185,12 +186,32 @@ class BatchAssembler:
         failed = d.outcome == PromptOutcome.FAILED
         self.ledger.close(d.prompt_id, d.outcome, d.failure if failed else d.reason)
         if failed:
-            log.warning("failed (%s): %s", d.failure, d.detail)
+            self._warn_failed(d)
         if self.refill_dropped:  # dynamic sampling: a replacement may start now
             self.admission.free_for_refill(d.prompt_id)
         else:  # as the synchronous loop: the next prompts start at the next version
             self.admission.release_at_publish(d.prompt_id)
         return rows
+
+    def _warn_failed(self, d: DroppedGroup) -> None:
+        """Warns of a failed prompt; a malformed row once per row, not every epoch.
+
+        A file is read in epochs with fresh prompt ids, so its malformed rows fail again
+        each epoch: the ledger counts every failure (``prompt_outcomes``), the log says
+        each row once. The row is the detail after "prompt <id>: " (its file and line).
+        """
+        if d.failure == FailureReason.MALFORMED_ROW:
+            row = d.detail.partition(": ")[2]
+            if row in self._warned_rows:
+                log.debug("failed (%s) again: %s", d.failure, d.detail)
+                return
+            self._warned_rows.add(row)
+            log.warning(
+                "failed (%s): %s (warned once per row; it fails again each epoch, counted "
+                "every time under prompt_outcomes)", d.failure, d.detail,
+            )  # fmt: skip
+            return
+        log.warning("failed (%s): %s", d.failure, d.detail)
 
     def _abort_surplus(self, v: int) -> None:
         """The batch is full: abort in-flight prompts that would be stale at step v + 1.
