@@ -153,3 +153,20 @@ def test_responses_longer_than_the_models_context_are_a_config_error(tmp_path):
     exp = ExperimentConfig.from_config_dict(c)
     with pytest.raises(ConfigError, match=r"= 664 exceeds the model's max_seq_len=512"):
         load_model(exp.model, exp.rollout, load_tokenizer(exp.model))
+
+
+def test_a_refused_launch_leaves_the_workdir_as_it_was(tmp_path):
+    # Issue 31: the smoke config on a real model's workdir was refused as a traceback,
+    # after run_config.json had been replaced by the refused settings.
+    from jaxflash.runtime.config.experiment import ConfigError
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "model_config.json").write_text(json.dumps({"d_model": 576, "n_layers": 30}))
+    (workdir / "run_config.json").write_text('{"experiment": "the real model\'s run"}')
+    before = {p.name: p.read_bytes() for p in workdir.iterdir()}
+    c = smoke.get_config()
+    c.total_steps = 1
+    with pytest.raises(ConfigError, match=r"workdir .* holds a run of a different model"):
+        run(ExperimentConfig.from_config_dict(c), workdir=str(workdir))
+    assert {p.name: p.read_bytes() for p in workdir.iterdir()} == before

@@ -58,8 +58,10 @@ def run(
     console.line(f"devices: {placement.describe()}")
     workload = make_workload(exp, console)  # a task and its reward, or an environment
     exp, tokenizer = workload.exp, workload.tokenizer  # exp: with the prompt limits derived
-    records.write_run_config(workdir, exp, tokenizer, workload.prompt_lengths())
     learner, model = start_learner(exp, tokenizer, placement, workdir, console, learner_links)
+    # Only once the workdir took this launch (same model, state restored): a refused
+    # launch leaves the workdir's record of its run as it was.
+    records.write_run_config(workdir, exp, tokenizer, workload.prompt_lengths())
     meta, ledger, version = learner.meta, learner.ledger, int(learner.meta.step)
     inbox = Inbox()  # where servers, reward futures and environments report back
     with console.phase("starting the generation servers"):  # threads, or programs

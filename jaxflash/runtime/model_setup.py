@@ -97,8 +97,9 @@ def check_workdir_model(workdir: str, config: ModelConfig) -> None:
     """Records the model's shape in ``<workdir>/model_config.json``, or checks it on resume.
 
     Raises:
-      ValueError: the workdir holds a run of a different model (naming the fields
-        that differ), instead of an Orbax shape mismatch deep in the restore.
+      ConfigError: the workdir holds a run of a different model (naming the fields
+        that differ), instead of an Orbax shape mismatch deep in the restore; the
+        launcher prints it as one line.
     """
     path = os.path.join(workdir, "model_config.json")
     shape_fields = (
@@ -125,7 +126,7 @@ def check_workdir_model(workdir: str, config: ModelConfig) -> None:
         saved = {"qk_norm": False, "sandwich_norm": False, "n_experts": 0, "moe_d_ff": 0, **saved}
         diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
         if diff:
-            raise ValueError(
+            raise ConfigError(
                 f"workdir {workdir} holds a run of a different model "
                 f"(field: saved vs now) {diff}; use a new --workdir"
             )
