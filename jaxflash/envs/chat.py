@@ -20,7 +20,8 @@ Only the text *after* the last assistant turn is taken, so a template may rewrit
 earlier turns once a message follows -- Qwen3 drops the ``<think>`` block of every
 assistant turn before the last user message -- without touching the context: the
 policy's earlier turns stay as sampled. The delta must start with a stop id (the
-end-of-turn token the policy samples, ``eot_id``).
+end-of-turn token the policy samples, ``eot_id``), after whitespace at most (Llama 2
+closes a turn with ``" </s>"``; a turn the policy ended with ``</s>`` stands for it).
 
 At start-up one probe checks that the delta depends on the new message alone: the
 same message after two exchanges must render the same delta as after one, and the
@@ -90,19 +91,23 @@ class TurnRenderer:
         self._head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
         # The probe: the end-of-turn token, then history independence.
         delta = self._delta([{"role": "user", "content": "U"}], _PROBE, "user")
-        delta_ids = self.encode_fragment(delta)
+        # Llama 2 writes " </s>": whitespace the policy never samples before its stop id.
+        lead = len(delta) - len(delta.lstrip())
+        delta_ids = self.encode_fragment(delta[lead:])
         if not delta_ids or delta_ids[0] not in self.stop_ids:
             raise ValueError(
                 f"TurnRenderer: the chat template closes an assistant turn with {delta!r}, "
                 f"whose first token {delta_ids[:1]} is not a stop id {sorted(self.stop_ids)}"
             )
         self.eot_id = delta_ids[0]
-        self._eot_text = tokenizer.decode([self.eot_id])
-        if not delta.startswith(self._eot_text):
+        eot_text = tokenizer.decode([self.eot_id])
+        if not delta[lead:].startswith(eot_text):
             raise ValueError(
                 f"TurnRenderer: the chat template's delta {delta!r} does not start with the "
-                f"text of its end-of-turn token {self._eot_text!r}"
+                f"text of its end-of-turn token {eot_text!r}"
             )
+        # What a turn the policy ended with eot_id already stands for in the context.
+        self._eot_text = delta[:lead] + eot_text
         longer = [
             {"role": "user", "content": "U"},
             {"role": "assistant", "content": _EARLIER},
@@ -175,9 +180,10 @@ class TurnRenderer:
         Args:
           content: the environment's observation (or tool output).
           role: its chat role ("user", "tool", ...).
-          ended_with_eot: the sampled turn ended with ``eot_id`` (then that token is
-            already in the context and is not added again); False for a turn cut off
-            at its token budget or ended by another stop id (the whole closing is added).
+          ended_with_eot: the sampled turn ended with ``eot_id`` (then that token, and
+            any whitespace the template writes before it, is not added); False for a
+            turn cut off at its token budget or ended by another stop id (the whole
+            closing is added).
 
         Returns:
           token ids (never the policy's; their loss mask is 0).
