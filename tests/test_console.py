@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -387,3 +388,95 @@ def test_an_argument_that_is_not_a_flag_is_refused_in_one_line(capsys):
             parse_flags(argv, fv)
         assert stop.value.code == 2
         assert capsys.readouterr().err == f"config error: {line}\n"
+
+
+def _smoke_exp(**overrides):
+    c = smoke.get_config()
+    for key, value in overrides.items():
+        *sections, field = key.split("__")
+        node = c
+        for s in sections:
+            node = node[s]
+        node[field] = value
+    return ExperimentConfig.from_config_dict(c)
+
+
+class _NoLearner:
+    """Stands in for LearnerProgram: the start-up lines come before the learner state."""
+
+    def __init__(self, *args, **kwargs):
+        self.meta = types.SimpleNamespace(step=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says", "never"),
+    [
+        ({}, ["float32 params", "schedule: synchronous (rollout.async_ratio=0)"], ["LoRA"]),
+        (
+            {"mesh__colocated": False, "rollout__async_ratio": 2},
+            ["schedule: asynchronous, staleness <= alpha = 2 (rollout.async_ratio)"],
+            ["schedule: synchronous"],
+        ),
+        (
+            {"learner__lora__rank": 16, "learner__lora__base_dtype": "int8"},
+            [
+                "QLoRA rank 16 (alpha 32) on q,k,v,o,gate,up,down: float32 adapters trained, "
+                "the base frozen in int8"
+            ],
+            ["float32 params"],
+        ),
+        (
+            {"learner__lora__rank": 4, "learner__lora__targets": "q,v"},
+            ["LoRA rank 4 (alpha 32) on q,v: float32 adapters trained, the base frozen in float32"],
+            ["float32 params", "QLoRA"],
+        ),
+    ],
+)
+def test_start_up_lines_name_the_schedule_and_what_is_trained(
+    tmp_path, monkeypatch, overrides, says, never
+):
+    # Issue 31: an asynchronous run never named alpha; a LoRA/QLoRA run said "float32
+    # params" and never LoRA, its rank or its int8 base.
+    from jaxflash.runtime.fleet import learner_setup
+    from jaxflash.runtime.model_setup import load_tokenizer
+
+    monkeypatch.setattr(learner_setup, "LearnerProgram", _NoLearner)
+    exp = _smoke_exp(**overrides)
+    out = io.StringIO()
+    placement = types.SimpleNamespace(learner=None)
+    learner_setup.start_learner(
+        exp, load_tokenizer(exp.model), placement, str(tmp_path), Console(out)
+    )
+    text = out.getvalue()
+    for s in says:
+        assert s in text, text
+    for s in never:
+        assert s not in text, text
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        (5, "no held-out evaluation: data.task='file' held out 0 of the data.eval_size=8 rows "
+            "asked for (5 training rows); a file holds out at most 10 % of its rows"),
+        (30, "held-out evaluation on 3 prompts only: data.task='file' held out 3 of the "
+             "data.eval_size=8 rows asked for (27 training rows)"),
+        (100, None),
+    ],
+)  # fmt: skip
+def test_a_data_file_too_small_for_the_held_out_split_says_so(tmp_path, rows, says):
+    # Issue 31: a small file ran with no evaluation and no message.
+    from jaxflash.runtime.workloads.workload import make_workload
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "".join(f'{{"prompt": "{i} + 1?", "answer": "{i + 1}"}}\n' for i in range(rows))
+    )
+    exp = _smoke_exp(data__task="file", data__path=str(path))
+    out = io.StringIO()
+    workload = make_workload(exp, Console(out))
+    text = out.getvalue()
+    if says is None:
+        assert "held-out" not in text and workload.eval_size == 8, text
+    else:
+        assert says in text, text

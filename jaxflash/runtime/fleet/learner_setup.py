@@ -47,7 +47,8 @@ def start_learner(
     with console.phase("loading the model", announce=f"loading the model ({what}) ..."):
         model_config, imported_params = load_model(exp.model, exp.rollout, tokenizer)
     log.debug("model: %s", model_config)
-    console.line(f"model: {records.describe_model(model_config)}")
+    console.line(f"model: {records.describe_model(model_config, exp.learner.lora)}")
+    console.line(records.describe_schedule(exp))
     check_workdir_model(workdir, model_config)
     console.background("setting up the learner, the generation engines and the reward workers")
     with console.phase("building the learner state"):

@@ -366,14 +366,51 @@ def _changed_settings(path: str, new: dict[str, Any]) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def describe_model(config: Any) -> str:
-    """One console line: the shape of a ``ModelConfig``."""
+def describe_model(config: Any, lora: Any = None) -> str:
+    """One console line: the shape of a ``ModelConfig``, and what is trained.
+
+    Args:
+      lora: ``learner.lora`` (a ``models.lora.LoraConfig``) or None: with it, the line
+        names the rank, the targets, the float32 adapters and the frozen base's storage
+        (int8/int4: QLoRA) instead of "<param_dtype> params".
+    """
     valid = config.valid_vocab_size
     vocab = f"vocab {config.vocab_size}" + (f" ({valid} used)" if valid else "")
+    if lora is None:
+        trained = f"{config.param_dtype} params"
+    else:  # adapters are float32 (models.lora.adapter_layout); the base never trains
+        kind = "QLoRA" if lora.base_dtype in ("int8", "int4") else "LoRA"
+        trained = (
+            f"{kind} rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: "
+            f"float32 adapters trained, the base frozen in {lora.base_dtype}"
+        )
     return (
         f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
         f"({config.n_kv_heads} kv), {vocab}, context {config.max_seq_len}, "
-        f"{config.param_dtype} params, {config.compute_dtype} compute"
+        f"{trained}, {config.compute_dtype} compute"
+    )
+
+
+def describe_schedule(exp: Any) -> str:
+    """One console line: synchronous, or asynchronous with its staleness bound alpha.
+
+    Args:
+      exp: the ``ExperimentConfig`` (``rollout.async_ratio``, ``mesh``, ``controller``,
+        ``learner.loss``).
+    """
+    alpha = exp.rollout.async_ratio
+    if alpha == 0:
+        return (
+            "schedule: synchronous (rollout.async_ratio=0): each step trains on samples of "
+            "the policy it starts with"
+        )
+    adaptive = exp.controller.kind == "adaptive"
+    bound = f"the adaptive controller sets alpha <= {alpha} each step" if adaptive else ""
+    return (
+        f"schedule: asynchronous, staleness <= alpha = {alpha} (rollout.async_ratio): "
+        "generation keeps decoding on its own slices while the learner trains, and a "
+        f"sample may be up to {alpha} policy versions old (loss {exp.learner.loss})"
+        + (f"; {bound}" if bound else "")
     )
 
 

@@ -176,6 +176,34 @@ def prompt_lengths(
     return exp.with_prompt_lengths(limit), info
 
 
+def held_out_note(exp: ExperimentConfig, task: TaskData, rendered: int) -> str:
+    """One console line when the held-out evaluation is smaller than asked, or off; "" when
+    it has the ``data.eval_size`` prompts asked for (or none were asked for).
+
+    A file task holds out at most 10 % of its rows (``data.tasks``; humaneval at most
+    half): a small file has no held-out split, and the run would otherwise train
+    with no evaluation and say nothing.
+
+    Args:
+      rendered: held-out prompts that rendered (``eval_prompts``); malformed or too long
+        held-out rows are left out.
+    """
+    asked, held = exp.data.eval_size, len(task.eval_rows)
+    if asked == 0 or rendered >= asked:
+        return ""
+    train = task.train
+    size = f" ({len(train)} training rows)" if isinstance(train, Sized) else ""
+    why = (
+        f"data.task={exp.data.task!r} held out {held} of the data.eval_size={asked} rows "
+        f"asked for{size}; a file holds out at most 10 % of its rows (humaneval: half)"
+    )
+    if held > rendered:
+        why += f", and {held - rendered} of them could not be rendered (malformed or too long)"
+    if rendered == 0:
+        return f"no held-out evaluation: {why}"
+    return f"held-out evaluation on {rendered} prompts only: {why}"
+
+
 def eval_prompts(task: TaskData, tokenizer: Any, max_prompt_tokens: int) -> list[Prompt]:
     """The held-out prompts, rendered (rows that cannot be are left out)."""
     source = PromptSource(task.eval_rows, tokenizer, max_prompt_tokens=max_prompt_tokens)

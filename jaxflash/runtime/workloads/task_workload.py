@@ -36,6 +36,7 @@ from jaxflash.runtime.workloads.task_setup import (
     PromptLengths,
     build_task,
     eval_prompts,
+    held_out_note,
     measure_prompts,
     prompt_by_id,
     prompt_lengths,
@@ -99,7 +100,10 @@ class TaskWorkload:
                 failures=failures,
             )
         exp, info = prompt_lengths(exp, lengths, every_row, failures)
-        return cls(exp, task=task, reward=reward, tokenizer=tokenizer, lengths=info)
+        workload = cls(exp, task=task, reward=reward, tokenizer=tokenizer, lengths=info)
+        if note := held_out_note(exp, task, len(workload.held_out)):
+            console.line(note)  # a small file: no (or a smaller) evaluation, said
+        return workload
 
     def describe(self) -> str:
         """One console line."""
