@@ -46,8 +46,8 @@ def _reply(request):
 
 
 class Faulty:
-    """A FrozenLake whose steps ``raise``, ``hang`` (sleep far past the deadline) or
-    return a non-string observation (``bad_obs``)."""
+    """A FrozenLake whose steps ``raise``, ``hang`` (sleep far past the deadline),
+    return a non-string observation (``bad_obs``) or a ``tool`` message (``tool_role``)."""
 
     def __init__(self, env, mode, sleep):
         self.env, self.mode, self.sleep = env, mode, sleep
@@ -67,6 +67,8 @@ class Faulty:
         result = self.env.step(action_text)
         if self.mode == "bad_obs":
             return StepResult(None, result.reward, False, False, {})
+        if self.mode == "tool_role":
+            return StepResult("output", result.reward, False, False, {"role": "tool"})
         return result
 
     def close(self):
@@ -91,7 +93,9 @@ class Factory:
         return Faulty(env, self.faults[k], self.env_time.sleep) if k in self.faults else env
 
 
-def _setup(*, B=2, G=4, redundancy=0, barrier=False, alpha=0, factory_kw=None, restarts=2, **kw):
+def _setup(
+    *, B=2, G=4, redundancy=0, barrier=False, alpha=0, factory_kw=None, restarts=2, tok=TOK, **kw
+):
     clock, inbox = VirtualClock(), Inbox()
     env_time = VirtualEnvTime(clock, barrier=barrier)
     factory = Factory(env_time, **(factory_kw or {}))
@@ -101,7 +105,7 @@ def _setup(*, B=2, G=4, redundancy=0, barrier=False, alpha=0, factory_kw=None, r
     )  # fmt: skip
     settings = EpisodeSettings(
         make_env=factory,
-        renderer=TurnRenderer(TOK),
+        renderer=TurnRenderer(tok),
         limits=env_config("frozenlake", **OPTS),
         max_context_tokens=1024,
         redundancy=redundancy,
@@ -186,6 +190,25 @@ def test_env_crash_hang_garbage_is_isolated_counted_and_the_batch_still_fills(mo
     assert sched.ledger.outcomes["failed"] == {}
     for s in _episodes(runs):
         assert s.reward_info["episode_end"] != "env_failure"
+    _books_add_up(sched)
+
+
+def test_a_message_the_chat_template_rejects_fails_its_episode_and_the_run_goes_on():
+    """A template that raises on a message (here: any ``tool`` role) while an episode's
+    delta is rendered: that episode is an environment failure (bad_observation),
+    isolated, counted and restarted, as an environment's garbage is; nothing raises."""
+    rejects_tool = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool "
+        "role') }}{% endif %}{% endfor %}" + TOK.chat_template
+    )
+    tok = TOK.with_chat_template(rejects_tool)
+    faults = {1: "tool_role", 6: "tool_role"}  # one episode in each group of step 1
+    sched, clock, server, env_time, _ = _setup(factory_kw={"faults": faults}, tok=tok)
+    runs = run_steps(sched, clock, [server], env_time, steps=2)
+    assert all(len(g.samples) == 4 for r in runs for g in r.batch.groups)
+    c = sched.counters
+    assert c["episodes_env_failed"] == c["env_failures_bad_observation"] == 2
+    assert c["episodes_restarted"] == 2 and sched.ledger.outcomes["failed"] == {}
     _books_add_up(sched)
 
 
