@@ -159,6 +159,15 @@ def test_qwen3_keeps_each_turns_reasoning_as_sampled(checkpoints, thinking):
     assert int(traj.loss_mask.sum()) == sum(map(len, s))
 
 
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking_on", "thinking_off"])
+def test_qwen3_tool_message_delta(checkpoints, thinking):
+    """A tool result (the tool-use environment's role) after a Qwen3 turn, hand-written."""
+    renderer = TurnRenderer(tokenizer(checkpoints, "qwen3", {} if thinking else THINKING_OFF))
+    gen = "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+    want = "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+    assert renderer.message_delta_text("5", role="tool") == want + gen
+
+
 def test_a_template_whose_delta_depends_on_earlier_turns_is_refused():
     tok = chatml_tokenizer().with_chat_template(NUMBERED)
     with pytest.raises(ValueError, match="after two exchanges than after one") as err:
