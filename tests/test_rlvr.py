@@ -10,7 +10,8 @@
   the counters, regenerates the prompts that were in flight and trains none twice.
 * SIGTERM (one learner process) stops a run in its rollout wait or its evaluation,
   with the last trained step saved (the launcher's end-to-end case:
-  tests/test_preemption_procs.py).
+  tests/test_preemption_procs.py); so does a first Ctrl-C, and a step it lands in
+  after the update is saved too.
 * Empty batches: truncation=mask with every sample truncated runs to the end in
   both placements, each step skipped and counted.
 """
@@ -28,6 +29,7 @@ from jaxflash.runtime import loop as rlvr
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.fleet.gen_server import GenerationServer
+from jaxflash.runtime.interrupt import interrupted_message
 from tests.report_fixtures import check_report_pngs
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
@@ -323,3 +325,50 @@ def test_sigterm_during_evaluation_skips_it_and_saves_the_step(tmp_path):
     assert "eval_accuracy" in rows[0] and "eval_accuracy" not in rows[1]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
     assert "preempted (SIGTERM): saved step 1" in out.getvalue()
+
+
+class _SigintOnVersion(GenerationServer):
+    """``_SigtermOnVersion`` with a Ctrl-C (SIGINT): sent at step AT + 1's first request."""
+
+    AT, armed, sent = 1, False, False
+
+    def update_weights(self, params, version):
+        super().update_weights(params, version)
+        _SigintOnVersion.armed |= version >= self.AT
+
+    def submit(self, request):
+        if _SigintOnVersion.armed and not _SigintOnVersion.sent:
+            _SigintOnVersion.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+        super().submit(request)
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_keeps_every_trained_step(tmp_path):
+    # Issue 31: a Ctrl-C threw work away (a step trained after it, then left unsaved:
+    # "no complete checkpoint"). Now it stops as SIGTERM does: in a wait, with the last
+    # trained step saved; after an update, with that step saved. checkpoint.every is 100.
+    c = smoke.get_config()
+    c.total_steps, c.data.eval_size, c.checkpoint.every = 4, 0, 100
+    exp, work = ExperimentConfig.from_config_dict(c), str(tmp_path)
+    _SigintOnVersion.armed = _SigintOnVersion.sent = False
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):  # in step 2's generation
+        rlvr.run(exp, workdir=work, server_factory=_SigintOnVersion)
+    assert _SigintOnVersion.sent and signal.getsignal(signal.SIGINT) is handler
+    assert [m["step"] for m in _rows(tmp_path / "metrics.jsonl")] == [1]
+    assert interrupted_message(work).endswith(
+        f"resume {work} from step 1, its last complete checkpoint"
+    )
+
+    def ctrl_c(metrics):  # step 2 trained and published, not yet saved
+        os.kill(os.getpid(), signal.SIGINT)
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        rlvr.run(exp, workdir=work, stop_after=ctrl_c)
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert [m["step"] for m in _rows(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert interrupted_message(work).endswith(
+        f"resume {work} from step 2, its last complete checkpoint"
+    )

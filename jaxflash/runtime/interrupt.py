@@ -1,4 +1,4 @@
-"""Ctrl-C for the RL loop: the first SIGINT stops the run at its next safe point.
+"""Ctrl-C for the RL loop: the first SIGINT stops the run as SIGTERM does, keeping its work.
 
 Python's default turns SIGINT into a ``KeyboardInterrupt`` wherever the main
 thread happens to be, e.g. inside a library holding a lock (tensorboardX's event
@@ -6,11 +6,16 @@ queue, taken in ``add_scalar``, stayed locked and its ``close`` then waited for
 ever). While the loop runs, ``DeferredInterrupt`` only records the first SIGINT
 and says so on stderr; the loop calls ``check`` where stopping is safe (between
 its phases and every wait slice of ``RolloutScheduler.next_batch``), which raises
-``KeyboardInterrupt`` there. The loop's ``finally`` then shuts everything down
-in order and the launcher exits with status 130. A second SIGINT interrupts at
-once (Python's default again), for a shutdown that itself hangs -- possibly in the
-middle of a checkpoint write, which is then abandoned: ``interrupted_message`` reads
-the checkpoint directory as left and says which step a resume starts from.
+``Interrupted`` (a ``KeyboardInterrupt``) there. Like a SIGTERM, a first Ctrl-C
+never throws a trained step away: the loop checks before an update (a step not yet
+trained is generated again on resume), and once an update ran it finishes the step
+and saves it; a stop in a wait saves the last trained step unless it is on disk
+(a terminal Ctrl-C during step 1's generation used to train for 34 s and then exit
+unsaved). The loop's ``finally`` shuts everything down in order and the launcher
+exits with status 130. A second SIGINT interrupts at once (a plain
+``KeyboardInterrupt``, nothing saved), for a shutdown that itself hangs -- possibly
+in the middle of a checkpoint write, which is then abandoned: ``interrupted_message``
+reads the checkpoint directory as left and says which step a resume starts from.
 
 SIGTERM (preemption; one learner process: ``LearnerProgram`` records it) must not
 wait for a long rollout or an evaluation: a TPU VM's notice is about 30 s.
@@ -34,8 +39,13 @@ class Preempted(Exception):  # noqa: N818 (a stop, not an error)
     """SIGTERM arrived: raised by ``DeferredInterrupt.check_stop`` where a wait can end."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """The first Ctrl-C, raised by ``DeferredInterrupt.check`` at a safe point: the loop
+    saves the last trained step, as for ``Preempted``, and lets it through (exit 130)."""
+
+
 class DeferredInterrupt:
-    """SIGINT recorded by a handler, raised as KeyboardInterrupt by ``check``.
+    """SIGINT recorded by a handler, raised as ``Interrupted`` by ``check``.
 
     ``install`` puts the handler in place (main thread only; elsewhere nothing is
     installed and ``check`` never raises); ``restore`` puts the previous one back.
@@ -67,19 +77,19 @@ class DeferredInterrupt:
         return self._requested.is_set()
 
     def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` if a SIGINT arrived (call where stopping is safe).
+        """Raise ``Interrupted`` if a SIGINT arrived (call where stopping is safe).
 
         Raises:
-          KeyboardInterrupt: a SIGINT arrived since the handler was installed.
+          Interrupted: a SIGINT arrived since the handler was installed.
         """
         if self._requested.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted
 
     def check_stop(self) -> None:
         """``check``, and raise ``Preempted`` if a SIGTERM arrived (call in waits).
 
         Raises:
-          KeyboardInterrupt: a SIGINT arrived. Preempted: a SIGTERM arrived.
+          Interrupted: a SIGINT arrived. Preempted: a SIGTERM arrived.
         """
         self.check()
         if self._preempted is not None and self._preempted():
@@ -90,7 +100,11 @@ class DeferredInterrupt:
         self._requested.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second one: at once
         # os.write, not print: the interrupted code may hold the stderr buffer's lock.
-        os.write(2, b"\nCtrl-C: stopping at the next safe point (Ctrl-C again: at once)\n")
+        os.write(
+            2,
+            b"\nCtrl-C: stopping at the next safe point, keeping the last trained step "
+            b"(Ctrl-C again: at once)\n",
+        )
 
 
 def interrupted_message(workdir: str) -> str:

@@ -25,7 +25,7 @@ from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_setup import start_learner
 from jaxflash.runtime.fleet.placement import carve
-from jaxflash.runtime.interrupt import DeferredInterrupt, Preempted
+from jaxflash.runtime.interrupt import DeferredInterrupt, Interrupted, Preempted
 from jaxflash.runtime.resume import checkpoint_meta, finished_line, finished_run, stopped_note
 from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.inbox import Inbox
@@ -98,6 +98,7 @@ def run(
             status = GenerationStatus(scheduler, clock.now, samples=B * G, episodes=episodic)
             with console.phase(f"{label}: generating{note}", status):
                 batch = scheduler.next_batch(version, timeout_s=wait_s, stop=interrupt.check_stop)
+            interrupt.check()  # a Ctrl-C while generating stops before the update, not after
             writer.write_rollouts(batch.rows)
             # 5. Advantages (per token for episodes), packed; + the replay cycle's rows at rho.
             lb = workload.learner_batch(batch.groups, num_sequences=B * G, **pack)
@@ -117,8 +118,7 @@ def run(
                 log.warning("step %d has nothing to train (%s): skipped", version + 1, skipped)
                 learner.skip()
                 step_metrics = {"skipped": skipped}
-            train_s = clock.now() - t_train
-            interrupt.check()  # (the step is lost: nothing of it was published or written)
+            train_s = clock.now() - t_train  # a Ctrl-C from here on: this step is saved (9.)
             trained_at_s = clock.now() - (scheduler.first_request_at or t_step)
             scheduler.mark_trained(batch.groups)
             # Books before publish frees capacity: in flight = admitted under the old weights.
@@ -150,8 +150,8 @@ def run(
                 B = plan.fresh_prompts
             metrics.update(control.elastic_metrics())
             stopping = stop_after is not None and bool(stop_after(metrics))
-            interrupt.check()  # 8. Evaluate.
-            if version % exp.eval.every == 0 or version == exp.total_steps or stopping:
+            due = version % exp.eval.every == 0 or version == exp.total_steps or stopping
+            if due and not interrupt.requested:  # 8. Evaluate (not when stopping on Ctrl-C).
                 metrics.update(evaluate(version, stop=interrupt.check_stop))
             records.check_finite(metrics, version)
             row = writer.write_step(version, metrics)
@@ -160,15 +160,18 @@ def run(
             learner_batch.check_failing_streak(failing, ledger.outcomes)  # broken reward/data
             # 9. Checkpoint (and stop here if preempted: every learner process agrees).
             preempted = learner.preempted(version)
-            last = version == exp.total_steps or preempted or stopping
+            last = version == exp.total_steps or preempted or stopping or interrupt.requested
             if version % exp.checkpoint.every == 0 or last:
                 learner.save(checkpoint_meta(version, snapshot, *control.checkpoint_state()))
+            interrupt.check()  # a Ctrl-C during the step: saved just now
             if preempted or stopping:
                 console.line(stopped_note(version, workdir, preempted=preempted))
                 break
-    except Preempted:  # SIGTERM in a wait: the last trained step is saved (once); the step
-        if learner.saved_step < version:  # in flight is generated again on resume
+    except (Preempted, Interrupted) as stop:  # SIGTERM or a first Ctrl-C at a check: the last
+        if learner.saved_step < version:  # trained step is saved (once); the step in flight
             learner.save(checkpoint_meta(version, snapshot, *control.checkpoint_state()))
+        if isinstance(stop, Interrupted):  # is generated again on resume
+            raise  # the launcher exits 130, naming the step a resume starts from
         console.line(stopped_note(version, workdir, preempted=True))
     finally:
         interrupt.restore()  # a Ctrl-C while shutting down interrupts at once

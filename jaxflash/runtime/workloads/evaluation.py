@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.console import Console, EvalStatus
-from jaxflash.runtime.interrupt import Preempted
+from jaxflash.runtime.interrupt import Interrupted, Preempted
 from jaxflash.runtime.rollout.reward_pool import RewardPool
 from jaxflash.runtime.rollout.scoring import (
     TruncationPolicy,
@@ -66,8 +66,8 @@ class HeldOutEval:
 
     def __call__(self, version: int, stop: Callable[[], None] | None = None) -> dict[str, float]:
         """Evaluate ``version``; ``stop()`` is called at every progress report (each decode
-        step, or every 0.2 s on generation programs): a ``Preempted`` it raises ends the
-        evaluation unscored ({} : a preempted run saves rather than evaluates)."""
+        step, or every 0.2 s on generation programs): a ``Preempted`` or ``Interrupted`` it
+        raises ends the evaluation unscored ({} : a stopping run saves rather than evaluates)."""
         w, console, clock = self._workload, self._console, self._clock
         if not w.eval_size:
             return {}
@@ -85,8 +85,10 @@ class HeldOutEval:
             generate = self._fleet.generator()
             try:
                 out = w.evaluate(generate, self._reward_pool, version=version, progress=progress)
-            except Preempted:
-                log.warning("evaluation at step %d stopped by SIGTERM: not scored", version)
+            except (Preempted, Interrupted):
+                log.warning(
+                    "evaluation at step %d stopped (SIGTERM or Ctrl-C): not scored", version
+                )
                 return {}
         return {**out, "eval_time_s": clock.now() - t0}
 
