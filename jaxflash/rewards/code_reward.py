@@ -36,47 +36,23 @@ memory can still forge it (docs/SANDBOX.md).
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import functools
 import json
+import pathlib
 import re
 import secrets
 from typing import Any
 
+from jaxflash.rewards import code_grader
 from jaxflash.rewards.base import RewardResult, register
 from jaxflash.rewards.sandbox import Outcome, Sandbox, SandboxLimits
 
 _FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
-_GRADER = r"""
-import json, sys
-req = json.loads(sys.stdin.read())
-nonce, steps = req.pop("nonce"), req.pop("steps")
-g = {"__name__": "__main__"}
-passed, error = [], None
-try:
-    exec(compile(req["program"], "solution.py", "exec"), g)
-except MemoryError:
-    raise  # the sandbox's "memory" outcome
-except BaseException as e:
-    error = type(e).__name__
-else:
-    for source, is_test in steps:
-        try:
-            exec(compile(source, "test.py", "exec"), g)
-            ok = True
-        except MemoryError:
-            raise
-        except BaseException:
-            ok = False
-        if is_test:
-            passed.append(ok)
-        elif not ok:
-            break
-sys.stdout.flush()
-sys.stdout.write("\n" + nonce + json.dumps({"passed": passed, "error": error}) + "\n")
-sys.stdout.flush()
-"""
+# The grader's program: code_grader.py's own text (it runs inside the sandbox).
+_GRADER = pathlib.Path(code_grader.__file__).read_text()
 
 
 def extract_program(response_text: str) -> tuple[str, bool]:
@@ -129,6 +105,22 @@ def grading_steps(tests: str | list[str], entry_point: str = "") -> list[tuple[s
     if not any(is_test for _, is_test in steps):
         raise ValueError("tests hold no assert")
     return steps
+
+
+def test_names(steps: list[tuple[str, bool]], entry_point: str = "") -> list[str]:
+    """The names the tests read that the program may define (sorted).
+
+    Every name the tests load, less dunders and builtins (the tests' builtins are the
+    grader's own), plus the entry point.
+    """
+    names = {
+        node.id
+        for source, _ in steps
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+    }
+    names = {n for n in names if not n.startswith("__") and not hasattr(builtins, n)}
+    return sorted(names | ({entry_point} if entry_point else set()))
 
 
 def code_answer(tests: str | list[str], *, entry_point: str = "", prefix: str = "") -> str:
@@ -224,23 +216,35 @@ class CodeReward:
             and not re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", program, re.MULTILINE)
         ):
             program = payload["prefix"] + program  # the response is the body
-        nonce = secrets.token_hex(16)
-        request = json.dumps({"program": program, "steps": steps, "nonce": nonce})
+        key = secrets.token_hex(32)
+        request = json.dumps(
+            {
+                "key": key,
+                "steps": steps,
+                "program": program,
+                "prefix": payload.get("prefix", "") if entry_point else "",
+                "entry_point": entry_point,
+                "names": test_names(steps, entry_point),
+                "serve": _GRADER,
+            }
+        )
         run = self.sandbox().run(_GRADER, stdin=request, limits=self.limits())
         if run.outcome == Outcome.SANDBOX_ERROR:
             return _result(0.0, found, run.outcome.value, f"sandbox failed: {run.detail}")
-        report = None
-        for line in reversed(run.stdout.splitlines()):
-            if line.startswith(nonce):
-                report = json.loads(line[len(nonce) :])
-                break
+        if run.exit_code == code_grader.GRADER_BROKEN:
+            return _result(0.0, found, Outcome.ERROR.value, _BROKEN)
         if run.outcome != Outcome.OK:
             return _result(0.0, found, run.outcome.value)
-        if report is None or report["error"] is not None:
-            return _result(0.0, found, Outcome.ERROR.value)
-        passed = report["passed"]
         n_tests = sum(is_test for _, is_test in steps)
-        return _result(sum(passed) / n_tests, found, Outcome.OK.value)
+        report = code_grader.read_verdict(run.stdout, key.encode(), n_tests)
+        if report is None:
+            return _result(0.0, found, Outcome.ERROR.value)
+        if report["end"] is not None:  # the program's process ended before the tests did
+            return _result(0.0, found, report["end"])
+        return _result(sum(report["passed"]) / n_tests, found, Outcome.OK.value)
+
+
+_BROKEN = "the grader could not make itself non-dumpable (prctl via ctypes) and gave no verdict"
 
 
 code_reward = register("code")(CodeReward())
