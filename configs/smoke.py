@@ -33,6 +33,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.micro_batch_size = 4
     c.learner.lr = 1e-3
     c.eval.every = 2
+    # Every step, two kept (35 MB each): the resume and preemption tests rely on it.
+    c.checkpoint.every = 1
+    c.checkpoint.max_to_keep = 2
     # A random model never solves arithmetic: a dense toy reward gives GRPO a signal.
     c.reward.fn = "uppercase_fraction"
     # A random model rarely emits EOS within 8 tokens: keep truncated samples' rewards

@@ -55,14 +55,21 @@ def main(argv: list[str]) -> None:
 
         from jaxflash.generation.engine.llama_engine import LlamaEngine
         from jaxflash.generation.engine.state import EngineConfig
-        from jaxflash.generation.jetstream_compat import import_orchestrator
-        from jaxflash.generation.serving import decode_text, serve
         from jaxflash.models.config import reconcile_vocab
         from jaxflash.models.tokenizer import Tokenizer
         from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
         from jaxflash.models.weights_hf import load_hf
 
-        import_orchestrator()  # JetStream -> seqio -> TensorFlow
+        try:  # the `serve` extra: `make run` leaves it out (its seqio pulls TensorFlow)
+            from jaxflash.generation.jetstream_compat import import_orchestrator
+            from jaxflash.generation.serving import decode_text, serve
+
+            import_orchestrator()  # JetStream -> seqio -> TensorFlow
+        except ImportError as e:
+            raise SystemExit(
+                f"launch/serve.py needs JetStream ({e}): .venv/bin/pip install -e '.[serve]' "
+                "(or `make env`, the full install `make test` uses)"
+            ) from None
         jax.devices()  # backend probing (TPU/CUDA plugins) logs here
 
     if _MODEL_DIR.value is not None:
