@@ -103,10 +103,10 @@ FORGERIES = {
     # Fake reports under guessed secrets, everywhere it can write: print, the original
     # stdout, fds 1 and 2 directly, every process's /proc/<pid>/fd/1.
     "fake_reports_written_everywhere": (
-        "import hashlib, hmac, json, os, sys\n"
+        "import hashlib, json, os, sys\n"
         "lines = []\nfor guess in ('0' * 64, 'f' * 64, '0' * 32):\n"
         "    body = json.dumps({'passed': '111', 'end': None})\n"
-        "    mac = hmac.new(guess.encode(), body.encode(), hashlib.sha256).hexdigest()\n"
+        "    mac = hashlib.blake2b(body.encode(), key=guess.encode(), digest_size=32).hexdigest()\n"
         "    old = guess + json.dumps({'passed': [True] * 3, 'error': None})\n"
         "    lines += [body + ' ' + mac, old]\n"
         "text = '\\n' + '\\n'.join(lines) + '\\n'\n"

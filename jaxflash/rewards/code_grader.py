@@ -6,7 +6,7 @@ only), in two roles:
 - **the grader** (``grade``, the sandbox's main process) reads the request (the tests,
   the program, the per-call key), makes itself non-dumpable, starts the program's
   process, runs the tests in its own interpreter against stand-ins for the program's
-  names, and writes the verdict with an HMAC keyed by the per-call key;
+  names, and writes the verdict with a MAC (keyed BLAKE2b) under the per-call key;
 - **the program's process** (``serve``, a fresh interpreter: exec'd, so it holds none
   of the grader's memory -- no key, no tests) runs the program, then answers calls:
   a name and arguments in, the function's return value or the name of the exception
@@ -20,7 +20,7 @@ tuples, dicts, sets, frozensets of them -- decoded by the grader into builtin ob
 whose ``==`` is the builtin one, plus exception *names*. The program cannot reach the
 grader: non-dumpable, so no ``ptrace``, ``/proc/<pid>/mem`` or ``/proc/<pid>/fd``; its
 stdout and stderr are the sandbox's stderr, never the verdict's stdout; and a line on
-stdout counts only with the key's HMAC. What it can still do: kill or stall the grader
+stdout counts only with the key's MAC. What it can still do: kill or stall the grader
 (score 0: no verdict, or the wall-clock limit).
 
 The program's process is a grandchild of the grader through a small reaper (its
@@ -153,26 +153,28 @@ def _read_frame(fd):
 
 
 def _mac(key, body):
-    import hashlib  # noqa: PLC0415  (here: the program's process never needs them)
-    import hmac  # noqa: PLC0415
-
-    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    """Keyed BLAKE2b (a MAC by design) of ``body`` under ``key`` (<= 64 bytes), hex."""
+    try:
+        from _blake2 import blake2b  # noqa: PLC0415  (not hashlib: its OpenSSL load costs ~2 ms)
+    except ImportError:
+        from hashlib import blake2b  # noqa: PLC0415
+    return blake2b(body.encode(), key=key, digest_size=32).hexdigest()
 
 
 def _same(a, b):
-    import hmac  # noqa: PLC0415
+    import hmac  # noqa: PLC0415  (the training process's side only)
 
     return hmac.compare_digest(a.encode(), b.encode())
 
 
 def verdict_line(key, passed, end):
-    """The grader's report: JSON, a space, its HMAC-SHA256 under ``key`` (bytes)."""
+    """The grader's report: JSON, a space, its MAC under ``key`` (bytes, <= 64)."""
     body = json.dumps({"passed": "".join("1" if p else "0" for p in passed), "end": end})
     return f"{body} {_mac(key, body)}"
 
 
 def read_verdict(stdout, key, n_tests):
-    """The last line of ``stdout`` that carries a valid HMAC under ``key``, checked.
+    """The last line of ``stdout`` that carries a valid MAC under ``key``, checked.
 
     Returns:
       ({"passed": [bool, ...], "end": None | str}) or None when no line verifies.

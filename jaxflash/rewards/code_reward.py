@@ -22,15 +22,17 @@ the tests after it.
 Score = fraction of tests passed; components ``correct`` (1.0 iff every test
 passed), ``tests_passed`` (the fraction), ``program_found`` (a fenced block was
 found) and ``outcome/<outcome>`` = 1.0 for how the run ended: ``ok`` (the tests
-ran), ``error`` (the program raised before the tests -- a syntax error, say -- or
-exited without the grader's report), or the sandbox's ``timeout``, ``cpu_time``,
-``memory``, ``output_too_long``, ``killed``. All of those are the policy's
+ran), ``error`` (the program raised before the tests -- a syntax error, say -- or its
+process exited before they were done), ``memory`` / ``cpu_time`` / ``killed`` (how
+its process ended before they were done, score 0), or the sandbox's ``timeout``,
+``cpu_time``, ``memory``, ``output_too_long``, ``killed``. All of those are the policy's
 outcomes (score 0 when no test ran), not reward errors; ``error`` is set only for a
 malformed answer string or a sandbox that could not run.
 
-The grader runs in the sandbox, in the same interpreter as the program, and only a
-report that carries a per-call secret counts; a program that inspects the grader's
-memory can still forge it (docs/SANDBOX.md).
+The tests run in the grader's interpreter, the program in another process of the same
+sandbox; only plain data (and exception names) cross from it, and only a report with
+the per-call key's MAC counts (``code_grader``; what is and is not protected:
+docs/SANDBOX.md).
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ _FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re
 
 # The grader's program: code_grader.py's own text (it runs inside the sandbox).
 _GRADER = pathlib.Path(code_grader.__file__).read_text()
+# The program's process runs only the part above the grader's (less to compile there).
+_SERVE = (
+    _GRADER[: _GRADER.index("\ndef _undumpable")]
+    + '\nif __name__ == "__main__":\n    serve(int(sys.argv[2]), int(sys.argv[3]))\n'
+)
 
 
 def extract_program(response_text: str) -> tuple[str, bool]:
@@ -121,6 +128,27 @@ def test_names(steps: list[tuple[str, bool]], entry_point: str = "") -> list[str
     }
     names = {n for n in names if not n.startswith("__") and not hasattr(builtins, n)}
     return sorted(names | ({entry_point} if entry_point else set()))
+
+
+def _binds(source: str) -> set[str]:
+    """Top-level names a source binds (defs, classes, imports, assignments)."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            names.update(
+                n.id
+                for n in ast.walk(node)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            )
+    return names
 
 
 def code_answer(tests: str | list[str], *, entry_point: str = "", prefix: str = "") -> str:
@@ -217,15 +245,21 @@ class CodeReward:
         ):
             program = payload["prefix"] + program  # the response is the body
         key = secrets.token_hex(32)
+        names = test_names(steps, entry_point)
+        # The prompt's code runs in the grader only when the tests use a name it binds
+        # (HumanEval/32's poly): its imports (typing) cost the grader ~3 ms otherwise.
+        prefix = payload.get("prefix", "") if entry_point else ""
+        if not (_binds(prefix) - {entry_point}) & set(names):
+            prefix = ""
         request = json.dumps(
             {
                 "key": key,
                 "steps": steps,
                 "program": program,
-                "prefix": payload.get("prefix", "") if entry_point else "",
+                "prefix": prefix,
                 "entry_point": entry_point,
-                "names": test_names(steps, entry_point),
-                "serve": _GRADER,
+                "names": names,
+                "serve": _SERVE,
             }
         )
         run = self.sandbox().run(_GRADER, stdin=request, limits=self.limits())
