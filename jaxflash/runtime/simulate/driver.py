@@ -64,7 +64,7 @@ class SimConfig:
       prompt_replication: False = a prompt's G samples stay on one server.
       partial_rollout, stale_policy: as the runtime's rollout config.
       group_filter: dynamic-sampling filter (a filtered prompt is replaced at once,
-        up to B per step, as ``rlvr.run`` does), or None.
+        up to B per step, as ``runtime.loop.run`` does), or None.
       token_block: decode steps per simulated step (see ``SimServer``).
       replay_ratio: replayed samples trained per fresh one (learner time only).
       seed: of the scheduler's requests (the workload has its own).
