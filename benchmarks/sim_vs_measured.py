@@ -54,9 +54,9 @@ def sim_config(args: argparse.Namespace, alpha: int | None):
 
 
 def workload(args: argparse.Namespace, costs: dict):
-    from jaxflash.runtime.simulate import Geometric, Workload
+    from jaxflash.runtime.simulate import Geometric, SimWorkload
 
-    return Workload(
+    return SimWorkload(
         lengths=Geometric(args.eos_prob),
         max_tokens=args.max_new_tokens,
         prompt_tokens=tuple(costs["meta"]["prompt_tokens"]),

@@ -57,7 +57,7 @@ from jaxflash.runtime.simulate import (  # noqa: E402
     CostModel,
     LogNormal,
     SimConfig,
-    Workload,
+    SimWorkload,
     reasoning_workload,
     simulate,
 )
@@ -120,7 +120,7 @@ SCALES = [
 ]
 
 
-def paper_workload(seed: int = 0) -> Workload:
+def paper_workload(seed: int = 0) -> SimWorkload:
     """The reasoning workload with ROLL Flash's longer responses and prompts."""
     return dataclasses.replace(
         reasoning_workload(seed),

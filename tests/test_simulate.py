@@ -28,8 +28,8 @@ from jaxflash.runtime.simulate import (
     RoundBarrier,
     SimConfig,
     SimServer,
+    SimWorkload,
     SyncCost,
-    Workload,
     multi_turn,
     roll_flash_bound,
     simulate,
@@ -51,7 +51,7 @@ def _costs(
 
 
 def _replay(lengths_by_prompt, max_tokens=64, prompt=5):
-    return Workload(
+    return SimWorkload(
         lengths=Replay(tuple(tuple(r) for r in lengths_by_prompt)),
         max_tokens=max_tokens,
         prompt_tokens=(prompt,),
@@ -176,7 +176,7 @@ def test_env_latency_frees_the_slot_between_turns():
     """Two turns of 2 tokens with 5 s of environment between: the slot serves
     another sample meanwhile; the second turn re-prefills its context."""
     clock, got = VirtualClock(), []
-    work = Workload(
+    work = SimWorkload(
         lengths=Geometric(1.0),  # every turn stops at once; budget split 4 // 2
         max_tokens=4,
         prompt_tokens=(5,),
@@ -200,7 +200,7 @@ def test_env_latency_frees_the_slot_between_turns():
 
 
 def test_multi_turn_builds_turns_from_the_length_model():
-    w = Workload(
+    w = SimWorkload(
         lengths=LogNormal(100, 0.5), max_tokens=400, episode=multi_turn(turns=3, env_latency_s=2.0)
     )
     turns = w.turns(3, 1)
@@ -236,7 +236,7 @@ def test_barrier_holds_a_round_until_its_last_sample():
 
 
 def _long_tail(seed=0, **kw):
-    return Workload(
+    return SimWorkload(
         lengths=LogNormal(median=40, sigma=0.9),
         max_tokens=256,
         prompt_tokens=(30, 50),
@@ -474,7 +474,7 @@ def test_replay_lengths_from_rollouts(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     rep = Replay.from_rollouts(str(path))
     assert rep.by_prompt == ((8,), (30, 12))
-    w = Workload(lengths=rep, max_tokens=20)
+    w = SimWorkload(lengths=rep, max_tokens=20)
     assert [w.response_len(1, i) for i in range(3)] == [20, 12, 20]  # clipped to max_tokens
     with pytest.raises(ValueError, match="no rollout rows"):
         Replay.from_rollouts(str(path), outcomes=("filtered",))

@@ -8,7 +8,7 @@ from jaxflash.envs.base import checked_reset, checked_step
 from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.episode import Episode, EpisodeEnd
 from jaxflash.envs.tool_env import ToolUseConfig, ToolUseEnv, parse_tool_calls, tool_task
-from jaxflash.envs.tool_sandbox import SandboxLimits, ToolStatus, run_tool
+from jaxflash.envs.tool_sandbox import ToolLimits, ToolStatus, run_tool
 from jaxflash.types import SamplingParams
 from tests.envs_fixtures import chatml_tokenizer, text_sample
 
@@ -129,11 +129,11 @@ def test_sandbox_limits(tool, args, status, text):
     # 0.5 s only where the timeout is the point: a loaded machine can take longer than
     # that to start a sandboxed interpreter (bwrap + python) for the other cases.
     timeout_s = 0.5 if status == ToolStatus.TIMEOUT else 20.0
-    result = run_tool(tool, args, SandboxLimits(timeout_s=timeout_s, memory_mb=128))
+    result = run_tool(tool, args, ToolLimits(timeout_s=timeout_s, memory_mb=128))
     assert result.status == status
     assert text in (result.output if status == ToolStatus.OK else result.error)
 
 
 def test_sandbox_output_is_cut():
-    result = run_tool("python", {"code": "print('x' * 100)"}, SandboxLimits(max_output_chars=16))
+    result = run_tool("python", {"code": "print('x' * 100)"}, ToolLimits(max_output_chars=16))
     assert result.output == "x" * 16 + "... [cut at 16 chars]"

@@ -29,7 +29,7 @@ from jaxflash.data.files import RowFailure
 from jaxflash.types import FailureReason, Prompt
 
 
-class ChatTokenizer(Protocol):
+class TemplateTokenizer(Protocol):
     """What PromptSource needs from a tokenizer (``jaxflash.models.tokenizer.Tokenizer``
     and transformers' tokenizers fit)."""
 
@@ -68,7 +68,7 @@ class PromptSource:
     Args:
       rows: a sequence of rows ({"prompt", "answer", optional "meta"} dicts or
         `RowFailure`s), or a function index -> row (an infinite source).
-      tokenizer: see `ChatTokenizer`.
+      tokenizer: see `TemplateTokenizer`.
       max_prompt_tokens: longest allowed rendered prompt, in tokens (>= 1).
       start: cursor to start from (a checkpointed `cursor`), >= 0.
       system_prompt: if set, a system message placed before the user message.
@@ -83,7 +83,7 @@ class PromptSource:
     def __init__(
         self,
         rows: Sequence[Mapping[str, Any] | RowFailure] | RowsFn,
-        tokenizer: ChatTokenizer,
+        tokenizer: TemplateTokenizer,
         *,
         max_prompt_tokens: int,
         start: int = 0,

@@ -42,7 +42,7 @@ from jaxflash.envs.actions import parse_answer
 from jaxflash.envs.base import EnvConfig, StepResult
 from jaxflash.envs.tool_sandbox import (
     TOOL_NAMES,
-    SandboxLimits,
+    ToolLimits,
     ToolStatus,
     run_tool,
     tool_sandbox,
@@ -60,7 +60,7 @@ class ToolUseConfig(EnvConfig):
     Attributes:
       min_digits, max_digits: digits of each of the three operands (1..9).
       split, eval_fraction: task split, as in ``FrozenLakeConfig``.
-      tool_timeout_s, tool_memory_mb, max_output_chars: ``SandboxLimits`` of one call.
+      tool_timeout_s, tool_memory_mb, max_output_chars: ``ToolLimits`` of one call.
       max_calls_per_turn: calls beyond this in one turn are refused with a message.
       allow_unsandboxed: where bubblewrap cannot start, run tool code WITHOUT
         isolation (it could read files, use the network and signal processes).
@@ -98,11 +98,11 @@ class ToolUseConfig(EnvConfig):
             "a number > tool_timeout_s * max_calls_per_turn = "
             f"{self.tool_timeout_s * self.max_calls_per_turn}",
         )
-        # SandboxLimits' own bounds, named by this config's fields (then its own check).
+        # ToolLimits' own bounds, named by this config's fields (then its own check).
         self.require("tool_timeout_s", self.tool_timeout_s > 0, "a number > 0")
         self.require("tool_memory_mb", self.tool_memory_mb >= 64, "an int >= 64")
         self.require("max_output_chars", self.max_output_chars >= 16, "an int >= 16")
-        SandboxLimits(**self.sandbox_kwargs())
+        ToolLimits(**self.sandbox_kwargs())
 
     def sandbox_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -187,7 +187,7 @@ class ToolUseEnv:
 
     def __init__(self, config: ToolUseConfig | None = None) -> None:
         self.config = config or ToolUseConfig()
-        self._limits = SandboxLimits(**self.config.sandbox_kwargs())
+        self._limits = ToolLimits(**self.config.sandbox_kwargs())
         check = tool_sandbox(self.config.allow_unsandboxed).check()
         if not check.ok and not self.config.allow_unsandboxed:
             raise RuntimeError(f"{check.line} (env option allow_unsandboxed)")

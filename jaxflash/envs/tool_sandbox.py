@@ -110,7 +110,7 @@ class ToolResult:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SandboxLimits:
+class ToolLimits:
     """Limits of one tool execution.
 
     Attributes:
@@ -131,19 +131,19 @@ class SandboxLimits:
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
-            raise ValueError(f"SandboxLimits.timeout_s must be > 0, got {self.timeout_s}")
+            raise ValueError(f"ToolLimits.timeout_s must be > 0, got {self.timeout_s}")
         if self.memory_mb < 64:
-            raise ValueError(f"SandboxLimits.memory_mb must be >= 64, got {self.memory_mb}")
+            raise ValueError(f"ToolLimits.memory_mb must be >= 64, got {self.memory_mb}")
         if self.max_output_chars < 16:
             raise ValueError(
-                f"SandboxLimits.max_output_chars must be >= 16, got {self.max_output_chars}"
+                f"ToolLimits.max_output_chars must be >= 16, got {self.max_output_chars}"
             )
 
 
 OUTPUT_FACTOR = 8
 
 
-def code_limits(limits: SandboxLimits) -> CodeLimits:
+def code_limits(limits: ToolLimits) -> CodeLimits:
     """The sandbox limits of one tool call."""
     return CodeLimits(
         wall_s=limits.timeout_s,
@@ -170,7 +170,7 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + f"... [cut at {limit} chars]"
 
 
-def run_tool(tool: str, args: dict[str, str], limits: SandboxLimits) -> ToolResult:
+def run_tool(tool: str, args: dict[str, str], limits: ToolLimits) -> ToolResult:
     """Execute one tool call in a fresh sandbox (``tool_sandbox``).
 
     Args:

@@ -36,7 +36,7 @@ from jaxflash.types import GenerationRequest
 
 
 @dataclasses.dataclass(frozen=True)
-class Admission:
+class PageAdmission:
     """Where a request starts (``SlotPages.admit``).
 
     Attributes:
@@ -51,7 +51,7 @@ class Admission:
 
 
 class SlotPages:
-    """Admission and growth of samples in a paged engine's pool.
+    """PageAdmission and growth of samples in a paged engine's pool.
 
     Args:
       config: the engine's ``EngineConfig`` (``kv_cache="paged"``, resolved by the
@@ -97,7 +97,7 @@ class SlotPages:
 
     def admit(
         self, free: Sequence[int], request: GenerationRequest, generated: int, *, share: bool
-    ) -> Admission | None:
+    ) -> PageAdmission | None:
         """Pick one of the ``free`` slots for a request and map the pages it needs to start.
 
         Args:
@@ -106,7 +106,7 @@ class SlotPages:
           share: it may map (and register) its prompt's shared full pages.
 
         Returns:
-          The ``Admission``, or None if it has to wait (nothing mapped).
+          The ``PageAdmission``, or None if it has to wait (nothing mapped).
         """
         prompt = np.asarray(request.prompt_tokens, np.int32)
         key = (self.epoch, prompt.tobytes()) if share and not generated else None
@@ -126,7 +126,7 @@ class SlotPages:
             if not pool.grow(slot, self.cover(request, prompt.shape[0] + generated)):
                 raise AssertionError("PagePool: pages counted free could not be mapped")
             pool.register_prefix(slot, key, prompt.shape[0] // pool.page_size)
-            return Admission(slot, mapped, copied)
+            return PageAdmission(slot, mapped, copied)
         return None
 
     def grow(self, running: Sequence[tuple[int, int, GenerationRequest, int]]) -> list[int]:

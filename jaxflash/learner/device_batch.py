@@ -24,7 +24,7 @@ from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import TrainBatch
 
-Batch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
+DeviceBatch = dict[str, jax.Array]  # TrainBatch fields, [M, b, T] each
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, micro_batch_size: int) -> NamedSharding:
@@ -35,7 +35,7 @@ def batch_sharding(mesh: Mesh, rules: Rules, micro_batch_size: int) -> NamedShar
 
 def to_device_batch(
     batch: TrainBatch, micro_batch_size: int, sharding: NamedSharding, *, dual_cycle: bool
-) -> Batch:
+) -> DeviceBatch:
     """Host TrainBatch [B, T] or [M, b, T] -> dict of device arrays [M, b, T].
 
     Raises:
@@ -64,7 +64,7 @@ def to_device_batch(
     return jax.device_put(arrays, sharding)
 
 
-def device_batch(batch: TrainBatch, lc: LearnerConfig, sharding: NamedSharding) -> Batch:
+def device_batch(batch: TrainBatch, lc: LearnerConfig, sharding: NamedSharding) -> DeviceBatch:
     """A host batch packed (``learner.packing``) when asked, then on the devices."""
     if lc.packing and np.ndim(batch.input_ids_bt) == 2 and one_per_row(batch):
         batch = pack_rows(batch, row_length=lc.pack_length)[0]

@@ -55,7 +55,7 @@ def check_packing(loss: str, aggregation: str, replay_loss: str | None) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class RowPlacement:
     """Where each row of the unpacked batch went: row ``row[i]``, tokens
     ``[offset[i], offset[i] + length[i])``; length 0 (row ``-1``): it had no loss."""
 
@@ -76,7 +76,7 @@ def pack_rows(
     *,
     row_length: int = 0,
     min_rows: int = 1,
-) -> tuple[TrainBatch, Placement]:
+) -> tuple[TrainBatch, RowPlacement]:
     """Pack a host TrainBatch's rows into fewer rows with segment ids.
 
     Args:
@@ -86,7 +86,7 @@ def pack_rows(
       min_rows: at least this many rows (empty ones are all-masked).
 
     Returns:
-      (packed TrainBatch [R, L] with ``segment_ids_bt`` set, Placement of each
+      (packed TrainBatch [R, L] with ``segment_ids_bt`` set, RowPlacement of each
       input row). Rows without a loss-carrying token are left out.
 
     Raises:
@@ -132,7 +132,7 @@ def pack_rows(
     used = seg > 0
     out["positions_bt"] = np.where(used, out["positions_bt"], _pad_positions(used))
     packed = TrainBatch(**out, segment_ids_bt=seg)
-    return packed, Placement(row=row, offset=offset, length=need)
+    return packed, RowPlacement(row=row, offset=offset, length=need)
 
 
 def _pad_positions(used_rl: np.ndarray) -> np.ndarray:
@@ -141,7 +141,7 @@ def _pad_positions(used_rl: np.ndarray) -> np.ndarray:
     return np.maximum(np.arange(used_rl.shape[1])[None] - first_pad, 0).astype(np.int32)
 
 
-def unpack_rows(x_rl: np.ndarray, placement: Placement, shape: tuple[int, int]) -> np.ndarray:
+def unpack_rows(x_rl: np.ndarray, placement: RowPlacement, shape: tuple[int, int]) -> np.ndarray:
     """Per-token values of a packed batch [R, L] back to the unpacked rows ``shape``
     [B, T] (zeros where a row had no token)."""
     out = np.zeros(shape, np.asarray(x_rl).dtype)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.device_batch import (
-    Batch,
+    DeviceBatch,
     batch_sharding,
     mesh_context,
     one_per_row,
@@ -35,7 +35,7 @@ from jaxflash.types import TrainBatch
 
 
 def policy_logprobs(
-    params: Any, mb: Batch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False, router=False
+    params: Any, mb: DeviceBatch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False, router=False
 ):
     """One micro-batch's forward pass scored under the sampling distribution.
 

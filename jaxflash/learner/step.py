@@ -43,7 +43,7 @@ from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
 from jaxflash.algorithms.kl import kl_k3
 from jaxflash.learner import cycles
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.learner.device_batch import Batch, batch_sharding, device_batch, mesh_context
+from jaxflash.learner.device_batch import DeviceBatch, batch_sharding, device_batch, mesh_context
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.packing import sequence_count
 from jaxflash.learner.scoring import policy_logprobs
@@ -66,7 +66,7 @@ _MEAN_METRICS = (
 )
 
 
-def _batch_expert_load(params: Any, batch: Batch, mc: ModelConfig, lc: LearnerConfig):
+def _batch_expert_load(params: Any, batch: DeviceBatch, mc: ModelConfig, lc: LearnerConfig):
     """float32 [E] top-k assignments over the whole batch's loss-masked tokens (a
     forward pass per micro-batch, no gradient)."""
 
@@ -322,7 +322,7 @@ def make_train_step(
     replicated = NamedSharding(mesh, PartitionSpec())
     step_obj: TrainStep
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    def train_step(state: TrainState, batch: DeviceBatch) -> tuple[TrainState, dict]:
         step_obj.trace_count += 1  # Python side effect: runs only while tracing
         loss, grads, metrics = grad_fn(
             state.params, state.ref_params, batch, state.step, state.base

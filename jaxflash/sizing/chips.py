@@ -115,7 +115,7 @@ _MAX_CHIPS = {"v4": 1024, "v5e": 256, "v5p": 1024, "v6e": 256}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Topology:
+class ChipTopology:
     """A TPU slice by name.
 
     Attributes:
@@ -186,7 +186,7 @@ def valid_names() -> list[str]:
     return out
 
 
-def parse_topology(name: str) -> Topology:
+def parse_topology(name: str) -> ChipTopology:
     """A slice from its GCP name (``v5e-16``, ``v5p-64``) or grid form (``v5e:4x4``).
 
     Raises:
@@ -220,7 +220,7 @@ def parse_topology(name: str) -> Topology:
             grid_for(kind, math.prod(grid))
         except ValueError as err:
             raise ValueError(f"--topology {name!r}: {err}; valid: {listing}") from None
-        return Topology(name=name, chip=spec, grid=grid)
+        return ChipTopology(name=name, chip=spec, grid=grid)
     n = int(m_gcp.group(2))
     if n % spec.cores_in_name:
         raise ValueError(
@@ -231,7 +231,7 @@ def parse_topology(name: str) -> Topology:
         grid = grid_for(kind, n // spec.cores_in_name)
     except ValueError as err:
         raise ValueError(f"--topology {name!r}: {err}; valid: {listing}") from None
-    return Topology(name=name, chip=spec, grid=grid)
+    return ChipTopology(name=name, chip=spec, grid=grid)
 
 
 def roofline_seconds(

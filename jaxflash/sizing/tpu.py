@@ -17,7 +17,7 @@ import importlib.util
 import os
 from typing import Any
 
-from jaxflash.sizing.chips import Topology
+from jaxflash.sizing.chips import ChipTopology
 
 LIBTPU_PIN = "libtpu==0.0.42.1"  # the version jax[tpu]==0.10.2 pins (pyproject's tpu extra)
 
@@ -47,7 +47,7 @@ def check_libtpu() -> None:
         raise MissingTpuExtraError(missing_extra_message())
 
 
-def topology_devices(topology: Topology) -> list[Any]:
+def topology_devices(topology: ChipTopology) -> list[Any]:
     """The slice's compile-only devices (one per chip; per TensorCore on v4).
 
     Raises:

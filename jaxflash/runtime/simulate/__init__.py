@@ -6,15 +6,15 @@ servers (continuous batching over K slots; decode step and prefill costs from a
 ``CostModel`` fitted to our engine, or assumed for an accelerator) and a
 simulated learner (time per trained token, weight-sync time). No threads.
 
-    from jaxflash.runtime.simulate import CostModel, SimConfig, Workload, LogNormal, simulate
+    from jaxflash.runtime.simulate import CostModel, SimConfig, SimWorkload, LogNormal, simulate
     costs = CostModel.load("benchmarks/sim_costs/cpu_tiny_smollm2.json")
-    work = Workload(lengths=LogNormal(median=2000, sigma=0.8), max_tokens=8192, prompt_sigma=0.5)
+    work = SimWorkload(lengths=LogNormal(median=2000, sigma=0.8), max_tokens=8192, prompt_sigma=0.5)
     res = simulate(SimConfig(placement="disjoint", async_ratio=2, servers=8,
                              slots_per_server=32, learner_devices=8,
                              batch_prompts=32, group_size=8, steps=8), costs, work)
     res.samples_per_s, res.staleness_mean, res.bound_s_per_sample
 
-Extension points: ``Workload(episode=multi_turn(...))`` for agentic episodes (an
+Extension points: ``SimWorkload(episode=multi_turn(...))`` for agentic episodes (an
 environment latency per turn, the slot freed meanwhile); ``SimConfig.replay_ratio``
 for replayed samples trained per fresh one; ``CostModel.contention`` for shared
 hardware. See docs/SIMULATION.md.
@@ -46,8 +46,8 @@ from jaxflash.runtime.simulate.workload import (
     LogNormal,
     Mixture,
     Replay,
+    SimWorkload,
     Turn,
-    Workload,
     multi_turn,
     reasoning_workload,
 )
@@ -69,7 +69,7 @@ __all__ = [
     "SimServer",
     "SyncCost",
     "Turn",
-    "Workload",
+    "SimWorkload",
     "multi_turn",
     "reasoning_workload",
     "roll_flash_bound",

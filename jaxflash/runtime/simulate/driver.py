@@ -42,7 +42,7 @@ from jaxflash.runtime.simulate.learner import SimLearner, StepRecord
 from jaxflash.runtime.simulate.metrics import SimResult, summarize
 from jaxflash.runtime.simulate.scorer import SimScorer
 from jaxflash.runtime.simulate.server import SimServer
-from jaxflash.runtime.simulate.workload import Workload
+from jaxflash.runtime.simulate.workload import SimWorkload
 from jaxflash.types import Prompt, SamplingParams
 
 PLACEMENTS = ("colocated", "disjoint")
@@ -126,7 +126,7 @@ class SimConfig:
 class SimPromptSource:
     """Prompts 0, 1, 2, ... with the workload's prompt lengths (``take``, ``cursor``)."""
 
-    def __init__(self, workload: Workload) -> None:
+    def __init__(self, workload: SimWorkload) -> None:
         self.workload, self.cursor = workload, 0
 
     def take(self, n: int) -> list[Prompt]:
@@ -153,7 +153,7 @@ class SimTokenizer:
 
 
 def simulate(
-    config: SimConfig, costs: CostModel, workload: Workload, *, max_events: int = 50_000_000
+    config: SimConfig, costs: CostModel, workload: SimWorkload, *, max_events: int = 50_000_000
 ) -> SimResult:
     """Runs ``config`` under ``costs`` and ``workload``; returns its measurements.
 
@@ -265,7 +265,11 @@ def _pids(batch: Any) -> list[int]:
 
 
 def _record(
-    batch: Any, version: int, now: float, gen_log: dict[tuple[int, int], float], workload: Workload
+    batch: Any,
+    version: int,
+    now: float,
+    gen_log: dict[tuple[int, int], float],
+    workload: SimWorkload,
 ) -> StepRecord:
     """What the learner trains on, with true lengths and generation times."""
     record = StepRecord(version=version, taken_at=now)

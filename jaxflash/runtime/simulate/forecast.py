@@ -28,7 +28,7 @@ from jaxflash.runtime.simulate.plan_costs import (
     mean_live_context,
     program_times,
 )
-from jaxflash.runtime.simulate.workload import Workload
+from jaxflash.runtime.simulate.workload import SimWorkload
 from jaxflash.sizing.chips import ChipSpec
 from jaxflash.sizing.plan import Plan
 
@@ -91,7 +91,7 @@ class Run:
 
 
 def simulate_mode(
-    costs: CostModel, work: Workload, shape: RunShape, *, alpha: int, learner_chips: int,
+    costs: CostModel, work: SimWorkload, shape: RunShape, *, alpha: int, learner_chips: int,
     servers: int, colocated: bool = False,
 ) -> Run:  # fmt: skip
     """Simulate one placement: α + 1 warm-up steps left out, then max(3, α + 1) measured."""
@@ -210,7 +210,7 @@ def make_forecast(
     shape: RunShape,
     *,
     share: int = 1,
-    workload: Workload | None = None,
+    workload: SimWorkload | None = None,
 ) -> Forecast:
     """Simulate the run on the plan's costs (see the module doc).
 

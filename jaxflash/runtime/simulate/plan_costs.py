@@ -40,7 +40,7 @@ from jaxflash.runtime.simulate.costs import (
     RewardCost,
     SyncCost,
 )
-from jaxflash.runtime.simulate.workload import LogNormal, Workload
+from jaxflash.runtime.simulate.workload import LogNormal, SimWorkload
 from jaxflash.sizing.chips import ChipSpec, roofline_seconds
 from jaxflash.sizing.plan import Plan
 
@@ -83,7 +83,7 @@ class RunShape:
         return self.prompts_per_step * self.group_size
 
 
-def assumed_workload(shape: RunShape, seed: int = 0) -> tuple[Workload, str]:
+def assumed_workload(shape: RunShape, seed: int = 0) -> tuple[SimWorkload, str]:
     """The response lengths the forecast assumes (a config fixes only the budget).
 
     Lognormal, median an eighth of the budget (σ 1.0; a per-prompt scale
@@ -92,7 +92,7 @@ def assumed_workload(shape: RunShape, seed: int = 0) -> tuple[Workload, str]:
     """
     median = max(1.0, shape.max_new_tokens / 8)
     prompt = max(1, shape.prompt_tokens // 2)
-    work = Workload(
+    work = SimWorkload(
         lengths=LogNormal(median=median, sigma=1.0),
         max_tokens=shape.max_new_tokens,
         prompt_tokens=(prompt,),
@@ -111,13 +111,13 @@ def assumed_workload(shape: RunShape, seed: int = 0) -> tuple[Workload, str]:
     return work, line
 
 
-def _sample_lengths(work: Workload, shape: RunShape, prompts: int = 256) -> np.ndarray:
+def _sample_lengths(work: SimWorkload, shape: RunShape, prompts: int = 256) -> np.ndarray:
     return np.asarray(
         [work.response_len(p, i) for p in range(prompts) for i in range(shape.group_size)], float
     )
 
 
-def mean_live_context(work: Workload, shape: RunShape) -> float:
+def mean_live_context(work: SimWorkload, shape: RunShape) -> float:
     """Tokens of context a live slot holds, averaged over decode steps: a sample of r
     tokens is live r steps at contexts P+1..P+r, so Σ r(P + (r+1)/2) / Σ r."""
     r = _sample_lengths(work, shape)

@@ -17,7 +17,7 @@ from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.simulate.costs import RewardCost
-from jaxflash.runtime.simulate.workload import Workload
+from jaxflash.runtime.simulate.workload import SimWorkload
 
 _ITEM_ID = re.compile(r"prompt (-?\d+) sample (\d+)")
 
@@ -29,7 +29,7 @@ class SimScorer:
       ValueError (from submit): an item id not of the form ``scoring.reward_item`` builds.
     """
 
-    def __init__(self, workload: Workload, clock: VirtualClock, cost: RewardCost) -> None:
+    def __init__(self, workload: SimWorkload, clock: VirtualClock, cost: RewardCost) -> None:
         self.workload, self.clock, self.cost = workload, clock, cost
         self._free = [clock.now()] * cost.workers  # when each worker is free next
         self._due: list[tuple[float, int, concurrent.futures.Future, Scored]] = []

@@ -39,7 +39,7 @@ from jaxflash.runtime.simulate.barrier import RoundBarrier
 from jaxflash.runtime.simulate.costs import CostModel
 from jaxflash.runtime.simulate.requests import RequestKey, SharedPrefill, SimRequest, to_sample
 from jaxflash.runtime.simulate.timebase import VersionHistory, WorkClock
-from jaxflash.runtime.simulate.workload import Workload
+from jaxflash.runtime.simulate.workload import SimWorkload
 from jaxflash.types import GenerationRequest, PolicyVersion, Sample
 
 
@@ -70,7 +70,7 @@ class SimServer:
         *,
         slots: int,
         costs: CostModel,
-        workload: Workload,
+        workload: SimWorkload,
         on_finished: Callable[[Sample], None],
         clock: VirtualClock,
         partial_rollout: str = "continue",

@@ -19,7 +19,7 @@ Rewards: each prompt has a pass rate drawn from Beta(a, b); each sample is corre
 
 Turns (agentic workloads): an episode is a list of ``Turn`` s; between two turns the
 sample leaves its slot for ``env_latency_s`` (the environment runs) and comes back
-with ``observation_tokens`` more context to prefill. ``Workload(episode=...)``
+with ``observation_tokens`` more context to prefill. ``SimWorkload(episode=...)``
 takes any function of (workload, prompt_id, sample_index, rng) returning turns;
 ``multi_turn`` builds the common one.
 """
@@ -124,7 +124,7 @@ class Replay:
         return row[sample_index % len(row)]
 
     def draw(self, rng: random.Random, scale: float) -> float:
-        raise TypeError("Replay lengths are looked up by (prompt, sample): see Workload")
+        raise TypeError("Replay lengths are looked up by (prompt, sample): see SimWorkload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +137,11 @@ class Turn:
     observation_tokens: int = 0
 
 
-EpisodeFn = Callable[["Workload", int, int, random.Random], list[Turn]]
+EpisodeFn = Callable[["SimWorkload", int, int, random.Random], list[Turn]]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Workload:
+class SimWorkload:
     """Response lengths, prompt lengths, rewards and turns of simulated samples.
 
     Attributes:
@@ -173,12 +173,12 @@ class Workload:
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or not self.prompt_tokens or min(self.prompt_tokens) < 1:
             raise ValueError(
-                f"Workload needs max_tokens >= 1 and prompt_tokens >= 1, got "
+                f"SimWorkload needs max_tokens >= 1 and prompt_tokens >= 1, got "
                 f"{self.max_tokens}, {self.prompt_tokens}"
             )
         if self.prompt_sigma < 0 or self.pass_alpha <= 0 or self.pass_beta <= 0:
             raise ValueError(
-                "Workload needs prompt_sigma >= 0 and pass_alpha, pass_beta > 0, got "
+                "SimWorkload needs prompt_sigma >= 0 and pass_alpha, pass_beta > 0, got "
                 f"{self.prompt_sigma}, {self.pass_alpha}, {self.pass_beta}"
             )
 
@@ -252,7 +252,7 @@ def multi_turn(
     if turns < 1 or env_latency_s < 0 or env_sigma < 0:
         raise ValueError(f"multi_turn needs turns >= 1 and latencies >= 0, got {turns}")
 
-    def episode(w: Workload, pid: int, idx: int, rng: random.Random) -> list[Turn]:
+    def episode(w: SimWorkload, pid: int, idx: int, rng: random.Random) -> list[Turn]:
         budget = max(1, w.max_tokens // turns)
         out = []
         for _ in range(turns):
@@ -268,7 +268,7 @@ def multi_turn(
     return episode
 
 
-def reasoning_workload(seed: int = 0) -> Workload:
+def reasoning_workload(seed: int = 0) -> SimWorkload:
     """The long-tailed RLVR reasoning workload the benchmarks simulate.
 
     Response lengths lognormal (median 1,500 tokens, σ = 1) under a 16,384-token
@@ -276,7 +276,7 @@ def reasoning_workload(seed: int = 0) -> Workload:
     pass rates Beta(0.6, 0.6). ROLL Flash (arXiv 2510.11345) gives only its long tail
     in the abstract; these parameters are this project's assumption of it.
     """
-    return Workload(
+    return SimWorkload(
         lengths=LogNormal(median=1500, sigma=1.0),
         max_tokens=16384,
         prompt_tokens=(200, 350, 500),
