@@ -8,7 +8,7 @@ import pytest
 
 from jaxflash.learner.batching import bucket_length, pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.learner.optimizer import make_schedule
+from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import create_train_state, from_params
 from jaxflash.learner.step import make_grad_fn, make_train_step
@@ -37,6 +37,13 @@ def test_config_validates_and_names_field():
         LearnerConfig(micro_batch_size=0)
     with pytest.raises(ValueError, match="aggregation_max_tokens"):
         LearnerConfig(aggregation="seq-mean-token-sum-norm")
+
+
+def test_optimizer_is_built_once_per_config():
+    """The state's init, its shardings and the train step share one optimizer."""
+    a = make_optimizer(LearnerConfig(lr=1e-3, warmup_steps=4))
+    assert make_optimizer(LearnerConfig(lr=1e-3, warmup_steps=4)) is a
+    assert make_optimizer(LearnerConfig(lr=2e-3, warmup_steps=4)) is not a
 
 
 def test_schedule_values_by_hand():

@@ -62,8 +62,16 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+_OPTIMIZERS: dict[str, optax.GradientTransformation] = {}
+
+
 def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
     """AdamW (arXiv 1711.05101) with global-norm clipping first.
+
+    Built once per learner config: the state's init, the state shardings and the
+    train step all get the same object (a GradientTransformation is a pair of pure
+    functions, so sharing it is safe), keyed by the config's full repr (a frozen
+    dataclass with dict fields, so not hashable itself).
 
     Args:
       config: learner config (lr, schedule, b1, b2, eps, weight_decay, grad_clip_norm).
@@ -71,6 +79,13 @@ def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
     Returns:
       optax.GradientTransformation; its state is a pytree of arrays shaped like params.
     """
+    key = repr(config)
+    if key not in _OPTIMIZERS:
+        _OPTIMIZERS[key] = _build_optimizer(config)
+    return _OPTIMIZERS[key]
+
+
+def _build_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
     parts = []
     if config.grad_clip_norm > 0:
         parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
