@@ -1,6 +1,10 @@
-"""One decoder block of every supported family: attention (``models.layer_attention``)
-and the MLP (SwiGLU, GeGLU or routed experts), with the pre/post norms and residuals
-each family's ``ModelConfig`` asks for. ``models.llama.forward`` runs the stack of them.
+"""One decoder block of every supported family: attention through the layer's cache
+(``models.cache_face``: the block never asks which kind it has) and the MLP (the gated
+MLP, SwiGLU or GeGLU, or routed experts), with the pre/post norms and residuals each
+family's ``ModelConfig`` asks for. ``models.llama.forward`` runs the stack of them.
+
+LoRA (``models.lora``): a projection adds its adapter's delta only where the layer's
+params hold one (``lora.adapted_weights``); without LoRA no adapter code is traced.
 
 Dimension letters as in ``models.llama``. References: RMSNorm (arXiv 1910.07467),
 SwiGLU / GeGLU (arXiv 2002.05202), RoPE (arXiv 2104.09864).
@@ -12,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash.models import lora
+from jaxflash.models.cache_face import LayerCache, Site
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.layer_attention import layer_attention
 from jaxflash.models.moe import moe_mlp
 from jaxflash.models.rope import apply_rope
 from jaxflash.models.swiglu import swiglu
@@ -30,16 +34,11 @@ def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) 
     return x * (offset + w if offset else w)
 
 
-def _gelu_tanh(x):
-    return jax.nn.gelu(x, approximate=True)
-
-
-def _gelu_tanh_mlp(x_btd, w_gate_df, w_up_df, w_down_fd):
-    """GeGLU MLP (Gemma): (gelu_tanh(x W_gate) * (x W_up)) W_down, float32 [B, T, D]."""
-    gate_btf = jnp.einsum("btd,df->btf", x_btd, w_gate_df)
-    up_btf = jnp.einsum("btd,df->btf", x_btd, w_up_df)
-    act_btf = jax.nn.gelu(gate_btf, approximate=True) * up_btf
-    return jnp.einsum("btf,fd->btd", act_btf, w_down_fd, preferred_element_type=jnp.float32)
+_ACTIVATIONS = {  # ModelConfig.mlp_activation -> the gate's nonlinearity
+    "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen, Mistral)
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma)
+}
+_MLP_WEIGHTS = ("w_gate_ldf", "w_up_ldf", "w_down_lfd")
 
 
 def _by_layer_type(sliding, local_value, full_value):
@@ -51,44 +50,64 @@ def _by_layer_type(sliding, local_value, full_value):
     return jnp.where(sliding, local_value(), full_value())
 
 
-def decoder_layer(
-    config: ModelConfig,
-    h_btd,
-    lp,
-    positions_bt,
-    cache_k,
-    cache_v,
-    layer_cache=False,
-    sliding: bool | jax.Array = False,
-    segment_ids_bt=None,
-    fresh=False,
-):
-    """One decoder block; returns (h_btd, (k cache layer, v cache layer) or (None, None),
-    router logits float32 [B, T, E] or None for a dense MLP).
+def _linear(spec: str, x, lp, name: str, adapted: frozenset[str], cd, **kwargs) -> jax.Array:
+    """``einsum(spec, x, W)`` with W = ``lp[name]`` in the compute dtype (a quantized base
+    dequantises here), plus the adapter's s·(x·A)·B where the layer has one."""
+    y = jnp.einsum(spec, x, lp[name].astype(cd), **kwargs)
+    return lora.add_delta(y, x, lp, name) if name in adapted else y
 
-    The cache layer is [B, S, K, H] for both (a ``KVCache`` slice) or, with
-    ``layer_cache``, keys [B, K, S, H] and values [B, K, H, S] (``LayerKVCache``).
-    ``sliding``: this layer attends within ``config.sliding_window`` and uses
-    ``config.rope_local_theta`` (a bool, or a traced bool inside the layer scan).
-    ``segment_ids_bt``: packed segments of a cache-free pass (``forward``).
-    ``fresh``: the cache is fresh (``forward``'s ``fresh_cache``). Attention itself is
-    ``models.layer_attention``.
+
+def gated_mlp(config: ModelConfig, x_btd, lp, adapted: frozenset[str] = frozenset()):
+    """The dense MLP: (act(x W_gate) * (x W_up)) W_down, float32 [B, T, D].
+
+    act is silu (SwiGLU) or gelu_tanh (GeGLU), per ``config.mlp_activation``; each
+    projection adds its adapter where ``adapted`` names it. SwiGLU without MLP adapters
+    is computed by ``models.swiglu``: the same forward ops, with the hand-written
+    backward the learner's step is fast with (autodiff elsewhere).
+
+    Args:
+      x_btd: [B, T, D] normed input, compute dtype.
+      lp: one layer's params (``w_gate_ldf`` [D, F], ``w_up_ldf`` [D, F],
+        ``w_down_lfd`` [F, D], and any ``lora_gate`` / ``lora_up`` / ``lora_down``).
+      adapted: ``lora.adapted_weights(lp)``.
+    """
+    cd = config.jnp_compute_dtype
+    if config.mlp_activation == "silu" and not adapted.intersection(_MLP_WEIGHTS):
+        return swiglu(x_btd, *(lp[name].astype(cd) for name in _MLP_WEIGHTS))
+    gate_btf = _linear("btd,df->btf", x_btd, lp, "w_gate_ldf", adapted, cd)
+    up_btf = _linear("btd,df->btf", x_btd, lp, "w_up_ldf", adapted, cd)
+    act_btf = _ACTIVATIONS[config.mlp_activation](gate_btf) * up_btf
+    return _linear(
+        "btf,fd->btd", act_btf, lp, "w_down_lfd", adapted, cd, preferred_element_type=jnp.float32
+    )
+
+
+def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site):
+    """One decoder block.
+
+    Args:
+      config: ``ModelConfig`` (hashable, static).
+      h_btd: float32 [B, T, D] the residual stream.
+      lp: one layer's params (a slice of ``params["layers"]``).
+      cache: this layer's ``cache_face.LayerCache`` (``NoCache`` for a cache-free pass):
+        it stores the new k/v and attends.
+      site: where the T tokens sit: positions (RoPE, cache writes), the layer's sliding
+        flag (window and ``config.rope_local_theta``), packed segments.
+
+    Returns:
+      (h_btd float32 [B, T, D], the updated layer cache, router logits float32
+      [B, T, E] or None for a dense MLP).
     """
     cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
+    adapted = lora.adapted_weights(lp)
 
     def w(name):
         return lp[name].astype(cd)
 
     x_btd = rms_norm(h_btd, lp["attn_norm_ld"], eps, off).astype(cd)
-    q_btnh = lora.add_delta(
-        jnp.einsum("btd,dnh->btnh", x_btd, w("w_q_ldnh")), x_btd, lp, "w_q_ldnh"
-    )
-    k_btkh = lora.add_delta(
-        jnp.einsum("btd,dkh->btkh", x_btd, w("w_k_ldkh")), x_btd, lp, "w_k_ldkh"
-    )
-    v_btkh = lora.add_delta(
-        jnp.einsum("btd,dkh->btkh", x_btd, w("w_v_ldkh")), x_btd, lp, "w_v_ldkh"
-    )
+    q_btnh = _linear("btd,dnh->btnh", x_btd, lp, "w_q_ldnh", adapted, cd)
+    k_btkh = _linear("btd,dkh->btkh", x_btd, lp, "w_k_ldkh", adapted, cd)
+    v_btkh = _linear("btd,dkh->btkh", x_btd, lp, "w_v_ldkh", adapted, cd)
     if config.qkv_bias:
         q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
     if config.qk_norm:  # per head, over H, before RoPE (Qwen3, Gemma 3)
@@ -97,42 +116,34 @@ def decoder_layer(
 
     def rope(x):
         if config.rope_local_theta is None:
-            return apply_rope(x, positions_bt, config.rope_theta, config)
+            return apply_rope(x, site.positions_bt, config.rope_theta, config)
         return _by_layer_type(
-            sliding,
-            lambda: apply_rope(x, positions_bt, config.rope_local_theta),
-            lambda: apply_rope(x, positions_bt, config.rope_theta, config),
+            site.sliding,
+            lambda: apply_rope(x, site.positions_bt, config.rope_local_theta),
+            lambda: apply_rope(x, site.positions_bt, config.rope_theta, config),
         )
 
     q_btnh = rope(q_btnh)
     k_btkh = rope(k_btkh).astype(cd)
-    attn_btnh, cache_k, cache_v = layer_attention(
-        config, q_btnh, k_btkh, v_btkh, positions_bt, cache_k, cache_v,
-        layer_cache=layer_cache, sliding=sliding, segment_ids_bt=segment_ids_bt, fresh=fresh,
-    )  # fmt: skip
-    attn_btd = jnp.einsum(
-        "btnh,nhd->btd", attn_btnh, w("w_o_lnhd"), preferred_element_type=jnp.float32
+    attn_btnh, cache = cache.attend(config, q_btnh, k_btkh, v_btkh, site)
+    attn_btd = _linear(
+        "btnh,nhd->btd", attn_btnh, lp, "w_o_lnhd", adapted, cd, preferred_element_type=jnp.float32
     )
-    attn_btd = lora.add_delta(attn_btd, attn_btnh, lp, "w_o_lnhd")  # no-op without adapters
     if config.sandwich_norm:
         attn_btd = rms_norm(attn_btd, lp["post_attn_norm_ld"], eps, off)
     h_btd = h_btd + attn_btd
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], eps, off).astype(cd)
     router_bte = None
-    if config.is_moe:
+    if config.is_moe:  # routed experts replace the dense MLP (models.moe)
         mlp_btd, router_bte = moe_mlp(
             x_btd,
             *(w(n) for n in ("w_router_lde", "w_gate_ledf", "w_up_ledf", "w_down_lefd")),
             top_k=config.n_experts_per_token,
             norm_topk_prob=config.norm_topk_prob,
         )
-    elif lora.has_mlp_adapters(lp):
-        act = jax.nn.silu if config.mlp_activation == "silu" else _gelu_tanh
-        mlp_btd = lora.glu_mlp(x_btd, lp, cd, act)
     else:
-        mlp = swiglu if config.mlp_activation == "silu" else _gelu_tanh_mlp
-        mlp_btd = mlp(x_btd, w("w_gate_ldf"), w("w_up_ldf"), w("w_down_lfd"))
+        mlp_btd = gated_mlp(config, x_btd, lp, adapted)
     if config.sandwich_norm:
         mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
     h_btd = h_btd + mlp_btd
-    return h_btd, (cache_k, cache_v), router_bte
+    return h_btd, cache, router_bte

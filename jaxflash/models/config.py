@@ -61,7 +61,7 @@ class ModelConfig:
         elsewhere), "dense" (the [T, T] reference), "blockwise", "dot_product" or
         "splash" (``models.attention``). Cached passes (the engine's decode and
         prefill buckets up to ``EngineConfig.prefill_dense_max``) are dense; longer
-        prefill buckets attend through this path (``models.layer_attention``).
+        prefill buckets attend through this path (``models.cache_face.FreshPrefill``).
       rope_scaling: "none" or "llama3" (Llama 3.1/3.2 frequency-dependent scaling of
         the RoPE inverse frequencies; HF ``rope_type: llama3``). Other HF rope types
         (linear, dynamic, yarn, longrope) are refused at import.

@@ -14,6 +14,10 @@ per-row scatter), then every query at position p attends to cache entries j <= p
 Entries past p are never read, so a slot is reused for a new sequence without
 clearing: writing the new prompt from position 0 overwrites everything a query can
 see. Rows of one batch may sit at different positions (continuous batching).
+
+Both are ``models.cache_face.ModelCache``s: ``layers()`` hands ``llama.forward`` one
+``DenseSlice`` (stacked over L, what the scan slices) or L ``DenseLayer``s, each owning
+its writes (``write``) and its attention (``attend``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from jaxflash.models.cache_face import FreshPrefill, Site, attend_cached
 from jaxflash.models.config import ModelConfig
 
 KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
@@ -40,10 +46,26 @@ class KVCache(NamedTuple):
     k_lbskh: jax.Array
     v_lbskh: jax.Array
 
+    stacked = True  # pairs with stacked params (the scanned forward); not a field
+
     @property
     def max_len(self) -> int:
         """S, number of positions each row can hold."""
         return self.k_lbskh.shape[2]
+
+    @property
+    def batch(self) -> int:
+        """B, rows."""
+        return self.k_lbskh.shape[1]
+
+    def layers(self, *, fresh: bool = False) -> DenseSlice | FreshPrefill:
+        """One ``DenseSlice`` over all L layers (leaves [L, B, S, K, H]; the scan slices it)."""
+        layer = DenseSlice(k_bskh=self.k_lbskh, v_bskh=self.v_lbskh)
+        return FreshPrefill(layer) if fresh else layer
+
+    def with_layers(self, layers: DenseSlice) -> KVCache:
+        """The cache from the scan's stacked updated slices."""
+        return KVCache(k_lbskh=layers.k_bskh, v_lbskh=layers.v_bskh)
 
 
 class LayerKVCache(NamedTuple):
@@ -57,10 +79,25 @@ class LayerKVCache(NamedTuple):
     k_bksh: tuple[jax.Array, ...]
     v_bkhs: tuple[jax.Array, ...]
 
+    stacked = False  # pairs with unstacked params (the unrolled forward); not a field
+
     @property
     def max_len(self) -> int:
         """S, number of positions each row can hold."""
         return self.k_bksh[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        """B, rows."""
+        return self.k_bksh[0].shape[0]
+
+    def layers(self, *, fresh: bool = False) -> tuple[DenseLayer | FreshPrefill, ...]:
+        """L ``DenseLayer``s (``FreshPrefill``-wrapped with ``fresh``)."""
+        layers = (DenseLayer(k, v) for k, v in zip(self.k_bksh, self.v_bkhs, strict=True))
+        return tuple(FreshPrefill(layer) if fresh else layer for layer in layers)
+
+    def with_layers(self, layers: tuple[DenseLayer, ...]) -> LayerKVCache:
+        return LayerKVCache(tuple(c.k_bksh for c in layers), tuple(c.v_bkhs for c in layers))
 
 
 LAYER_K_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
@@ -153,3 +190,54 @@ def write_layer_rows(
         v_btkh.astype(v_bkhs.dtype), mode="drop"
     )
     return k_bksh, v_bkhs
+
+
+# ------------------------------------------------------------------ layer caches
+
+
+@struct.dataclass
+class DenseSlice:
+    """One layer of a ``KVCache`` (a ``cache_face.LayerCache``; leaves gain a leading
+    [L] while the forward scans over them).
+
+    Attributes:
+      k_bskh, v_bskh: [B, S, K, H] keys (after RoPE) and values, compute dtype.
+    """
+
+    k_bskh: jax.Array
+    v_bskh: jax.Array
+
+    def write(self, k_btkh: jax.Array, v_btkh: jax.Array, positions_bt: jax.Array) -> DenseSlice:
+        """The new tokens' k/v written at ``positions_bt`` (``write_rows``)."""
+        return DenseSlice(
+            write_rows(self.k_bskh, k_btkh, positions_bt),
+            write_rows(self.v_bskh, v_btkh, positions_bt),
+        )
+
+    def attend(self, config, q_btnh, k_btkh, v_btkh, site: Site):
+        """Write, then attend over the S entries (``cache_face.attend_cached``)."""
+        new = self.write(k_btkh, v_btkh, site.positions_bt)
+        keys_bksh, values_bkhs = new.k_bskh.transpose(0, 2, 1, 3), new.v_bskh.transpose(0, 2, 3, 1)
+        return attend_cached(config, q_btnh, keys_bksh, values_bkhs, site), new
+
+
+@struct.dataclass
+class DenseLayer:
+    """One layer of a ``LayerKVCache`` (a ``cache_face.LayerCache``), stored in the
+    layouts the attention products read.
+
+    Attributes:
+      k_bksh: [B, K, S, H] keys after RoPE; v_bkhs: [B, K, H, S] values; compute dtype.
+    """
+
+    k_bksh: jax.Array
+    v_bkhs: jax.Array
+
+    def write(self, k_btkh: jax.Array, v_btkh: jax.Array, positions_bt: jax.Array) -> DenseLayer:
+        """The new tokens' k/v written at ``positions_bt`` (``write_layer_rows``)."""
+        return DenseLayer(*write_layer_rows(self.k_bksh, self.v_bkhs, k_btkh, v_btkh, positions_bt))
+
+    def attend(self, config, q_btnh, k_btkh, v_btkh, site: Site):
+        """Write, then attend over the S entries (``cache_face.attend_cached``)."""
+        new = self.write(k_btkh, v_btkh, site.positions_bt)
+        return attend_cached(config, q_btnh, new.k_bksh, new.v_bkhs, site), new

@@ -39,10 +39,10 @@ from flax import nnx
 
 from jaxflash.models import lora
 from jaxflash.models.block import decoder_layer, rms_norm
+from jaxflash.models.cache_face import ModelCache, NoCache, Site
 from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import KVCache, LayerKVCache
+from jaxflash.models.kv_cache import KVCache
 from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.paged_kv_cache import PagedKVCache
 from jaxflash.models.params import Params, get_params
 
 INIT_STD = 0.02  # normal init of every matrix (HF initializer_range default)
@@ -60,7 +60,7 @@ def logical_axes(config: ModelConfig) -> dict:
     heads, kv_heads, head_dim, mlp, and with experts expert (E, the dim an
     ``expert`` mesh axis splits), expert_mlp (F of one expert) and router (E of the
     router's output, kept whole). Map with ``jax.tree.map(..., is_leaf=lambda
-    x: isinstance(x, tuple))`` or ``jaxflash.sharding.logical_to_shardings``.
+    x: isinstance(x, tuple))`` or ``jaxflash.sharding.rules.logical_to_shardings``.
     """
     layers = {
         "attn_norm_ld": ("layers", "embed"),
@@ -230,18 +230,19 @@ def forward(
     config: ModelConfig,
     input_ids_bt: jax.Array,
     positions_bt: jax.Array,
-    kv_cache: KVCache | LayerKVCache | None = None,
+    kv_cache: ModelCache | None = None,
     *,
     segment_ids_bt: jax.Array | None = None,
     fresh_cache: bool = False,
-) -> tuple[jax.Array, KVCache | LayerKVCache | None]:
+) -> tuple[jax.Array, ModelCache | None]:
     """Pure forward pass: token ids -> final-normed hidden states.
 
     Without a cache, attention is causal over the T axis (token t sees tokens
     0..t of its row); ``positions_bt`` only sets RoPE angles. With a cache, each
     token's k/v is first written at cache position ``positions_bt[b, t]`` of row
     b, then the token attends to cache entries j <= positions_bt[b, t] (stale
-    entries beyond it are ignored, so slots are reused without clearing).
+    entries beyond it are ignored, so slots are reused without clearing). Each
+    layer calls its cache's ``attend`` (``models.cache_face``), whatever its kind.
 
     Args:
       params: nested dict per docs/CONTRACTS.md (``get_params`` / ``init_params``),
@@ -251,9 +252,10 @@ def forward(
       input_ids_bt: int32 [B, T] token ids in [0, V).
       positions_bt: int32 [B, T] absolute 0-based positions; with a cache they
         must be < S (positions outside [0, S) are not written to the cache).
-      kv_cache: optional cache with the same B: ``KVCache`` [L, B, S, K, H] for
-        stacked params, ``LayerKVCache`` (L x [B, S, K, H]) or ``PagedKVCache``
-        (``models.paged_kv_cache``: page pools + a page table) for unstacked ones.
+      kv_cache: optional ``cache_face.ModelCache`` with the same B: ``KVCache``
+        [L, B, S, K, H] for stacked params, ``LayerKVCache`` (L x [B, S, K, H]) or
+        ``PagedKVCache`` (``models.paged_kv_cache``: page pools + a page table) for
+        unstacked ones (``ModelCache.stacked`` says which).
       segment_ids_bt: without a cache only: int32 [B, T] ids of the sequences packed
         into each row (a token attends to earlier tokens of its own segment; RoPE
         positions should restart per segment). None: each row is one sequence.
@@ -263,7 +265,7 @@ def forward(
         self-attention over the T new tokens, computed as ``config.attention`` says
         (O(T) memory except "dense"), and k/v are written into the cache after it. Same result as
         the cached pass to float rounding, without its [T, S] scores
-        (``models.layer_attention``).
+        (``cache_face.FreshPrefill``).
 
     Returns:
       (h_btd float32 [B, T, D], updated cache of the same type, or None). Logits
@@ -274,11 +276,8 @@ def forward(
         the cache layout does not match the params layout, segment ids come with
         a cache or in another shape, or ``fresh_cache`` comes without a dense cache.
     """
-    if fresh_cache and (kv_cache is None or isinstance(kv_cache, PagedKVCache)):
-        raise ValueError(
-            f"forward: fresh_cache=True needs a KVCache or LayerKVCache, got "
-            f"{type(kv_cache).__name__}"
-        )
+    if fresh_cache and kv_cache is None:
+        raise ValueError("forward: fresh_cache=True needs a KVCache or LayerKVCache, got None")
     h_btd, cache, _ = _forward(
         params, config, input_ids_bt, positions_bt, kv_cache, False, segment_ids_bt, fresh_cache
     )
@@ -330,22 +329,21 @@ def _forward(
             f"{input_ids_bt.shape}, and is for a pass without a cache"
         )
     unrolled = isinstance(params["layers"], tuple | list)
-    paged = isinstance(kv_cache, PagedKVCache)
-    if kv_cache is not None:
-        want = (LayerKVCache, PagedKVCache) if unrolled else (KVCache,)
-        if not isinstance(kv_cache, want):
+    n_layers = len(params["layers"]) if unrolled else None
+    if kv_cache is None:  # the layer caches: one per layer unrolled, one stacked for the scan
+        layer_caches = (NoCache(),) * n_layers if unrolled else NoCache()
+    else:
+        if kv_cache.stacked == unrolled:
+            want = "a LayerKVCache or PagedKVCache" if unrolled else "a KVCache"
             raise ValueError(
-                f"forward: {'unstacked' if unrolled else 'stacked'} params need a "
-                f"{' or '.join(w.__name__ for w in want)}, got {type(kv_cache).__name__}"
+                f"forward: {'unstacked' if unrolled else 'stacked'} params need {want}, "
+                f"got {type(kv_cache).__name__}"
             )
-        if paged:
-            batch = kv_cache.batch
-        else:
-            batch = kv_cache[0][0].shape[0] if unrolled else kv_cache.k_lbskh.shape[1]
-        if batch != input_ids_bt.shape[0]:
+        if kv_cache.batch != input_ids_bt.shape[0]:
             raise ValueError(
-                f"forward: kv_cache batch {batch} != input batch {input_ids_bt.shape[0]}"
+                f"forward: kv_cache batch {kv_cache.batch} != input batch {input_ids_bt.shape[0]}"
             )
+        layer_caches = kv_cache.layers(fresh=fresh)
     embed_btd = jnp.take(params["embed_vd"], input_ids_bt, axis=0)
     if config.scale_embeddings:  # HF Gemma: the sqrt(D) factor is rounded to the param dtype
         embed_btd = embed_btd * jnp.asarray(config.d_model**0.5, embed_btd.dtype)
@@ -353,52 +351,39 @@ def _forward(
     sliding_l = [config.layer_is_sliding(i) for i in range(config.n_layers)]
 
     def layer_fn(sliding: bool | None):
-        """The (rematerialised) layer; ``sliding`` static, or None: read from xs[3]."""
+        """The (rematerialised) layer; ``sliding`` static, or None: read from xs[2]."""
 
         def body(h_btd, xs):
-            lp, ck, cv = xs[:3]
-            flag = xs[3] if sliding is None else sliding
-            h_btd, (ck, cv), router_bte = decoder_layer(
-                config, h_btd, lp, positions_bt, ck, cv, layer_cache=unrolled, sliding=flag,
-                segment_ids_bt=segments, fresh=fresh,
-            )  # fmt: skip
-            return h_btd, (ck, cv, router_bte if collect_router else None)
+            lp, cache = xs[:2]
+            site = Site(positions_bt, xs[2] if sliding is None else sliding, segments)
+            h_btd, cache, router_bte = decoder_layer(config, h_btd, lp, cache, site)
+            return h_btd, (cache, router_bte if collect_router else None)
 
         if not config.remat:
             return body
         return jax.checkpoint(body, policy=_REMAT_POLICY if config.remat_policy == "dots" else None)
 
     if unrolled:
-        n = len(params["layers"])
-        if paged:  # each layer gets (its pool, the shared page table)
-            ks, vs = kv_cache.kv_pages, (kv_cache.pages,) * n
-        else:
-            ks, vs = ((None,) * n, (None,) * n) if kv_cache is None else kv_cache
         bodies = {flag: layer_fn(flag) for flag in set(sliding_l)}
         # fresh: h is materialised after every layer, else the TPU compiler fuses all the
         # residual adds into one at the end that keeps every layer's f32 [B, T, D] MLP output
         # alive (Qwen2.5-1.5B, T = 2048, v5e: 1.01 vs 0.08 GiB; benchmarks/prefill_memory.py).
-        new_k, new_v, routers = [], [], []
-        for lp, ck, cv, sliding in zip(params["layers"], ks, vs, sliding_l, strict=True):
-            h_btd, (ck, cv, router_bte) = bodies[sliding](h_btd, (lp, ck, cv))
+        new_caches, routers = [], []
+        for lp, cache, sliding in zip(params["layers"], layer_caches, sliding_l, strict=True):
+            h_btd, (cache, router_bte) = bodies[sliding](h_btd, (lp, cache))
             if fresh:
                 h_btd = jax.lax.optimization_barrier(h_btd)
-            new_k.append(ck)
-            new_v.append(cv)
+            new_caches.append(cache)
             routers.append(router_bte)
-        if paged:
-            cache = PagedKVCache(kv_pages=tuple(new_k), pages=kv_cache.pages)
-        else:
-            cache = None if kv_cache is None else LayerKVCache(tuple(new_k), tuple(new_v))
+        new_caches = tuple(new_caches)
         router_lbte = jnp.stack(routers) if collect_router else None
     else:
-        ks, vs = (None, None) if kv_cache is None else kv_cache
         if config.mixed_layers:  # the per-layer sliding flag rides the scan
-            xs = (params["layers"], ks, vs, jnp.asarray(sliding_l))
-            h_btd, (ks, vs, router_lbte) = jax.lax.scan(layer_fn(None), h_btd, xs)
+            xs = (params["layers"], layer_caches, jnp.asarray(sliding_l))
+            h_btd, (new_caches, router_lbte) = jax.lax.scan(layer_fn(None), h_btd, xs)
         else:
-            xs = (params["layers"], ks, vs)
-            h_btd, (ks, vs, router_lbte) = jax.lax.scan(layer_fn(sliding_l[0]), h_btd, xs)
-        cache = None if kv_cache is None else KVCache(k_lbskh=ks, v_lbskh=vs)
+            xs = (params["layers"], layer_caches)
+            h_btd, (new_caches, router_lbte) = jax.lax.scan(layer_fn(sliding_l[0]), h_btd, xs)
+    cache = None if kv_cache is None else kv_cache.with_layers(new_caches)
     h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps, config.norm_offset)
     return h_btd, cache, router_lbte

@@ -364,27 +364,10 @@ def add_delta(y: jax.Array, x: jax.Array, lp: Mapping[str, Any], weight: str) ->
     return y + _delta(x, adapter, len(TARGETS[target][1])).astype(y.dtype)
 
 
-def has_mlp_adapters(lp: Mapping[str, Any]) -> bool:
-    return any(PREFIX + t in lp for t in ("gate", "up", "down"))
-
-
-def glu_mlp(x_btd: jax.Array, lp: Mapping[str, Any], cd: Any, act) -> jax.Array:
-    """(act(x W_gate) * (x W_up)) W_down with adapters, float32 [B, T, D].
-
-    The same einsums as ``swiglu``'s forward (so zero adapters change nothing),
-    differentiated by autodiff (the base's weight gradients are not needed).
-    """
-    gate_btf = add_delta(
-        jnp.einsum("btd,df->btf", x_btd, lp["w_gate_ldf"].astype(cd)), x_btd, lp, "w_gate_ldf"
-    )
-    up_btf = add_delta(
-        jnp.einsum("btd,df->btf", x_btd, lp["w_up_ldf"].astype(cd)), x_btd, lp, "w_up_ldf"
-    )
-    act_btf = act(gate_btf) * up_btf
-    y_btd = jnp.einsum(
-        "btf,fd->btd", act_btf, lp["w_down_lfd"].astype(cd), preferred_element_type=jnp.float32
-    )
-    return add_delta(y_btd, act_btf, lp, "w_down_lfd")
+def adapted_weights(lp: Mapping[str, Any]) -> frozenset[str]:
+    """The base weights of one layer's params that carry an adapter (their keys, e.g.
+    "w_q_ldnh"); empty without LoRA, so the decoder adds no adapter code."""
+    return frozenset(w for w, t in _WEIGHT_TARGET.items() if PREFIX + t in lp)
 
 
 def head_weight(w_dv: jax.Array, params: Mapping[str, Any]) -> jax.Array:

@@ -15,12 +15,15 @@ updated in place like ``LayerKVCache``'s). Entries of the page table that hold n
 page carry the sentinel N (out of range): writes there are dropped, reads clip to
 a real page whose (finite) contents are masked out.
 
-``write_and_view`` is the pure-JAX path the engine decodes with on CPU and GPU: it
-writes the new tokens' k/v into their pages, then gathers each row's pages into the
-dense ``[B, K, S, H]`` / ``[B, K, H, S]`` views ``models.layer_attention`` reads,
-so the attention is the dense engine's, operation for operation (same tokens and
-logprobs; tests/test_paged_engine.py). ``kernel_attention`` writes, then attends with
-the TPU kernel (``models.ragged_attention``), which reads only each row's pages.
+A ``PagedKVCache`` is a ``models.cache_face.ModelCache``: its ``layers()`` are L
+``PagedLayer``s (a pool and the shared page table) that write and attend in one of
+two ways. ``write_and_view`` is the pure-JAX path the engine decodes with on CPU and
+GPU: it writes the new tokens' k/v into their pages, then gathers each row's pages
+into the dense ``[B, K, S, H]`` / ``[B, K, H, S]`` views ``cache_face.attend_cached``
+reads, so the attention is the dense engine's, operation for operation (same tokens
+and logprobs; tests/test_paged_engine.py). With ``PageTable.kernel``,
+``kernel_attention`` writes, then attends with the TPU kernel
+(``models.ragged_attention``), which reads only each row's pages.
 
 On a mesh (``PoolLayout``, from ``pool_layout``) the pool splits two ways: kv heads
 over the axes the rules give ``kv_heads`` (when they divide K), and pages over every
@@ -45,6 +48,8 @@ from flax import struct
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxflash.models import ragged_attention
+from jaxflash.models.attention import attention_scale
+from jaxflash.models.cache_face import Site, attend_cached
 from jaxflash.models.config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
 
@@ -160,6 +165,8 @@ class PagedKVCache:
     kv_pages: tuple[jax.Array, ...]
     pages: PageTable
 
+    stacked = False  # pairs with unstacked params (the unrolled forward); not a field
+
     @property
     def max_len(self) -> int:
         """S, positions each row can address."""
@@ -168,6 +175,22 @@ class PagedKVCache:
     @property
     def batch(self) -> int:
         return self.pages.table_bm.shape[0]
+
+    def layers(self, *, fresh: bool = False) -> tuple[PagedLayer, ...]:
+        """L ``PagedLayer``s (each layer's pool with the shared page table).
+
+        Raises:
+          ValueError: ``fresh``: a fresh prefill writes into a dense cache only (the
+            engine prefills densely and places the pages, ``generation.engine.kernels``).
+        """
+        if fresh:
+            raise ValueError(
+                "forward: fresh_cache=True needs a KVCache or LayerKVCache, got PagedKVCache"
+            )
+        return tuple(PagedLayer(pool, self.pages) for pool in self.kv_pages)
+
+    def with_layers(self, layers: tuple[PagedLayer, ...]) -> PagedKVCache:
+        return PagedKVCache(kv_pages=tuple(c.pool_npch for c in layers), pages=self.pages)
 
 
 def pages_per_row(max_len: int, page_size: int) -> int:
@@ -371,3 +394,33 @@ def kernel_supported(config: ModelConfig, layout: PoolLayout | None = None) -> b
     """Whether the TPU kernel tiles the heads of one shard of ``layout``
     (``models.ragged_attention.kernel_supported``)."""
     return ragged_attention.kernel_supported(config, 1 if layout is None else layout.head_shards)
+
+
+@struct.dataclass
+class PagedLayer:
+    """One layer of a ``PagedKVCache`` (a ``cache_face.LayerCache``).
+
+    Attributes:
+      pool_npch: [N, P, 2K, H] the layer's page pool (keys even, values odd along 2K).
+      pages: the rows' ``PageTable`` (shared by every layer; ``kernel`` picks the path).
+    """
+
+    pool_npch: jax.Array
+    pages: PageTable
+
+    def attend(self, config, q_btnh, k_btkh, v_btkh, site: Site):
+        """Write the new tokens' k/v into their pages and attend: with the TPU kernel
+        when ``pages.kernel`` (``kernel_attention``), else over the gathered dense views
+        (``write_and_view``, then ``cache_face.attend_cached``)."""
+        if self.pages.kernel:
+            window = config.sliding_window if site.sliding is True else None
+            pool_npch, attn_btnh = kernel_attention(
+                self.pool_npch, self.pages, q_btnh, k_btkh, v_btkh, site.positions_bt,
+                scale=attention_scale(config, config.head_dim), sliding_window=window,
+            )  # fmt: skip
+            return attn_btnh, PagedLayer(pool_npch, self.pages)
+        pool_npch, keys_bksh, values_bkhs = write_and_view(
+            self.pool_npch, self.pages, k_btkh, v_btkh, site.positions_bt
+        )
+        attn_btnh = attend_cached(config, q_btnh, keys_bksh, values_bkhs, site)
+        return attn_btnh, PagedLayer(pool_npch, self.pages)
