@@ -240,7 +240,7 @@ def test_step_metrics_count_sandbox_outcomes():
     import numpy as np
 
     from jaxflash.replay.groups import Group
-    from jaxflash.runtime.rollout import records
+    from jaxflash.runtime.workloads.learner_batch import batch_metrics
     from jaxflash.types import FinishReason, Sample
 
     def sample(i, outcome):
@@ -254,5 +254,5 @@ def test_step_metrics_count_sandbox_outcomes():
         return s
 
     samples = (sample(0, "ok"), sample(1, "timeout"), sample(2, "ok"))
-    m = records.batch_metrics([Group(prompt_id=0, start_version=0, samples=samples)], samples)
+    m = batch_metrics([Group(prompt_id=0, start_version=0, samples=samples)], samples)
     assert m["sandbox_outcomes"] == {"ok": 2, "timeout": 1}

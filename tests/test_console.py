@@ -13,8 +13,7 @@ import pytest
 
 from configs import rlvr_smollm2_arith, smoke
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
-from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration
-from jaxflash.runtime.rollout import records
+from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration, step_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -150,7 +149,7 @@ def test_agentic_evaluation_reports_its_episode_count_before_the_first_batch_end
 
 
 def test_step_line_labels_every_column():
-    line = records.step_line(
+    line = step_line(
         3,
         20,
         "5 min 12 s",
@@ -173,7 +172,7 @@ def test_step_line_labels_every_column():
         "generation 45.1 tokens/s | training 812.0 tokens/s | "
         "eval_accuracy 0.115 ± 0.024 (100 prompts)"
     )
-    async_replay = records.step_line(
+    async_replay = step_line(
         4, 8, "1 min",
         {"logprob_gap_on_policy_max": 0.0, "on_policy_tokens": 0, "cycle_replay_samples": 12},
     )  # fmt: skip
@@ -181,7 +180,7 @@ def test_step_line_labels_every_column():
         "step 4/8 | elapsed 1 min | logprob_gap_on_policy_max n/a (no on-policy tokens) | "
         "replayed 12 samples"
     )
-    skipped = records.step_line(2, 2, "9 s", {"skipped": "all_truncated", "reward_mean": 0.0})
+    skipped = step_line(2, 2, "9 s", {"skipped": "all_truncated", "reward_mean": 0.0})
     assert skipped == (
         "step 2/2 | elapsed 9 s | skipped: all_truncated (nothing to train) | reward_mean 0.000"
     )

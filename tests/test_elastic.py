@@ -17,8 +17,8 @@ from jaxflash.replay.controller import Decision
 from jaxflash.runtime.config.elastic_spec import check_elastic, learner_axes
 from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec, check_replay_combination
 from jaxflash.runtime.config.specs import ConfigError, MeshSpec
+from jaxflash.runtime.console import step_line
 from jaxflash.runtime.control.controller_setup import fixed_decisions
-from jaxflash.runtime.rollout import records
 from jaxflash.runtime.rollout.server_pool import RetiredServer
 from jaxflash.types import PromptOutcome
 from tests.test_scheduler_parts import VirtualServer, _virtual_scheduler, drive
@@ -176,11 +176,11 @@ def test_learner_axes_grow_along_fsdp():
 
 def test_the_step_line_says_when_devices_moved():
     row = {"learner_devices": 7, "generation_slices": 1, "elastic_to_learner": 1}
-    assert records.step_line(2, 6, "1 s", row).endswith(
+    assert step_line(2, 6, "1 s", row).endswith(
         "moved: learner 7 devices, 1 generation slices from the next step"
     )
     quiet = {"learner_devices": 7, "generation_slices": 1, "elastic_to_learner": 0}
-    assert "moved" not in records.step_line(3, 6, "2 s", quiet)
+    assert "moved" not in step_line(3, 6, "2 s", quiet)
 
 
 def test_adaptive_role_split_goes_to_move_and_the_controller_learns_the_split_in_force():

@@ -22,7 +22,7 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_grad_fn, make_train_step
-from jaxflash.runtime.rollout.records import learner_metrics
+from jaxflash.runtime.workloads.learner_batch import learner_metrics
 from jaxflash.sharding.rules import LEARNER_RULES
 from tests.test_learner import MODEL, _copy, _learner_config, world  # noqa: F401
 

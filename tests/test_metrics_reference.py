@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from jaxflash.metrics import reference
-from jaxflash.runtime.rollout import records
+from jaxflash.runtime.rollout.rows import ROLLOUT_FIELDS
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")
 
@@ -26,7 +26,7 @@ def test_rollout_fields_are_documented_in_the_order_rows_are_written():
             reference.documented_names([(names,)]), key=lambda n: names.index(f"`{n}`")
         )
     ]
-    assert documented == list(records.ROLLOUT_FIELDS)
+    assert documented == list(ROLLOUT_FIELDS)
 
 
 def test_undocumented_maps_families_and_catches_a_new_key():

@@ -9,10 +9,18 @@ import numpy as np
 import pytest
 
 from jaxflash.algorithms.advantages import get_advantage_estimator
+from jaxflash.metrics.run_config import write_run_config
 from jaxflash.replay.groups import DroppedGroup, Group
-from jaxflash.runtime.rollout import records
+from jaxflash.runtime.console import step_line
+from jaxflash.runtime.rollout.rows import ROLLOUT_FIELDS, rollout_row
 from jaxflash.runtime.rollout.scoring import TruncationPolicy, correctness
-from jaxflash.runtime.workloads.learner_batch import empty_reason, learner_batch
+from jaxflash.runtime.workloads.learner_batch import (
+    batch_metrics,
+    empty_reason,
+    learner_batch,
+    learner_metrics,
+    staleness_metrics,
+)
 from jaxflash.types import FailureReason, FinishReason, Prompt, PromptOutcome, Sample
 
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")
@@ -44,7 +52,7 @@ def _group(pid, rewards, truncated=()):
 def test_rollout_row_has_every_field_in_order():
     prompt = Prompt(prompt_id=4, text="What is 1+1?", prompt_tokens=np.array([1]), answer="2")
     s = _s(4, 1, 1.0, versions=[2, 3, 3], truncated=True, components={"math": 1.0})
-    row = records.rollout_row(
+    row = rollout_row(
         s,
         prompt,
         outcome="trained",
@@ -52,12 +60,12 @@ def test_rollout_row_has_every_field_in_order():
         learner_version=3,
         truncation=TruncationPolicy(mode="mask"),
     )
-    assert tuple(row) == records.ROLLOUT_FIELDS
+    assert tuple(row) == ROLLOUT_FIELDS
     assert (row["learner_step"], row["start_version"], row["staleness"]) == (4, 2, 1)
     assert (row["token_version_min"], row["token_version_max"]) == (2, 3)
     assert row["loss_masked"] is True and row["correct"] == 1.0 and row["failure"] is None
     assert row["prompt"] == "What is 1+1?" and row["response_tokens"] == [5, 6, 7]
-    dropped = records.rollout_row(
+    dropped = rollout_row(
         s,
         None,
         outcome="failed",
@@ -89,22 +97,22 @@ def test_correctness_is_the_rewards_correct_component_else_its_score():
 def test_batch_metrics_count_loss_samples_and_describe_all():
     groups = [_group(0, [1.0, 0.0], truncated={1}), _group(1, [0.5, 0.5])]
     trained = [groups[0].samples[0], *groups[1].samples]
-    m = records.batch_metrics(groups, trained)
+    m = batch_metrics(groups, trained)
     assert (m["num_groups"], m["num_samples"], m["samples_masked"]) == (2, 3, 1)
     assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.25
     # No "correct" component: accuracy is the mean reward, (1 + 0 + 0.5 + 0.5) / 4.
     assert m["accuracy"] == 0.5 and m["response_len_max"] == 3.0
-    assert records.batch_metrics([], []) == {"num_groups": 0, "num_samples": 0, "samples_masked": 0}
+    assert batch_metrics([], []) == {"num_groups": 0, "num_samples": 0, "samples_masked": 0}
 
 
 def test_staleness_and_learner_metrics():
-    m = records.staleness_metrics(np.array([0, 2, 2, 1]))
+    m = staleness_metrics(np.array([0, 2, 2, 1]))
     assert m == {
         "staleness_mean": 1.25,
         "staleness_max": 2,
         "staleness_hist": {"0": 1, "1": 1, "2": 2},
     }
-    assert records.staleness_metrics(np.array([], np.int64)) == {}
+    assert staleness_metrics(np.array([], np.int64)) == {}
     train = {
         "loss": 1.0,
         "logprob_gap_max": 0.5,
@@ -112,7 +120,7 @@ def test_staleness_and_learner_metrics():
         "logprob_gap_max_off_policy": 0.5,
         "current_tokens": 7.0,
     }
-    assert records.learner_metrics(train) == {
+    assert learner_metrics(train) == {
         "loss": 1.0,
         "logprob_gap_on_policy_max": 1e-6,
         "logprob_gap_off_policy_max": 0.5,
@@ -181,7 +189,7 @@ def test_empty_reason_names_what_emptied_the_step():
     assert empty_reason([], []) == "no_prompts"
 
 
-@pytest.mark.parametrize("name", records.ROLLOUT_FIELDS)
+@pytest.mark.parametrize("name", ROLLOUT_FIELDS)
 def test_readme_documents_every_rollout_field(name):
     with open(README, encoding="utf-8") as f:
         text = f.read()
@@ -201,7 +209,7 @@ def test_step_line_eval_with_too_few_prompts_for_a_standard_error(acc, err, show
     # metrics.jsonl rows carry non-finite values as strings; the console line must not
     # crash on them (a held-out set of one prompt did).
     row = {"eval_accuracy": acc, "eval_accuracy_stderr": err, "eval_prompts": 1}
-    assert records.step_line(0, 3, "1 s", row).endswith(shown)
+    assert step_line(0, 3, "1 s", row).endswith(shown)
 
 
 class _Stops:
@@ -238,13 +246,11 @@ class _Lengths:
 
 def test_run_config_keeps_the_previous_settings_when_a_resume_changes_them(tmp_path, caplog):
     w = str(tmp_path)
-    records.write_run_config(w, _Exp(), _Tok(), _Lengths())
+    write_run_config(w, _Exp(), _Tok(), _Lengths())
     # Training further (total_steps) is the documented resume: no warning, no copy.
-    records.write_run_config(
-        w, _Exp(total_steps=6, learner=_Section(total_steps=6)), _Tok(), _Lengths()
-    )
+    write_run_config(w, _Exp(total_steps=6, learner=_Section(total_steps=6)), _Tok(), _Lengths())
     assert sorted(os.listdir(w)) == ["run_config.json"] and not caplog.records
-    records.write_run_config(w, _Exp(learner=_Section(lr=0.5)), _Tok(), _Lengths())
+    write_run_config(w, _Exp(learner=_Section(lr=0.5)), _Tok(), _Lengths())
     assert sorted(os.listdir(w)) == ["run_config.1.json", "run_config.json"]
     assert "learner.lr: 0.001 -> 0.5" in caplog.text and "run_config.1.json" in caplog.text
     kept = json.load(open(os.path.join(w, "run_config.1.json")))["experiment"]

@@ -26,7 +26,7 @@ def _step(step, **extra):
         "num_samples": 8,
         "reward_mean": 0.1 * step,
         "trained_at_s": 2.0 * step,
-        "staleness_hist": {"0": 4, "1": 3, "2": 1},  # as records.staleness_metrics writes it
+        "staleness_hist": {"0": 4, "1": 3, "2": 1},  # as learner_batch.staleness_metrics writes it
         **extra,
     }
 

@@ -453,4 +453,4 @@ ROLLOUT_FIELDS: tuple[tuple[str, str], ...] = (
         ),
     ),
 )
-"""(names, meaning) rows of rollouts.jsonl (``runtime.records.ROLLOUT_FIELDS`` in order)."""
+"""(names, meaning) rows of rollouts.jsonl (``runtime.rollout.rows.ROLLOUT_FIELDS`` in order)."""

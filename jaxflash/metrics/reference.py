@@ -80,8 +80,10 @@ def render_markdown() -> str:
             "",
             "Per step, in `<workdir>/metrics.jsonl` (and TensorBoard, same names; `step` ="
             " the policy version after the step). Both placements (colocated and disjoint)"
-            " write the same metrics and rows, each built once"
-            " (`jaxflash/runtime/rollout/records.py`).",
+            " write the same metrics and rows: each part reports its section of a step's"
+            " row where the metric arises (`jaxflash/metrics/tracker.py` lists the"
+            " sections in row order); rollout rows are built once"
+            " (`jaxflash/runtime/rollout/rows.py`).",
             "",
             *_table("metric", METRICS),
             "",

@@ -14,11 +14,16 @@ file, and they never garble with the warnings logging writes to stderr.
 The heartbeat reads counters the run already keeps (under their own locks); it
 never touches a device and never raises into the run (a status function that
 fails shows as "?").
+
+The run's own lines are written here too: each step's (``step_line``, from its
+metrics.jsonl row) and the start-up lines naming the model and the schedule
+(``describe_model``, ``describe_schedule``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -233,3 +238,110 @@ class EvalStatus:
             f"{self.done}/{self.total} {self._unit} finished, {self.tokens} tokens at "
             f"{rate:.1f} tokens/s"
         )
+
+
+# (metric, label, format) of the console's step line, in order; absent ones are left out.
+_STEP_LINE = (
+    ("reward_mean", "reward_mean", "{:.3f}"),
+    ("accuracy", "accuracy", "{:.3f}"),
+    ("response_len_mean", "response_len_mean", "{:.1f} tokens"),
+    ("truncated_frac", "truncated_frac", "{:.2f}"),
+    ("grad_norm", "grad_norm", "{:.3g}"),
+    ("logprob_gap_on_policy_max", "logprob_gap_on_policy_max", "{:.2g}"),
+    ("staleness_max", "staleness_max", "{:d}"),
+    ("cycle_replay_samples", "replayed", "{:d} samples"),
+    ("gen_tokens_per_s", "generation", "{:.1f} tokens/s"),
+    ("train_tokens_per_s", "training", "{:.1f} tokens/s"),
+)
+
+
+def step_line(
+    step: int, total_steps: int, elapsed: str, metrics: dict[str, Any], first_update: bool = False
+) -> str:
+    """The console's one line per step: every column labelled, rates with their unit.
+
+    Args:
+      step: the policy version after the step (0: the evaluation before training).
+      total_steps: the run's ``total_steps``.
+      elapsed: time since the run started, as text.
+      metrics: the step's metrics.jsonl row.
+      first_update: the step's update was the first (its time is mostly XLA compiling
+        it: said next to its rate).
+    """
+    parts = [f"step {step}/{total_steps}", f"elapsed {elapsed}"]
+    if "step_time_s" in metrics:
+        parts.append(f"step_time {metrics['step_time_s']:.1f} s")
+    if "skipped" in metrics:
+        parts.append(f"skipped: {metrics['skipped']} (nothing to train)")
+    for key, label, fmt in _STEP_LINE:
+        value = metrics.get(key)
+        if key == "logprob_gap_on_policy_max" and metrics.get("on_policy_tokens") == 0:
+            parts.append(f"{label} n/a (no on-policy tokens)")  # 0 would read as agreement
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            parts.append(f"{label} {fmt.format(int(value) if fmt == '{:d}' else value)}")
+    if metrics.get("elastic_to_learner") or metrics.get("elastic_to_generation"):
+        parts.append(  # an elastic move at this boundary (runtime.elastic)
+            f"moved: learner {metrics['learner_devices']} devices, "
+            f"{metrics['generation_slices']} generation slices from the next step"
+        )
+    if "eval_accuracy" in metrics:
+        # metrics.jsonl writes a non-finite value as a string ("nan": no prompt scored,
+        # or < 2 prompts for a standard error), so both are checked before formatting.
+        acc, err = metrics["eval_accuracy"], metrics.get("eval_accuracy_stderr")
+        text = f"eval_accuracy {acc:.3f}" if _finite(acc) else "eval_accuracy n/a"
+        text += f" ± {err:.3f}" if _finite(acc) and _finite(err) else ""
+        parts.append(f"{text} ({metrics.get('eval_prompts', 0)} prompts)")
+    return " | ".join(parts) + (" (first update: includes compiling it)" if first_update else "")
+
+
+def _finite(value: Any) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
+def describe_model(config: Any, lora: Any = None) -> str:
+    """One console line: the shape of a ``ModelConfig``, and what is trained.
+
+    Args:
+      lora: ``learner.lora`` (a ``models.lora.LoraConfig``) or None: with it, the line
+        names the rank, the targets, the float32 adapters and the frozen base's storage
+        (int8/int4: QLoRA) instead of "<param_dtype> params".
+    """
+    valid = config.valid_vocab_size
+    vocab = f"vocab {config.vocab_size}" + (f" ({valid} used)" if valid else "")
+    if lora is None:
+        trained = f"{config.param_dtype} params"
+    else:  # adapters are float32 (models.lora.adapter_layout); the base never trains
+        kind = "QLoRA" if lora.base_dtype in ("int8", "int4") else "LoRA"
+        trained = (
+            f"{kind} rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: "
+            f"float32 adapters trained, the base frozen in {lora.base_dtype}"
+        )
+    return (
+        f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads "
+        f"({config.n_kv_heads} kv), {vocab}, context {config.max_seq_len}, "
+        f"{trained}, {config.compute_dtype} compute"
+    )
+
+
+def describe_schedule(exp: Any) -> str:
+    """One console line: synchronous, or asynchronous with its staleness bound alpha.
+
+    Args:
+      exp: the ``ExperimentConfig`` (``rollout.async_ratio``, ``mesh``, ``controller``,
+        ``learner.loss``).
+    """
+    alpha = exp.rollout.async_ratio
+    if alpha == 0:
+        return (
+            "schedule: synchronous (rollout.async_ratio=0): each step trains on samples of "
+            "the policy it starts with"
+        )
+    adaptive = exp.controller.kind == "adaptive"
+    bound = f"the adaptive controller sets alpha <= {alpha} each step" if adaptive else ""
+    return (
+        f"schedule: asynchronous, staleness <= alpha = {alpha} (rollout.async_ratio): "
+        "generation keeps decoding on its own slices while the learner trains, and a "
+        f"sample may be up to {alpha} policy versions old (loss {exp.learner.loss})"
+        + (f"; {bound}" if bound else "")
+    )

@@ -6,14 +6,19 @@ None when the config has none, so the loop asks without asking which:
 
 - ``fresh_prompts`` / ``async_ratio``: B and alpha in force at the start;
 - ``mix``: the step's training batch (the fresh rows, plus the replayed ones at rho);
-- ``after_step``: the typed plan for the next step (None: the settings stand), the
-  elastic move made when its role split changed;
-- ``elastic_metrics`` / ``checkpoint_state``: what a step writes and a checkpoint keeps.
+  the replay cycle reports its metrics to the step's tracker;
+- ``end_step``: the typed plan for the next step put in force (``after_step``; None:
+  the settings stand), the elastic move made when its role split changed, both
+  reported to the tracker;
+- ``checkpoint_state``: what a checkpoint keeps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import numpy as np
 
 from jaxflash.runtime.control.elastic import ElasticPool, make_elastic
 from jaxflash.runtime.control.replay_cycle import make_replay_cycle
@@ -43,6 +48,8 @@ class RunControl:
             extra=extra,
         )
         self.elastic: ElasticPool | None = None
+        self._scheduler: Any = None  # the rollout (``attach``)
+        self.rows = 0  # samples carrying loss in the last ``mix``
 
     @property
     def fresh_prompts(self) -> int:
@@ -57,6 +64,7 @@ class RunControl:
     def attach(self, *, learner: Any, fleet: Any, scheduler: Any) -> None:
         """Build the elastic pool (``controller.elastic``) over the run's learner, fleet
         and rollout; a resumed run moves to its checkpoint's split here."""
+        self._scheduler = scheduler
         d = self.steps.decision if self.steps else None
         self.elastic = make_elastic(
             self._exp, learner=learner, fleet=fleet, scheduler=scheduler,
@@ -65,16 +73,21 @@ class RunControl:
         )  # fmt: skip
 
     def mix(
-        self, lb: LearnerBatch, *, learner_version: int, pad_id: int, max_len: int
-    ) -> tuple[TrainBatch | None, dict[str, Any]]:
-        """The step's training batch (None: nothing carries loss) and the replay
-        cycle's metrics ({} without replay)."""
+        self, lb: LearnerBatch, tracker: Any, *, learner_version: int, pad_id: int, max_len: int
+    ) -> TrainBatch | None:
+        """The step's training batch (None: nothing carries loss); reports the replay
+        cycle's metrics as the ``replay`` section (none without replay) and keeps
+        ``rows``, the samples that carry loss (fresh + replayed)."""
         if self.cycle is None:
-            return lb.batch, {}
-        return self.cycle.step_batch(
-            lb, learner_version=learner_version, replay_ratio=self.steps.replay_ratio,
-            pad_id=pad_id, max_len=max_len,
-        )  # fmt: skip
+            batch, metrics = lb.batch, {}
+        else:
+            batch, metrics = self.cycle.step_batch(
+                lb, learner_version=learner_version, replay_ratio=self.steps.replay_ratio,
+                pad_id=pad_id, max_len=max_len,
+            )  # fmt: skip
+        self.rows = len(lb.samples) + metrics.get("cycle_replay_samples", 0)
+        tracker.report("replay", metrics)
+        return batch
 
     def after_step(self, report: StepReport) -> StepPlan | None:
         """The plan in force from the next step (None without a step controller): rho,
@@ -84,6 +97,33 @@ class RunControl:
             return None
         move = self.elastic.move_to if self.elastic is not None else None
         return self.steps.after_step(report, move=move)
+
+    def end_step(
+        self, tracker: Any, *, next_version: int, progress: tuple[int, int], step_s: float,
+        train_s: float, staleness: np.ndarray, learner_metrics: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """Put the next step's plan in force (``after_step`` on the step's report): the
+        scheduler reconfigured (rho, alpha, requests in flight; ``fresh_prompts``
+        follows); reports the ``control`` (``ctl_*``) and ``elastic`` sections.
+
+        Args:
+          next_version: the version the next step trains at.
+          progress: ``RolloutScheduler.progress()`` before the publish (samples
+            generated, groups pending).
+          step_s, train_s: the step's and the update's seconds.
+          staleness: int [fresh samples trained] (``LearnerBatch.staleness``).
+          learner_metrics: the update's (``learner_batch.learner_metrics``).
+        """
+        generated, pending = progress
+        plan = self.after_step(StepReport.measure(  # None without a step controller
+            next_version=next_version, samples_generated=generated,
+            queue_samples=pending * self._exp.rollout.group_size, step_s=step_s,
+            train_s=train_s, staleness=staleness, learner_metrics=learner_metrics,
+        ))  # fmt: skip
+        if plan is not None:  # in force from the next step
+            tracker.report("control", plan.metrics)
+            self._scheduler.reconfigure(**dataclasses.asdict(plan.scheduler))
+        tracker.report("elastic", self.elastic_metrics())
 
     def elastic_metrics(self) -> dict[str, Any]:
         """The elastic pool's per-step metrics ({} without it); once per step."""

@@ -7,13 +7,12 @@ from typing import Any
 
 from jaxflash.models.config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
-from jaxflash.runtime.console import Console
+from jaxflash.runtime.console import Console, describe_model, describe_schedule
 from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_program import LearnerProgram
 from jaxflash.runtime.fleet.placement import Placement
 from jaxflash.runtime.model_setup import check_workdir_model, describe_source, load_model
 from jaxflash.runtime.resume import resumed_note
-from jaxflash.runtime.rollout import records
 from jaxflash.sharding.distributed import advertised_host
 from jaxflash.sync.transfer_sender import WeightSender
 
@@ -47,8 +46,8 @@ def start_learner(
     with console.phase("loading the model", announce=f"loading the model ({what}) ..."):
         model_config, imported_params = load_model(exp.model, exp.rollout, tokenizer)
     log.debug("model: %s", model_config)
-    console.line(f"model: {records.describe_model(model_config, exp.learner.lora)}")
-    console.line(records.describe_schedule(exp))
+    console.line(f"model: {describe_model(model_config, exp.learner.lora)}")
+    console.line(describe_schedule(exp))
     check_workdir_model(workdir, model_config)
     console.background("setting up the learner, the generation engines and the reward workers")
     with console.phase("building the learner state"):

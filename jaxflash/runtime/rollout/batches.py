@@ -25,7 +25,7 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.records import rollout_row
+from jaxflash.runtime.rollout.rows import rollout_row
 from jaxflash.runtime.rollout.settings import Dispatch, RolloutSettings
 from jaxflash.types import FailureReason, PromptOutcome
 

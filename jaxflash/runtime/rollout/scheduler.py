@@ -155,6 +155,7 @@ class RolloutScheduler:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._servers_seen: list[dict[str, Any]] = []  # server stats at the last step
+        self.step_books: BooksSnapshot | None = None  # at the last ``end_step``
 
     @property
     def B(self) -> int:
@@ -381,6 +382,27 @@ class RolloutScheduler:
                 **self.ledger.metrics(),
             )
             return out
+
+    def end_step(self, groups: Sequence[Group], version: int, tracker: Any) -> tuple[int, int]:
+        """Step boundary, after the update and before ``publish`` frees capacity.
+
+        Closes the batch's prompts (``mark_trained``), keeps the books a checkpoint of
+        this step saves (``step_books``: what is in flight was admitted under the old
+        weights) and reports the step's sections to ``tracker``
+        (``metrics.tracker.StepTracker``): ``generation`` (the servers' ``gen*`` over
+        the step at ``version``), ``rollout`` (``stats``) and ``outcomes``
+        (``prompt_outcomes``: the ledger's outcome -> reason -> count, live).
+
+        Returns:
+          ``progress()``: the step controller's view of supply and queue.
+        """
+        self.mark_trained(groups)
+        self.step_books = self.snapshot()
+        tracker.report("rollout", self.stats())
+        tracker.report("outcomes", {"prompt_outcomes": self.ledger.outcomes})
+        progress = self.progress()
+        tracker.report("generation", self.server_metrics(version))
+        return progress
 
     def progress(self) -> tuple[int, int]:
         """(samples generated since the run began, groups pending in the buffer): the

@@ -1,6 +1,6 @@
 """What an agentic run adds around the one loop (``runtime.loop``): environments as data.
 
-With ``env.name`` set, ``rlvr.run``'s workload (``runtime.workloads.workload``) is an
+With ``env.name`` set, ``runtime.loop.run``'s workload (``runtime.workloads.workload``) is an
 ``EpisodeRollout`` instead of a prompt task and a reward pool:
 
 * groups: ``EnvGroupSource`` yields group ``g`` = environment seed ``g`` of the
@@ -41,6 +41,7 @@ from jaxflash.runtime.rollout.env_calls import close_env
 from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.settings import DispatchFactory
+from jaxflash.runtime.workloads.episode_metrics import episode_metrics
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
 from jaxflash.runtime.workloads.task_setup import PromptLengths
 from jaxflash.types import Prompt, Sample
@@ -209,6 +210,11 @@ class EpisodeRollout:
         )
 
     # ------------------------------------------------------------------ learner, evaluation
+
+    def report(self, batch: Any, tracker: Any) -> None:
+        """The step's ``episodes`` section (``episode_metrics``): turns, environment
+        time, success over the trained episodes, and the stale-dropped ones' bias."""
+        tracker.report("episodes", episode_metrics(batch.groups, batch.dropped))
 
     def learner_batch(
         self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int

@@ -1,8 +1,9 @@
 """Per-step episode metrics of an agentic run (docs/METRICS.md); {} for RLVR samples.
 
-Read from the samples alone (``reward_info``, ``response_mask``), so the loop
-reports them without importing the environments (``jaxflash.envs``): an RLVR run
-never loads them. The stale bias follows tinker-cookbook PR #822 and prime-rl PR
+Read from the samples alone (``reward_info``, ``response_mask``), without the
+environments (``jaxflash.envs``); only the agentic workload reports them
+(``EpisodeRollout.report``, the step record's ``episodes`` section): an RLVR run
+never computes them. The stale bias follows tinker-cookbook PR #822 and prime-rl PR
 #2960 (hard, slow problems are the ones that go stale).
 """
 

@@ -176,6 +176,10 @@ class TaskWorkload:
             max_len=max_len,
         )
 
+    def report(self, batch: Any, tracker: Any) -> None:
+        """A task's samples add nothing to a step's record beyond the batch's own."""
+        del batch, tracker
+
     @property
     def eval_size(self) -> int:
         """Held-out prompts (0: no evaluation)."""

@@ -74,6 +74,11 @@ class Workload(Protocol):
     ) -> LearnerBatch:
         """The step's advantages and packed batch (only what carries loss)."""
 
+    def report(self, batch: Any, tracker: Any) -> None:
+        """Report the workload's own metrics of the step's ``batch`` (a rollout
+        ``Batch``) to ``tracker``: an agentic run's ``episodes`` section; a task's
+        samples have none."""
+
     @property
     def eval_size(self) -> int:
         """Held-out prompts or seeds (0: no evaluation)."""
