@@ -53,6 +53,7 @@ __all__ = [
     "ModelSpec",
     "RewardSpec",
     "RolloutSpec",
+    "config_keys",
     "unknown_key_message",
 ]
 
@@ -94,6 +95,36 @@ def _addresses(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(a.strip() for a in value.split(",") if a.strip())
     return tuple(str(a) for a in value)
+
+
+def config_keys() -> dict[str, list[str]]:
+    """The keys of each ConfigDict section (``configs/default.py`` sets them all).
+
+    Each is a field of the section's dataclass, or one that builds one (``rollout``'s
+    sampling keys, ``learner.advantage``); ``from_config_dict`` refuses any other key,
+    naming the nearest known one. Top-level keys: ``seed``, ``total_steps`` and these
+    sections.
+    """
+    return {
+        "mesh": _fields(MeshSpec),
+        "model": _fields(ModelSpec),
+        "data": _fields(DataSpec),
+        "rollout": [f for f in _fields(RolloutSpec) if f != "sampling"]
+        + ["temperature", "top_k", "top_p", "max_new_tokens"],
+        "reward": _fields(RewardSpec),
+        "learner": [
+            f
+            for f in _fields(LearnerConfig)
+            if f not in ("total_steps", "sampling", "logprob_chunk")  # lora: a dict
+            and not f.startswith("replay_")  # set from replay.* (ReplaySpec.learner_fields)
+        ]
+        + ["advantage"],
+        "eval": _fields(EvalSpec),
+        "checkpoint": _fields(CheckpointSpec),
+        "replay": [f for f in _fields(ReplaySpec) if f != "seed"],  # the run's seed
+        "controller": _fields(ControllerSpec),
+        "env": _fields(EnvSpec),
+    }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,26 +266,7 @@ class ExperimentConfig:
     def _from_dict(cls, config: Any) -> ExperimentConfig:
         c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
         c = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in c.items()}
-        sections = {
-            "mesh": _fields(MeshSpec),
-            "model": _fields(ModelSpec),
-            "data": _fields(DataSpec),
-            "rollout": [f for f in _fields(RolloutSpec) if f != "sampling"]
-            + ["temperature", "top_k", "top_p", "max_new_tokens"],
-            "reward": _fields(RewardSpec),
-            "learner": [
-                f
-                for f in _fields(LearnerConfig)
-                if f not in ("total_steps", "sampling", "logprob_chunk")  # lora: a dict
-                and not f.startswith("replay_")  # set from replay.* (ReplaySpec.learner_fields)
-            ]
-            + ["advantage"],
-            "eval": _fields(EvalSpec),
-            "checkpoint": _fields(CheckpointSpec),
-            "replay": [f for f in _fields(ReplaySpec) if f != "seed"],  # the run's seed
-            "controller": _fields(ControllerSpec),
-            "env": _fields(EnvSpec),
-        }
+        sections = config_keys()
         _refuse_unknown("", c, ["seed", "total_steps", *sections])
         for name, known in sections.items():
             _refuse_unknown(name, c.get(name, {}), known)
@@ -274,7 +286,7 @@ class ExperimentConfig:
             lora=lora,
             total_steps=int(c.get("total_steps", 10)),
             sampling=sampling,
-            logprob_chunk=int(c.get("model", {}).get("logits_chunk", 256)),
+            logprob_chunk=int(c.get("model", {}).get("logits_chunk", ModelSpec.logits_chunk)),
         )
         mesh = dict(c.get("mesh", {}))
         data = dict(c.get("data", {}))
