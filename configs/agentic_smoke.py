@@ -16,7 +16,7 @@ from configs import agentic_frozenlake
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = agentic_frozenlake.get_config(arg)
+    c = agentic_frozenlake.get_config()
     c.total_steps = 2
     c.mesh.num_cpu_devices = 8
     colocated = c.mesh.get_ref("colocated")
@@ -32,7 +32,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.group_size = 2
     c.rollout.group_redundancy = 1  # 3 episodes per group, the first 2 kept
     c.rollout.num_slots = 8
-    c.learner.micro_batch_size = 4
     c.learner.lr = 1e-3
     c.eval.every = 2
     c.eval.samples_per_prompt = 1

@@ -15,11 +15,11 @@ controller instead: ``--config.controller.kind=adaptive
 
 import ml_collections
 
-from configs import smoke_async
+from configs import smoke
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = smoke_async.get_config(arg)
+    c = smoke.get_config("async")
     c.total_steps = 6
     c.data.eval_size = 0
     c.mesh.learner = ml_collections.ConfigDict({"fsdp": 6, "tensor": 1})  # devices 0-5

@@ -17,7 +17,7 @@ from configs import smoke
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = smoke.get_config(arg)
+    c = smoke.get_config()
     c.total_steps = 2
     colocated = c.mesh.get_ref("colocated")
     c.mesh.learner = ml_collections.ConfigDict(

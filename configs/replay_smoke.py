@@ -18,7 +18,7 @@ from configs import smoke
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = smoke.get_config(arg)
+    c = smoke.get_config()
     c.total_steps = 4
     c.data.eval_size = 0
     c.replay.ratio = 0.5

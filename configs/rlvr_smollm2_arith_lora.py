@@ -6,7 +6,8 @@ each step publishes the adapters (19.5 MB) instead of the whole model (538 MB fp
 
     python launch/tpu_pod.py --config configs/rlvr_smollm2_arith_lora.py --workdir runs/arith_lora
 
-The same as ``--config configs/rlvr_smollm2_arith.py --config.learner.lora.rank=16
+The variant ``lora`` of ``configs/rlvr_smollm2_arith.py`` (``--config
+configs/rlvr_smollm2_arith.py:lora``): the same as ``--config.learner.lora.rank=16
 --config.learner.lr=5e-5``. QLoRA: ``--config.learner.lora.base_dtype=int8`` (or int4).
 The learning rate is 10x full fine-tuning's (LoRA's usual ratio), not calibrated here.
 """
@@ -17,7 +18,5 @@ from configs import rlvr_smollm2_arith
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = rlvr_smollm2_arith.get_config(arg)
-    c.learner.lora.rank = 16
-    c.learner.lr = 5e-5
-    return c
+    del arg  # one variant: this file names it
+    return rlvr_smollm2_arith.get_config("lora")

@@ -56,7 +56,7 @@ from configs import rlvr_smollm2_arith
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = rlvr_smollm2_arith.get_config(arg)
+    c = rlvr_smollm2_arith.get_config()
     c.total_steps = 200
 
     # Placement: learner chips first, then the generation slices (runtime.placement.carve).
@@ -68,9 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.source = "random"  # hf + model.path for a real checkpoint (see above)
     c.model.preset = "llama3p1_8b"
     c.model.compute_dtype = "bfloat16"  # fp32 master weights, bf16 matmuls
-    c.model.remat = True
     c.model.remat_policy = "full"  # only each layer's input is saved
-    c.model.attention = "auto"  # splash on TPU: O(T) memory
     c.model.logits_chunk = 256  # 128,256-token vocabulary: one [256, V] fp32 chunk
 
     c.data.max_prompt_tokens = 1024  # longest prompt, chat template included

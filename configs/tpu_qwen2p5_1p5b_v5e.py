@@ -51,7 +51,7 @@ from configs import rlvr_smollm2_arith
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    c = rlvr_smollm2_arith.get_config(arg)
+    c = rlvr_smollm2_arith.get_config()
     c.total_steps = 200
 
     # Placement: learner chips first, then the generation slices (runtime.placement.carve).
@@ -65,15 +65,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.source = "random"  # hf + model.path for a real checkpoint (see above)
     c.model.preset = "qwen2p5_1p5b"
     c.model.compute_dtype = "bfloat16"  # fp32 master weights, bf16 matmuls
-    c.model.remat = True
     c.model.remat_policy = "full"  # 7.55 GiB/chip at 64 x 8192 (dots: 17.05, no headroom)
-    c.model.attention = "auto"  # splash on TPU: O(T) memory
     c.model.logits_chunk = 256  # 151,936-token vocabulary: one [256, V] fp32 chunk
 
     c.data.max_prompt_tokens = 1024  # longest prompt, chat template included
     c.data.eval_size = 0  # no held-out evaluation on the arithmetic default
 
-    c.rollout.prompts_per_step = 8  # B
+    c.rollout.prompts_per_step = 8  # keep: B, the dry run's HBM figures are sized with it
     c.rollout.group_size = 8  # G: 64 samples per learner step
     c.rollout.max_new_tokens = 7168  # 1024 + 7168 = 8192 positions per sample
     c.rollout.num_slots = 128  # 32 per slot group
@@ -85,7 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.reward.num_workers = 8
 
     c.learner.lr = 1e-6
-    c.learner.micro_batch_size = 8  # one 8192-token sequence per chip per micro-step
+    c.learner.micro_batch_size = 8  # keep: one 8192-token sequence per chip per micro-step
     # Sequences end to end in rows of T with segment ids: the step trains the real tokens
     # (long-tailed lengths: padding one per row is most of a batch; docs/TPU.md).
     c.learner.packing = True
