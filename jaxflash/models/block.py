@@ -57,11 +57,11 @@ def _linear(spec: str, x, lp, name: str, adapted: frozenset[str], cd, **kwargs) 
     return lora.add_delta(y, x, lp, name) if name in adapted else y
 
 
-def gated_mlp(config: ModelConfig, x_btd, lp, adapted: frozenset[str] = frozenset()):
+def gated_mlp(config: ModelConfig, x_btd, lp):
     """The dense MLP: (act(x W_gate) * (x W_up)) W_down, float32 [B, T, D].
 
     act is silu (SwiGLU) or gelu_tanh (GeGLU), per ``config.mlp_activation``; each
-    projection adds its adapter where ``adapted`` names it. SwiGLU without MLP adapters
+    projection adds its adapter where the layer has one. SwiGLU without MLP adapters
     is computed by ``models.swiglu``: the same forward ops, with the hand-written
     backward the learner's step is fast with (autodiff elsewhere).
 
@@ -69,9 +69,8 @@ def gated_mlp(config: ModelConfig, x_btd, lp, adapted: frozenset[str] = frozense
       x_btd: [B, T, D] normed input, compute dtype.
       lp: one layer's params (``w_gate_ldf`` [D, F], ``w_up_ldf`` [D, F],
         ``w_down_lfd`` [F, D], and any ``lora_gate`` / ``lora_up`` / ``lora_down``).
-      adapted: ``lora.adapted_weights(lp)``.
     """
-    cd = config.jnp_compute_dtype
+    cd, adapted = config.jnp_compute_dtype, lora.adapted_weights(lp)
     if config.mlp_activation == "silu" and not adapted.intersection(_MLP_WEIGHTS):
         return swiglu(x_btd, *(lp[name].astype(cd) for name in _MLP_WEIGHTS))
     gate_btf = _linear("btd,df->btf", x_btd, lp, "w_gate_ldf", adapted, cd)
@@ -142,7 +141,7 @@ def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site)
             norm_topk_prob=config.norm_topk_prob,
         )
     else:
-        mlp_btd = gated_mlp(config, x_btd, lp, adapted)
+        mlp_btd = gated_mlp(config, x_btd, lp)
     if config.sandwich_norm:
         mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
     h_btd = h_btd + mlp_btd
