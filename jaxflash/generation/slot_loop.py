@@ -27,12 +27,16 @@ Prefix sharing (``share_prefix=True``, the default): fresh requests of one promp
 share one prompt prefill (``prefill_sharing.SharedPrefills``), dropped at every
 ``set_params``.
 
-Paged KV cache (``EngineConfig.kv_cache="paged"``): ``slot_pages.SlotPages`` maps
-pool pages to slots. A request waits for pages at the head of the queue
-(``stats.page_waits``); fresh samples of one prompt map its full prompt pages
-(``stats.shared_pages``) within a slot group (``stats.copied_pages`` counts the
-copies other groups write); the newest running sample is preempted (restarted,
-``stats.preempted``) when its group runs out mid-sample.
+Pages: the loop asks its page policy (``slot_pages.slot_pages``) where a request
+starts, what each block may write and which sample gives pages back, whatever the
+cache. Over a dense cache (``slot_pages.DensePages``) a request takes the lowest free
+slot and nothing else happens. Over a paged one (``EngineConfig.kv_cache="paged"``,
+``slot_pages.SlotPages``) pool pages are mapped to slots. A request waits for pages
+at the head of the queue (``stats.page_waits``); fresh samples of one prompt map
+its full prompt pages (``stats.shared_pages``) within a slot group
+(``stats.copied_pages`` counts the copies other groups write); the newest running
+sample is preempted (restarted, ``stats.preempted``) when its group runs out
+mid-sample.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from jaxflash.generation.engine.state import SampleStart
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.prefill_sharing import SharedPrefills
 from jaxflash.generation.sample_queue import RunningSample, SampleQueue, request_key
-from jaxflash.generation.slot_pages import SlotPages
+from jaxflash.generation.slot_pages import slot_pages
 from jaxflash.generation.slot_types import (
     IN_FLIGHT_POLICIES,
     RequestKey,
@@ -109,8 +113,8 @@ class SlotBatcher:
         self._state = engine.init_decode_state()
         self._queue = SampleQueue()
         self._slots: list[RunningSample | None] = [None] * engine.max_concurrent_decodes
-        # Paged engine: admission and growth over its page pool (None: dense cache).
-        self._paging = SlotPages(engine.config, self.decode_block) if engine.config.paged else None
+        # Where requests start and which pages they map (nothing to map when dense).
+        self._pages = slot_pages(engine.config, self.decode_block)
         self._admissions = 0
 
     # ------------------------------------------------------------- interface
@@ -122,7 +126,7 @@ class SlotBatcher:
     @property
     def pages(self) -> PagePool | None:
         """The paged engine's page pool (its table, free count); None when dense."""
-        return None if self._paging is None else self._paging.pool
+        return self._pages.pool
 
     @property
     def num_queued(self) -> int:
@@ -212,8 +216,7 @@ class SlotBatcher:
         self._params = self.engine.place_params(params)
         self._version = int(policy_version)
         self._prefills.clear()  # a shared prefill is valid only under its params
-        if self._paging is not None:
-            self._paging.new_params()  # ... and so are shared prompt pages
+        self._pages.new_params()  # ... and so are shared prompt pages
         if in_flight == "continue":
             return
         limit = self.engine.max_prefill_length
@@ -245,14 +248,13 @@ class SlotBatcher:
                 raise ValueError("SlotBatcher.step: params given without policy_version")
             self.set_params(params, policy_version)
         start = time.perf_counter()
-        if self._paging is not None:
-            running = [
-                (slot, r.admitted, r.request, len(r.tokens))
-                for slot, r in enumerate(self._slots)
-                if r is not None
-            ]
-            for slot in self._paging.grow(running):
-                self._preempt(slot)
+        running = [
+            (slot, r.admitted, r.request, len(r.tokens))
+            for slot, r in enumerate(self._slots)
+            if r is not None
+        ]
+        for slot in self._pages.grow(running):  # map the block's pages, or preempt
+            self._preempt(slot)
         finished = self._fill()
         live = np.asarray([r is not None for r in self._slots])
         if live.any():
@@ -262,7 +264,7 @@ class SlotBatcher:
                 steps=self.decode_block,
                 live=live,
                 stop_ids=sorted(self.stop_ids),
-                page_table=None if self.pages is None else self.pages.table,
+                page_table=self._pages.table,
             )
             for i in range(block.steps):
                 self.stats.steps += 1
@@ -298,29 +300,25 @@ class SlotBatcher:
         finished: list[Sample] = []
         while self._queue and None in self._slots:
             placed: list[tuple[int, RunningSample]] = []
-            shared: list[int] = []  # paged: leading pages mapped from a shared prompt
+            shared: list[int] = []  # leading pages mapped from a shared prompt
             free = [s for s, r in enumerate(self._slots) if r is None]
             while free and self._queue:
                 run = self._queue.head()
-                if self._paging is None:
-                    slot = free.pop(0)
-                else:
-                    got = self._paging.admit(
-                        free, run.request, len(run.tokens), share=self._prefills.share_prefix
-                    )
-                    if got is None:  # the head waits for pages (FIFO, no overtaking)
-                        break
-                    slot = got.slot
-                    free.remove(slot)
-                    shared.append(got.shared_pages)
-                    self.stats.shared_pages += got.shared_pages
-                    self.stats.copied_pages += got.copied_pages
+                got = self._pages.admit(
+                    free, run.request, len(run.tokens), share=self._prefills.share_prefix
+                )
+                if got is None:  # the head waits for pages (FIFO, no overtaking)
+                    break
+                free.remove(got.slot)
+                shared.append(got.shared_pages)
+                self.stats.shared_pages += got.shared_pages
+                self.stats.copied_pages += got.copied_pages
                 self._queue.pop_head()
                 if not run.tokens:
                     run.start_version = self._version
                 self._admissions += 1
                 run.admitted = self._admissions
-                placed.append((slot, run))
+                placed.append((got.slot, run))
             if not placed:
                 self.stats.page_waits += 1
                 break
@@ -341,12 +339,13 @@ class SlotBatcher:
                         sample_index=r.sample_index,
                         token_index=len(run.tokens),
                         budget=r.sampling.max_new_tokens - len(run.tokens) - 1,
-                        shared_pages=shared[i] if shared else 0,
+                        shared_pages=shared[i],
                     )
                 )
             # One dispatch per prefill batch, one host copy for all first tokens.
-            table = None if self.pages is None else self.pages.table
-            self._state, tokens, logps = self.engine.start_samples(self._state, starts, table)
+            self._state, tokens, logps = self.engine.start_samples(
+                self._state, starts, self._pages.table
+            )
             for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
                 self.stats.fills += 1
@@ -368,8 +367,7 @@ class SlotBatcher:
     def _release(self, slot: int) -> None:
         run = self._slots[slot]
         self._slots[slot] = None
-        if self._paging is not None:
-            self._paging.release(slot)
+        self._pages.release(slot)
         record_slot_event(self.stats.slot_releases, (self.stats.steps, slot, run.key))
 
     def _append(self, run: RunningSample, token: int, logp: float) -> FinishReason | None:

@@ -1,4 +1,8 @@
-"""The slot loop's page policy over a paged engine's ``PagePool``.
+"""The slot loop's page policy: ``SlotPages`` over a paged engine's ``PagePool``,
+``DensePages`` (the same face, nothing to map) over a dense cache.
+
+``slot_pages(config, decode_block)`` picks the one for the engine's cache, so the slot
+loop calls admit / grow / release / new_params / table without asking which it has.
 
 ``SlotPages`` decides, for ``slot_loop.SlotBatcher``, when a request may start,
 in which slot, and which running sample gives its pages back. Pages and slots
@@ -71,6 +75,11 @@ class SlotPages:
         self.decode_block = int(decode_block)
         self.epoch = 0
         self._hold = [False] * config.page_groups  # set by a preemption in the group
+
+    @property
+    def table(self) -> np.ndarray:
+        """int32 [B, M]: the page table every dispatch takes (``PagePool.table``)."""
+        return self.pool.table
 
     def new_params(self) -> None:
         """Pages computed under older params are never shared with new samples."""
@@ -156,3 +165,39 @@ class SlotPages:
                 if victim == slot:
                     break
         return victims
+
+
+class DensePages:
+    """The page policy of a dense cache: every slot already holds S positions.
+
+    A request starts in the lowest free slot (never waits), nothing grows or is
+    preempted, and there is no pool or page table (``SlotPages``' face, doing nothing).
+    """
+
+    pool = None  # no PagePool
+    table = None  # the engine's programs take no page table
+
+    def new_params(self) -> None:
+        """Nothing is shared across params."""
+
+    def release(self, slot: int) -> None:
+        """Nothing to return."""
+        del slot
+
+    def admit(
+        self, free: Sequence[int], request: GenerationRequest, generated: int, *, share: bool
+    ) -> PageAdmission:
+        """The lowest free slot, no pages shared or copied."""
+        del request, generated, share
+        return PageAdmission(slot=free[0], shared_pages=0, copied_pages=0)
+
+    def grow(self, running: Sequence[tuple[int, int, GenerationRequest, int]]) -> list[int]:
+        """No sample is ever preempted."""
+        del running
+        return []
+
+
+def slot_pages(config: EngineConfig, decode_block: int) -> SlotPages | DensePages:
+    """The page policy for the engine's cache (``config.kv_cache``): ``SlotPages`` over a
+    paged pool, ``DensePages`` over a dense cache."""
+    return SlotPages(config, decode_block) if config.paged else DensePages()
