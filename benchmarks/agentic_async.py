@@ -63,6 +63,7 @@ from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
 from jaxflash.runtime.rollout.env_calls import thread_runner  # noqa: E402
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings  # noqa: E402
 from jaxflash.runtime.rollout.inbox import Inbox  # noqa: E402
+from jaxflash.runtime.rollout.server_pool import ServersChanged  # noqa: E402
 from jaxflash.runtime.simulate.episodes import (  # noqa: E402
     VirtualEnvTime,
     VirtualTurnServer,
@@ -189,7 +190,7 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
                 ready.append(clock.now())
                 window.append(batch)
                 sched.mark_trained(batch.groups)
-                sched.publish([None], v + 1)
+                sched.servers_changed(ServersChanged(version=v + 1, weights=[None]))
         finally:
             sched.close()
         window = window[args.warmup :]

@@ -19,7 +19,7 @@ from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec, chec
 from jaxflash.runtime.config.specs import ConfigError, MeshSpec
 from jaxflash.runtime.console import step_line
 from jaxflash.runtime.control.controller_setup import fixed_decisions
-from jaxflash.runtime.rollout.server_pool import RetiredServer
+from jaxflash.runtime.rollout.server_pool import RetiredServer, ServersChanged
 from jaxflash.types import PromptOutcome
 from tests.test_scheduler_parts import VirtualServer, _virtual_scheduler, drive
 
@@ -37,7 +37,7 @@ def test_retire_requeues_what_the_server_held_and_add_takes_requests():
     batch = drive(sched, clock, servers, 0)
     sched.mark_trained(batch.groups)
     trained.update((s.prompt_id, s.sample_index) for g in batch.groups for s in g.samples)
-    sched.publish([None, None], 1)
+    sched.servers_changed(ServersChanged(version=1, weights=[None, None]))
     sched.poll()
     table = sched.dispatcher.router.table
     held = {e.key for e in table.by_server(1)}
@@ -59,7 +59,7 @@ def test_retire_requeues_what_the_server_held_and_add_takes_requests():
     generated = sched.counters["samples_generated"]
     submitted_before = list(servers[1].submitted)
 
-    requeued = sched.retire_server(1)
+    requeued = sched.servers_changed(ServersChanged(retired=[1])).requeued
 
     assert requeued == len(held) - 1 == sched.counters["samples_requeued"] > 0
     assert sched.counters["samples_generated"] == generated + len(finished_early) + delivered0
@@ -70,13 +70,13 @@ def test_retire_requeues_what_the_server_held_and_add_takes_requests():
     # A new server at the published version takes requests; server 1 never again.
     new = VirtualServer(sched.dispatcher.inbox.generated, clock, latency_s=0.2)
     new.version = 1
-    assert sched.add_server(new) == 2
+    assert sched.servers_changed(ServersChanged(added=[new])).added == (2,)
     live = [servers[0], new]
     for v in range(1, 5):
         batch = drive(sched, clock, live, v)
         sched.mark_trained(batch.groups)
         trained.update((s.prompt_id, s.sample_index) for g in batch.groups for s in g.samples)
-        sched.publish([None, None, None], v + 1)
+        sched.servers_changed(ServersChanged(version=v + 1, weights=[None, None, None]))
     assert servers[1].submitted == submitted_before
     assert new.submitted, "the added server took requests"
     assert max(trained.values()) == 1  # nothing trained twice
@@ -88,7 +88,7 @@ def test_retire_requeues_what_the_server_held_and_add_takes_requests():
 def test_the_last_server_cannot_be_retired():
     sched, *_ = _virtual_scheduler([{"latency_s": 0.3}], B=1, G=1)
     with pytest.raises(ValueError, match="last one alive"):
-        sched.retire_server(0)
+        sched.servers_changed(ServersChanged(retired=[0]))
 
 
 # -- config ---------------------------------------------------------------------------------

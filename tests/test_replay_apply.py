@@ -10,6 +10,7 @@ import pytest
 from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
 from jaxflash.runtime.control.replay_cycle import ReplayCycle
 from jaxflash.runtime.control.step_control import StepControl, StepReport
+from jaxflash.runtime.rollout.server_pool import ServersChanged
 from tests.test_scheduler_parts import _virtual_scheduler, drive
 
 B, G = 8, 2  # rollout.prompts_per_step, group_size
@@ -35,7 +36,7 @@ def _measured(control, v, generated, *, gen_per_s, train_per_s, queue):
 def _step(sched, clock, servers, v):
     batch = drive(sched, clock, servers, v)
     sched.mark_trained(batch.groups)
-    sched.publish([None] * len(servers), v + 1)
+    sched.servers_changed(ServersChanged(version=v + 1, weights=[None] * len(servers)))
     sched.poll()  # admits up to the capacity in force
     return batch
 

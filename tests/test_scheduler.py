@@ -20,6 +20,7 @@ from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
     FailureReason,
@@ -187,7 +188,7 @@ def test_alpha0_next_prompts_start_after_publish():
         time.sleep(0.1)
         assert sum(len(s.submitted) for s in servers) == 4  # nothing new before publish
         sched.mark_trained(batch.groups)
-        sched.publish([None, None], 1)
+        sched.servers_changed(ServersChanged(version=1, weights=[None, None]))
         batch = sched.next_batch(1, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [2, 3]
         assert {s.start_version for g in batch.groups for s in g.samples} == {1}
@@ -213,8 +214,8 @@ def test_stale_groups_dropped_or_regenerated(policy):
     sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1, stale_policy=policy)
     try:
         time.sleep(0.2)  # prompts 0 and 1 finish at version 0
-        sched.publish([None], 1)
-        sched.publish([None], 2)
+        sched.servers_changed(ServersChanged(version=1, weights=[None]))
+        sched.servers_changed(ServersChanged(version=2, weights=[None]))
         batch = sched.next_batch(2, timeout_s=10)
         if policy == "drop":
             # staleness 2 > alpha 1: both dropped, closed as stale, rows say why.
@@ -222,7 +223,7 @@ def test_stale_groups_dropped_or_regenerated(policy):
             assert ledger.count(PromptOutcome.STALE) == 2
             assert {(r["outcome"], r["reason"]) for r in batch.rows} == {("stale", "stale")}
             # The step is skipped; the next weights free the capacity for fresh prompts.
-            sched.publish([None], 3)
+            sched.servers_changed(ServersChanged(version=3, weights=[None]))
             batch = sched.next_batch(3, timeout_s=10)
             assert [g.prompt_id for g in batch.groups] == [2]
         else:
@@ -338,7 +339,9 @@ def test_surplus_prompt_aborted_once_it_can_no_longer_be_trained_fresh():
         # Still fresh at step 1 (start 0 >= 0 + 1 - 1): kept running, not aborted.
         assert servers[0].aborted == [] and sched.counters["samples_aborted_surplus"] == 0
         sched.mark_trained(batch.groups)
-        sched.publish([None], 1)  # prompt 2 starts at version 1
+        sched.servers_changed(
+            ServersChanged(version=1, weights=[None])
+        )  # prompt 2 starts at version 1
         time.sleep(0.1)  # sample (1, 0) (start 0) is back and scored
         batch = sched.next_batch(1, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [2]
@@ -381,7 +384,7 @@ def test_in_flight_start_version_depends_on_partial_rollout(partial_rollout):
     try:
         batch = sched.next_batch(0, timeout_s=10)
         sched.mark_trained(batch.groups)
-        sched.publish([None], 1)
+        sched.servers_changed(ServersChanged(version=1, weights=[None]))
         batch = sched.next_batch(1, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [2]
         assert batch.dropped == []  # no sample of prompt 1 had arrived
@@ -404,7 +407,7 @@ def test_surplus_prompt_regenerated_fresh():
     try:
         batch = sched.next_batch(0, timeout_s=10)
         sched.mark_trained(batch.groups)
-        sched.publish([None], 1)
+        sched.servers_changed(ServersChanged(version=1, weights=[None]))
         time.sleep(0.1)
         batch = sched.next_batch(1, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [2]
@@ -415,7 +418,7 @@ def test_surplus_prompt_regenerated_fresh():
         assert sched.counters["prompts_regenerated_stale"] == 1
         servers[0].hang.clear()  # the resubmitted requests finish normally
         sched.mark_trained(batch.groups)
-        sched.publish([None], 2)
+        sched.servers_changed(ServersChanged(version=2, weights=[None]))
         batch = sched.next_batch(2, timeout_s=10)
         # The regenerated group started at version 1: fresh at step 2, trained.
         assert [g.prompt_id for g in batch.groups] == [1]

@@ -25,7 +25,7 @@ from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.rollout.reward_pool import Scored
 from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
-from jaxflash.runtime.rollout.server_pool import ServerPool, Submitted
+from jaxflash.runtime.rollout.server_pool import ServerPool, ServersChanged, Submitted
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
     FailureReason,
@@ -448,7 +448,7 @@ def test_no_silent_hang_under_a_virtual_clock(monkeypatch):
     clock.advance(10.0)
     sched.poll()
     assert sum(len(s.submitted) for s in servers) == sent
-    sched.publish([None, None], 1)
+    sched.servers_changed(ServersChanged(version=1, weights=[None, None]))
     sched.poll()
     assert sum(len(s.submitted) for s in servers) == sent + 4 * 2
     assert threading.active_count() == threads  # no pump thread was started
@@ -464,7 +464,7 @@ def test_virtual_clock_runs_are_deterministic():
             batch = drive(sched, clock, servers, v)
             sched.mark_trained(batch.groups)
             trace.append((clock.now(), [g.prompt_id for g in batch.groups], batch.rows))
-            sched.publish([None, None], v + 1)
+            sched.servers_changed(ServersChanged(version=v + 1, weights=[None, None]))
         return trace, dict(sched.counters), ledger.state_dict()
 
     assert run() == run()
@@ -520,7 +520,7 @@ def test_every_failure_reason_is_counted_exactly(tmp_path, placement):
         )
         first = drive(sched, clock, servers, 0)  # prompts 0-5
         sched.mark_trained(first.groups)
-        sched.publish([None] * n_servers, 1)
+        sched.servers_changed(ServersChanged(version=1, weights=[None] * n_servers))
         second = drive(sched, clock, servers, 1)  # prompt 6 kills the servers: admission halts
         with pytest.raises(RuntimeError, match="every generation server died"):
             drive(sched, clock, servers, 1)
@@ -585,7 +585,9 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
     assert batch.groups == [] and [d.prompt_id for d in batch.dropped] == [0, 1, 2, 3]
     assert {d.reason for d in batch.dropped} == {"mean_below_min"}
     assert ledger.taken == 4 and ledger.outcomes["filtered"] == {"mean_below_min": 4}
-    sched.publish([None], 1)  # the skipped step's version: capacity and budget are back
+    sched.servers_changed(
+        ServersChanged(version=1, weights=[None])
+    )  # the skipped step's version: capacity and budget are back
     batch = drive(sched, clock, servers, 1)
     assert [g.prompt_id for g in batch.groups] == [4, 6]  # 5 filtered and replaced by 6
     assert ledger.outcomes["filtered"] == {"mean_below_min": 5}
@@ -645,7 +647,7 @@ def test_a_malformed_row_is_warned_once_and_counted_every_epoch(tmp_path, caplog
     for version in range(3):  # three epochs of the three rows
         batch = drive(sched, clock, servers, version)
         sched.mark_trained(batch.groups)
-        sched.publish([None], version + 1)
+        sched.servers_changed(ServersChanged(version=version + 1, weights=[None]))
     assert ledger.outcomes["failed"] == {"malformed_row": 6}
     warned = [r.getMessage() for r in caplog.records if "malformed_row" in r.getMessage()]
     assert len(warned) == 2, warned

@@ -131,6 +131,7 @@ class RLLoop:
             batch_prompts=self.control.fresh_prompts, async_ratio=self.control.async_ratio,
             reward_pool=self.reward_pool, clock=clock,
         )  # fmt: skip
+        self.fleet.listen(self.scheduler)  # told of every new version and elastic move
         self.control.attach(learner=learner, fleet=self.fleet, scheduler=self.scheduler)
         self.pack = dict(pad_id=tokenizer.pad_id, max_len=model.max_seq_len)  # batch rows
         self.wait_s = workload.batch_timeout_s()  # for a batch, before giving up
@@ -186,7 +187,7 @@ class RLLoop:
         # 7. Publish: the fleet puts the new version on every server (they keep decoding).
         with times.publishing():
             self.version = version = self.learner.step
-            sync = self.fleet.publish(self.learner, version, scheduler)
+            sync = self.fleet.publish(self.learner, version)
         self.writer.write_timeline(times.timeline(version))
         tracker.report("time", times.metrics(learned, sync))  # docs/METRICS.md
         tracker.report("version", policy_version=version)

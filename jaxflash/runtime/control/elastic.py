@@ -9,7 +9,8 @@ learner steps, in whole generation slices (``sync.reshard_plan``):
 
 * the learner grows (takes the first generation slices): each slice's server
   leaves the pool and stops; what it finished is taken, what it still held is
-  re-queued on the other servers (``RolloutScheduler.retire_server``; counted
+  re-queued on the other servers (the fleet tells the rollout,
+  ``RolloutScheduler.servers_changed``; counted
   ``elastic_requeued``, no prompt lost or counted twice); then the TrainState
   (params + optimizer state) is resharded onto the larger learner mesh device to
   device (``sync.reshard``) and the step for that mesh comes from the learner's
@@ -44,7 +45,6 @@ from jaxflash.runtime.config.elastic_spec import learner_axes
 from jaxflash.runtime.fleet.fleets import ThreadFleet
 from jaxflash.runtime.fleet.learner_program import LearnerProgram
 from jaxflash.runtime.fleet.placement import Placement
-from jaxflash.runtime.rollout.scheduler import RolloutScheduler
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sync.reshard_plan import RoleSplit, plan_role_split
 
@@ -71,9 +71,8 @@ class ElasticPool:
 
     Args:
       learner: the learner (its state moves; one process only).
-      fleet: the thread fleet (it retires and adds slots and their servers,
-        ``ThreadFleet.resize``; a slot's index is its server's in the pool).
-      scheduler: the rollout the fleet's servers leave and join.
+      fleet: the thread fleet (it retires and adds slots and their servers and tells
+        the rollout, ``ThreadFleet.resize``; a slot's index is its server's in the pool).
       placement: the starting placement (disjoint, thread servers).
       learner_shape: ``mesh.learner`` axis sizes (fsdp takes the size changes).
       state: ``state_dict`` from a checkpoint (moves and re-queued counts go on).
@@ -87,14 +86,13 @@ class ElasticPool:
         *,
         learner: LearnerProgram,
         fleet: ThreadFleet,
-        scheduler: RolloutScheduler,
         placement: Placement,
         learner_shape: Mapping[str, int],
         state: dict[str, Any] | None = None,
     ):
         if placement.colocated or not placement.generation:
             raise ValueError("ElasticPool needs disjoint generation slices of thread servers")
-        self._learner, self._fleet, self._scheduler = learner, fleet, scheduler
+        self._learner, self._fleet = learner, fleet
         self._learner_shape = dict(learner_shape)
         self._gen_shape = dict(placement.generation[0].shape)
         self._devices = {int(d.id): d for d in jax.devices()}
@@ -134,7 +132,6 @@ class ElasticPool:
             add=[make_mesh([self._devices[d] for d in s], self._gen_shape)
                  for s in change.to_generation],
             learner=self._learner,
-            rollout=self._scheduler,
         )  # fmt: skip
         self._slot.update(zip(change.to_generation, done.added, strict=True))
         requeued = done.requeued
@@ -193,7 +190,6 @@ def make_elastic(
     *,
     learner: LearnerProgram,
     fleet: Any,
-    scheduler: RolloutScheduler,
     placement: Placement,
     extra: dict[str, Any],
     learner_devices: int | None,
@@ -202,7 +198,7 @@ def make_elastic(
 
     Args:
       exp: the ``ExperimentConfig`` (``runtime.elastic_spec.check_elastic`` passed).
-      learner, fleet, scheduler, placement: as ``ElasticPool``.
+      learner, fleet, placement: as ``ElasticPool``.
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start).
       learner_devices: the decision in force's learner size (the replay cycle's;
         on resume the checkpointed split, moved to here before the first step).
@@ -212,7 +208,6 @@ def make_elastic(
     pool = ElasticPool(
         learner=learner,
         fleet=fleet,
-        scheduler=scheduler,
         placement=placement,
         learner_shape=exp.mesh.learner,
         state=extra.get("elastic"),

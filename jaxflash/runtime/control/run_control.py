@@ -62,13 +62,13 @@ class RunControl:
         return self.steps.decision.async_ratio if self.steps else self._exp.rollout.async_ratio
 
     def attach(self, *, learner: Any, fleet: Any, scheduler: Any) -> None:
-        """Build the elastic pool (``controller.elastic``) over the run's learner, fleet
-        and rollout; a resumed run moves to its checkpoint's split here."""
+        """Build the elastic pool (``controller.elastic``) over the run's learner and fleet
+        (which tells the rollout); a resumed run moves to its checkpoint's split here.
+        ``scheduler``: the rollout the plan reconfigures."""
         self._scheduler = scheduler
         d = self.steps.decision if self.steps else None
         self.elastic = make_elastic(
-            self._exp, learner=learner, fleet=fleet, scheduler=scheduler,
-            placement=self._placement, extra=self._extra,
+            self._exp, learner=learner, fleet=fleet, placement=self._placement, extra=self._extra,
             learner_devices=d.learner_devices if d else None,
         )  # fmt: skip
 

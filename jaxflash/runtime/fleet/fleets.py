@@ -13,10 +13,13 @@ One RL loop (``runtime.loop``) drives either kind through the same calls:
   program pulls the version it is told (``WeightOffer``) into its own sharding.
 
 The fleet owns its servers and their weights: ``start`` puts the first weights on
-every server and builds ``pool``, what the rollout routes to; ``publish(learner,
-version, rollout)`` copies (or offers) each new version and has the rollout hand it
-to every server (params on its mesh, or a ``WeightOffer``); ``resize`` is the elastic
-move; ``generator`` is what held-out evaluation generates with, on either kind.
+every server and builds ``pool``, what the rollout routes to; ``listen(rollout)``
+names the one it tells what changed (a ``ServerListener``: one call,
+``servers_changed``); ``publish(learner, version)`` copies (or offers) each new version,
+then tells the rollout, which hands it to every server under its lock (params on its
+mesh, or a ``WeightOffer``); ``resize`` is the elastic move, told the same way;
+``generator`` is what held-out evaluation generates with, on either kind. The fleet
+never calls into the rollout otherwise.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ from jaxflash.runtime.fleet.remote_server import (
 )
 from jaxflash.runtime.fleet.rpc_wire import WeightOffer
 from jaxflash.runtime.model_setup import engine_config, lora_base_source, make_engine
-from jaxflash.runtime.rollout.scheduler import RolloutScheduler
-from jaxflash.runtime.rollout.server_pool import ServerPool
+from jaxflash.runtime.rollout.server_pool import ServerListener, ServerPool, ServersChanged
 from jaxflash.sync.publish import AdapterPublisher, Publisher
 from jaxflash.sync.reshard import LayoutCache
 from jaxflash.sync.transfer_digest import tree_digest
@@ -80,7 +82,8 @@ class WeightSync:
 
     Attributes:
       copy_s: seconds until every server held the weights (D2D copies, or pulls).
-      handover_s: seconds the rollout took to hand them over and release capacity.
+      handover_s: seconds the rollout took to hand them over and release capacity
+        (``ServersApplied.seconds``).
       bytes: bytes moved, all servers together (the adapters only under LoRA).
     """
 
@@ -131,6 +134,7 @@ class ThreadFleet:
         self._settings = servers
         self._slots = {i: self._slot(mesh) for i, mesh in enumerate(placement.generation)}
         self.pool: ServerPool | None = None  # ``start`` builds it
+        self._listener: ServerListener | None = None  # ``listen`` names it
         self.last_publish_bytes = 0  # bytes the last publish moved, all slots together
 
     def _slot(self, mesh: Mesh) -> _Slot:
@@ -174,19 +178,22 @@ class ThreadFleet:
         self.pool = ServerPool([self._server(i, s, version) for i, s in self._slots.items()])
         return self.pool
 
-    def publish(
-        self, learner: LearnerProgram, version: int, rollout: RolloutScheduler
-    ) -> WeightSync:
-        """Learner params -> every slot, device to device; then ``rollout`` hands them to
-        the servers (under its lock: deaths are seen there) and releases capacity."""
+    def listen(self, listener: ServerListener) -> None:
+        """``listener`` (the rollout routing to ``pool``) is told every change of the
+        servers from now on (``publish``, ``resize``)."""
+        self._listener = listener
+
+    def publish(self, learner: LearnerProgram, version: int) -> WeightSync:
+        """Learner params -> every slot, device to device; then the listener hands them
+        to the servers (under its lock: deaths are seen there) and releases capacity."""
         clock = self._settings.clock
         t0 = clock.now()
         self.last_publish_bytes = 0
         self._copy(list(self._slots.values()), learner, version)
         copy_s = clock.now() - t0
         held = [self._slots[i].params if i in self._slots else None for i in range(len(self.pool))]
-        handover_s = rollout.publish(held, version)
-        return WeightSync(copy_s=copy_s, handover_s=handover_s, bytes=self.last_publish_bytes)
+        done = self._listener.servers_changed(ServersChanged(version=version, weights=held))
+        return WeightSync(copy_s=copy_s, handover_s=done.seconds, bytes=self.last_publish_bytes)
 
     def resize(
         self,
@@ -195,28 +202,28 @@ class ThreadFleet:
         learner_mesh: Mesh,
         add: list[Mesh],
         learner: LearnerProgram,
-        rollout: RolloutScheduler,
     ) -> Resized:
         """The elastic move (between learner steps, after the step's publish).
 
-        Servers ``retire`` leave the rollout (their requests re-queued) and their slots
-        go; the learner state moves onto ``learner_mesh``; then each mesh of ``add``
-        gets a slot holding the learner's params and a server, which joins the rollout
-        at the pool's next index only then.
+        Servers ``retire`` leave the rollout (the listener is told; their requests are
+        re-queued) and their slots go; the learner state moves onto ``learner_mesh``;
+        then each mesh of ``add`` gets a slot holding the learner's params and a server,
+        and the listener is told of them together: they join at the pool's next indices.
         """
         requeued = 0
         for i in retire:  # stop generating there before the learner takes the devices
-            requeued += rollout.retire_server(i)
+            requeued += self._listener.servers_changed(ServersChanged(retired=(i,))).requeued
             del self._slots[i]
         report = learner.move_to(learner_mesh)
         jax.block_until_ready(learner.state)
-        version, added = learner.step, []
-        for mesh in add:  # weights on the new slice before it takes requests
+        version, slots, servers = learner.step, [], []
+        for n, mesh in enumerate(add):  # weights on the new slice before it takes requests
             slot = self._slot(mesh)
             self._copy([slot], learner, version)
-            i = rollout.add_server(self._server(len(self.pool), slot, version))
-            self._slots[i] = slot
-            added.append(i)
+            slots.append(slot)
+            servers.append(self._server(len(self.pool) + n, slot, version))
+        added = self._listener.servers_changed(ServersChanged(added=servers)).added if add else ()
+        self._slots.update(zip(added, slots, strict=True))
         return Resized(requeued=requeued, reshard_bytes=report.bytes, added=tuple(added))
 
     def generator(self) -> EngineGenerate:
@@ -309,6 +316,7 @@ class ProcessFleet:
         self.layout = TreeLayout.from_json(layouts[0])
         self._board: OfferBoard | None = None
         self.pool: ServerPool | None = None  # ``start`` builds it
+        self._listener: ServerListener | None = None  # ``listen`` names it
         self.last_publish_bytes = 0  # bytes offered by the last publish, per program
 
     def _offer(self, learner: LearnerProgram, version: int) -> WeightOffer:
@@ -347,11 +355,13 @@ class ProcessFleet:
         self.pool = ServerPool(self._servers)
         return self.pool
 
-    def publish(
-        self, learner: LearnerProgram, version: int, rollout: RolloutScheduler
-    ) -> WeightSync:
-        """Offer ``version``; every program installs it (pulls in parallel) before
-        ``rollout`` hands the offer to the servers and releases capacity."""
+    def listen(self, listener: ServerListener) -> None:
+        """``listener`` (the rollout routing to ``pool``) is told every new version."""
+        self._listener = listener
+
+    def publish(self, learner: LearnerProgram, version: int) -> WeightSync:
+        """Offer ``version``; every program installs it (pulls in parallel) before the
+        listener hands the offer to the servers and releases capacity."""
         clock = self._settings.clock
         t0 = clock.now()
         offer = self._offer(learner, version)
@@ -359,8 +369,9 @@ class ProcessFleet:
             for _ in pool.map(lambda s: self._pull(s, offer), self._servers):
                 pass
         copy_s = clock.now() - t0
-        handover_s = rollout.publish([offer] * len(self.clients), version)
-        return WeightSync(copy_s=copy_s, handover_s=handover_s, bytes=self.last_publish_bytes)
+        change = ServersChanged(version=version, weights=[offer] * len(self.clients))
+        done = self._listener.servers_changed(change)
+        return WeightSync(copy_s=copy_s, handover_s=done.seconds, bytes=self.last_publish_bytes)
 
     @staticmethod
     def _pull(server: RemoteGenerationServer, offer: WeightOffer) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import DroppedGroup, Group
-from jaxflash.runtime.rollout.admission import Admission
+from jaxflash.runtime.rollout.admission import Admission, admit_all
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.rows import rollout_row
 from jaxflash.runtime.rollout.settings import Dispatch, RolloutSettings
@@ -145,8 +145,8 @@ class BatchAssembler:
         self.taken += [g.prompt_id for g in got]
         if len(self._groups) == self.B:
             self._abort_surplus(v)
-            self.dispatcher.admit()  # capacity freed by surplus drops: replacements start
-        elif self.dispatcher.admit() or not self.dispatcher.idle() or self.buffer.num_complete():
+            self._admit()  # capacity freed by surplus drops: replacements start
+        elif self._admit() or not self.dispatcher.idle() or self.buffer.num_complete():
             return None
         elif not self._groups and not self._dropped and self.admission.halted:
             raise RuntimeError("every generation server died: no prompt can be generated")
@@ -224,15 +224,16 @@ class BatchAssembler:
         at the next release).
         """
         oldest_fresh = v + 1 - self.alpha
-        now_fresh = self.dispatcher.version >= oldest_fresh
+        now_fresh = self.dispatcher.router.version >= oldest_fresh
+        flying = self.dispatcher.in_flight()
         doomed = [
             pid
-            for pid in self.dispatcher.in_flight()
-            if self.admission.is_active(pid) and self.dispatcher.start_estimate(pid) < oldest_fresh
+            for pid, f in flying.items()
+            if self.admission.is_active(pid) and f.start_version < oldest_fresh
         ]
         regen = self.stale_policy == "regenerate"
         for pid in doomed:
-            self.counters["samples_aborted_surplus"] += self.dispatcher.outstanding(pid)
+            self.counters["samples_aborted_surplus"] += flying[pid].running
             self.dispatcher.abort_prompt(pid)
             self.dispatcher.forget(pid, scoring=True)  # late scores are discarded
             d = self.buffer.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
@@ -253,6 +254,10 @@ class BatchAssembler:
                 self.admission.free(pid)
             else:
                 self.admission.release_at_publish(pid)
+
+    def _admit(self) -> int:
+        """Admit prompts while capacity allows, played by the dispatcher; how many."""
+        return admit_all(self.admission, self.ledger, self.buffer, self.dispatcher.dispatch_prompt)
 
     def release(self) -> None:
         """New weights are published: the prompts handed out since return their capacity."""

@@ -31,7 +31,12 @@ from jaxflash.runtime.rollout.scoring import (
     scored_sample,
     unavailable,
 )
-from jaxflash.runtime.rollout.settings import DispatchFactory, DispatchParts, RolloutSettings
+from jaxflash.runtime.rollout.settings import (
+    DispatchFactory,
+    DispatchParts,
+    InFlight,
+    RolloutSettings,
+)
 from jaxflash.types import GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
@@ -110,7 +115,7 @@ class Dispatcher:
                 self._on_scored(sample, rest[0])
         if self.router.check():  # a restarted generation process: admit again
             self.admission.reopen()
-        self.admit()
+        admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
         return len(events)
 
     def idle(self) -> bool:
@@ -121,10 +126,6 @@ class Dispatcher:
             and self.inbox.empty()
             and not self.admission.can_admit()
         )
-
-    def admit(self) -> int:
-        """Admit prompts while capacity allows (each becomes G requests); how many."""
-        return admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
 
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Send all G samples of ``prompt`` (stops at the first that fails)."""
@@ -141,20 +142,7 @@ class Dispatcher:
         self.router.abort_prompt(prompt_id)
 
     # ------------------------------------------------------------------ for the batch side
-
-    @property
-    def version(self) -> int:
-        """The published policy version the servers were handed last."""
-        return self.router.version
-
-    def publish(self, version: int) -> None:
-        """The learner published ``version`` (ValueError unless it increases)."""
-        self.router.publish(version)
-
-    @property
-    def first_request_at(self) -> float | None:
-        """Clock time of the first sample sent to a server (None before)."""
-        return self.router.first_request_at
+    # (the servers' events -- versions, deaths, retirements -- go to ``router`` itself)
 
     @property
     def num_outstanding(self) -> int:
@@ -168,17 +156,11 @@ class Dispatcher:
         """Clock time at which the oldest outstanding sample misses its deadline."""
         return self.router.next_deadline()
 
-    def in_flight(self) -> list[int]:
-        """Prompts with at least one sample on a server, sorted."""
-        return self.router.in_flight()
-
-    def outstanding(self, prompt_id: int) -> int:
-        """Samples of ``prompt_id`` on a server."""
-        return self.router.outstanding(prompt_id)
-
-    def start_estimate(self, prompt_id: int) -> float:
-        """The start version the prompt's group will have (``OutstandingTable``)."""
-        return self.router.start_estimate(prompt_id)
+    def in_flight(self) -> dict[int, InFlight]:
+        """Prompts with at least one sample on a server: how many, and the start version
+        their group will have (``OutstandingTable.start_estimate``)."""
+        r = self.router
+        return {p: InFlight(r.outstanding(p), r.start_estimate(p)) for p in r.in_flight()}
 
     def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
         """Drop a prompt's start record (trained, dropped or regenerated); with
@@ -188,14 +170,6 @@ class Dispatcher:
             for key in [k for k in self.scoring if k[0] == prompt_id]:
                 del self.scoring[key]
                 self._scoring_since.pop(key, None)
-
-    def server_died(self, i: int) -> None:
-        """Server i was found dead (the pool reports each death once): reroute its samples."""
-        self.router.server_died(i)
-
-    def server_retired(self, i: int) -> int:
-        """Server i left the pool (elastic move, stopped): re-queue its requests elsewhere."""
-        return self.router.retire(i)
 
     def stats(self) -> dict[str, Any]:
         """Instantaneous queue state for metrics.jsonl."""

@@ -57,7 +57,12 @@ from jaxflash.runtime.rollout.episode_groups import (
     EpisodeSettings,
 )
 from jaxflash.runtime.rollout.routing import RequestRouter
-from jaxflash.runtime.rollout.settings import DispatchFactory, DispatchParts, RolloutSettings
+from jaxflash.runtime.rollout.settings import (
+    DispatchFactory,
+    DispatchParts,
+    InFlight,
+    RolloutSettings,
+)
 from jaxflash.types import FailureReason, Prompt
 
 log = logging.getLogger(__name__)
@@ -154,7 +159,7 @@ class EpisodeDispatcher:
             if run is not None:
                 run.lose_env()  # its call may still be running: never touch it again
             self._env_returned(key, outcome)
-        self.admit()
+        admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
         return len(events)
 
     def idle(self) -> bool:
@@ -166,10 +171,6 @@ class EpisodeDispatcher:
             and self.inbox.empty()
             and not self.admission.can_admit()
         )
-
-    def admit(self) -> int:
-        """Admit groups while capacity allows (each starts G + r episodes); how many."""
-        return admit_all(self.admission, self.ledger, self.buffer, self.dispatch_prompt)
 
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Start (or start again) the group of ``prompt``: G + r fresh episodes."""
@@ -190,17 +191,6 @@ class EpisodeDispatcher:
     # ------------------------------------------------------------------ for the batch side
 
     @property
-    def version(self) -> int:
-        return self.router.version
-
-    def publish(self, version: int) -> None:
-        self.router.publish(version)
-
-    @property
-    def first_request_at(self) -> float | None:
-        return self.router.first_request_at
-
-    @property
     def num_outstanding(self) -> int:
         return len(self.router.table)
 
@@ -209,20 +199,15 @@ class EpisodeDispatcher:
         times = [t for t in (self.router.next_deadline(), self.calls.next_deadline()) if t]
         return min(times, default=None)
 
-    def in_flight(self) -> list[int]:
-        """Groups with an episode running (on a server or in its environment), sorted."""
-        return sorted(pid for pid, g in self.groups.items() if g.runs)
-
-    def outstanding(self, prompt_id: int) -> int:
-        """Episodes of ``prompt_id`` running."""
-        group = self.groups.get(prompt_id)
-        return len(group.runs) if group else 0
-
-    def start_estimate(self, prompt_id: int) -> float:
-        """The group's start version: the oldest of its kept and running episodes'
+    def in_flight(self) -> dict[int, InFlight]:
+        """Groups with an episode running (on a server or in its environment): how many,
+        and the group's start version, the oldest of its kept and running episodes'
         (exact: an episode's start version is fixed when it starts)."""
-        group = self.groups.get(prompt_id)
-        return float("inf") if group is None else group.start_version()
+        return {
+            pid: InFlight(len(g.runs), g.start_version())
+            for pid, g in sorted(self.groups.items())
+            if g.runs
+        }
 
     def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
         """The group was trained, dropped or is regenerated: drop what is left of it."""
@@ -231,13 +216,6 @@ class EpisodeDispatcher:
         group = self.groups.get(prompt_id)
         if group is not None and not group.runs:
             del self.groups[prompt_id]
-
-    def server_died(self, i: int) -> None:
-        self.router.server_died(i)
-
-    def server_retired(self, i: int) -> int:
-        """Server i left the pool (elastic move, stopped): re-queue its requests elsewhere."""
-        return self.router.retire(i)
 
     def take_score_spans(self) -> list[tuple[float, float]]:
         """None: the environments score episodes (no reward pool spans)."""

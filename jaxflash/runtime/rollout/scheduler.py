@@ -3,14 +3,14 @@
     prompts ─► Admission ((α+1)·B) ─► Dispatcher: G single-sample requests ─► ServerPool
        ▲                                                                       │
        │                                        reward per sample ◄── Inbox ◄──┘
-    publish(v+1): release ◄── learner ◄── next_batch ◄── BatchAssembler ◄── GroupBuffer
+    servers_changed(v+1): release ◄── learner ◄── next_batch ◄── BatchAssembler ◄── GroupBuffer
 
 Built from thread-free parts, each with its own tests: ``OutstandingTable``,
 ``Admission``, ``ServerPool``, a dispatcher (``rollout.settings.Dispatch``, built by
 the workload's factory), ``BatchAssembler``. Each part owns its state (the others
 call its methods) and its counters (``counts()``; ``counters`` here adds them to the
 checkpoint's). Their work is reachable without threads (``poll``, ``try_batch``,
-``publish``); the scheduler adds only the pump thread that calls ``poll`` in a loop
+``servers_changed``); the scheduler adds only the pump thread that calls ``poll`` in a loop
 and the blocking ``next_batch``. A simulator drives the same object without threads under a
 ``VirtualClock`` (``runtime.clock``).
 
@@ -33,7 +33,7 @@ tests/test_scheduler_parts.py for a complete driver)::
         clock.advance(learner time)
         sched.mark_trained(batch.groups)
         v += 1
-        sched.publish([None] * n, v)
+        sched.servers_changed(ServersChanged(version=v, weights=[None] * n))
 
 With α = 0 (capacity B, release at publish) the next prompts start at the new
 version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
@@ -62,7 +62,13 @@ from jaxflash.runtime.rollout import server_metrics as gen_metrics
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.rollout.inbox import Inbox
-from jaxflash.runtime.rollout.server_pool import GenerationServerProtocol, ServerPool, Submitted
+from jaxflash.runtime.rollout.server_pool import (
+    GenerationServerProtocol,
+    ServerPool,
+    ServersApplied,
+    ServersChanged,
+    Submitted,
+)
 from jaxflash.runtime.rollout.settings import (
     DispatchFactory,
     DispatchParts,
@@ -158,11 +164,6 @@ class RolloutScheduler:
         self.step_books: BooksSnapshot | None = None  # at the last ``end_step``
 
     @property
-    def B(self) -> int:
-        """Groups per learner step now (``reconfigure`` moves it)."""
-        return self.assembler.B
-
-    @property
     def counters(self) -> collections.Counter:
         """Every counter of the run: the checkpoint's plus each part's since (a copy)."""
         with self._lock:
@@ -221,38 +222,6 @@ class RolloutScheduler:
             self.admission.resize(capacity=prompts_in_flight, refill_budget=refill)
             self._changed.notify_all()
 
-    def retire_server(self, i: int, timeout_s: float = 60.0) -> int:
-        """Step boundary: take server i out for good (its devices join the learner).
-
-        Under the lock, so no request can reach it meanwhile: it leaves the pool,
-        is stopped (its unfinished work dropped), whatever it finished before
-        stopping is taken as usual (``poll``), and its requests still outstanding
-        are re-queued on the other servers (``RequestRouter.retire``, counted
-        ``samples_requeued``; ROLL's partial_gpu_mode shrinks its generation
-        servers the same way). Returns how many were re-queued.
-
-        Raises:
-          ValueError: see ``ServerPool.retire``. TimeoutError: it did not stop.
-        """
-        with self._changed:
-            server = self.pool.retire(i)
-            server.stop(timeout_s)
-            self.dispatcher.poll()
-            requeued = self.dispatcher.server_retired(i)
-            self._changed.notify_all()
-            return requeued
-
-    def add_server(self, server: GenerationServerProtocol) -> int:
-        """Step boundary: a new server (devices the learner gave back), already holding
-        the published weights; started now if the scheduler runs (else by ``start``).
-        Returns its index."""
-        with self._changed:
-            i = self.pool.add(server)
-            if self._thread is not None:
-                server.start()
-            self._changed.notify_all()
-            return i
-
     def count(self, *names: str) -> None:
         """Add 1 to each named counter (the loop's own counts live with the scheduler's)."""
         with self._lock:
@@ -260,7 +229,8 @@ class RolloutScheduler:
                 self._counters[name] += 1
 
     def mark_trained(self, groups: Sequence[Group]) -> None:
-        """Close a batch's prompts in the ledger (their capacity returns at ``publish``).
+        """Close a batch's prompts in the ledger (their capacity returns at the next
+        version, ``servers_changed``).
 
         TRAINED, or FILTERED "all_truncated" when no sample of the group carried
         loss (``truncation="mask"`` with every sample truncated).
@@ -273,27 +243,48 @@ class RolloutScheduler:
                     self.ledger.close(g.prompt_id, PromptOutcome.TRAINED, "trained")
             self.ledger.check()
 
-    def publish(self, params_by_server: Sequence[Any], version: int) -> float:
-        """Hand version ``version`` to every live server (non-blocking) and release capacity.
+    def servers_changed(self, change: ServersChanged) -> ServersApplied:
+        """The fleet's one call (``ServerListener``): its servers changed at a step boundary.
 
-        Args:
-          params_by_server: params already on each server's mesh (``sync.publish``).
-          version: the new policy version (greater than every previous one).
+        Under the lock, so no request meets a server mid-change, in this order:
 
-        Returns:
-          Seconds spent handing the weights over.
+        - ``retired``: each leaves the pool, is stopped (its unfinished work dropped),
+          what it finished before stopping is taken (``poll``) and its requests still
+          out are re-queued on the others (``RequestRouter.retire``, counted
+          ``samples_requeued``; ROLL's partial_gpu_mode shrinks its servers the same way);
+        - ``added``: each joins at the pool's next index, started if the rollout runs;
+        - ``version``: every live server is handed ``weights[i]`` (non-blocking; one
+          found dead is rerouted) and the capacity of the prompts trained is released.
+
+        Raises:
+          ValueError: see ``ServerPool.retire``; a version that does not increase.
+          TimeoutError: a retired server did not stop.
         """
         t0 = self.clock.now()
+        requeued, added = 0, []
         with self._changed:
-            for i, params in enumerate(params_by_server):
-                if self.pool.update(i, params, version) is Submitted.DIED:
-                    self.dispatcher.server_died(i)
-            self.dispatcher.publish(version)
-            self.assembler.release()
-            for prompt in self.admission.release():  # surplus prompts, fresh at this version
-                self.dispatcher.dispatch_prompt(prompt)
+            for i in change.retired:
+                self.pool.retire(i).stop(60.0)
+                self.dispatcher.poll()
+                requeued += self.dispatcher.router.retire(i)
+            for server in change.added:
+                added.append(self.pool.add(server))
+                if self._thread is not None:
+                    server.start()
+            if change.version is not None:
+                self._publish(change.weights, change.version)
             self._changed.notify_all()
-        return self.clock.now() - t0
+        return ServersApplied(seconds=self.clock.now() - t0, requeued=requeued, added=tuple(added))
+
+    def _publish(self, weights: Sequence[Any], version: int) -> None:
+        """Hand ``version`` to every live server and release capacity (under the lock)."""
+        for i, params in enumerate(weights):
+            if self.pool.update(i, params, version) is Submitted.DIED:
+                self.dispatcher.router.server_died(i)
+        self.dispatcher.router.publish(version)
+        self.assembler.release()
+        for prompt in self.admission.release():  # surplus prompts, fresh at this version
+            self.dispatcher.dispatch_prompt(prompt)
 
     # ------------------------------------------------------------------ threads
 
@@ -302,7 +293,7 @@ class RolloutScheduler:
         self.pool.start()
         self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
         self._thread.start()
-        self._servers_seen = self.server_stats()  # what server_metrics counts from
+        self._servers_seen = self.server_stats()  # what _server_metrics counts from
 
     def next_batch(
         self,
@@ -333,8 +324,8 @@ class RolloutScheduler:
                 left = timeout_s - (self.clock.now() - t0)
                 if left <= 0:
                     raise TimeoutError(
-                        f"next_batch: {self.assembler.groups_so_far}/{self.B} groups after "
-                        f"{timeout_s}s at learner version {learner_version}: {self.stats()}"
+                        f"next_batch: {self.assembler.groups_so_far}/{self.assembler.B} groups "
+                        f"after {timeout_s}s at learner version {learner_version}: {self.stats()}"
                     )
                 self.clock.wait(self._changed, min(left, 0.5))
 
@@ -374,7 +365,7 @@ class RolloutScheduler:
             out = {k: int(v) for k, v in sorted(self.counters.items())}
             out.update(
                 prompts_active=len(self.admission),
-                sched_batch_prompts=self.B,
+                sched_batch_prompts=self.assembler.B,
                 sched_async_ratio=self.assembler.alpha,
                 sched_prompts_capacity=self.admission.capacity,
                 **self.dispatcher.stats(),
@@ -384,7 +375,7 @@ class RolloutScheduler:
             return out
 
     def end_step(self, groups: Sequence[Group], version: int, tracker: Any) -> tuple[int, int]:
-        """Step boundary, after the update and before ``publish`` frees capacity.
+        """Step boundary, after the update and before the publish frees capacity.
 
         Closes the batch's prompts (``mark_trained``), keeps the books a checkpoint of
         this step saves (``step_books``: what is in flight was admitted under the old
@@ -394,23 +385,18 @@ class RolloutScheduler:
         (``prompt_outcomes``: the ledger's outcome -> reason -> count, live).
 
         Returns:
-          ``progress()``: the step controller's view of supply and queue.
+          (samples generated since the run began, groups pending in the buffer): the
+          step controller's view of supply and queue (``control.step_control.StepReport``).
         """
         self.mark_trained(groups)
         self.step_books = self.snapshot()
         tracker.report("rollout", self.stats())
         tracker.report("outcomes", {"prompt_outcomes": self.ledger.outcomes})
-        progress = self.progress()
-        tracker.report("generation", self.server_metrics(version))
+        with self._lock:  # supply and queue, before the servers' metrics (as they were)
+            generated = int(self.counters.get("samples_generated", 0))
+            progress = generated, int(self.buffer.counts()["pending"])
+        tracker.report("generation", self._server_metrics(version))
         return progress
-
-    def progress(self) -> tuple[int, int]:
-        """(samples generated since the run began, groups pending in the buffer): the
-        step controller's view of supply and queue (``control.step_control.StepReport``)."""
-        with self._lock:
-            return int(self.counters.get("samples_generated", 0)), int(
-                self.buffer.counts()["pending"]
-            )
 
     def take_timeline_spans(self) -> dict[str, Any]:
         """Busy spans per server and reward-scoring spans since the last call (clock
@@ -424,7 +410,7 @@ class RolloutScheduler:
         """Each server's cumulative ``stats()`` ({} once dead)."""
         return self.pool.stats()
 
-    def server_metrics(self, version: int) -> dict[str, Any]:
+    def _server_metrics(self, version: int) -> dict[str, Any]:
         """The servers' generation metrics since the last call (since ``start`` at the
         first): ``rollout.server_metrics.server_metrics`` of the step at ``version``."""
         now = self.server_stats()
@@ -440,4 +426,4 @@ class RolloutScheduler:
     @property
     def first_request_at(self) -> float | None:
         """Clock time of the first sample sent to a server (None before)."""
-        return self.dispatcher.first_request_at
+        return self.dispatcher.router.first_request_at

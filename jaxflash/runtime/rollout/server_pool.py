@@ -14,6 +14,11 @@ never called again and never counted as a failure) and ``add`` appends a new one
 (devices the learner gave back). Indices stay stable: a retired index is never
 reused, so every table keyed by server index (loads, outstanding rows, the
 fleet's weights per server) stays valid.
+
+The fleet builds the servers and the pool and tells the rollout what changed in one
+call, ``ServerListener.servers_changed(ServersChanged)``: new weights on every server,
+servers retired, servers added. The listener (the rollout scheduler) applies it to
+the pool under its lock, so no request meets a server mid-change.
 """
 
 from __future__ import annotations
@@ -90,6 +95,48 @@ class Submitted(enum.Enum):
 class SubmitResult:
     status: Submitted
     error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServersChanged:
+    """What the fleet tells the rollout: one change of its servers (applied in this order).
+
+    Attributes:
+      retired: servers leaving for good (devices the learner takes); stopped, what they
+        finished taken, their requests still out re-queued on the others.
+      added: new servers, already holding the published weights; each takes the pool's
+        next index (started if the rollout runs).
+      version: a newer policy version every live server now installs (None: none).
+      weights: with ``version``, what server i installs, by pool index (params on its
+        mesh, or a ``WeightOffer``; None for a slot that is gone or holds nothing).
+    """
+
+    retired: Sequence[int] = ()
+    added: Sequence[GenerationServerProtocol] = ()
+    version: int | None = None
+    weights: Sequence[Any] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServersApplied:
+    """What the rollout did with a ``ServersChanged``.
+
+    Attributes:
+      seconds: clock seconds it took (the weights' handover included).
+      requeued: requests of the retired servers re-queued on the others.
+      added: the pool indices of the added servers, in order.
+    """
+
+    seconds: float
+    requeued: int = 0
+    added: tuple[int, ...] = ()
+
+
+class ServerListener(Protocol):
+    """The one call a fleet makes into the rollout (``RolloutScheduler`` implements it)."""
+
+    def servers_changed(self, change: ServersChanged) -> ServersApplied:
+        """Apply ``change`` to the servers the rollout routes to (a step boundary)."""
 
 
 class ServerPool:

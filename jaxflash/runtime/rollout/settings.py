@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from jaxflash.data.prompts import PromptFailure
 from jaxflash.replay.group_buffer import GroupBuffer
@@ -22,6 +22,7 @@ from jaxflash.runtime.config.rollout_spec import RolloutSpec
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.routing import RequestRouter
 from jaxflash.runtime.rollout.scoring import TruncationPolicy
 from jaxflash.runtime.rollout.server_pool import ServerPool
 from jaxflash.types import Prompt, SamplingParams
@@ -158,10 +159,29 @@ class DispatchParts:
     restored: Mapping[str, int]
 
 
+class InFlight(NamedTuple):
+    """A prompt (group) with something running (``Dispatch.in_flight``).
+
+    Attributes:
+      running: its samples (episodes) running now.
+      start_version: the start version its group will have (inf: nothing bounds it).
+    """
+
+    running: int
+    start_version: float
+
+
 class Dispatch(Protocol):
     """How admitted prompts are played (``Dispatcher``: G samples scored by a reward
     pool; ``EpisodeDispatcher``: G episodes); what the scheduler and
-    ``BatchAssembler`` drive. Thread-free: the scheduler serialises every call."""
+    ``BatchAssembler`` drive. Thread-free: the scheduler serialises every call.
+
+    Attributes:
+      router: its ``RequestRouter``, where the servers' events go directly: versions
+        (``publish``, ``version``), deaths, retirements, the first request's time.
+    """
+
+    router: RequestRouter
 
     def poll(self) -> int:
         """Handle reports, deaths and deadlines, then admit; events handled."""
@@ -169,46 +189,20 @@ class Dispatch(Protocol):
     def idle(self) -> bool:
         """Nothing in flight, nothing to report, nothing admissible."""
 
-    def admit(self) -> int:
-        """Admit prompts while capacity allows; how many."""
-
     def dispatch_prompt(self, prompt: Prompt) -> None:
-        """Start (or start again) ``prompt``."""
+        """Start (or start again) ``prompt`` (admitted: ``admission.admit_all``)."""
 
     def abort_prompt(self, prompt_id: int) -> None:
         """Stop everything of ``prompt_id`` that is in flight (counted)."""
 
-    @property
-    def version(self) -> int:
-        """The policy version the servers were handed last."""
-
-    def publish(self, version: int) -> None:
-        """The learner published ``version``."""
-
-    @property
-    def first_request_at(self) -> float | None:
-        """Clock time of the first request sent (None before)."""
-
-    def next_deadline(self) -> float | None:
-        """Clock time of the next deadline (None when nothing is pending)."""
-
-    def in_flight(self) -> list[int]:
-        """Prompts with something running, sorted."""
-
-    def outstanding(self, prompt_id: int) -> int:
-        """Samples (episodes) of ``prompt_id`` running."""
-
-    def start_estimate(self, prompt_id: int) -> float:
-        """The start version ``prompt_id``'s group will have."""
-
     def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
         """Drop what is kept of ``prompt_id`` (trained, dropped or regenerated)."""
 
-    def server_died(self, i: int) -> None:
-        """Server i was found dead: reroute its requests."""
+    def in_flight(self) -> dict[int, InFlight]:
+        """Prompts with something running, by id (sorted)."""
 
-    def server_retired(self, i: int) -> int:
-        """Server i left the pool: re-queue its requests; how many."""
+    def next_deadline(self) -> float | None:
+        """Clock time of the next deadline (None when nothing is pending)."""
 
     def take_score_spans(self) -> list[tuple[float, float]]:
         """(submitted, scored) clock times of rewards scored since the last call."""

@@ -6,7 +6,7 @@ completion, the learner's train or sync end). Each round it calls the
 scheduler's thread-free steps -- ``poll`` and, after anything changed,
 ``try_batch`` -- exactly as its pump thread and ``next_batch`` would, then jumps
 to the earliest event. The learner trains a batch for the simulated learner
-time, closes it (``mark_trained``), syncs weights, and ``publish`` es version v+1.
+time, closes it (``mark_trained``), syncs weights and hands version v+1 over (``servers_changed``).
 
 Placements (``SimConfig.placement``): "colocated" -- the servers live on the
 learner's devices and make no progress while it trains or syncs (the synchronous
@@ -35,6 +35,7 @@ from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.simulate.barrier import RoundBarrier
 from jaxflash.runtime.simulate.costs import CostModel
@@ -251,7 +252,7 @@ def simulate(
                     s.suspend(sync_s)
         elif phase == "sync":
             version += 1
-            sched.publish([None] * len(servers), version)
+            sched.servers_changed(ServersChanged(version=version, weights=[None] * len(servers)))
             changed = True
         for s, t in zip(servers, server_due, strict=True):
             if t is not None and t <= now:  # others: next round, after the scheduler saw this

@@ -34,6 +34,7 @@ from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.workloads.agentic import EnvGroupSource
 from jaxflash.types import FinishReason, GenerationRequest, Sample, SamplingParams
@@ -245,7 +246,7 @@ def run_steps(
     Each round: ``poll``; when the learner is idle, ``try_batch``; else jump to the
     earliest event (a turn finishing, an environment call returning, a deadline,
     the learner finishing). A batch is trained for ``train_s`` (generation and
-    environments go on meanwhile), then ``mark_trained`` and ``publish`` v + 1.
+    environments go on meanwhile), then ``mark_trained`` and ``servers_changed`` to v + 1.
 
     Raises:
       RuntimeError: nothing can happen while the learner waits (with the stats), or
@@ -264,7 +265,7 @@ def run_steps(
         elif clock.now() >= train_done:
             sched.mark_trained(training.groups)
             version += 1
-            sched.publish([None] * len(servers), version)
+            sched.servers_changed(ServersChanged(version=version, weights=[None] * len(servers)))
             training = train_done = None
             continue
         if not sched.dispatcher.inbox.empty():
