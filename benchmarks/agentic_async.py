@@ -57,8 +57,8 @@ from jaxflash.envs.chat import TurnRenderer  # noqa: E402
 from jaxflash.envs.frozenlake import ACTION_NAMES  # noqa: E402
 from jaxflash.envs.latency import LatencyConfig, LatencyEnv  # noqa: E402
 from jaxflash.envs.registry import env_config, make_env  # noqa: E402
-from jaxflash.models.tokenizer import Tokenizer  # noqa: E402
-from jaxflash.models.weights_gguf import smollm2_gguf_path  # noqa: E402
+from jaxflash.models.formats.weights_gguf import smollm2_gguf_path  # noqa: E402
+from jaxflash.models.text.tokenizer import Tokenizer  # noqa: E402
 from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
 from jaxflash.runtime.rollout.env_calls import thread_runner  # noqa: E402
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings  # noqa: E402

@@ -114,11 +114,11 @@ def build_length_model(directory: str, *, eos_prob: float, max_len: int, seed: i
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxflash.models.llama import forward, init_params
-    from jaxflash.models.presets import get_preset
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import smollm2_gguf_path
-    from jaxflash.models.weights_hf import save_hf
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.transformer import forward, init_params
+    from jaxflash.models.formats.weights_gguf import smollm2_gguf_path
+    from jaxflash.models.formats.weights_hf import save_hf
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     if not 0.0 < eos_prob < 1.0:
         raise ValueError(f"--eos_prob must be in (0, 1), got {eos_prob}")

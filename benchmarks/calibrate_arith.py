@@ -42,8 +42,8 @@ def main() -> None:
     from jaxflash.data.prompts import PromptFailure, PromptSource
     from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
     from jaxflash.rewards.base import combined
     from jaxflash.runtime.fleet.eval_generation import EngineGenerate
     from jaxflash.runtime.rollout.reward_pool import RewardPool
@@ -52,7 +52,7 @@ def main() -> None:
 
     if args.model == "gemma3":
         from configs.rlvr_gemma3_arith import NEWLINE_IDS, PLAIN_TEMPLATE
-        from jaxflash.models.weights_gguf import gemma3_gguf_path
+        from jaxflash.models.formats.weights_gguf import gemma3_gguf_path
 
         path = gemma3_gguf_path()
         tokenizer = Tokenizer.from_gguf(path).with_chat_template(

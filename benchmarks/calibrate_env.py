@@ -52,8 +52,8 @@ def main() -> None:
     from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.generation.slot_loop import run_requests
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
     from jaxflash.types import SamplingParams
 
     options = {**json.loads(args.options), "split": "eval"}

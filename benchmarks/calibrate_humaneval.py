@@ -38,8 +38,8 @@ def main() -> None:
     from jaxflash.data.prompts import PromptFailure, PromptSource
     from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
     from jaxflash.rewards.code_reward import CodeReward
     from jaxflash.runtime.fleet.eval_generation import EngineGenerate
     from jaxflash.runtime.rollout.reward_pool import RewardPool

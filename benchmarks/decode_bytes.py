@@ -59,7 +59,7 @@ def main() -> None:
         from jaxflash.sizing.hbm_traffic import hbm_traffic
     import jaxflash
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
     from jaxflash.sizing import programs

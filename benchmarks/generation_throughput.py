@@ -42,8 +42,8 @@ def main() -> None:
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.generation.slot_loop import run_requests
     from jaxflash.generation.slot_types import SlotStats
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
     from jaxflash.types import GenerationRequest, SamplingParams
 
     path = smollm2_gguf_path()

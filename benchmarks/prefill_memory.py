@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
     from jaxflash.sizing.chips import parse_topology

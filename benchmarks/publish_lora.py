@@ -65,10 +65,10 @@ def main() -> None:
 
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.state import param_shardings
-    from jaxflash.models import lora as lora_lib
-    from jaxflash.models.llama import abstract_params, init_params
-    from jaxflash.models.presets import get_preset
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.adapters import lora as lora_lib
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.transformer import abstract_params, init_params
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
     from jaxflash.runtime.model_setup import build_engine
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import LEARNER_RULES

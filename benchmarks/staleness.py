@@ -127,7 +127,7 @@ def digit_tokenizer():
     """
     import tokenizers
 
-    from jaxflash.models.tokenizer import Tokenizer
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     tok = tokenizers.Tokenizer(
         tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>")
@@ -156,9 +156,9 @@ def build_digit_model(directory: str, *, seed: int, max_seq_len: int = 64, **siz
     import jax
     import numpy as np
 
-    from jaxflash.models.llama import init_params
-    from jaxflash.models.presets import get_preset
-    from jaxflash.models.weights_hf import save_hf
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.transformer import init_params
+    from jaxflash.models.formats.weights_hf import save_hf
 
     tokenizer = digit_tokenizer()
     config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=max_seq_len)

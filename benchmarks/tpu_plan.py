@@ -79,7 +79,7 @@ CASES = [
 def run_case(case: Case, *, forecast: bool = True) -> dict:
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
     from jaxflash.sizing.plan import plan_programs

@@ -99,8 +99,8 @@ def _peak_worker(w: dict) -> dict:
 
 
 def _our_model(w: dict):
-    from jaxflash.models.llama import init_params
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.transformer import init_params
 
     config = get_preset(
         "smollm2_135m",
@@ -123,8 +123,8 @@ def _our_generation(w: dict) -> dict:
     if w.get("real"):
         from jaxflash.data.arithmetic import ArithmeticTask
         from jaxflash.data.prompts import PromptFailure, PromptSource
-        from jaxflash.models.tokenizer import Tokenizer
-        from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+        from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+        from jaxflash.models.text.tokenizer import Tokenizer
 
         path = smollm2_gguf_path()
         config, params = load_gguf(path)

@@ -30,8 +30,8 @@ sys.path.insert(0, REPO)
 def _abstract(preset: str, mesh_sizes: dict[str, int], rules_name: str):
     import jax
 
-    from jaxflash.models.llama import abstract_params, logical_axes
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.transformer import abstract_params, logical_axes
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_shardings
 

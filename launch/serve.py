@@ -55,14 +55,14 @@ def main(argv: list[str]) -> None:
 
         from jaxflash.generation.engine.llama_engine import LlamaEngine
         from jaxflash.generation.engine.state import EngineConfig
-        from jaxflash.models.config import reconcile_vocab
-        from jaxflash.models.tokenizer import Tokenizer
-        from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
-        from jaxflash.models.weights_hf import load_hf
+        from jaxflash.models.config.model_config import reconcile_vocab
+        from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+        from jaxflash.models.formats.weights_hf import load_hf
+        from jaxflash.models.text.tokenizer import Tokenizer
 
         try:  # the `serve` extra: `make run` leaves it out (its seqio pulls TensorFlow)
-            from jaxflash.generation.jetstream_compat import import_orchestrator
-            from jaxflash.generation.serving import decode_text, serve
+            from jaxflash.generation.jetstream.compat import import_orchestrator
+            from jaxflash.generation.jetstream.serving import decode_text, serve
 
             import_orchestrator()  # JetStream -> seqio -> TensorFlow
         except ImportError as e:
@@ -94,9 +94,8 @@ def main(argv: list[str]) -> None:
             max_target_length=prefill_len + _MAX_TOKENS.value,
             greedy=True,
         ),
-        tokenizer=tokenizer,
     )
-    with serve(engine, params, host=_HOST.value, port=_PORT.value) as service:
+    with serve(engine, params, tokenizer=tokenizer, host=_HOST.value, port=_PORT.value) as service:
         where = f"{_HOST.value}:{service.port}"
         exposed = (
             "" if _HOST.value in ("127.0.0.1", "localhost", "::1") else " (exposed: no TLS/auth)"

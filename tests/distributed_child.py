@@ -25,7 +25,7 @@ from jaxflash.learner.batching import pack_batch  # noqa: E402
 from jaxflash.learner.config import LearnerConfig  # noqa: E402
 from jaxflash.learner.state import create_train_state  # noqa: E402
 from jaxflash.learner.step import make_train_step  # noqa: E402
-from jaxflash.models.presets import get_preset  # noqa: E402
+from jaxflash.models.config.presets import get_preset  # noqa: E402
 from jaxflash.sharding.mesh import make_mesh  # noqa: E402
 from jaxflash.sharding.rules import LEARNER_RULES  # noqa: E402
 from jaxflash.types import FinishReason, Sample  # noqa: E402

@@ -1,6 +1,6 @@
 """Shared helpers of the envs tests: a tiny ChatML tokenizer and scripted policies.
 
-The tokenizer is the real ``jaxflash.models.tokenizer.Tokenizer`` over a toy
+The tokenizer is the real ``jaxflash.models.text.tokenizer.Tokenizer`` over a toy
 word-level vocabulary in which "assistant", "user", "system", "tool", "Hi" and every
 printable ASCII character are single tokens, so ChatML turns tokenize exactly as in
 the pitfall case: ``[<|im_start|>, "assistant", "\\n", "Hi", "!", <|im_end|>, "\\n"]``.
@@ -15,7 +15,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.types import FinishReason, GenerationRequest, Sample
 
 CHATML = (

@@ -1,4 +1,4 @@
-"""The attention paths (``models.attention``) against a float64 reference: causal, GQA,
+"""The attention paths (``models.caches.attention``) against a float64 reference: causal, GQA,
 packed segments, ragged lengths, gradients; splash in interpret mode; the model's
 forward over packed rows equals its forward over each sequence alone."""
 
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.models import attention
-from jaxflash.models.llama import forward, init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.caches import attention
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import forward, init_params
 
 # B=3 rows of T=40: row 0 one sequence; row 1 three packed segments; row 2 a ragged
 # row (a 23-token sequence, then padding with its own id).

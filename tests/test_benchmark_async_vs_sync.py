@@ -18,7 +18,7 @@ def _bench():
 
 @pytest.mark.slow  # ~20-60 s: tokenizer from the GGUF, 49152-word forward passes
 def test_eos_probability_matches_target_and_model_loads_through_hf(tmp_path):
-    from jaxflash.models.weights_hf import load_hf
+    from jaxflash.models.formats.weights_hf import load_hf
 
     cal = _bench().build_length_model(str(tmp_path / "m"), eos_prob=0.0625, max_len=96, seed=0)
     # Full softmax at every position of a 96-token forward pass: within 1 % of 1/16.

@@ -22,9 +22,9 @@ from jaxflash.learner.batching import pack_batch
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_train_step
-from jaxflash.models.llama import forward, init_params, unembed
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import forward, init_params, unembed
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.types import GenerationRequest, SamplingParams
@@ -126,7 +126,7 @@ def test_bf16_learner_step_updates_fp32_master_weights_like_fp32():
 
 @pytest.mark.slow
 def test_bf16_smollm2_engine_learner_gap_is_bf16_sized():
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
 
     fp32, params = load_gguf(smollm2_gguf_path())
     fp32 = fp32.replace(max_seq_len=256)

@@ -1,4 +1,4 @@
-"""The KV-cache face (models/cache_face.py): every cache kind answers the same two calls,
+"""The KV-cache face (models/caches/cache_face.py): every cache kind answers the same two calls,
 the decoder never asks which kind it has, and a new kind plugs in without touching it."""
 
 from __future__ import annotations
@@ -13,27 +13,27 @@ import numpy as np
 import pytest
 from flax import struct
 
-from jaxflash.models import block, llama
-from jaxflash.models.cache_face import FreshPrefill, Site
-from jaxflash.models.kv_cache import (
+from jaxflash.models.caches.cache_face import FreshPrefill, Site
+from jaxflash.models.caches.kv_cache import (
     DenseLayer,
     DenseSlice,
     LayerKVCache,
     init_kv_cache,
     init_layer_kv_cache,
 )
-from jaxflash.models.paged_kv_cache import init_paged_kv_cache
-from jaxflash.models.presets import get_preset
+from jaxflash.models.caches.paged_kv_cache import init_paged_kv_cache
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder import block, transformer
 
 CONFIG = get_preset("tiny")
 B, T, S = 2, 5, 16
 DECODER = (
-    "llama.py",
-    "block.py",
-    "cache_face.py",
-    "attention.py",
-    "kv_cache.py",
-    "paged_kv_cache.py",
+    "decoder/transformer.py",
+    "decoder/block.py",
+    "caches/cache_face.py",
+    "caches/attention.py",
+    "caches/kv_cache.py",
+    "caches/paged_kv_cache.py",
 )
 CACHE_TYPES = {"KVCache", "LayerKVCache", "PagedKVCache", "PageTable", "DenseSlice",
                "DenseLayer", "PagedLayer", "NoCache", "FreshPrefill"}  # fmt: skip
@@ -47,7 +47,7 @@ def _qkv(seed=0):
 
 
 def test_decoder_code_never_asks_which_cache_it_has():
-    models = pathlib.Path(llama.__file__).parent
+    models = pathlib.Path(transformer.__file__).parents[1]
     for name in DECODER:
         for node in ast.walk(ast.parse((models / name).read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
@@ -82,13 +82,13 @@ def test_a_paged_cache_refuses_a_fresh_prefill():
 
 
 def test_the_cache_must_match_the_params_layout():
-    params = llama.init_params(CONFIG, 0)
+    params = transformer.init_params(CONFIG, 0)
     ids = jnp.zeros((B, T), jnp.int32)
     pos = jnp.tile(jnp.arange(T), (B, 1))
     with pytest.raises(ValueError, match="stacked params need a KVCache, got LayerKVCache"):
-        llama.forward(params, CONFIG, ids, pos, init_layer_kv_cache(CONFIG, B, S))
+        transformer.forward(params, CONFIG, ids, pos, init_layer_kv_cache(CONFIG, B, S))
     with pytest.raises(ValueError, match="kv_cache batch 3 != input batch 2"):
-        llama.forward(params, CONFIG, ids, pos, init_kv_cache(CONFIG, 3, S))
+        transformer.forward(params, CONFIG, ids, pos, init_kv_cache(CONFIG, 3, S))
 
 
 @struct.dataclass
@@ -123,11 +123,11 @@ class _CountedCache:
 
 
 def test_a_new_cache_kind_plugs_in_without_touching_the_decoder():
-    params = llama.unstack_layers(llama.init_params(CONFIG, 0))
+    params = transformer.unstack_layers(transformer.init_params(CONFIG, 0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, CONFIG.vocab_size)
     pos = jnp.array([list(range(T)), [0, 1, 2, -1, -1]])  # row 1 padded
     base = init_layer_kv_cache(CONFIG, B, S)
-    run = jax.jit(lambda c: llama.forward(params, CONFIG, ids, pos, c))
+    run = jax.jit(lambda c: transformer.forward(params, CONFIG, ids, pos, c))
     want_h, want_cache = run(base)
     h, got = run(_CountedCache(base, (jnp.zeros((), jnp.int32),) * CONFIG.n_layers))
     np.testing.assert_array_equal(h, want_h)

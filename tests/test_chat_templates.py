@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from configs import rlvr_smollm2_arith
-from jaxflash.models.chat_template import ChatTemplateError, render_chat_template
-from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.text.chat_template import ChatTemplateError, render_chat_template
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from tests.chat_fixtures import NAMES, build_checkpoint
 
@@ -310,7 +310,7 @@ def test_render_errors_are_value_errors():
 def test_gguf_template_and_ids_equal_transformers():
     import os
 
-    from jaxflash.models.weights_gguf import smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()

@@ -21,7 +21,7 @@ from jaxflash.checkpoint import (
 from jaxflash.checkpoint.storage import steps_on_disk
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, create_train_state
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
 from jaxflash.runtime.interrupt import interrupted_message
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import default  # noqa: E402
-from jaxflash.models.lora import LoraConfig  # noqa: E402
+from jaxflash.models.adapters.lora import LoraConfig  # noqa: E402
 from jaxflash.runtime.config.experiment import (  # noqa: E402
     ConfigError,
     ExperimentConfig,

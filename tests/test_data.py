@@ -275,8 +275,8 @@ def test_prompt_source_validation():
 
 @pytest.mark.slow
 def test_prompt_source_with_the_real_smollm2_tokenizer():
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_gguf_path())
     prompt = next(PromptSource(ArithmeticTask(0).row, tok, max_prompt_tokens=64))

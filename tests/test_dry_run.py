@@ -7,8 +7,8 @@ import pytest
 
 from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.models.llama import abstract_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import abstract_params
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
 from jaxflash.sizing import dry_run, format_report

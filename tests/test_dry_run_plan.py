@@ -40,7 +40,7 @@ def test_the_plans_pool_is_what_the_engine_allocates():
 
     from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
     from jaxflash.sizing.kv_pool import KvPool

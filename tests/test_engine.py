@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
-from jaxflash.generation.engine.state import EngineConfig, result_logprobs
+from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.jetstream.api import EngineApi
+from jaxflash.generation.jetstream.state import result_logprobs
 from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats, check_request
-from jaxflash.models.llama import forward, init_params, unembed
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import forward, init_params, unembed
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32
@@ -311,13 +313,14 @@ def test_driver_style_insert_emits_the_prefill_token_first(params):
     engine = engine_for("t1")
     ref = run_requests(engine, params, [request(5, 6, 5)], policy_version=0, eos_id=NO_EOS)[0]
     req = request(5, 6, 5)
-    prefix = engine.prefill(
+    api = EngineApi(engine)
+    prefix = api.prefill(
         params=params, padded_tokens=req.prompt_tokens, true_length=6, prompt_id=5, sample_index=0
     )
-    state = engine.insert(prefix, engine.init_decode_state(), 2)
+    state = api.insert(prefix, api.init_decode_state(), 2)
     tokens, logps, lengths = [], [], []
     for _ in range(5):
-        state, result = engine.generate(params, state)
+        state, result = api.generate(params, state)
         data = np.asarray(result.data)
         tokens.append(data[2, 0])
         lengths.append(data[2, 2])
@@ -331,7 +334,9 @@ def test_driver_style_insert_emits_the_prefill_token_first(params):
 def test_overlong_prompt_raises_named_error(params):
     engine = engine_for("t1")
     with pytest.raises(ValueError, match="prompt of 17 tokens exceeds max_prefill_length=16"):
-        engine.prefill(params=params, padded_tokens=np.ones(17, np.int32), true_length=17)
+        EngineApi(engine).prefill(
+            params=params, padded_tokens=np.ones(17, np.int32), true_length=17
+        )
     with pytest.raises(ValueError, match=r"prompt_id=4.*17 tokens exceeds max_prefill_length"):
         run_requests(engine, params, [request(4, 17, 3)], policy_version=0, eos_id=NO_EOS)
     with pytest.raises(ValueError, match=r"prompt \(10\) \+ max_new_tokens \(31\) = 41 exceeds"):
@@ -377,8 +382,8 @@ def test_slot_loop_makes_no_implicit_transfers(params):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SAMPLING))
 def test_real_smollm2_behaviour_logprobs_match_learner(name):
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     path = smollm2_gguf_path()
     config, host_params = load_gguf(path)
@@ -460,7 +465,7 @@ def test_set_params_refuses_a_tree_unlike_the_model_naming_the_leaf(params, faul
     """A float32 tree into a bfloat16 engine would recompile every program; an
     lm_head [64, 80] into a 64-word engine would sample ids outside the vocabulary.
     Both are refused like the cross-process transfer refuses them."""
-    from jaxflash.models.llama import unstack_layers
+    from jaxflash.models.decoder.transformer import unstack_layers
     from jaxflash.sharding.leaves import LayoutMismatchError
 
     cfg = EngineConfig(max_concurrent_decodes=1, max_prefill_length=16, max_target_length=40)

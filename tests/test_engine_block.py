@@ -13,8 +13,8 @@ from jaxflash.generation.engine.state import EngineConfig, SampleStart
 from jaxflash.generation.sampling import argmax_first, sample_key, sample_tokens
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SLOT_EVENT_HISTORY, SlotStats, record_slot_event
-from jaxflash.models.llama import init_params, stack_layers, unstack_layers
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params, stack_layers, unstack_layers
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32

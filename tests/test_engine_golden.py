@@ -41,10 +41,12 @@ import numpy as np
 import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
-from jaxflash.generation.engine.state import EngineConfig, result_logprobs
+from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.jetstream.api import EngineApi
+from jaxflash.generation.jetstream.state import result_logprobs
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.types import GenerationRequest, SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "engine_golden.npz")
@@ -121,17 +123,18 @@ def tiny_cases() -> dict[str, np.ndarray]:
     engine = LlamaEngine(
         TINY, EngineConfig(max_concurrent_decodes=2, max_prefill_length=16, max_target_length=32)
     )
-    state = engine.init_decode_state()
+    api = EngineApi(engine)  # JetStream's Engine API over the engine
+    state = api.init_decode_state()
     for slot, length in enumerate((5, 11)):
         tokens = (np.arange(length, dtype=np.int32) * 13 + 7) % TINY.vocab_size
-        prefix = engine.prefill(
+        prefix = api.prefill(
             params=engine.place_params(params), padded_tokens=tokens, true_length=length, seed=1
         )
-        state = engine.insert(prefix, state, slot)
+        state = api.insert(prefix, state, slot)
     placed = engine.place_params(params)
     rows = []
     for _ in range(30):
-        state, result = engine.generate(placed, state)
+        state, result = api.generate(placed, state)
         data = np.asarray(jax.device_get(result.data))
         rows.append(np.stack([data[:, 0], data[:, 1], data[:, 2], data[:, 3]], axis=1))
         assert result_logprobs(data).dtype == np.float32
@@ -141,7 +144,7 @@ def tiny_cases() -> dict[str, np.ndarray]:
 
 def smollm2_case() -> dict[str, np.ndarray]:
     """SmolLM2-135M (real GGUF weights), 8 prompts x 2 samples, 24 new tokens, T=1."""
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
 
     config, host_params = load_gguf(smollm2_gguf_path())
     engine = LlamaEngine(

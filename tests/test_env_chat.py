@@ -17,7 +17,7 @@ from jaxflash.envs.base import (
 )
 from jaxflash.envs.chat import TurnRenderer
 from jaxflash.envs.episode import Episode, EpisodeEnd
-from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.types import SamplingParams
 from tests.chat_fixtures import NAMES, build_checkpoint
 from tests.envs_fixtures import chatml_tokenizer, text_sample

@@ -292,8 +292,8 @@ def test_renderer_refuses_template_without_stop_closing(tok):
 def test_smollm2_tokenizer_episode_matches_full_render():
     # The real SmolLM2 tokenizer (GGUF): "assistant" is two tokens, a default system
     # prompt is injected; the token-in/token-out context still equals the full render.
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_gguf_path())
     env = ScriptEnv(terminate_at=3)

@@ -266,9 +266,9 @@ def test_episode_batch_trains_only_sampled_tokens(tok):
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.learner.state import create_train_state
     from jaxflash.learner.step import make_train_step
-    from jaxflash.models.llama import forward, unembed
-    from jaxflash.models.logprobs import target_logprobs
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.logprobs import target_logprobs
+    from jaxflash.models.decoder.transformer import forward, unembed
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import LEARNER_RULES
 

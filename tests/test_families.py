@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.models import llama
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.hf_config import config_from_hf_dict, hf_model_type
-from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.weights_hf import load_hf, save_hf
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder import transformer
+from jaxflash.models.decoder.logprobs import logits_from_hidden
+from jaxflash.models.formats.hf_config import config_from_hf_dict, hf_model_type
+from jaxflash.models.formats.weights_hf import load_hf, save_hf
 
 torch = pytest.importorskip("torch", reason="crosscheck extra (torch) not installed")
 transformers = pytest.importorskip(
@@ -104,7 +104,7 @@ def _hf_logits(model, prompts):
 
 _forward = jax.jit(
     lambda params, config, ids, pos: logits_from_hidden(
-        llama.forward(params, config, ids, pos)[0], llama.unembed(params, config)
+        transformer.forward(params, config, ids, pos)[0], transformer.unembed(params, config)
     ),
     static_argnums=1,
 )
@@ -178,11 +178,11 @@ def test_sliding_window_is_honoured():
         sliding_window=3,
         layer_types=("sliding_attention",),
     )
-    params = llama.init_params(config, seed=0)
+    params = transformer.init_params(config, seed=0)
     ids = jnp.asarray([[1, 2, 3, 4, 5, 6]])
     pos = jnp.arange(6)[None]
-    base = llama.forward(params, config, ids, pos)[0]
-    changed = llama.forward(params, config, ids.at[0, 1].set(40), pos)[0]
+    base = transformer.forward(params, config, ids, pos)[0]
+    changed = transformer.forward(params, config, ids.at[0, 1].set(40), pos)[0]
     # Position 1 is in the window of positions 1..3 only (p - 3 < 1 <= p).
     np.testing.assert_array_equal(base[0, 4:], changed[0, 4:])
     assert not np.allclose(base[0, 1:4], changed[0, 1:4])

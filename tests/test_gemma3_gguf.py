@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.models import llama
-from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.weights_gguf import gemma3_gguf_path, load_gguf
+from jaxflash.models.decoder import transformer
+from jaxflash.models.decoder.logprobs import logits_from_hidden
+from jaxflash.models.formats.weights_gguf import gemma3_gguf_path, load_gguf
 from tests.test_weights import greedy_generate
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def gemma3():
         path = gemma3_gguf_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    from jaxflash.models.tokenizer import Tokenizer
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     config, params = load_gguf(path)
     where = dict(pretrained_model_name_or_path=os.path.dirname(path))
@@ -107,8 +107,8 @@ def test_tokenizer_matches_transformers(gemma3):
 
 def _ours(gemma3, ids):
     c, params = gemma3["config"], gemma3["params"]
-    h_btd, _ = llama.forward(params, c, jnp.asarray([ids]), jnp.arange(len(ids))[None])
-    return np.asarray(logits_from_hidden(h_btd, llama.unembed(params, c)))[0]
+    h_btd, _ = transformer.forward(params, c, jnp.asarray([ids]), jnp.arange(len(ids))[None])
+    return np.asarray(logits_from_hidden(h_btd, transformer.unembed(params, c)))[0]
 
 
 def test_logits_match_transformers(gemma3):

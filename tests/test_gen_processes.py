@@ -216,8 +216,8 @@ def test_lora_programs_pull_only_adapters_match_the_learner_and_resync_after_a_r
     (digest checked against the learner's), every pull moves the adapters only, the
     behaviour logprobs equal the learner's under them, and a program SIGKILLed after
     version 1 restarts, builds its base again and resyncs to the current adapters."""
-    from jaxflash.models import lora
-    from jaxflash.models.llama import abstract_params
+    from jaxflash.models.adapters import lora
+    from jaxflash.models.decoder.transformer import abstract_params
     from jaxflash.runtime.model_setup import load_model, load_tokenizer
 
     workdir = str(tmp_path / "run")

@@ -12,8 +12,8 @@ import pytest
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.runtime.fleet.gen_server import GenerationServer, GenerationServerError
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams

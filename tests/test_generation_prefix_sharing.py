@@ -6,10 +6,11 @@ import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.jetstream.api import EngineApi
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
 from jaxflash.generation.slot_types import SlotStats
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.types import GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32
@@ -124,4 +125,4 @@ def test_first_tokens_needs_identities(engine, params):
         params=params, padded_tokens=np.arange(3), true_length=3
     )
     with pytest.raises(ValueError, match="identities is empty"):
-        engine.prefiller.first_tokens(shared, [])
+        EngineApi(engine).first_tokens(shared, [])

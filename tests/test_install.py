@@ -33,9 +33,9 @@ def test_the_run_install_leaves_out_jetstream_libtpu_and_torch():
                 if re.search(r"^\s*(from|import) jetstream\b", _read(path), re.M):
                     importing.add(os.path.relpath(path, REPO))
     assert importing == {
-        "jaxflash/generation/jetstream_compat.py",
-        "jaxflash/generation/jetstream_engine.py",
-        "jaxflash/generation/serving.py",
+        "jaxflash/generation/jetstream/adapter.py",
+        "jaxflash/generation/jetstream/compat.py",
+        "jaxflash/generation/jetstream/serving.py",
     }
     make = _read("Makefile")
     run_install = make[make.index("$(VENV)/.run-installed:") : make.index("$(VENV)/.installed:")]
@@ -46,8 +46,8 @@ def test_the_run_install_leaves_out_jetstream_libtpu_and_torch():
 
 
 def test_the_real_job_checkpoints_every_5_steps_keeps_one_and_the_docs_say_its_size():
-    from jaxflash.models.llama import abstract_params  # noqa: PLC0415
-    from jaxflash.models.presets import get_preset  # noqa: PLC0415
+    from jaxflash.models.config.presets import get_preset  # noqa: PLC0415
+    from jaxflash.models.decoder.transformer import abstract_params  # noqa: PLC0415
 
     c = rlvr_smollm2_arith.get_config()
     assert (c.checkpoint.every, c.checkpoint.max_to_keep) == (5, 1)

@@ -23,9 +23,9 @@ from jaxflash.algorithms.kl import KL_ESTIMATORS, MAX_LOG_RATIO
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES, get_policy_loss
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.step import make_loss_fn
-from jaxflash.models.llama import init_params
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.types import SamplingParams
 
 V = 10

@@ -12,9 +12,9 @@ from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import create_train_state, from_params
 from jaxflash.learner.step import make_grad_fn, make_train_step
-from jaxflash.models.llama import forward, unembed
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import forward, unembed
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.types import FinishReason, Sample, SamplingParams, TrainBatch

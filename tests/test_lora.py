@@ -1,4 +1,4 @@
-"""LoRA / QLoRA (models.lora): config, exact zero-init, quantized base, the learner's
+"""LoRA / QLoRA (models.adapters.lora): config, exact zero-init, quantized base, the learner's
 trainable tree (adapters only), compile-once and micro-batch invariance, engine vs
 learner behaviour logprobs with adapters (fp32 and int8 base), adapter-only publish."""
 
@@ -13,10 +13,10 @@ from jaxflash.learner.batching import pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import abstract_train_state, create_train_state
 from jaxflash.learner.step import make_grad_fn, make_train_step
-from jaxflash.models import lora
-from jaxflash.models.llama import forward, init_params, unembed
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.adapters import lora
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import forward, init_params, unembed
 from jaxflash.runtime.model_setup import build_engine
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES

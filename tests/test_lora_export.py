@@ -1,4 +1,4 @@
-"""LoRA export (models.lora_export): peft loads the adapter onto the transformers model
+"""LoRA export (models.formats.lora_export): peft loads the adapter onto the transformers model
 and gives jaxflash's logits; the merged full model does too (bound of test_families)."""
 
 import json
@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.models import llama, lora
-from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.lora_export import merged_params, save_peft
-from jaxflash.models.weights_hf import load_hf, save_hf
+from jaxflash.models.adapters import lora
+from jaxflash.models.decoder import transformer
+from jaxflash.models.decoder.logprobs import logits_from_hidden
+from jaxflash.models.formats.lora_export import merged_params, save_peft
+from jaxflash.models.formats.weights_hf import load_hf, save_hf
 
 torch = pytest.importorskip("torch", reason="crosscheck extra (torch) not installed")
 transformers = pytest.importorskip("transformers", reason="transformers not installed")
@@ -44,8 +45,8 @@ def base(tmp_path_factory):
 
 
 def _logits_fn(params, ids, pos, config):
-    h, _ = llama.forward(params, config, ids, pos)
-    return logits_from_hidden(h, llama.unembed(params, config))
+    h, _ = transformer.forward(params, config, ids, pos)
+    return logits_from_hidden(h, transformer.unembed(params, config))
 
 
 _logits = jax.jit(_logits_fn, static_argnums=3)

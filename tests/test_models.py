@@ -16,10 +16,14 @@ from jaxflash.algorithms.distributions import (
     floor_logprobs,
     processed_log_softmax,
 )
-from jaxflash.models.block import rms_norm
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import init_kv_cache
-from jaxflash.models.llama import (
+from jaxflash.models.caches.kv_cache import init_kv_cache
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.block import rms_norm
+from jaxflash.models.decoder.logprobs import logits_from_hidden, target_logprobs
+from jaxflash.models.decoder.params import get_params, set_params
+from jaxflash.models.decoder.rope import apply_rope
+from jaxflash.models.decoder.transformer import (
     Llama,
     abstract_params,
     forward,
@@ -27,10 +31,6 @@ from jaxflash.models.llama import (
     logical_axes,
     unembed,
 )
-from jaxflash.models.logprobs import logits_from_hidden, target_logprobs
-from jaxflash.models.params import get_params, set_params
-from jaxflash.models.presets import get_preset
-from jaxflash.models.rope import apply_rope
 
 TINY = get_preset("tiny")
 
@@ -408,7 +408,7 @@ def test_per_row_temperature_and_bad_inputs():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_swiglu_hand_written_backward_matches_autodiff(dtype):
-    from jaxflash.models.swiglu import swiglu
+    from jaxflash.models.decoder.swiglu import swiglu
 
     def plain(x, wg, wu, wd):
         g = jnp.einsum("btd,df->btf", x, wg)
@@ -534,7 +534,7 @@ _MIXED_IDS, _MIXED_POS = jnp.array([[5, 17, 300, 2, 9, 44]]), jnp.arange(6)[None
 def test_mixed_sliding_layers_scan_and_unrolled_agree():
     """Gemma-style mixed sliding/full layers: the learner's scan (per-layer flag as a
     scan input) and the engine's unrolled layers (static flags) agree."""
-    from jaxflash.models.llama import unstack_layers
+    from jaxflash.models.decoder.transformer import unstack_layers
 
     config = _mixed_config()
     params = _big_params(config)

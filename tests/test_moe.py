@@ -22,12 +22,12 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_grad_fn, make_loss_fn, make_train_step
-from jaxflash.models import llama, moe
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.hf_config import config_from_hf_dict, hf_model_type
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
-from jaxflash.models.weights_hf import load_hf, save_hf
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder import moe, transformer
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.formats.hf_config import config_from_hf_dict, hf_model_type
+from jaxflash.models.formats.weights_hf import load_hf, save_hf
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_spec
 from jaxflash.types import FinishReason, Sample, SamplingParams, TrainBatch
@@ -129,7 +129,7 @@ def test_aux_loss_equals_transformers(hf_moe):
             output_router_logits=True,
         )
     pos = jnp.broadcast_to(jnp.arange(12), ids.shape)
-    _, router_lbte = llama.forward_with_router_logits(params, config, jnp.asarray(ids), pos)
+    _, router_lbte = transformer.forward_with_router_logits(params, config, jnp.asarray(ids), pos)
     theirs_lne = np.stack([r.numpy() for r in out.router_logits])
     ours_lne = np.asarray(router_lbte).reshape(theirs_lne.shape)
     on = mask.reshape(-1) > 0  # transformers' padded rows see a different mask
@@ -196,7 +196,7 @@ def _spread_params(config, seed):
             return x + jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype)
         return 4 * x
 
-    return jax.tree_util.tree_map_with_path(spread, llama.init_params(config, seed=seed))
+    return jax.tree_util.tree_map_with_path(spread, transformer.init_params(config, seed=seed))
 
 
 def _topk_margin(params, config, seqs):
@@ -208,7 +208,7 @@ def _topk_margin(params, config, seqs):
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = s
     pos = jnp.broadcast_to(jnp.arange(width), ids.shape)
-    _, router = llama.forward_with_router_logits(params, config, jnp.asarray(ids), pos)
+    _, router = transformer.forward_with_router_logits(params, config, jnp.asarray(ids), pos)
     logits = np.sort(np.asarray(router), axis=-1)[..., ::-1]
     k = config.n_experts_per_token
     valid = np.zeros(ids.shape, bool)
@@ -297,8 +297,10 @@ def moe_batch():
 
     @jax.jit
     def score(params, ids, pos, targets):
-        h, _ = llama.forward(params, MOE, ids, pos)
-        return target_logprobs(h, llama.unembed(params, MOE), targets, temperature=0.7, chunk=4)[0]
+        h, _ = transformer.forward(params, MOE, ids, pos)
+        return target_logprobs(
+            h, transformer.unembed(params, MOE), targets, temperature=0.7, chunk=4
+        )[0]
 
     logp = np.asarray(score(params, batch.input_ids_bt, batch.positions_bt, batch.target_ids_bt))
     on = batch.loss_mask_bt > 0
@@ -349,7 +351,10 @@ def test_moe_grads_are_micro_batch_invariant_with_aux_loss(grads):
 def test_expert_axis_rules_split_experts():
     """The ``expert`` logical axis maps to the ``expert`` mesh axis in both roles; the
     router stays whole; batch rows also split over ``expert`` in the learner."""
-    axes, shapes = llama.logical_axes(MOE)["layers"], llama.abstract_params(MOE)["layers"]
+    axes, shapes = (
+        transformer.logical_axes(MOE)["layers"],
+        transformer.abstract_params(MOE)["layers"],
+    )
     learner = make_mesh(jax.devices(), {"fsdp": 2, "expert": 4})
     generator = make_mesh(jax.devices(), {"expert": 2, "tensor": 4})
 
@@ -408,7 +413,7 @@ def test_preset_qwen3_30b_a3b_shapes():
     assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim) == (48, 2048, 32, 4, 128)
     assert (c.n_experts, c.n_experts_per_token, c.moe_d_ff) == (128, 8, 768)
     assert c.norm_topk_prob and not c.tie_embeddings and c.qk_norm
-    shapes = jax.tree.map(lambda x: x.shape, llama.abstract_params(c))
+    shapes = jax.tree.map(lambda x: x.shape, transformer.abstract_params(c))
     assert shapes["layers"]["w_gate_ledf"] == (48, 128, 2048, 768)
     assert "w_gate_ldf" not in shapes["layers"]
     total = sum(
@@ -457,7 +462,7 @@ def test_config_and_learner_validation_name_the_field():
     with pytest.raises(ValueError, match="needs a model with experts"):
         make_loss_fn(base, LearnerConfig(router_aux_loss_coef=0.01))
     with pytest.raises(ValueError, match="no experts"):
-        llama.forward_with_router_logits(
+        transformer.forward_with_router_logits(
             {}, base, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32)
         )
     assert isinstance(MOE, ModelConfig) and MOE.is_moe and not base.is_moe

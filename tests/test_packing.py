@@ -12,8 +12,8 @@ from jaxflash.learner.packing import pack_rows, padding_fraction, unpack_rows
 from jaxflash.learner.scoring import make_logprob_fn
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_grad_fn, make_train_step
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.types import FinishReason, Sample, SamplingParams

@@ -13,11 +13,12 @@ import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.jetstream.api import EngineApi
 from jaxflash.generation.page_pool import PagePool
 from jaxflash.generation.slot_loop import SlotBatcher
 from jaxflash.generation.slot_types import check_request
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.runtime.config.rollout_spec import RolloutSpec
 from jaxflash.runtime.config.specs import ConfigError
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
@@ -195,7 +196,7 @@ def test_pool_layout_puts_every_axis_not_splitting_heads_on_pages():
     so tensor splits pages too (data x tensor = 8 slot groups)."""
     import jax
 
-    from jaxflash.models.paged_kv_cache import pool_layout
+    from jaxflash.models.caches.paged_kv_cache import pool_layout
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
 
@@ -245,7 +246,7 @@ def test_refusals_name_the_setting(paged, params):
     with pytest.raises(ValueError, match="needs up to 10 pages"):
         check_request(big, request(40, 16, 24))
     with pytest.raises(NotImplementedError, match="kv_cache='dense'"):
-        paged.insert(None, None, 0)
+        EngineApi(paged)  # JetStream's Driver inserts into a dense cache only
     import jax
 
     from jaxflash.sharding.mesh import make_mesh

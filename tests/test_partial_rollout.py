@@ -8,10 +8,11 @@ import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
+from jaxflash.generation.jetstream.api import EngineApi
 from jaxflash.generation.slot_loop import SlotBatcher, run_requests
-from jaxflash.models.llama import forward, init_params, unembed
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import forward, init_params, unembed
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")  # vocab 512, fp32
@@ -149,11 +150,12 @@ def test_prefill_token_index_offset_uses_that_key(engine, params):
     reproduces the 4th token of an uninterrupted run."""
     (want,) = run_requests(engine, params, [request(5, 6, 5)], policy_version=0, eos_id=NO_EOS)
     seq = np.concatenate([want.prompt_tokens, want.response_tokens[:3]])
-    prefix = engine.prefill(
+    api = EngineApi(engine)  # JetStream's prefill, over the engine's prefiller
+    prefix = api.prefill(
         params=params, padded_tokens=seq, true_length=9, prompt_id=5, token_index=3
     )
     token, logp, index = jax.device_get((prefix.first_token, prefix.first_logp, prefix.token_index))
     assert (int(token), int(index)) == (int(want.response_tokens[3]), 3)
     assert abs(float(logp) - float(want.behaviour_logprobs[3])) <= 1e-5
     with pytest.raises(ValueError, match="token_index must be >= 0"):
-        engine.prefill(params=params, padded_tokens=seq, true_length=9, token_index=-1)
+        api.prefill(params=params, padded_tokens=seq, true_length=9, token_index=-1)

@@ -1,4 +1,4 @@
-"""``models.ragged_attention.attend`` (the TPU decode/prefill kernel's wrapper) on CPU.
+"""``models.caches.ragged_attention.attend`` (the TPU decode/prefill kernel's wrapper) on CPU.
 
 The Mosaic kernel ``ragged_paged_attention`` cannot run here: jax 0.10.2 can
 interpret neither it under ``pltpu.force_tpu_interpret_mode`` (``'ReshapeTransform'
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as tpu_kernel
 
-from jaxflash.models import ragged_attention
+from jaxflash.models.caches import ragged_attention
 
 N_HEADS, KV_HEADS, HEAD_DIM, PAGE, PAGES = 4, 2, 128, 4, 12
 SCALE = 0.125

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.state import create_train_state, state_shardings
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.reshard import LayoutCache, mesh_layout, reshard, shards_present

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 
 from configs import smoke
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
-from jaxflash.models.tokenizer import Tokenizer
-from jaxflash.models.weights_hf import save_hf
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
+from jaxflash.models.formats.weights_hf import save_hf
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.loop import run

@@ -12,15 +12,15 @@ import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
-from jaxflash.generation.jetstream_compat import (
+from jaxflash.generation.jetstream.compat import (
     JetStreamTokenizer,
     ensure_jetstream_compat,
     import_orchestrator,
 )
-from jaxflash.generation.serving import decode_text, serve
+from jaxflash.generation.jetstream.serving import decode_text, serve
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
 from jaxflash.types import GenerationRequest, SamplingParams
 
 CFG = get_preset("tiny")
@@ -89,7 +89,7 @@ def _greedy_reference(engine, params, tokenizer, prompt, max_tokens):
 def _serve_and_compare(engine, params, tokenizer, prompts, max_tokens):
     expected = [_greedy_reference(engine, params, tokenizer, p, max_tokens) for p in prompts]
     threads_before = set(threading.enumerate())
-    with serve(engine, params) as service:
+    with serve(engine, params, tokenizer=tokenizer) as service:
         got = [decode_text(service.address, p, max_tokens=max_tokens) for p in prompts]
     deadline = time.monotonic() + 10
     while set(threading.enumerate()) - threads_before and time.monotonic() < deadline:
@@ -105,7 +105,6 @@ def test_grpc_greedy_completion_equals_engine_greedy_decode():
         EngineConfig(
             max_concurrent_decodes=2, max_prefill_length=16, max_target_length=40, greedy=True
         ),
-        tokenizer=tokenizer,
     )
     # Init std 0.02 makes greedy decoding repeat the last prompt token; weights
     # scaled 10x give varied tokens, so an off-by-one in the stream would show.
@@ -120,8 +119,8 @@ def test_grpc_greedy_completion_equals_engine_greedy_decode():
 
 @pytest.mark.slow
 def test_grpc_serves_real_smollm2_greedy():
-    from jaxflash.models.tokenizer import Tokenizer
-    from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     path = smollm2_gguf_path()
     config, params = load_gguf(path)
@@ -131,7 +130,6 @@ def test_grpc_serves_real_smollm2_greedy():
         EngineConfig(
             max_concurrent_decodes=1, max_prefill_length=64, max_target_length=96, greedy=True
         ),
-        tokenizer=tokenizer,
     )
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3? Answer with just the number."}]
@@ -177,18 +175,17 @@ def test_server_binds_loopback_by_default_and_exposes_only_when_asked():
     engine = LlamaEngine(
         CFG,
         EngineConfig(max_concurrent_decodes=1, max_prefill_length=8, max_target_length=16),
-        tokenizer=ToyTokenizer(),
     )
     params = init_params(CFG, seed=0)
     outward = _outward_ipv4()
-    with serve(engine, params) as service:
+    with serve(engine, params, tokenizer=ToyTokenizer()) as service:
         assert service.host == "127.0.0.1" and service.address == f"127.0.0.1:{service.port}"
         assert _health(service.address)
         assert _answers("127.0.0.1", service.port)
         if outward is not None:  # JetStream's own server would answer here ([::])
             assert not _answers(outward, service.port)
         assert not _answers("::1", service.port)
-    with serve(engine, params, host="0.0.0.0") as exposed:
+    with serve(engine, params, tokenizer=ToyTokenizer(), host="0.0.0.0") as exposed:
         assert exposed.address == f"127.0.0.1:{exposed.port}" and _health(exposed.address)
         if outward is not None:
             assert _answers(outward, exposed.port)

@@ -7,10 +7,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxflash.models.kv_cache import KV_CACHE_LOGICAL_AXES, KVCache, init_kv_cache
-from jaxflash.models.llama import abstract_params, forward, init_params, logical_axes, unembed
-from jaxflash.models.logprobs import logits_from_hidden, target_logprobs
-from jaxflash.models.presets import get_preset
+from jaxflash.models.caches.kv_cache import KV_CACHE_LOGICAL_AXES, KVCache, init_kv_cache
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import logits_from_hidden, target_logprobs
+from jaxflash.models.decoder.transformer import (
+    abstract_params,
+    forward,
+    init_params,
+    logical_axes,
+    unembed,
+)
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import (
     GENERATOR_RULES,

@@ -15,12 +15,12 @@ import pytest
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
-from jaxflash.generation.jetstream_compat import JetStreamTokenizer
+from jaxflash.generation.jetstream.compat import JetStreamTokenizer
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import reconcile_vocab
-from jaxflash.models.llama import init_params
-from jaxflash.models.presets import get_preset
-from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.config.model_config import reconcile_vocab
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.transformer import init_params
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.rewards.math_reward import math_answer_reward
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 from tests.chat_fixtures import build_checkpoint

@@ -10,7 +10,7 @@ from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.data.files import DatasetError, RowFailure
 from jaxflash.data.prompts import PromptSource
 from jaxflash.data.tasks import make_task, math_label, task_names, task_reward
-from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.rewards import get_reward_fn
 from tests.chat_fixtures import build_checkpoint
 

@@ -7,8 +7,8 @@ without going through ``tokenizers``.
 
 import pytest
 
-from jaxflash.models.tokenizer import Tokenizer
-from jaxflash.models.weights_gguf import smollm2_gguf_path
+from jaxflash.models.formats.weights_gguf import smollm2_gguf_path
+from jaxflash.models.text.tokenizer import Tokenizer
 
 try:
     GGUF_PATH = smollm2_gguf_path()

@@ -134,7 +134,7 @@ def tiny_plan():
 
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
     from jaxflash.sizing import programs
@@ -224,7 +224,7 @@ def test_a_long_prefill_compiles_with_splash_and_no_t_by_t_scores():
     import re
 
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
     from jaxflash.sizing import programs
@@ -255,8 +255,8 @@ def paged_block():
     if not _HAS_LIBTPU:
         pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
     from jaxflash.generation.engine.state import EngineConfig
-    from jaxflash.models import ragged_attention
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.caches import ragged_attention
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
     from jaxflash.sizing import programs
@@ -316,7 +316,7 @@ def test_the_paged_decode_block_runs_the_kernel_on_each_chips_pages(paged_block)
 def test_the_kernels_page_table_fits_smem_in_calls_of_rows():
     """256 slots x 1,024 pages of int32 (32k positions in pages of 32) is 1 MiB, all of
     v5p's SMEM: the compiler refused Llama-3.1-8B's decode block. Calls of 128 rows."""
-    from jaxflash.models.ragged_attention import SMEM_TABLE_BYTES, rows_per_call
+    from jaxflash.models.caches.ragged_attention import SMEM_TABLE_BYTES, rows_per_call
 
     assert rows_per_call(1024) == 128 and rows_per_call(256) == 512
     assert rows_per_call(1024) * 1024 * 4 <= SMEM_TABLE_BYTES and rows_per_call(10**9) == 1
@@ -351,7 +351,7 @@ def test_an_elastic_move_compiles_the_reshard_programs_it_runs():
 
     from jaxflash.learner.config import LearnerConfig
     from jaxflash.learner.state import abstract_train_state
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import LEARNER_RULES
     from jaxflash.sizing import programs
@@ -421,7 +421,7 @@ def test_xla_counts_a_weight_again_for_its_vmem_staging_and_the_hbm_walk_does_no
 
 
 def test_train_step_flops_on_paper_by_hand():
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sizing.paper import matmul_params, train_step_flops
 
     tiny = get_preset("tiny", remat=True, remat_policy="full")  # tied, 2 layers, d 64

@@ -18,11 +18,11 @@ from jaxflash.algorithms.distributions import NEG_INF, processed_log_softmax
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.generation.slot_loop import run_requests
-from jaxflash.models.config import reconcile_vocab
-from jaxflash.models.llama import forward, init_params, unembed
-from jaxflash.models.logprobs import target_logprobs
-from jaxflash.models.presets import get_preset
-from jaxflash.models.tokenizer import Tokenizer
+from jaxflash.models.config.model_config import reconcile_vocab
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import forward, init_params, unembed
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.types import FinishReason, GenerationRequest, SamplingParams
 
 WORDS = ["<pad>", "<eos>", "<end>"] + [f"w{i}" for i in range(20)]  # 23 ids
@@ -129,7 +129,7 @@ def test_reconcile_vocab():
 
 
 def test_load_hf_checkpoint_with_padded_vocab(tmp_path):
-    from jaxflash.models.weights_hf import load_hf, save_hf
+    from jaxflash.models.formats.weights_hf import load_hf, save_hf
 
     tokenizer = _tokenizer()
     config, params = _padded_model(None)

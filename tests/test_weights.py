@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxflash.models import llama
-from jaxflash.models.kv_cache import init_kv_cache
-from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.presets import get_preset
-from jaxflash.models.rope import apply_rope
-from jaxflash.models.weights_gguf import (
+from jaxflash.models.caches.kv_cache import init_kv_cache
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.decoder import transformer
+from jaxflash.models.decoder.logprobs import logits_from_hidden
+from jaxflash.models.decoder.rope import apply_rope
+from jaxflash.models.formats.weights_gguf import (
     config_from_gguf_metadata,
     load_gguf,
     smollm2_gguf_path,
     unpermute_qk_rows,
 )
-from jaxflash.models.weights_hf import load_hf, save_hf
+from jaxflash.models.formats.weights_hf import load_hf, save_hf
 
 # ----------------------------------------------------------------------------- GGUF q/k order
 
@@ -147,7 +147,7 @@ def _write_tiny_gguf(path, config, params):
 
 def test_load_gguf_tiny_exact(tmp_path):
     config = get_preset("tiny", logits_chunk=256)
-    params = jax.tree.map(np.asarray, llama.init_params(config, seed=4))
+    params = jax.tree.map(np.asarray, transformer.init_params(config, seed=4))
     _write_tiny_gguf(tmp_path / "tiny.gguf", config, params)
     loaded_config, loaded = load_gguf(tmp_path / "tiny.gguf")
     assert loaded_config == config
@@ -230,7 +230,7 @@ def test_load_gguf_family_tiny(tmp_path, arch):
     rng = np.random.default_rng(0)
     params = jax.tree.map(
         lambda x: rng.normal(0, 0.3, x.shape).astype(np.float32),
-        jax.tree.map(np.asarray, llama.init_params(config, seed=4)),
+        jax.tree.map(np.asarray, transformer.init_params(config, seed=4)),
     )
     _write_family_gguf(tmp_path / "m.gguf", config, params, arch)
     loaded_config, loaded = load_gguf(tmp_path / "m.gguf")
@@ -249,7 +249,7 @@ def test_load_gguf_family_tiny(tmp_path, arch):
 )
 def test_hf_round_trip_exact(tmp_path, overrides):
     config = get_preset("tiny", **overrides)
-    params = jax.tree.map(np.asarray, llama.init_params(config, seed=1))
+    params = jax.tree.map(np.asarray, transformer.init_params(config, seed=1))
     if config.qkv_bias:  # init gives zero biases; make them informative
         rng = np.random.default_rng(0)
         for k in ("b_q_lnh", "b_k_lkh", "b_v_lkh"):
@@ -264,7 +264,7 @@ def test_hf_round_trip_exact(tmp_path, overrides):
 
 def test_hf_names_and_layout(tmp_path):
     config = get_preset("tiny", tie_embeddings=False)  # D 64, N 4, K 2, H 16, F 128, V 512
-    params = jax.tree.map(np.asarray, llama.init_params(config, seed=2))
+    params = jax.tree.map(np.asarray, transformer.init_params(config, seed=2))
     save_hf(tmp_path, config, params)
     tensors = load_file(tmp_path / "model.safetensors")
     assert len(tensors) == 2 * 9 + 3
@@ -289,7 +289,7 @@ def test_hf_names_and_layout(tmp_path):
 
 def test_hf_sharded_and_errors(tmp_path):
     config = get_preset("tiny")
-    params = jax.tree.map(np.asarray, llama.init_params(config, seed=3))
+    params = jax.tree.map(np.asarray, transformer.init_params(config, seed=3))
     save_hf(tmp_path, config, params)
     tensors = load_file(tmp_path / "model.safetensors")
     (tmp_path / "model.safetensors").unlink()
@@ -320,7 +320,7 @@ def test_hf_sharded_and_errors(tmp_path):
 
 def test_hf_config_errors(tmp_path):
     config = get_preset("tiny")
-    save_hf(tmp_path, config, jax.tree.map(np.asarray, llama.init_params(config)))
+    save_hf(tmp_path, config, jax.tree.map(np.asarray, transformer.init_params(config)))
     cfg = json.loads((tmp_path / "config.json").read_text())
     for bad, match in [
         ({"model_type": "phi3"}, "model_type='phi3'"),
@@ -331,7 +331,7 @@ def test_hf_config_errors(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, **bad}))
         with pytest.raises(ValueError, match=match):
             load_hf(tmp_path)
-    bad_params = jax.tree.map(np.asarray, llama.init_params(config))
+    bad_params = jax.tree.map(np.asarray, transformer.init_params(config))
     bad_params["layers"]["w_q_ldnh"] = bad_params["layers"]["w_q_ldnh"][:, :, :2]
     with pytest.raises(ValueError, match="w_q_ldnh"):
         save_hf(tmp_path / "x", config, bad_params)
@@ -339,7 +339,7 @@ def test_hf_config_errors(tmp_path):
 
 def test_hf_unknown_tensor_rejected(tmp_path):
     config = get_preset("tiny")
-    save_hf(tmp_path, config, jax.tree.map(np.asarray, llama.init_params(config)))
+    save_hf(tmp_path, config, jax.tree.map(np.asarray, transformer.init_params(config)))
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, np.float32)
     save_file(tensors, tmp_path / "model.safetensors")
@@ -356,7 +356,7 @@ def smollm2():
         path = smollm2_gguf_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    from jaxflash.models.tokenizer import Tokenizer
+    from jaxflash.models.text.tokenizer import Tokenizer
 
     config, params = load_gguf(path)
     return config, params, Tokenizer.from_gguf(path)
@@ -376,8 +376,8 @@ def greedy_generate(config, params, prompts: list[list[int]], *, max_new: int, e
 
     @jax.jit
     def step(params, ids_bt, pos_bt, cache):
-        h_btd, cache = llama.forward(params, config, ids_bt, pos_bt, cache)
-        logits_btv = logits_from_hidden(h_btd[:, -1:], llama.unembed(params, config))
+        h_btd, cache = transformer.forward(params, config, ids_bt, pos_bt, cache)
+        logits_btv = logits_from_hidden(h_btd[:, -1:], transformer.unembed(params, config))
         return jnp.argmax(logits_btv[:, -1], axis=-1).astype(jnp.int32), cache
 
     outputs: dict[int, list[int]] = {}
@@ -406,9 +406,9 @@ def greedy_generate(config, params, prompts: list[list[int]], *, max_new: int, e
 def test_gguf_config_and_shapes(smollm2):
     config, params, _ = smollm2
     assert config == get_preset("smollm2_135m", max_seq_len=8192)
-    from jaxflash.models.params import check_params
+    from jaxflash.models.decoder.params import check_params
 
-    check_params(llama.abstract_params(config), params, what="load_gguf params")
+    check_params(transformer.abstract_params(config), params, what="load_gguf params")
 
 
 @pytest.mark.slow
@@ -462,8 +462,8 @@ def test_hf_export_matches_transformers(smollm2, tmp_path):
     with torch.no_grad():
         theirs_tv = model(torch.tensor([ids])).logits[0].numpy()
     ids_bt = jnp.asarray([ids], jnp.int32)
-    h_btd, _ = llama.forward(params, config, ids_bt, jnp.arange(len(ids))[None])
-    ours_tv = np.asarray(logits_from_hidden(h_btd, llama.unembed(params, config)))[0]
+    h_btd, _ = transformer.forward(params, config, ids_bt, jnp.arange(len(ids))[None])
+    ours_tv = np.asarray(logits_from_hidden(h_btd, transformer.unembed(params, config)))[0]
     gap, scale = float(np.max(np.abs(ours_tv - theirs_tv))), float(np.max(np.abs(theirs_tv)))
     print(
         f"max |logit gap| ours vs transformers over {len(ids)} tokens: {gap:.2e} "

@@ -33,8 +33,8 @@ def _mesh_sizes(text: str) -> dict[str, int]:
 def _abstract(mesh, rules_name: str):
     import jax
 
-    from jaxflash.models.llama import abstract_params, logical_axes
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.models.decoder.transformer import abstract_params, logical_axes
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_shardings
 
     config = get_preset("tiny")

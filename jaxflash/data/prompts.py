@@ -30,7 +30,7 @@ from jaxflash.types import FailureReason, Prompt
 
 
 class TemplateTokenizer(Protocol):
-    """What PromptSource needs from a tokenizer (``jaxflash.models.tokenizer.Tokenizer``
+    """What PromptSource needs from a tokenizer (``jaxflash.models.text.tokenizer.Tokenizer``
     and transformers' tokenizers fit)."""
 
     def apply_chat_template(

@@ -1,7 +1,7 @@
 """Host-side page allocator of a paged engine (``EngineConfig.kv_cache="paged"``).
 
 The device holds one pool of N pages of P positions per layer
-(``models.paged_kv_cache``); ``PagePool`` decides which pages each slot reads and
+(``models.caches.paged_kv_cache``); ``PagePool`` decides which pages each slot reads and
 writes: the page table int32 [B, M] that the slot loop sends with every
 ``start_samples`` and ``generate_block``. Pages are reference-counted:
 
@@ -16,7 +16,7 @@ writes: the page table int32 [B, M] that the slot loop sends with every
   maps it.
 
 Slot groups (``num_groups`` = G, ``EngineConfig.page_groups``): on a mesh the
-device pool's pages and the slots split into G groups (``models.paged_kv_cache``),
+device pool's pages and the slots split into G groups (``models.caches.paged_kv_cache``),
 so slot b takes pages only from its group g = b // (B / G), ids [g N/G, (g+1) N/G),
 and a prompt's pages are shared only within a group (a sample in another group
 writes its own copy: ``copies``). With G = 1 nothing changes.

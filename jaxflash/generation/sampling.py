@@ -3,7 +3,7 @@
 The engine samples from the *processed* distribution
 ``q = processed_log_softmax(logits, temperature, top_k, top_p)`` and records
 ``log q(token)`` — the same quantity the learner recomputes with
-``jaxflash.models.logprobs.target_logprobs`` — so the importance ratio of an
+``jaxflash.models.decoder.logprobs.target_logprobs`` — so the importance ratio of an
 unchanged policy is exactly 1 up to float rounding.
 
 RNG is keyed by the sample's identity, never by slot or batch position:

@@ -15,7 +15,7 @@ from jaxflash.algorithms.aggregation import AGGREGATION_MODES
 from jaxflash.algorithms.loss_hparams import check_loss_hparams
 from jaxflash.algorithms.policy_loss import POLICY_LOSSES, PROXIMAL_LOSSES
 from jaxflash.learner.packing import check_packing
-from jaxflash.models.lora import LoraConfig
+from jaxflash.models.adapters.lora import LoraConfig
 from jaxflash.types import SamplingParams
 
 SCHEDULES = ("constant", "cosine")
@@ -102,15 +102,15 @@ class LearnerConfig:
         the stored behaviour logprobs as mu; "behaviour": clip or weight against the
         stored behaviour logprobs themselves, as RePO / CISPO / M2PO do).
       router_aux_loss_coef: weight of the mixture-of-experts load-balancing loss
-        (``models.moe.load_balancing_loss``, Switch arXiv 2101.03961, as transformers'
+        (``models.decoder.moe.load_balancing_loss``, Switch arXiv 2101.03961, as transformers'
         Qwen3-MoE computes it) over the loss-masked tokens, added to the loss and
         reported as ``router_aux_loss``; needs a model with experts. 0 (default)
         disables it, as transformers does unless ``output_router_logits`` (the
         checkpoint's own ``ModelConfig.router_aux_loss_coef`` is not applied). With
         more than one micro-batch it costs one extra forward pass per step (the
         batch's expert loads, so the loss stays micro-batch invariant).
-      lora: low-rank adapters over a frozen base (``models.lora.LoraConfig``; docs/LORA.md):
-        only the adapters train, hold optimizer state and are published; the KL
+      lora: low-rank adapters over a frozen base (``models.adapters.lora.LoraConfig``;
+        docs/LORA.md): only the adapters train, hold optimizer state and are published; the KL
         reference is the base without adapters. None: full fine-tuning.
       packing: the step packs a [B, T] batch's sequences end to end into rows of
         ``pack_length`` tokens with segment ids (``learner.packing``) instead of one

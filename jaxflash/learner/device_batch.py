@@ -19,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.packing import pack_rows
-from jaxflash.models import attention
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.caches import attention
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import TrainBatch
 

@@ -6,7 +6,7 @@ row's tokens (up to its last loss-carrying target: nothing after it feeds the lo
 into rows of ``row_length`` tokens by first-fit decreasing, each sequence with its
 own segment id (1, 2, ... within a row; 0 marks padding) and its own positions
 (RoPE restarts per sequence). The model attends within segments
-(``models.attention``), so every token sees exactly the context it had unpacked and
+(``models.caches.attention``), so every token sees exactly the context it had unpacked and
 the logprobs are those of the unpacked batch (tests/test_packing.py).
 
 What the loss reads per sequence must then be read per segment: the sequence count

@@ -2,7 +2,7 @@
 
 ``policy_logprobs`` is one micro-batch's forward pass -> log q(target) and entropy
 under the processed sampling distribution (temperature / top-k / top-p, the q the
-engine sampled from; ``models.logprobs``), shared by the train step's loss
+engine sampled from; ``models.decoder.logprobs``), shared by the train step's loss
 (``learner.step``) and ``make_logprob_fn``, the jitted scorer of whole batches
 (proximal logprobs, evaluation, parity checks).
 """
@@ -26,10 +26,15 @@ from jaxflash.learner.device_batch import (
 )
 from jaxflash.learner.packing import pack_rows, unpack_rows
 from jaxflash.learner.state import param_shardings
-from jaxflash.models import lora as lora_lib
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import forward, forward_with_router_logits, lora_model_layout, unembed
-from jaxflash.models.logprobs import target_logprobs
+from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.transformer import (
+    forward,
+    forward_with_router_logits,
+    lora_model_layout,
+    unembed,
+)
 from jaxflash.sharding.rules import Rules
 from jaxflash.types import TrainBatch
 
@@ -47,7 +52,7 @@ def policy_logprobs(
 
     Returns:
       (logp_bt, entropy_bt[, full_logp_bt], router logits float32 [L, b, T, E] or
-      None), float32 [b, T] each (``models.logprobs.target_logprobs``).
+      None), float32 [b, T] each (``models.decoder.logprobs.target_logprobs``).
     """
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
     seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows

@@ -19,10 +19,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.optimizer import make_optimizer
-from jaxflash.models import lora as lora_lib
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, init_params, logical_axes
-from jaxflash.models.params import check_params
+from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.params import check_params
+from jaxflash.models.decoder.transformer import abstract_params, init_params, logical_axes
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
 
@@ -39,7 +39,7 @@ class TrainState:
         ``kl_coef == 0`` (then no reference copy is held at all) and under LoRA.
       base: under LoRA (``learner_config.lora``), the frozen base as stored
         (bfloat16 / int8 / int4 per ``lora.base_dtype``); ``params`` are then the
-        adapters only (``models.lora``), and the KL reference is this base. None
+        adapters only (``models.adapters.lora``), and the KL reference is this base. None
         otherwise.
     """
 

@@ -48,9 +48,9 @@ from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.packing import sequence_count
 from jaxflash.learner.scoring import policy_logprobs
 from jaxflash.learner.state import TrainState, state_shardings
-from jaxflash.models import lora as lora_lib
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.moe import expert_load, load_balancing_loss
+from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.moe import expert_load, load_balancing_loss
 from jaxflash.sharding.rules import Rules
 from jaxflash.types import TrainBatch
 

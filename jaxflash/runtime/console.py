@@ -303,7 +303,7 @@ def describe_model(config: Any, lora: Any = None) -> str:
     """One console line: the shape of a ``ModelConfig``, and what is trained.
 
     Args:
-      lora: ``learner.lora`` (a ``models.lora.LoraConfig``) or None: with it, the line
+      lora: ``learner.lora`` (a ``models.adapters.lora.LoraConfig``) or None: with it, the line
         names the rank, the targets, the float32 adapters and the frozen base's storage
         (int8/int4: QLoRA) instead of "<param_dtype> params".
     """
@@ -311,7 +311,7 @@ def describe_model(config: Any, lora: Any = None) -> str:
     vocab = f"vocab {config.vocab_size}" + (f" ({valid} used)" if valid else "")
     if lora is None:
         trained = f"{config.param_dtype} params"
-    else:  # adapters are float32 (models.lora.adapter_layout); the base never trains
+    else:  # adapters are float32 (models.adapters.lora.adapter_layout); the base never trains
         kind = "QLoRA" if lora.base_dtype in ("int8", "int4") else "LoRA"
         trained = (
             f"{kind} rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: "

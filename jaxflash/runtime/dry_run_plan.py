@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.presets import get_preset
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.config.presets import get_preset
 from jaxflash.runtime.config.elastic_spec import floors, learner_axes
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.config.specs import ConfigError

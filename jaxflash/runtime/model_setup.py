@@ -10,11 +10,11 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxflash.models.config import ModelConfig, reconcile_vocab
-from jaxflash.models.presets import get_preset
-from jaxflash.models.tokenizer import Tokenizer
-from jaxflash.models.weights_gguf import load_gguf, smollm2_gguf_path
-from jaxflash.models.weights_hf import load_hf
+from jaxflash.models.config.model_config import ModelConfig, reconcile_vocab
+from jaxflash.models.config.presets import get_preset
+from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+from jaxflash.models.formats.weights_hf import load_hf
+from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.rewards.base import REWARD_FNS, combined
 from jaxflash.rewards.code_reward import CodeReward
 from jaxflash.runtime.config.experiment import (
@@ -198,8 +198,8 @@ def stored_lora_base(model_config: ModelConfig, source: dict[str, Any], lora: An
     """
     import jax
 
-    from jaxflash.models.llama import init_params
-    from jaxflash.models.lora import quantize_base
+    from jaxflash.models.adapters.lora import quantize_base
+    from jaxflash.models.decoder.transformer import init_params
 
     if source["source"] == "gguf":
         _, params = load_gguf(source["path"] or smollm2_gguf_path())
@@ -240,14 +240,14 @@ def build_engine(
 
     Args:
       tokenizer: only JetStream's serving path uses it (None in a generation program).
-      lora: a ``LoraConfig``: the engine serves base + adapters (``models.lora``).
+      lora: a ``LoraConfig``: the engine serves base + adapters (``models.adapters.lora``).
 
     Returns:
       (engine, generator param shardings on ``mesh``: of the adapters under LoRA,
       stacked, what each publish moves).
     """
     from jaxflash.generation.engine.llama_engine import LlamaEngine
-    from jaxflash.models.llama import abstract_params, logical_axes
+    from jaxflash.models.decoder.transformer import abstract_params, logical_axes
     from jaxflash.sharding.rules import GENERATOR_RULES, logical_to_shardings
 
     engine = LlamaEngine(
@@ -259,7 +259,7 @@ def build_engine(
         lora=lora,
     )
     if lora is not None:
-        from jaxflash.models import lora as lora_lib
+        from jaxflash.models.adapters import lora as lora_lib
 
         a_shapes, a_axes = lora_lib.adapter_layout(model_config, lora)
         return engine, lora_lib.layout_shardings(a_axes, a_shapes, mesh, GENERATOR_RULES)

@@ -17,9 +17,8 @@ from jaxflash.learner.state import (
     from_params,
 )
 from jaxflash.metrics.writer import truncate_jsonl
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
-from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.sharding.rules import LEARNER_RULES
 
 log = logging.getLogger(__name__)
@@ -33,8 +32,9 @@ def init_or_restore_learner(
     workdir: str,
     *,
     records: bool = True,
-) -> tuple[TrainState, CheckpointMeta, PromptLedger, Checkpointer]:
-    """The learner state, its metadata and the prompt ledger, restored when possible.
+) -> tuple[TrainState, CheckpointMeta, Checkpointer]:
+    """The learner state and its metadata, restored when possible (the rollout restores
+    its own books from the metadata, ``rollout.scheduler_setup.make_scheduler``).
 
     A complete checkpoint under ``<workdir>/checkpoints`` is restored onto
     ``learner_mesh`` (Orbax ignores half-written ones); rows of metrics.jsonl and
@@ -47,7 +47,7 @@ def init_or_restore_learner(
     process 0 owns them).
 
     Returns:
-      (state, meta, ledger, checkpointer); the caller owns the checkpointer.
+      (state, meta, checkpointer); the caller owns the checkpointer.
     """
     checkpointer = Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=exp.checkpoint.max_to_keep
@@ -63,18 +63,12 @@ def init_or_restore_learner(
             state = state.replace(
                 base=_rebuild_base(exp, model_config, imported_params, learner_mesh, meta)
             )
-        ledger = PromptLedger.from_state_dict(meta.extra["ledger"])
-        log.info(  # the run's console says it too
-            "resumed from step %d (data cursor %d, %d prompts in flight)",
-            meta.step,
-            meta.data_cursor,
-            len(ledger.open_ids),
-        )
+        log.info("resumed from step %d (data cursor %d)", meta.step, meta.data_cursor)
         if records:
             truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
             truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", meta.step)
             truncate_jsonl(os.path.join(workdir, "timeline.jsonl"), "step", meta.step)
-        return state, meta, ledger, checkpointer
+        return state, meta, checkpointer
     if records:  # nothing committed: whatever an earlier start wrote is lost work
         dropped = truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", -1)
         dropped += truncate_jsonl(os.path.join(workdir, "rollouts.jsonl"), "learner_step", -1)
@@ -91,7 +85,7 @@ def init_or_restore_learner(
         state = from_params(
             imported_params, model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
         )
-    return state, CheckpointMeta(step=0), PromptLedger(), checkpointer
+    return state, CheckpointMeta(step=0), checkpointer
 
 
 def base_record(exp: ExperimentConfig, base: Any) -> dict[str, Any]:
@@ -176,11 +170,12 @@ def finished_note(workdir: str, step: int, total_steps: int) -> str:
     )
 
 
-def resumed_note(meta: CheckpointMeta, ledger: PromptLedger, total_steps: int, workdir: str) -> str:
-    """The console's line for a run resumed from ``meta``'s checkpoint."""
+def resumed_note(meta: CheckpointMeta, in_flight: int, total_steps: int, workdir: str) -> str:
+    """The console's line for a run resumed from ``meta``'s checkpoint, with ``in_flight``
+    prompts open in the rollout's restored ledger."""
     return (
         f"resumed from step {meta.step} of {total_steps} in {workdir} (data cursor "
-        f"{meta.data_cursor}; {len(ledger.open_ids)} prompts in flight, generated again)"
+        f"{meta.data_cursor}; {in_flight} prompts in flight, generated again)"
     )
 
 

@@ -115,7 +115,7 @@ def logical_to_shardings(
 
     Args:
       logical_axes_tree: nested dict (or list) whose leaves are tuples of logical
-        names, e.g. ``jaxflash.models.llama.logical_axes(config)``.
+        names, e.g. ``jaxflash.models.decoder.transformer.logical_axes(config)``.
       mesh: target mesh (``make_mesh``).
       rules: ``LEARNER_RULES``, ``GENERATOR_RULES`` or your own table.
       shapes: optional tree with the same structure whose leaves have ``.shape``

@@ -31,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description="Compile learner + engine ahead of time; print memory."
     )
-    ap.add_argument("--preset", default="smollm2_135m", help="models.config preset name")
+    ap.add_argument("--preset", default="smollm2_135m", help="models.config.presets preset name")
     ap.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--compute_dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--remat", action="store_true", help="rematerialise layers in the backward")
@@ -56,7 +56,7 @@ def main() -> None:
 
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.learner.config import LearnerConfig
-    from jaxflash.models.presets import get_preset
+    from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
     from jaxflash.sizing.dry_run import dry_run, format_report

@@ -18,7 +18,8 @@ compile for a TPU slice without holding one.
 
 Programs: ``train_step`` (``learner.step.make_train_step``) at a batch of
 [M micro-batches, b, T]; ``prefill`` (one prompt at the largest bucket) and
-``generate`` (one decode step over all slots) of ``generation.engine.llama_engine.LlamaEngine``.
+``generate`` (one decode step over all slots: the slot loop's ``generate_block`` of
+one step) of ``generation.engine.llama_engine.LlamaEngine``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflash.generation.engine.host_arrays import stop_array
 from jaxflash.generation.engine.llama_engine import LlamaEngine
 from jaxflash.generation.engine.params import as_engine_dtypes, engine_shardings
 from jaxflash.generation.engine.state import EngineConfig
@@ -39,8 +41,8 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.device_batch import batch_sharding
 from jaxflash.learner.state import abstract_train_state
 from jaxflash.learner.step import make_train_step
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, unstack_layers
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.transformer import abstract_params, unstack_layers
 from jaxflash.sharding.rules import Rules
 
 
@@ -90,7 +92,7 @@ class ProgramMemory:
 def _lowerable(obj: Any, public: str, private: str) -> Any:
     """The jitted function behind a learner/engine callable.
 
-    ``LlamaEngine`` exposes ``prefill_jit`` / ``generate_jit``; ``TrainStep`` has no
+    ``LlamaEngine`` exposes ``prefill_jit`` / ``generate_block_jit``; ``TrainStep`` has no
     AOT entry point yet (``public``), so its ``jax.jit`` attribute is used (``private``).
     Failing here, by name, is what an API change should do.
     """
@@ -142,8 +144,8 @@ def compile_engine(
     model_config: ModelConfig, engine_config: EngineConfig, mesh: Mesh, rules: Rules
 ) -> dict[str, Any]:
     """Compile the engine's prefill (largest bucket, ``prefill_rows`` rows) and one
-    decode step (``generate``; the slot loop's ``generate_block`` adds only its
-    [steps, B, 3] output) for ``mesh``, with the engine's unstacked param layout.
+    decode step (``generate``: the slot loop's ``generate_block`` of one step, all
+    slots live) for ``mesh``, with the engine's unstacked param layout.
 
     Returns:
       {"prefill": compiled, "generate": compiled}.
@@ -169,11 +171,13 @@ def compile_engine(
         jax.eval_shape(engine.init_decode_state),
         state_sh,
     )
+    B = engine_config.max_concurrent_decodes
+    live = jax.ShapeDtypeStruct((B,), np.bool_, sharding=rep)
+    stop = jax.ShapeDtypeStruct(stop_array([]).shape, np.int32, sharding=rep)
     prefill = _lowerable(engine, "prefill_jit", "_prefill_jit")
-    generate = _lowerable(engine, "generate_jit", "_generate_jit")
     return {
         "prefill": prefill.lower(params, ids, length).compile(),
-        "generate": generate.lower(params, state).compile(),
+        "generate": engine.generate_block_jit(1).lower(params, state, live, stop).compile(),
     }
 
 

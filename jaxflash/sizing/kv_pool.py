@@ -3,7 +3,7 @@
 ``KvPool.from_state`` reads the engine's abstract ``DecodeState`` (the one the
 decode block is compiled against, with its shardings), so what the plan prints is
 what the engine allocates: a dense cache (every slot reserves S positions) or a
-paged pool (N pages of P positions per layer, ``models.paged_kv_cache``), and how
+paged pool (N pages of P positions per layer, ``models.caches.paged_kv_cache``), and how
 many ways the generation mesh splits it (by KV head on main: a mesh wider than the
 model's KV heads holds copies).
 
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.models.kv_cache import LayerKVCache
-from jaxflash.models.paged_kv_cache import PagedKVCache
+from jaxflash.models.caches.kv_cache import LayerKVCache
+from jaxflash.models.caches.paged_kv_cache import PagedKVCache
 
 GIB = 1 << 30
 ATTENTION_PATHS = ("dense", "reference", "tpu_kernel")

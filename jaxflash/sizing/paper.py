@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.transformer import abstract_params
 
 
 def matmul_params(model: ModelConfig) -> float:

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from jaxflash.generation.engine.state import EngineConfig
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules
 from jaxflash.sizing import programs as sp
 from jaxflash.sizing.hbm_traffic import hbm_traffic

@@ -50,10 +50,15 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.device_batch import batch_sharding, mesh_context
 from jaxflash.learner.state import abstract_train_state, state_shardings
 from jaxflash.learner.step import make_train_step
-from jaxflash.models import lora as lora_lib
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, logical_axes, lora_model_layout, unstack_layers
-from jaxflash.models.lora import LoraConfig
+from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.adapters.lora import LoraConfig
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.transformer import (
+    abstract_params,
+    logical_axes,
+    lora_model_layout,
+    unstack_layers,
+)
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 from jaxflash.sync.publish import staging_shardings
 from jaxflash.sync.reshard import shards_present, staging_sharding
@@ -192,7 +197,7 @@ def engine_programs(
     B, steps = config.max_concurrent_decodes, config.decode_block
     live = jax.ShapeDtypeStruct((B,), np.bool_, sharding=rep)
     stop = jax.ShapeDtypeStruct(stop_array([]).shape, np.int32, sharding=rep)
-    block = engine._programs.generate_block(steps)  # noqa: SLF001 (the slot loop's program)
+    block = engine.generate_block_jit(steps)  # the slot loop's program
 
     def lower():
         # A Pallas kernel (the paged engine's ragged_paged_attention) lowers for

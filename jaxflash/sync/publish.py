@@ -182,7 +182,7 @@ class Publisher:
 
 class AdapterPublisher:
     """Publish a LoRA learner to one LoRA engine: the frozen base once, then only the
-    adapters at each version (``models.lora``; the engine applies them unmerged).
+    adapters at each version (``models.adapters.lora``; the engine applies them unmerged).
 
     Args:
       engine: a ``LlamaEngine`` built with ``lora`` (``place_base``, ``with_adapters``).

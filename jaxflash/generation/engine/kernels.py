@@ -9,20 +9,24 @@ None of them reads or writes anything but its arguments.
 - ``sample_first``: first tokens of G samples from prefill logits.
 - ``start``: ``sample_first`` + write each sample's prefill rows and per-slot
   vectors into its slot (one dispatch for a whole fill).
-- ``insert``: JetStream's insert of one ``Prefix``.
-- ``generate``: one decode step for every slot (JetStream's ``generate``).
 - ``generate_block``: up to ``steps`` decode steps in one ``lax.while_loop``; a slot
   stops on a stop token, on its budget or when the cache is full, and the loop
   ends early once every slot has stopped. Tokens come back as one [n, B, 3] array.
 
+Their pieces — ``place_rows`` (prefill rows into slots), ``next_tokens`` (one forward
+step and sample for every slot) and ``room`` (which slots may take a step) — are
+public: JetStream's ``insert`` / ``generate`` (``generation.jetstream.kernels``) are
+built from them, so its decode steps are the slot loop's.
+
 Params may be stacked ([L, ...], as the learner holds them) or unstacked
-(``models.llama.unstack_layers``, as ``LlamaEngine.place_params`` returns them);
+(``models.decoder.transformer.unstack_layers``, as ``LlamaEngine.place_params`` returns them);
 stacked ones are unstacked inside the program (static slices: correct, but each
 call copies every layer's weights — pass placed params for speed).
 
-Every decode step is the same sequence of operations in all three decode paths, so
-tokens and logprobs are bit-identical between ``generate``, ``generate_block`` and
-the engine before these programs were unrolled (tests/test_engine_golden.py).
+Every decode step is the same sequence of operations in every decode path, so
+tokens and logprobs are bit-identical between ``generate_block``, JetStream's
+``generate`` and the engine before these programs were unrolled
+(tests/test_engine_golden.py).
 """
 
 from __future__ import annotations
@@ -33,21 +37,23 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, use_abstract_mesh
 
-from jaxflash.generation.engine.state import (
-    DecodeResult,
-    DecodeState,
-    EngineConfig,
-    PrefillBatch,
-    Prefix,
-)
+from jaxflash.generation.engine.state import DecodeState, EngineConfig, PrefillBatch
 from jaxflash.generation.sampling import sample_key, sample_tokens
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import LayerKVCache, init_layer_kv_cache
-from jaxflash.models.llama import forward, unembed, unstack_layers
-from jaxflash.models.logprobs import logits_from_hidden
-from jaxflash.models.paged_kv_cache import PagedKVCache, interleave_kv, write_rows
+from jaxflash.models.caches.kv_cache import LayerKVCache, init_layer_kv_cache
+from jaxflash.models.caches.paged_kv_cache import PagedKVCache, interleave_kv, write_rows
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.logprobs import logits_from_hidden
+from jaxflash.models.decoder.transformer import forward, unembed, unstack_layers
 
-__all__ = ["generate", "generate_block", "insert", "prefill", "sample_first", "start"]
+__all__ = [
+    "generate_block",
+    "next_tokens",
+    "place_rows",
+    "prefill",
+    "room",
+    "sample_first",
+    "start",
+]
 
 
 def prefill(
@@ -155,7 +161,7 @@ def _place_pages(paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g
     return paged.replace(kv_pages=pools)
 
 
-def _room(st: DecodeState, ec: EngineConfig):
+def room(st: DecodeState, ec: EngineConfig):
     """bool [B]: the slot's next token fits (position + 1 < S) and, paged, the page
     this step writes (position ``pos_b``) is mapped. The slot loop maps pages ahead
     of every block (``page_pool``), so an unmapped page stops the slot instead of
@@ -168,7 +174,7 @@ def _room(st: DecodeState, ec: EngineConfig):
     return room_b
 
 
-def _place(
+def place_rows(
     state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict, from_g=None
 ) -> DecodeState:
     """Write prefill rows ``cache[row_g]`` into slots ``slot_g`` and set per-slot
@@ -239,35 +245,18 @@ def start(
         seed_b=ident_g4[:, 0],
         prompt_id_b=ident_g4[:, 1],
         sample_index_b=ident_g4[:, 2],
-        length_b=jnp.ones_like(slot_g),
-        pending_b=jnp.zeros(slot_g.shape, bool),
         budget_b=budget_g,
     )
     state = with_page_table(state, table_bm)
-    return _place(state, batch.cache, row_g, slot_g, values, from_g), token_g, logp_g
+    return place_rows(state, batch.cache, row_g, slot_g, values, from_g), token_g, logp_g
 
 
-def insert(state: DecodeState, prefix: Prefix, slot, emit, *, engine_config: EngineConfig):
-    """JetStream's insert: put ``prefix`` into ``slot``; ``emit`` marks it pending
-    (the next ``generate`` emits the prefill token). Budget: the cache's room only."""
-    one = jnp.zeros((1,), jnp.int32)
-    values = dict(
-        next_token_b=prefix.first_token[None],
-        next_logp_b=prefix.first_logp[None],
-        pos_b=prefix.true_length[None],
-        token_index_b=prefix.token_index[None] + 1,
-        seed_b=prefix.seed[None],
-        prompt_id_b=prefix.prompt_id[None],
-        sample_index_b=prefix.sample_index[None],
-        length_b=jnp.where(emit, 0, 1)[None],
-        pending_b=jnp.asarray(emit)[None],
-        budget_b=jnp.full((1,), engine_config.max_target_length, jnp.int32),
-    )
-    return _place(state, prefix.cache, one, jnp.asarray(slot, jnp.int32)[None], values)
+def next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
+    """Feed every slot's last token at its position; sample the next one.
 
-
-def _next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
-    """Feed every slot's last token at its position; sample the next one."""
+    Returns:
+      (the cache with that token's k/v written, token_b int32 [B], logp_b float32 [B]).
+    """
     h_b1d, cache = forward(
         params, mc, state.next_token_b[:, None], state.pos_b[:, None], state.cache
     )
@@ -277,47 +266,6 @@ def _next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
     )
     token_b, logp_b = _sample(logits_bv, keys_b2, mc, ec)
     return cache, token_b, logp_b
-
-
-def generate(params, state: DecodeState, *, model_config: ModelConfig, engine_config: EngineConfig):
-    """One decode step for every slot (JetStream's ``generate``).
-
-    A slot whose next token would not fit (position + 1 >= S) is invalid and does
-    not advance; a pending slot emits its prefill token and does not advance.
-
-    Returns:
-      (state, ResultTokens with int32 data [B, 4]: token, valid, emitted length,
-      logprob bits).
-    """
-    params = unstack_layers(params)
-    cache, token_b, logp_b = _next_tokens(params, state, model_config, engine_config)
-    room_b = _room(state, engine_config)
-    pending_b = state.pending_b
-    advance_b = room_b & ~pending_b
-    valid_b = room_b | pending_b
-    out_token_b = jnp.where(pending_b, state.next_token_b, token_b)
-    out_logp_b = jnp.where(pending_b, state.next_logp_b, logp_b)
-    step_b = advance_b.astype(jnp.int32)
-    new_state = state.replace(
-        cache=cache,
-        next_token_b=jnp.where(advance_b, token_b, state.next_token_b),
-        next_logp_b=jnp.where(advance_b, logp_b, state.next_logp_b),
-        pos_b=state.pos_b + step_b,
-        token_index_b=state.token_index_b + step_b,
-        length_b=state.length_b + valid_b.astype(jnp.int32),
-        pending_b=jnp.zeros_like(pending_b),
-        budget_b=state.budget_b - step_b,
-    )
-    data_b4 = jnp.stack(
-        [
-            out_token_b,
-            valid_b.astype(jnp.int32),
-            new_state.length_b,
-            jax.lax.bitcast_convert_type(out_logp_b.astype(jnp.float32), jnp.int32),
-        ],
-        axis=1,
-    )
-    return new_state, DecodeResult(data=data_b4)
 
 
 def generate_block(
@@ -337,8 +285,7 @@ def generate_block(
     after emitting a token in ``stop_s``, after emitting its last budgeted token
     (``state.budget_b``), or when its next token would not fit in the cache. A
     stopped slot does not advance (its later rows are not emitted). The loop ends
-    after ``steps`` steps or once no slot is live. Pending slots are not supported
-    (the slot loop starts samples with ``start``, which never sets pending).
+    after ``steps`` steps or once no slot is live.
 
     Args:
       params: model params.
@@ -364,8 +311,8 @@ def generate_block(
 
     def body(carry):
         i, st, live_b, out_nb3, live_n = carry
-        cache, token_b, logp_b = _next_tokens(params, st, mc, ec)
-        room_b = _room(st, ec)
+        cache, token_b, logp_b = next_tokens(params, st, mc, ec)
+        room_b = room(st, ec)
         emit_b = live_b & room_b
         step_b = emit_b.astype(jnp.int32)
         budget_b = st.budget_b - step_b
@@ -377,7 +324,6 @@ def generate_block(
             next_logp_b=jnp.where(emit_b, logp_b, st.next_logp_b),
             pos_b=st.pos_b + step_b,
             token_index_b=st.token_index_b + step_b,
-            length_b=st.length_b + step_b,
             budget_b=budget_b,
         )
         row_b3 = jnp.stack(

@@ -1,56 +1,41 @@
-"""The generation engine over jaxflash's decoder forward: slots, a KV cache, sampling.
+"""The slot loop's engine over jaxflash's decoder forward: slots, a KV cache, sampling.
 
-``LlamaEngine`` has JetStream's Engine API (``prefill`` / ``insert`` / ``generate``)
-in pure JAX, without importing JetStream (whose ``engine_api`` pulls TensorFlow
-through seqio, 4-5 s per process); ``jetstream_engine.JetStreamEngine`` adapts it to
-``jetstream.engine.engine_api.Engine`` for JetStream's Driver and gRPC server
-(``serving``). It runs the pure function ``jaxflash.models.llama.forward`` — the
-same code the learner runs — so engine logprobs and learner logprobs agree to float
-rounding. Its device programs are the pure functions of ``engine.kernels``; the
-engine jits them, places params (``engine.weights``, ``engine.params``: layers
+``LlamaEngine`` runs the pure function ``jaxflash.models.decoder.transformer.forward``
+— the same code the learner runs — so engine logprobs and learner logprobs agree to
+float rounding. Its device programs are the pure functions of ``engine.kernels``;
+the engine jits them, places params (``engine.weights``, ``engine.params``: layers
 unstacked, so a decode step reads each layer's weights in place) and counts
 compilations from outside (``trace_counts``).
 
-Two ways to drive it (B = ``max_concurrent_decodes`` slots, S = ``max_target_length``):
-
-- JetStream's API (its Driver and gRPC server, through ``JetStreamEngine``):
-  ``prefill(params=, padded_tokens=, true_length=) -> Prefix`` runs one prompt
-  (padded to a power-of-two bucket, at most ``max_prefill_length``) at positions
-  0..P-1 and samples the first response token; ``insert(prefix, state, slot)``
-  copies it into a slot; ``generate(params, state)`` runs one decode step for all
-  slots. JetStream 0.2.2's Driver only streams what ``generate`` returns, so
-  ``insert`` by default marks the slot pending: its next ``generate`` emits the
-  prefill's token.
-- jaxflash's slot loop: ``prefiller.prefill_many(params, sequences)`` runs prompts
-  ``prefill_rows`` at a time per bucket (prefix sharing: each distinct prompt once);
-  ``start_samples(state, starts)`` draws every new sample's first token and puts it
-  in its slot in one dispatch; ``generate_block(params, state, steps=n, ...)``
-  decodes up to n steps in one jitted loop and returns tokens in a block, so the
-  host syncs once per block and new requests / aborts / weights apply at block
-  boundaries.
+The slot loop (``generation.slot_loop``) drives it (B = ``max_concurrent_decodes``
+slots, S = ``max_target_length``): ``prefiller.prefill_many(params, sequences)`` runs
+prompts ``prefill_rows`` at a time per bucket (prefix sharing: each distinct prompt
+once); ``start_samples(state, starts)`` draws every new sample's first token and
+puts it in its slot in one dispatch; ``generate_block(params, state, steps=n, ...)``
+decodes up to n steps in one jitted loop and returns tokens in a block, so the host
+syncs once per block and new requests / aborts / weights apply at block boundaries.
+JetStream's Engine API (``prefill`` / ``insert`` / ``generate``, for its Driver and
+gRPC server) is an adapter over this engine with its own state
+(``generation.jetstream``).
 
 ``params`` is an argument of every call, so new weights apply at the next step with
 nothing rebuilt or recompiled; in-flight sequences keep their cache (partial
 rollout). Recompute (AReaL's interruptible rollout, arXiv 2505.24298): prefilling
-prompt + the n tokens generated so far with ``token_index=n`` rebuilds a sample's
-cache under new weights and draws its next token with the key the uninterrupted
-sample would have used.
+prompt + the n tokens generated so far and starting the sample with
+``token_index=n`` rebuilds its cache under new weights and draws its next token
+with the key the uninterrupted sample would have used.
 
 Positions: a prompt of P tokens fills 0..P-1 and response token i sits at P+i, so a
-sequence holds at most S tokens. ``generate`` returns a ``DecodeResult``
-(JetStream's ``ResultTokens`` layout) with data int32 [B, 4]: token, validity (0
-once the slot's cache is full), tokens emitted so far, logprob bit-cast to int32
-(``result_logprobs``); JetStream ignores column 3.
+sequence holds at most S tokens.
 
 Compilation: prefill once per bucket, starts once per (power-of-two sample count,
-bucket), insert once per bucket, generate once, generate_block once per block size.
+bucket), generate_block once per block size.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -63,22 +48,21 @@ from jaxflash.generation.engine.prefill import Prefiller
 from jaxflash.generation.engine.programs import Programs
 from jaxflash.generation.engine.state import (
     BlockResult,
-    DecodeResult,
     DecodeState,
     EngineConfig,
-    Prefix,
     SampleStart,
     state_shardings,
 )
 from jaxflash.generation.engine.weights import EngineWeights
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.lora import LoraConfig
+from jaxflash.models.adapters.lora import LoraConfig
+from jaxflash.models.caches.kv_cache import LayerKVCache
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import Rules
 
 
 class LlamaEngine:
-    """Generation engine for jaxflash's decoder (JetStream's Engine API, pure JAX).
+    """Generation engine for jaxflash's decoder, driven by the slot loop.
 
     Args:
       model_config: the decoder's ``ModelConfig``.
@@ -87,12 +71,7 @@ class LlamaEngine:
         tensor) over ``jax.devices()[0]``.
       rules: logical-axis rules (e.g. ``jaxflash.sharding.rules.GENERATOR_RULES``)
         for params and KV caches; None replicates everything on the mesh.
-      tokenizer: optional object with ``encode``, ``decode``, ``eos_id``,
-        ``pad_id`` (``jaxflash.models.tokenizer.Tokenizer``); needed only to
-        serve text through JetStream's Driver (``JetStreamEngine``).
-      load_params_fn: returns the params for ``load_params`` (JetStream's server
-        calls it once at start).
-      lora: serve a LoRA model (``models.lora``): params are the stored base with
+      lora: serve a LoRA model (``models.adapters.lora``): params are the stored base with
         the adapters beside their weights, applied unmerged; ``place_base`` once and
         ``with_adapters`` per update move only the adapters.
 
@@ -107,8 +86,6 @@ class LlamaEngine:
         *,
         mesh: Mesh | None = None,
         rules: Rules | None = None,
-        tokenizer: Any = None,
-        load_params_fn: Callable[[], Any] | None = None,
         lora: LoraConfig | None = None,
     ):
         if config.max_target_length > model_config.max_seq_len:
@@ -122,15 +99,14 @@ class LlamaEngine:
         self.model_config = model_config
         self.config = config
         self._replicated = NamedSharding(self._mesh, PartitionSpec())
-        self.tokenizer = tokenizer
-        self._load_params_fn = load_params_fn
-        self._auto_prompt_id = itertools.count()  # for requests without an identity
         self.lora = lora
         # Accepted param trees, placement, LoRA adapters (see engine.weights).
         self.weights = EngineWeights(model_config, self._mesh, rules, lora)
-        state_sh, self._prefix_shardings = state_shardings(model_config, config, self._mesh, rules)
+        self._state_sh, self._prefill_cache_sh = state_shardings(
+            model_config, config, self._mesh, rules
+        )
         self._programs = Programs(
-            model_config, config, state_sh, self._prefix_shardings, self._replicated, layout
+            model_config, config, self._state_sh, self._prefill_cache_sh, self._replicated, layout
         )
         # Prompt prefill (buckets, batched prefill, first tokens); see engine.prefill.
         self.prefiller = Prefiller(config, self._programs, self._replicated)
@@ -142,68 +118,33 @@ class LlamaEngine:
         params unstacked on ``engine_shardings`` (see ``place_params``)."""
         return self._programs.prefill
 
+    def generate_block_jit(self, steps: int) -> Any:
+        """The jitted ``generate_block`` of ``steps`` decode steps, for ahead-of-time
+        lowering (``sizing``): ``(params, DecodeState, live bool [B], stop int32
+        [n_stop], page_table=None) -> (DecodeState, out int32 [steps, B, 3], live_n,
+        steps run)``, state donated (``engine.kernels.generate_block``)."""
+        return self._programs.generate_block(steps)
+
     @property
-    def generate_jit(self) -> Any:
-        """The jitted single decode step, for ahead-of-time lowering (``sizing``):
-        ``(params, DecodeState) -> (DecodeState, DecodeResult)``, state donated."""
-        return self._programs.generate
+    def state_shardings(self) -> DecodeState:
+        """The decode state's NamedShardings on the engine's mesh."""
+        return self._state_sh
+
+    @property
+    def prefill_cache_shardings(self) -> LayerKVCache:
+        """NamedShardings of a prefill's cache ([N, K, T, H] keys, [N, K, H, T] values)."""
+        return self._prefill_cache_sh
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """Replicated on the engine's mesh (explicit host-to-device copies)."""
+        return self._replicated
 
     @property
     def trace_counts(self) -> collections.Counter[str]:
         """Traces (= compilations) per program and input shape, e.g. ``generate``,
         ``prefill_4x16``, ``start_8_4x16``, ``generate_block_8`` (a copy)."""
         return collections.Counter(self._programs.traces)
-
-    # ---------------------------------------------------------------- prefill
-
-    def prefill(
-        self,
-        *,
-        params: Any,
-        existing_prefix: Prefix | None = None,
-        padded_tokens: jax.Array | np.ndarray,
-        true_length: int,
-        seed: int = 0,
-        prompt_id: int | None = None,
-        sample_index: int = 0,
-        token_index: int = 0,
-    ) -> Prefix:
-        """Run a prompt and sample its first response token (JetStream's prefill).
-
-        Args:
-          params: model params (nested dict, see docs/CONTRACTS.md).
-          existing_prefix: not supported (must be None).
-          padded_tokens: int [T_pad] prompt tokens; only the first true_length count.
-          true_length: P, the prompt length in tokens.
-          seed, prompt_id, sample_index: RNG identity of the sample (see
-            ``sampling.sample_key``); prompt_id None draws a fresh id from a
-            per-engine counter (what JetStream's Driver gets).
-          token_index: response index of the token sampled here. 0 for a prompt;
-            n to resume a sample whose prompt + first n response tokens are
-            ``padded_tokens`` (recompute): the token drawn at position P-1 uses key
-            n and decoding continues with n + 1. P is bounded by max_prefill_length.
-
-        Returns:
-          Prefix on the engine's mesh.
-
-        Raises:
-          ValueError: P > max_prefill_length ("prompt of P tokens exceeds
-            max_prefill_length=..."), P < 1, P > len(padded_tokens), token_index < 0.
-          NotImplementedError: existing_prefix is given.
-        """
-        if existing_prefix is not None:
-            raise NotImplementedError("LlamaEngine.prefill: existing_prefix is not supported")
-        if token_index < 0:
-            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
-        if prompt_id is None:
-            prompt_id = next(self._auto_prompt_id)
-        shared = self.prefiller.prefill_prompt(
-            params=params, padded_tokens=padded_tokens, true_length=true_length
-        )
-        (prefix,) = self.prefiller.first_tokens(
-            shared, [(seed, prompt_id, sample_index)], token_index=token_index
-        )
-        return prefix
 
     # ------------------------------------------------------ starting samples
 
@@ -252,61 +193,7 @@ class LlamaEngine:
             logps[members] = logp_g[: len(members)]
         return decode_state, tokens, logps
 
-    # ----------------------------------------------------------------- insert
-
-    def insert(
-        self,
-        prefix: Prefix,
-        decode_state: DecodeState,
-        slot: int,
-        *,
-        emit_prefill_token: bool = True,
-    ) -> DecodeState:
-        """Put a prefilled prompt into slot ``slot`` (the old state is donated).
-
-        Args:
-          prefix: from ``prefill``.
-          decode_state: current state; its buffers are donated (do not reuse it).
-          slot: int in [0, max_concurrent_decodes).
-          emit_prefill_token: True (JetStream's Driver): the next ``generate``
-            emits the prefill's token for this slot. False: the next step samples
-            the second token.
-
-        Raises:
-          ValueError: slot out of range.
-        """
-        if self.config.paged:
-            raise NotImplementedError(
-                "insert: a paged engine (kv_cache='paged') starts samples through the slot "
-                "loop (start_samples with a page table); JetStream's Driver needs "
-                "kv_cache='dense'"
-            )
-        if not 0 <= slot < self.config.max_concurrent_decodes:
-            raise ValueError(
-                f"insert: slot={slot} outside [0, {self.config.max_concurrent_decodes})"
-            )
-        slot_emit = jax.device_put((np.int32(slot), np.bool_(emit_prefill_token)), self._replicated)
-        return self._programs.insert(decode_state, prefix, *slot_emit)
-
-    # --------------------------------------------------------------- generate
-
-    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, DecodeResult]:
-        """One decode step for every slot (the old state is donated).
-
-        A slot whose next token would not fit in the cache (position >= S) is
-        marked invalid and does not advance; a pending slot emits its prefill
-        token instead. Slots never inserted produce junk rows (ignore them).
-
-        Args:
-          params: model params; may differ from call to call (same shapes and
-            dtypes), which takes effect at this step without recompiling.
-          decode_state: current state; its buffers are donated.
-
-        Returns:
-          (new DecodeState, DecodeResult with int32 data [B, 4]: token, valid,
-          emitted length, logprob bits — see ``result_logprobs``).
-        """
-        return self._programs.generate(params, decode_state)
+    # ---------------------------------------------------------------- decoding
 
     def generate_block(
         self,
@@ -370,20 +257,9 @@ class LlamaEngine:
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         """Empty slots: zero caches, every slot idle."""
         del args, kwargs
-        # Built under jit so every field is its own buffer: generate and insert
-        # donate the state, and XLA refuses to donate one buffer twice.
+        # Built under jit so every field is its own buffer: start_samples and
+        # generate_block donate the state, and XLA refuses to donate one buffer twice.
         return self._programs.init_state()
-
-    def load_params(self, *args, **kwargs) -> Any:
-        """Params from ``load_params_fn``, placed on the engine's mesh.
-
-        Raises:
-          ValueError: the engine was built without ``load_params_fn``.
-        """
-        del args, kwargs
-        if self._load_params_fn is None:
-            raise ValueError("LlamaEngine.load_params: construct the engine with load_params_fn")
-        return self.place_params(self._load_params_fn())
 
     def place_params(self, params: Any) -> Any:
         """Params in the engine's layout (layers unstacked) on the engine's mesh.
@@ -404,10 +280,6 @@ class LlamaEngine:
     def check_params(self, params: Any) -> None:
         """Refuse params unlike the engine's model (``EngineWeights.check_params``)."""
         self.weights.check_params(params)
-
-    def get_prefix_destination_sharding(self) -> Any:
-        """A Prefix-shaped tree of NamedShardings (KV cache per ``rules``)."""
-        return self._prefix_shardings
 
     @property
     def max_concurrent_decodes(self) -> int:

@@ -1,7 +1,7 @@
 """The engine's parameter layout: layers unstacked, placed on the generation mesh.
 
 The learner and weight sync hold params with layers stacked on a leading [L] axis
-(``models.llama``). The engine decodes with the layers unrolled, each layer's
+(``models.decoder.transformer``). The engine decodes with the layers unrolled, each layer's
 weights a separate buffer, because slicing a layer out of the stack inside the
 decode program copies its weights at every step (about 60 ms of the step at the
 SmolLM2-135M shape on CPU). ``place`` converts once per weight update instead:
@@ -11,7 +11,7 @@ mesh with each layer leaf sharded like its stacked parent minus the layer axis.
 With bfloat16 compute over float32 master weights, ``place`` also stores every
 layer weight the model only multiplies in the compute dtype (``engine_dtypes``:
 the projection, MLP and expert matrices and the qkv biases, which
-``models.llama`` casts to ``compute_dtype`` before use anyway). A decode step then
+``models.decoder.transformer`` casts to ``compute_dtype`` before use anyway). A decode step then
 reads 2 bytes per weight instead of 4, and the decode program no longer converts
 the float32 copy on every call (XLA hoists that convert out of the decode loop but
 runs it once per block: on the compiled TPU program of Qwen2.5-1.5B, 6 bytes of
@@ -31,10 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.models import lora as lora_lib
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, logical_axes, lora_model_layout, unstack_layers
-from jaxflash.models.lora import LoraConfig
+from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.adapters.lora import LoraConfig
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.transformer import (
+    abstract_params,
+    logical_axes,
+    lora_model_layout,
+    unstack_layers,
+)
 from jaxflash.sharding.rules import Rules, logical_to_shardings
 
 
@@ -44,7 +49,7 @@ def engine_shardings(
     """NamedShardings of unstacked params on ``mesh`` (replicated without rules).
 
     Args:
-      lora: the LoRA model's layout (stored base + adapters, ``models.lora``) instead
+      lora: the LoRA model's layout (stored base + adapters, ``models.adapters.lora``) instead
         of the plain model's.
 
     Returns:
@@ -85,7 +90,7 @@ def narrow_dtype(model_config: ModelConfig, lora: LoraConfig | None = None) -> A
 
 
 def _matmul_only(name: str) -> bool:
-    """A layer leaf ``models.llama`` only uses cast to the compute dtype: the weight
+    """A layer leaf ``models.decoder.transformer`` only uses cast to the compute dtype: the weight
     matrices (``w_*``: projections, MLP, router and experts) and the qkv biases."""
     return name.startswith(("w_", "b_"))
 

@@ -13,7 +13,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxflash.generation.engine import kernels
@@ -21,11 +20,11 @@ from jaxflash.generation.engine.state import (
     DecodeState,
     EngineConfig,
     PrefillBatch,
-    Prefix,
     empty_decode_state,
 )
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.paged_kv_cache import PoolLayout
+from jaxflash.models.caches.kv_cache import LayerKVCache
+from jaxflash.models.caches.paged_kv_cache import PoolLayout
+from jaxflash.models.config.model_config import ModelConfig
 
 
 class Programs:
@@ -34,9 +33,9 @@ class Programs:
     Args:
       model_config, engine_config: static configuration bound into every program.
       state_shardings: DecodeState of NamedShardings (``state_shardings``).
-      prefix_shardings: Prefix of NamedShardings.
+      prefill_cache_shardings: LayerKVCache of NamedShardings for prefill caches.
       replicated: NamedSharding for everything replicated.
-      layout: a paged pool's split over the mesh (``models.paged_kv_cache.pool_layout``).
+      layout: a paged pool's split over the mesh (``models.caches.paged_kv_cache.pool_layout``).
     """
 
     def __init__(
@@ -44,7 +43,7 @@ class Programs:
         model_config: ModelConfig,
         engine_config: EngineConfig,
         state_shardings: DecodeState,
-        prefix_shardings: Prefix,
+        prefill_cache_shardings: LayerKVCache,
         replicated: NamedSharding,
         layout: PoolLayout | None = None,
     ):
@@ -62,27 +61,10 @@ class Programs:
                 ),
             ),
             out_shardings=PrefillBatch(
-                cache=prefix_shardings.cache, true_length_n=rep, logits_nv=rep
+                cache=prefill_cache_shardings, true_length_n=rep, logits_nv=rep
             ),
         )
 
-        def first_of_row(logits_nv, row, ident_g4):
-            logits_gv = jnp.broadcast_to(logits_nv[row], (ident_g4.shape[0], logits_nv.shape[1]))
-            return kernels.sample_first(logits_gv, ident_g4, model_config=mc, engine_config=ec)
-
-        self.first_tokens = jax.jit(
-            self._counted(
-                lambda logits, row, ident: f"first_tokens_{ident.shape[0]}", first_of_row
-            ),
-            out_shardings=rep,
-        )
-        # A Prefix holds its own [1, bucket] cache (JetStream moves Prefixes around).
-        self.take_row = jax.jit(
-            lambda batch, row: (
-                jax.tree.map(lambda x: x[row][None], batch.cache),
-                batch.true_length_n[row],
-            )
-        )
         self.start = jax.jit(
             self._counted(
                 lambda st, b, row, *_: (
@@ -92,22 +74,6 @@ class Programs:
             ),
             donate_argnums=(0,),
             out_shardings=(state_shardings, rep, rep),
-        )
-        self.insert = jax.jit(
-            self._counted(
-                lambda st, prefix, *_: f"insert_{prefix.cache.max_len}",
-                functools.partial(kernels.insert, engine_config=ec),
-            ),
-            donate_argnums=(0,),
-            out_shardings=state_shardings,
-        )
-        self.generate = jax.jit(
-            self._counted(
-                lambda *_: "generate",
-                functools.partial(kernels.generate, model_config=mc, engine_config=ec),
-            ),
-            donate_argnums=(1,),
-            out_shardings=(state_shardings, rep),
         )
         self._block_out = (state_shardings, rep, rep, rep)
         self._blocks: dict[int, Callable] = {}

@@ -1,11 +1,10 @@
 """Static configuration and device-state types of ``LlamaEngine``.
 
 ``EngineConfig`` (slots, lengths, sampling), ``PrefillBatch`` / ``PromptPrefill``
-(prompts run together), ``SampleStart`` (where a sample starts), ``Prefix`` (a
-prefilled prompt for JetStream's insert), ``DecodeState`` (all slots), their
-sharding on a generation mesh, the ``DecodeResult`` that ``generate`` returns (the
-layout of JetStream's ``ResultTokens``, without importing JetStream) and the
-``BlockResult`` of ``generate_block``.
+(prompts run together), ``SampleStart`` (where a sample starts), ``DecodeState`` (all
+slots), their sharding on a generation mesh and the ``BlockResult`` of
+``generate_block``. JetStream's own bookkeeping (emitted lengths, pending prefill
+tokens, ``Prefix``, ``DecodeResult``) is its adapter's (``generation.jetstream.state``).
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.kv_cache import (
+from jaxflash.models.caches.kv_cache import (
     LAYER_K_LOGICAL_AXES,
     LAYER_V_LOGICAL_AXES,
     LayerKVCache,
     init_layer_kv_cache,
 )
-from jaxflash.models.paged_kv_cache import (
+from jaxflash.models.caches.paged_kv_cache import (
     PagedKVCache,
     PageTable,
     PoolLayout,
@@ -33,10 +31,10 @@ from jaxflash.models.paged_kv_cache import (
     pages_per_row,
     pool_layout,
 )
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
 
-LOGP_COLUMN = 3  # column of DecodeResult.data holding the float32 logprob bits
 KV_CACHE_KINDS = ("dense", "paged")
 
 
@@ -72,9 +70,10 @@ class EngineConfig:
         boundaries, so a larger block trades that latency for fewer host round trips.
       kv_cache: "dense" (every slot reserves S positions) or "paged": one pool of
         ``num_pages`` pages of ``page_size`` positions per layer and a page table
-        per slot (``models.paged_kv_cache``); the slot loop takes pages as samples
+        per slot (``models.caches.paged_kv_cache``); the slot loop takes pages as samples
         grow and returns them when they end (``page_pool``). Same tokens and
-        logprobs as dense. JetStream's ``insert`` needs the dense cache.
+        logprobs as dense. JetStream's Driver (``generation.jetstream``) needs the
+        dense cache.
       page_size: P, positions per page (paged only).
       num_pages: N, pages in the pool (paged only); 0 = B * ceil(S / P), the
         dense reservation. A request whose prompt + max_new_tokens needs more than
@@ -84,7 +83,7 @@ class EngineConfig:
         the pure-JAX reference), "reference" or "tpu_kernel"; the engine resolves
         "auto" when it is built.
       page_groups: G, slot groups the pool's pages and the slots split into (set by
-        the engine from its mesh, ``models.paged_kv_cache.pool_layout``: every mesh
+        the engine from its mesh, ``models.caches.paged_kv_cache.pool_layout``: every mesh
         axis that does not split kv heads); slot b takes pages only from group
         b // (B / G)'s N / G pages (``generation.page_pool``). B and N must be
         divisible by G.
@@ -243,34 +242,8 @@ class SampleStart:
 
 
 @struct.dataclass
-class Prefix:
-    """A prefilled prompt (batch of one), ready to ``insert`` into a slot.
-
-    Attributes:
-      cache: LayerKVCache of the prompt, batch 1, length bucket (pad positions hold
-        junk that is overwritten before any query can see it).
-      true_length: int32 [] prompt length P.
-      first_token: int32 [] response token sampled at position P-1.
-      first_logp: float32 [] its log q.
-      seed, prompt_id, sample_index: int32 [] RNG identity of the sample.
-      token_index: int32 [] response index of ``first_token``: 0 for a prompt,
-        n when the prefilled sequence is prompt + n already generated tokens
-        (a recompute after a weight update).
-    """
-
-    cache: LayerKVCache
-    true_length: jax.Array
-    first_token: jax.Array
-    first_logp: jax.Array
-    seed: jax.Array
-    prompt_id: jax.Array
-    sample_index: jax.Array
-    token_index: jax.Array
-
-
-@struct.dataclass
 class DecodeState:
-    """Everything ``generate`` / ``generate_block`` transform; one row per slot.
+    """Everything ``start_samples`` / ``generate_block`` transform; one row per slot.
 
     Attributes:
       cache: LayerKVCache, batch B, length S (one buffer per layer, updated in
@@ -280,10 +253,8 @@ class DecodeState:
       pos_b: int32 [B] position ``next_token_b`` occupies.
       token_index_b: int32 [B] response index of the token the next step samples.
       seed_b, prompt_id_b, sample_index_b: int32 [B] RNG identity per slot.
-      length_b: int32 [B] tokens emitted through ResultTokens so far.
-      pending_b: bool [B] the prefill token still has to be emitted.
       budget_b: int32 [B] tokens the slot may still emit in ``generate_block``
-        (set by ``start_samples``; ``insert`` sets S, i.e. no limit but the cache).
+        (set by ``start_samples``).
     """
 
     cache: LayerKVCache | PagedKVCache
@@ -294,27 +265,7 @@ class DecodeState:
     seed_b: jax.Array
     prompt_id_b: jax.Array
     sample_index_b: jax.Array
-    length_b: jax.Array
-    pending_b: jax.Array
     budget_b: jax.Array
-
-
-@struct.dataclass
-class DecodeResult:
-    """What one ``generate`` step emits, one row per slot (a pytree).
-
-    The layout is that of JetStream's ``ResultTokens`` with one sample per slot
-    (columns 0 token, 1 valid, 2 emitted length), plus column 3 for the logprob;
-    ``jetstream_engine.JetStreamEngine`` wraps it in a ``ResultTokens`` for
-    JetStream's orchestrator, which reads only columns 0-2. Kept here so that the
-    engine core does not import JetStream (whose ``engine_api`` pulls TensorFlow).
-
-    Attributes:
-      data: int32 [B, 4]: token, valid (0/1), emitted length, float32 logprob
-        bit-cast to int32 (see ``result_logprobs``).
-    """
-
-    data: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,34 +288,22 @@ class BlockResult:
     steps: int
 
 
-def result_logprobs(result: DecodeResult | np.ndarray) -> np.ndarray:
-    """float32 [B] logprobs of the tokens in a ``generate`` result.
-
-    Args:
-      result: the DecodeResult (or JetStream's ``ResultTokens`` wrapping it: any
-        object with ``data``), or its ``data`` already copied to host (int32
-        [B, 4]); a device array is copied with an explicit device_get.
-    """
-    data = getattr(result, "data", result)
-    data = np.asarray(jax.device_get(data))
-    return np.ascontiguousarray(data[:, LOGP_COLUMN]).view(np.float32)
-
-
 def state_shardings(
     model_config: ModelConfig, config: EngineConfig, mesh: Mesh, rules: Rules | None
-) -> tuple[DecodeState, Prefix]:
-    """Shardings of the decode state and of a Prefix on ``mesh``.
+) -> tuple[DecodeState, LayerKVCache]:
+    """Shardings of the decode state and of a prefill's cache on ``mesh``.
 
     Each layer's cache buffers follow ``rules`` through ``LAYER_K_LOGICAL_AXES`` /
     ``LAYER_V_LOGICAL_AXES`` (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
     dims that do not divide stay replicated); a paged pool splits by kv head and by
-    slot group (``models.paged_kv_cache.pool_layout``); per-slot vectors, scalars and
+    slot group (``models.caches.paged_kv_cache.pool_layout``); per-slot vectors, scalars and
     the page table are replicated. Without rules everything is replicated. Pass the
     engine's resolved config (``LlamaEngine.config``): the page table's static fields
     follow it.
 
     Returns:
-      (DecodeState of NamedShardings, Prefix of NamedShardings).
+      (DecodeState of NamedShardings, LayerKVCache of NamedShardings for the caches
+      ``prefill`` writes: [N, K, T, H] keys, [N, K, H, T] values).
     """
     rep = NamedSharding(mesh, PartitionSpec())
     c = model_config
@@ -397,9 +336,7 @@ def state_shardings(
     one = cache_sharding(1, config.max_prefill_length)
     names = [f.name for f in dataclasses.fields(DecodeState) if f.name != "cache"]
     decode = DecodeState(cache=big, **{n: rep for n in names})
-    names = [f.name for f in dataclasses.fields(Prefix) if f.name != "cache"]
-    prefix = Prefix(cache=one, **{n: rep for n in names})
-    return decode, prefix
+    return decode, one
 
 
 def empty_decode_state(
@@ -410,8 +347,8 @@ def empty_decode_state(
     ``layout``: a paged pool's split (``pool_layout`` of the engine's mesh and rules).
 
     Call it under jit (``LlamaEngine.init_decode_state`` does) so that every
-    field is its own buffer: ``generate`` and ``insert`` donate the state, and
-    XLA refuses to donate one buffer twice.
+    field is its own buffer: ``start_samples`` and ``generate_block`` donate the
+    state, and XLA refuses to donate one buffer twice.
     """
     B = config.max_concurrent_decodes
 
@@ -439,7 +376,5 @@ def empty_decode_state(
         seed_b=zeros_b(),
         prompt_id_b=zeros_b(),
         sample_index_b=zeros_b(),
-        length_b=zeros_b(),
-        pending_b=zeros_b(bool),
         budget_b=zeros_b(),
     )

@@ -14,10 +14,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.generation.engine.params import as_engine_dtypes, engine_shardings, place
-from jaxflash.models import lora as lora_lib
-from jaxflash.models.config import ModelConfig
-from jaxflash.models.llama import abstract_params, lora_model_layout, unstack_layers
-from jaxflash.models.lora import LoraConfig
+from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.adapters.lora import LoraConfig
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.transformer import abstract_params, lora_model_layout, unstack_layers
 from jaxflash.sharding.leaves import LayoutMismatchError, check_same_leaves, leaf_signatures
 from jaxflash.sharding.rules import Rules
 
@@ -29,7 +29,7 @@ class EngineWeights:
       model_config: the decoder's ``ModelConfig``.
       mesh: the engine's mesh.
       rules: logical-axis rules for the params (None replicates them).
-      lora: serve a LoRA model (stored base + adapters, ``models.lora``).
+      lora: serve a LoRA model (stored base + adapters, ``models.adapters.lora``).
 
     Attributes:
       shardings: NamedShardings of the unstacked params (``engine_shardings``).
@@ -45,7 +45,7 @@ class EngineWeights:
         self.shardings = engine_shardings(model_config, mesh, rules, lora)
         if lora is None:
             stacked = abstract_params(model_config)
-        else:  # the stored base with adapters beside their weights (models.lora)
+        else:  # the stored base with adapters beside their weights (models.adapters.lora)
             stacked = lora_model_layout(model_config, lora)[0]
         one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
         unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}

@@ -16,7 +16,7 @@ from typing import Any
 from jaxflash.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from jaxflash.data.tasks import task_reward
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.models.lora import LoraConfig
+from jaxflash.models.adapters.lora import LoraConfig
 from jaxflash.runtime.config.elastic_spec import check_elastic
 from jaxflash.runtime.config.env_spec import EnvSpec, agentic_rollout
 from jaxflash.runtime.config.replay_spec import (

@@ -193,7 +193,7 @@ class ModelSpec:
         elif self.path:  # gguf, or the tokenizer of a random model
             check(os.path.isfile(self.path), f"model.path={self.path!r} is not a file")
         if self.source == "random":
-            from jaxflash.models.presets import get_preset  # noqa: PLC0415
+            from jaxflash.models.config.presets import get_preset  # noqa: PLC0415
 
             try:
                 get_preset(self.preset)

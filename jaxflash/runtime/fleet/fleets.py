@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxflash.models.lora import tree_bytes
+from jaxflash.models.adapters.lora import tree_bytes
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.eval_generation import EngineGenerate, ProgramGenerate
 from jaxflash.runtime.fleet.gen_endpoint import FixedProgram, LocalProgram, ProgramClient

@@ -123,9 +123,9 @@ class GenerationProgram:
         import jax  # noqa: PLC0415  (jax is imported once the program has its devices)
 
         from jaxflash.generation.engine.state import EngineConfig  # noqa: PLC0415
-        from jaxflash.models import lora as lora_lib  # noqa: PLC0415
-        from jaxflash.models.config import ModelConfig  # noqa: PLC0415
-        from jaxflash.models.llama import abstract_params  # noqa: PLC0415
+        from jaxflash.models.adapters import lora as lora_lib  # noqa: PLC0415
+        from jaxflash.models.config.model_config import ModelConfig  # noqa: PLC0415
+        from jaxflash.models.decoder.transformer import abstract_params  # noqa: PLC0415
         from jaxflash.runtime.model_setup import build_engine, stored_lora_base  # noqa: PLC0415
         from jaxflash.sharding.mesh import make_mesh  # noqa: PLC0415
         from jaxflash.sync.transfer_digest import tree_digest  # noqa: PLC0415

@@ -38,7 +38,7 @@ from jaxflash import failpoints
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.learner.state import state_shardings
 from jaxflash.learner.step import make_train_step
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.learner_links import FollowerLink, LeaderLinks
 from jaxflash.runtime.resume import base_record, finished_step, init_or_restore_learner
@@ -83,7 +83,7 @@ class LearnerProgram:
         or None when generation runs in this process (threads).
       links: ``LeaderLinks`` on process 0 of a multi-process learner (None otherwise).
       leader: False on the other processes (``follow``): nothing is posted and the
-        metrics, ledger and run records are process 0's business.
+        metrics and run records are process 0's business.
     """
 
     def __init__(
@@ -102,7 +102,7 @@ class LearnerProgram:
         self._leader = leader
         if links is not None:
             links.post("setup", max_prompt_tokens=int(exp.data.max_prompt_tokens))
-        self.state, self.meta, self.ledger, self.checkpointer = init_or_restore_learner(
+        self.state, self.meta, self.checkpointer = init_or_restore_learner(
             exp, model_config, imported_params, mesh, workdir, records=leader
         )
         # Per learner mesh: the jitted step and the state's shardings, built once per

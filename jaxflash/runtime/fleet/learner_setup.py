@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console, describe_model, describe_schedule
 from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_program import LearnerProgram
 from jaxflash.runtime.fleet.placement import Placement
 from jaxflash.runtime.model_setup import check_workdir_model, describe_source, load_model
-from jaxflash.runtime.resume import resumed_note
 from jaxflash.sharding.distributed import advertised_host
 from jaxflash.sync.transfer_sender import WeightSender
 
@@ -57,6 +56,4 @@ def start_learner(
             exp, model_config, imported_params, placement.learner, workdir,
             sender=sender, links=links,
         )  # fmt: skip
-    if learner.meta.step:
-        console.line(resumed_note(learner.meta, learner.ledger, exp.total_steps, workdir))
     return learner, model_config

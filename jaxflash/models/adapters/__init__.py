@@ -1,0 +1,1 @@
+"""What rides on the weights: LoRA adapters and int8/NF4 quantized bases."""

@@ -1,0 +1,1 @@
+"""ModelConfig (the decoder's shapes and per-family switches) and named presets."""

@@ -1,0 +1,148 @@
+"""One decoder block of every supported family: attention through the layer's cache
+(``models.caches.cache_face``: the block never asks which kind it has) and the MLP (the gated
+MLP, SwiGLU or GeGLU, or routed experts), with the pre/post norms and residuals each
+family's ``ModelConfig`` asks for. ``models.decoder.transformer.forward`` runs the stack of them.
+
+LoRA (``models.adapters.lora``): a projection adds its adapter's delta only where the layer's
+params hold one (``lora.adapted_weights``); without LoRA no adapter code is traced.
+
+Dimension letters as in ``models.decoder.transformer``. References: RMSNorm (arXiv 1910.07467),
+SwiGLU / GeGLU (arXiv 2002.05202), RoPE (arXiv 2104.09864).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash.models.adapters import lora
+from jaxflash.models.caches.cache_face import LayerCache, Site
+from jaxflash.models.config.model_config import ModelConfig
+from jaxflash.models.decoder.moe import moe_mlp
+from jaxflash.models.decoder.rope import apply_rope
+from jaxflash.models.decoder.swiglu import swiglu
+
+
+def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x / sqrt(mean(x²) + eps) * (offset + w), in float32 over the last axis.
+
+    ``offset`` is ``ModelConfig.norm_offset``: 0 (Llama, Qwen) or 1 (Gemma's (1 + w)).
+    """
+    x = x_btd.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    w = w_d.astype(jnp.float32)
+    return x * (offset + w if offset else w)
+
+
+_ACTIVATIONS = {  # ModelConfig.mlp_activation -> the gate's nonlinearity
+    "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen, Mistral)
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma)
+}
+_MLP_WEIGHTS = ("w_gate_ldf", "w_up_ldf", "w_down_lfd")
+
+
+def _by_layer_type(sliding, local_value, full_value):
+    """``local_value`` on a sliding layer, else ``full_value``; ``sliding`` is a Python
+    bool (unrolled layers, or all layers alike) or a traced bool (mixed layers in the
+    scan), where both values are computed and one is selected."""
+    if isinstance(sliding, bool):
+        return local_value() if sliding else full_value()
+    return jnp.where(sliding, local_value(), full_value())
+
+
+def _linear(spec: str, x, lp, name: str, adapted: frozenset[str], cd, **kwargs) -> jax.Array:
+    """``einsum(spec, x, W)`` with W = ``lp[name]`` in the compute dtype (a quantized base
+    dequantises here), plus the adapter's s·(x·A)·B where the layer has one."""
+    y = jnp.einsum(spec, x, lp[name].astype(cd), **kwargs)
+    return lora.add_delta(y, x, lp, name) if name in adapted else y
+
+
+def gated_mlp(config: ModelConfig, x_btd, lp):
+    """The dense MLP: (act(x W_gate) * (x W_up)) W_down, float32 [B, T, D].
+
+    act is silu (SwiGLU) or gelu_tanh (GeGLU), per ``config.mlp_activation``; each
+    projection adds its adapter where the layer has one. SwiGLU without MLP adapters
+    is computed by ``models.decoder.swiglu``: the same forward ops, with the hand-written
+    backward the learner's step is fast with (autodiff elsewhere).
+
+    Args:
+      x_btd: [B, T, D] normed input, compute dtype.
+      lp: one layer's params (``w_gate_ldf`` [D, F], ``w_up_ldf`` [D, F],
+        ``w_down_lfd`` [F, D], and any ``lora_gate`` / ``lora_up`` / ``lora_down``).
+    """
+    cd, adapted = config.jnp_compute_dtype, lora.adapted_weights(lp)
+    if config.mlp_activation == "silu" and not adapted.intersection(_MLP_WEIGHTS):
+        return swiglu(x_btd, *(lp[name].astype(cd) for name in _MLP_WEIGHTS))
+    gate_btf = _linear("btd,df->btf", x_btd, lp, "w_gate_ldf", adapted, cd)
+    up_btf = _linear("btd,df->btf", x_btd, lp, "w_up_ldf", adapted, cd)
+    act_btf = _ACTIVATIONS[config.mlp_activation](gate_btf) * up_btf
+    return _linear(
+        "btf,fd->btd", act_btf, lp, "w_down_lfd", adapted, cd, preferred_element_type=jnp.float32
+    )
+
+
+def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site):
+    """One decoder block.
+
+    Args:
+      config: ``ModelConfig`` (hashable, static).
+      h_btd: float32 [B, T, D] the residual stream.
+      lp: one layer's params (a slice of ``params["layers"]``).
+      cache: this layer's ``cache_face.LayerCache`` (``NoCache`` for a cache-free pass):
+        it stores the new k/v and attends.
+      site: where the T tokens sit: positions (RoPE, cache writes), the layer's sliding
+        flag (window and ``config.rope_local_theta``), packed segments.
+
+    Returns:
+      (h_btd float32 [B, T, D], the updated layer cache, router logits float32
+      [B, T, E] or None for a dense MLP).
+    """
+    cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
+    adapted = lora.adapted_weights(lp)
+
+    def w(name):
+        return lp[name].astype(cd)
+
+    x_btd = rms_norm(h_btd, lp["attn_norm_ld"], eps, off).astype(cd)
+    q_btnh = _linear("btd,dnh->btnh", x_btd, lp, "w_q_ldnh", adapted, cd)
+    k_btkh = _linear("btd,dkh->btkh", x_btd, lp, "w_k_ldkh", adapted, cd)
+    v_btkh = _linear("btd,dkh->btkh", x_btd, lp, "w_v_ldkh", adapted, cd)
+    if config.qkv_bias:
+        q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
+    if config.qk_norm:  # per head, over H, before RoPE (Qwen3, Gemma 3)
+        q_btnh = rms_norm(q_btnh, lp["q_norm_lh"], eps, off)
+        k_btkh = rms_norm(k_btkh, lp["k_norm_lh"], eps, off)
+
+    def rope(x):
+        if config.rope_local_theta is None:
+            return apply_rope(x, site.positions_bt, config.rope_theta, config)
+        return _by_layer_type(
+            site.sliding,
+            lambda: apply_rope(x, site.positions_bt, config.rope_local_theta),
+            lambda: apply_rope(x, site.positions_bt, config.rope_theta, config),
+        )
+
+    q_btnh = rope(q_btnh)
+    k_btkh = rope(k_btkh).astype(cd)
+    attn_btnh, cache = cache.attend(config, q_btnh, k_btkh, v_btkh, site)
+    attn_btd = _linear(
+        "btnh,nhd->btd", attn_btnh, lp, "w_o_lnhd", adapted, cd, preferred_element_type=jnp.float32
+    )
+    if config.sandwich_norm:
+        attn_btd = rms_norm(attn_btd, lp["post_attn_norm_ld"], eps, off)
+    h_btd = h_btd + attn_btd
+    x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], eps, off).astype(cd)
+    router_bte = None
+    if config.is_moe:  # routed experts replace the dense MLP (models.decoder.moe)
+        mlp_btd, router_bte = moe_mlp(
+            x_btd,
+            *(w(n) for n in ("w_router_lde", "w_gate_ledf", "w_up_ledf", "w_down_lefd")),
+            top_k=config.n_experts_per_token,
+            norm_topk_prob=config.norm_topk_prob,
+        )
+    else:
+        mlp_btd = gated_mlp(config, x_btd, lp)
+    if config.sandwich_norm:
+        mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
+    h_btd = h_btd + mlp_btd
+    return h_btd, cache, router_bte

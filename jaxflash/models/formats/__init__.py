@@ -1,0 +1,1 @@
+"""Weights on disk: GGUF and Hugging Face import, HF export, LoRA export."""

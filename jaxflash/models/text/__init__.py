@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer, its files, chat templates and stop tokens."""
