@@ -32,7 +32,7 @@ from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_setup import start_learner
 from jaxflash.runtime.fleet.placement import carve
 from jaxflash.runtime.interrupt import DeferredInterrupt, Interrupted, Preempted
-from jaxflash.runtime.resume import finished_line, finished_run, stopped_note
+from jaxflash.runtime.resume import finished_line, finished_run, resumed_note, stopped_note
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.scheduler_setup import make_scheduler
 from jaxflash.runtime.workloads.evaluation import HeldOutEval
@@ -117,7 +117,7 @@ class RLLoop:
         # Only once the workdir took this launch (same model, state restored): a refused
         # launch leaves the workdir's record of its run as it was.
         write_run_config(workdir, exp, tokenizer, workload.prompt_lengths())
-        meta, ledger, self.version = learner.meta, learner.ledger, int(learner.meta.step)
+        meta, self.version = learner.meta, int(learner.meta.step)
         inbox = Inbox()  # where servers, reward futures and environments report back
         with console.phase("starting the generation servers"):  # threads, or programs
             servers = ServerSettings(inbox.generated, clock, server_factory)  # given once
@@ -126,11 +126,15 @@ class RLLoop:
             self.fleet.start(learner, self.version)  # fleet.pool: what the rollout routes to
         self.control = RunControl(exp, placement, meta.extra)  # replay, controller, elastic
         self.reward_pool = workload.reward_pool(clock)  # None: the environments score
+        # The rollout restores its own books (ledger, cursor, counters) from ``meta``.
         self.scheduler = make_scheduler(
-            exp, workload, self.fleet.pool, inbox, meta, ledger,
+            exp, workload, self.fleet.pool, inbox, meta,
             batch_prompts=self.control.fresh_prompts, async_ratio=self.control.async_ratio,
             reward_pool=self.reward_pool, clock=clock,
         )  # fmt: skip
+        if self.version:
+            in_flight = len(self.scheduler.ledger.open_ids)  # generated again first
+            console.line(resumed_note(meta, in_flight, exp.total_steps, workdir))
         self.fleet.listen(self.scheduler)  # told of every new version and elastic move
         self.control.attach(learner=learner, fleet=self.fleet, scheduler=self.scheduler)
         self.pack = dict(pad_id=tokenizer.pad_id, max_len=model.max_seq_len)  # batch rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from jaxflash.types import FailureReason, PromptOutcome
@@ -93,3 +94,10 @@ class PromptLedger:
         for o in PromptOutcome:
             outcomes.setdefault(o.value, {})
         return cls(taken=state["taken"], outcomes=dict(outcomes), open_ids=set(state["open_ids"]))
+
+    @classmethod
+    def restore(cls, extra: Mapping[str, Any]) -> PromptLedger:
+        """The run's ledger from a checkpoint's metadata ``extra`` (its ``"ledger"``,
+        written from ``RolloutScheduler.snapshot``); a fresh one when there is none."""
+        state = extra.get("ledger")
+        return cls() if state is None else cls.from_state_dict(state)

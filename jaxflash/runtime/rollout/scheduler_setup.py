@@ -21,7 +21,6 @@ def make_scheduler(
     pool: ServerPool,
     inbox: Inbox,
     meta: CheckpointMeta,
-    ledger: PromptLedger,
     *,
     batch_prompts: int,
     async_ratio: int,
@@ -34,14 +33,17 @@ def make_scheduler(
       exp: the ``ExperimentConfig`` (``rollout.*``, seed).
       workload: the run's ``workloads.workload.Workload`` (prompt source, prompts to
         generate again on resume, its dispatcher; whether it plays episodes).
-      meta, ledger: the learner's checkpoint metadata (data cursor, counters, the
-        group buffer's counters; step = the servers' version) and its prompt ledger.
+      meta: the learner's checkpoint metadata (step = the servers' version); the
+        rollout's books are restored from it here: the prompt ledger (its prompts in
+        flight generated again first), the data cursor, the counters and the group
+        buffer's counters.
       batch_prompts, async_ratio: B and alpha in force (the step controller's).
       reward_pool: the started reward workers (None: the environments score).
     """
     r = exp.rollout
     knobs = r.group_filter_kwargs()
     group_filter = GroupFilter(**knobs) if knobs is not None else None
+    ledger = PromptLedger.restore(meta.extra)  # the rollout's own books, as it saved them
     source = workload.source(meta.data_cursor)
     # The checkpoint's books: buffer_* counters go on, as prompts_* / samples_* do.
     books = RolloutBooks(
