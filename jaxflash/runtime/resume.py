@@ -17,7 +17,7 @@ from jaxflash.learner.state import (
     from_params,
 )
 from jaxflash.metrics.writer import truncate_jsonl
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.sharding.rules import LEARNER_RULES
 

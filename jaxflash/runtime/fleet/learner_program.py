@@ -38,7 +38,7 @@ from jaxflash import failpoints
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.learner.state import state_shardings
 from jaxflash.learner.step import make_train_step
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.learner_links import FollowerLink, LeaderLinks
 from jaxflash.runtime.resume import base_record, finished_step, init_or_restore_learner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from jaxflash.models.config import ModelConfig
+from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console, describe_model, describe_schedule
 from jaxflash.runtime.fleet.learner_links import LeaderLinks
