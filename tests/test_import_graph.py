@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxflash"
 
 
@@ -210,3 +212,76 @@ def test_graph_sees_function_level_and_submodule_imports():
     # ``from jaxflash.learner import cycles`` is an arrow to the submodule, not the package.
     assert "jaxflash.learner.cycles" in graph["jaxflash.learner.step"]
     assert "jaxflash.learner" not in graph["jaxflash.learner.step"]
+
+
+MODELS_ARROWS = {
+    "config": set(),
+    "text": set(),
+    "caches": {"config"},
+    "adapters": {"config"},
+    "decoder": {"config", "caches", "adapters"},
+    "formats": {"config", "adapters", "decoder"},
+}
+"""models/'s rooms (docs/LAYOUT.md) and the rooms each may import; every arrow goes down."""
+
+
+def room_arrows(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """{room: rooms it imports} between the rooms (subpackages or modules) of ``package``."""
+    prefix = f"{package}."
+    arrows: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if not module.startswith(prefix):
+            continue
+        room = module[len(prefix) :].split(".")[0]
+        arrows.setdefault(room, set())
+        for target in targets:
+            if target.startswith(prefix):
+                other = target[len(prefix) :].split(".")[0]
+                if other != room:
+                    arrows[room].add(other)
+    return arrows
+
+
+def room_floors(arrows: dict[str, set[str]]) -> dict[str, int]:
+    """Each room's floor: 0 with no arrow out, else one above the highest room it imports.
+
+    Raises:
+      ValueError: the rooms import each other in a circle (a back arrow).
+    """
+    floors: dict[str, int] = {}
+
+    def floor(room: str, path: tuple[str, ...]) -> int:
+        if room in path:
+            raise ValueError(f"back arrow: {' -> '.join((*path, room))}")
+        if room not in floors:
+            below = [floor(other, (*path, room)) for other in sorted(arrows.get(room, ()))]
+            floors[room] = 1 + max(below, default=-1)
+        return floors[room]
+
+    for room in sorted(arrows):
+        floor(room, ())
+    return floors
+
+
+def test_models_rooms_import_only_their_allowed_rooms():
+    arrows = room_arrows(import_graph(), "jaxflash.models")
+    entries = {p.name for p in (ROOT / "models").iterdir() if p.name != "__pycache__"}
+    assert entries - {"__init__.py"} == set(MODELS_ARROWS), sorted(entries)
+    assert all((ROOT / "models" / room).is_dir() for room in MODELS_ARROWS)
+    assert len(MODELS_ARROWS) <= 7
+    extra = {room: sorted(arrows[room] - MODELS_ARROWS[room]) for room in MODELS_ARROWS}
+    assert not any(extra.values()), f"arrows not in MODELS_ARROWS: {extra}"
+    floors = room_floors(arrows)
+    assert floors == {
+        "config": 0,
+        "text": 0,
+        "caches": 1,
+        "adapters": 1,
+        "decoder": 2,
+        "formats": 3,
+    }
+    assert max(floors.values()) + 1 <= 4
+    # A back arrow (a room importing a room above it) is a circle between rooms.
+    planted = {**MODELS_ARROWS, "config": {"decoder"}}
+    with pytest.raises(ValueError, match="back arrow: .*config -> decoder"):
+        room_floors(planted)
