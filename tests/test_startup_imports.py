@@ -1,7 +1,7 @@
 """Process start-up: the RL runtime does not import TensorFlow (JetStream's engine_api).
 
-The engine core is pure JAX; only ``generation.jetstream_engine`` (JetStream's
-Driver and gRPC server, ``launch/serve.py``) imports JetStream, whose
+The engine is pure JAX; only the JetStream adapter (``generation.jetstream``:
+its Driver and gRPC server, ``launch/serve.py``) imports JetStream, whose
 ``engine_api`` pulls TensorFlow through seqio. A fresh interpreter is needed: the
 test process itself imports the serving modules.
 """

@@ -1,9 +1,11 @@
 """The generation engine, one module per thing it holds.
 
-- ``llama_engine``: ``LlamaEngine`` (JetStream's Engine API in pure JAX, the slot
-  loop's ``start_samples`` / ``generate_block``).
-- ``state``: ``EngineConfig`` and the device-state types (``DecodeState``, ``Prefix``,
-  ``PrefillBatch``, ``SampleStart``, results) with their shardings.
+- ``llama_engine``: ``LlamaEngine``, the slot loop's engine (``start_samples`` /
+  ``generate_block``); JetStream's Engine API is an adapter over it
+  (``generation.jetstream``).
+- ``state``: ``EngineConfig`` and the device-state types (``DecodeState``,
+  ``PrefillBatch``, ``PromptPrefill``, ``SampleStart``, ``BlockResult``) with their
+  shardings.
 - ``kernels``: the device programs as pure functions; ``programs``: their jitted,
   trace-counted wrappers.
 - ``prefill``: prompt buckets, batched prefill, first tokens (``Prefiller``).

@@ -1,12 +1,12 @@
-"""Prompt prefill for ``LlamaEngine``: buckets, batched prefill, first tokens.
+"""Prompt prefill for ``LlamaEngine``: buckets and batched prefill.
 
 ``Prefiller`` owns the prefill half of the engine (``engine.prefiller``): it pads
 each sequence (prompt, or prompt + generated prefix for a recompute) to a
-power-of-two bucket, runs ``prefill_rows`` of one bucket per jitted forward pass
-(prefix sharing: each distinct prompt once) and draws samples' first tokens from
-a shared prefill. Its device programs are ``engine.programs.Programs``' prefill,
-first_tokens and take_row; the engine's decode half (slots, ``start_samples``,
-``generate_block``) consumes its ``PromptPrefill`` results.
+power-of-two bucket and runs ``prefill_rows`` of one bucket per jitted forward pass
+(prefix sharing: each distinct prompt once). Its device program is
+``engine.programs.Programs``' prefill; the engine's decode half (slots,
+``start_samples``, which draws each sample's first token, and ``generate_block``)
+consumes its ``PromptPrefill`` results.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxflash.generation.engine.host_arrays import identity_rows, prefill_groups
+from jaxflash.generation.engine.host_arrays import prefill_groups
 from jaxflash.generation.engine.programs import Programs
-from jaxflash.generation.engine.state import EngineConfig, Prefix, PromptPrefill
+from jaxflash.generation.engine.state import EngineConfig, PromptPrefill
 
 
 class Prefiller:
@@ -104,47 +104,3 @@ class Prefiller:
                 f"{tokens.shape[0]}"
             )
         return self.prefill_many(params, [tokens[: int(true_length)]])[0]
-
-    def first_tokens(
-        self,
-        shared: PromptPrefill,
-        identities: list[tuple[int, int, int]],
-        *,
-        token_index: int = 0,
-    ) -> list[Prefix]:
-        """JetStream Prefixes of N samples drawn from one ``prefill_prompt``.
-
-        Args:
-          shared: from ``prefill_prompt`` / ``prefill_many`` under the samples' params.
-          identities: (seed, prompt_id, sample_index) per sample, N >= 1.
-          token_index: response index of the tokens drawn (0 for a prompt, n for a
-            recompute of prompt + n tokens; see ``LlamaEngine.prefill``).
-
-        Returns:
-          N Prefixes, in order, sharing one [1, bucket] cache.
-
-        Raises:
-          ValueError: no identities, or token_index < 0.
-        """
-        if not identities:
-            raise ValueError("first_tokens: identities is empty")
-        if token_index < 0:
-            raise ValueError(f"prefill: token_index must be >= 0, got {token_index}")
-        n = len(identities)
-        ident_g4 = identity_rows(identities, token_index)
-        row_dev, ident_dev = jax.device_put((np.int32(shared.row), ident_g4), self._replicated)
-        token_g, logp_g = self._programs.first_tokens(shared.batch.logits_nv, row_dev, ident_dev)
-        cache, true_length = self._programs.take_row(shared.batch, row_dev)
-        return [
-            Prefix(
-                cache=cache,
-                true_length=true_length,
-                first_token=token_g[g],
-                first_logp=logp_g[g],
-                seed=ident_dev[g, 0],
-                prompt_id=ident_dev[g, 1],
-                sample_index=ident_dev[g, 2],
-                token_index=ident_dev[g, 3],
-            )
-            for g in range(n)
-        ]

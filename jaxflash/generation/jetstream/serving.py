@@ -1,9 +1,10 @@
 """Serve a ``LlamaEngine`` through JetStream's own orchestrator and gRPC server.
 
-The Driver gets the engine through ``jetstream_engine.JetStreamEngine`` (the only
-module besides this one and ``jetstream_compat`` that imports JetStream).
+The Driver gets the engine through ``api.EngineApi`` (JetStream's Engine API over it,
+with the adapter's own state) behind ``adapter.JetStreamEngine`` (the only module
+besides this one and ``compat`` that imports JetStream).
 
-``serve(engine, params, port=...)`` builds JetStream's ``orchestrator.Driver``
+``serve(engine, params, tokenizer=..., port=...)`` builds JetStream's ``orchestrator.Driver``
 (interleaved mode: one engine does prefill and generate, as ``server_lib.run``
 sets up for ``interleaved_slices``) and wraps it in ``server_lib.JetStreamServer``
 — JetStream's gRPC ``Orchestrator`` service (``Decode`` streaming, ``HealthCheck``).
@@ -12,21 +13,21 @@ A trained model is served this way; ``decode_text`` is a small client.
 Why RL rollouts do not use the Driver (they use ``slot_loop.SlotBatcher``):
 
 - **Params are fixed at start.** The Driver's generate thread reads its params
-  once; new learner weights would mean tearing the server down. The Engine API
-  takes params on every ``generate`` call, which the slot loop uses to swap
-  weights between steps with no recompilation.
+  once; new learner weights would mean tearing the server down. The engine
+  takes params on every call (``generate_block``), which the slot loop uses to
+  swap weights between steps with no recompilation.
 - **No abort.** A request runs until EOS or ``max_tokens``; there is no call to
   drop a stale or surplus sample (the async-ratio bound needs one).
 - **No logprobs, versions or sampling parameters.** The gRPC API streams text
   / token ids only: no behaviour logprobs, no per-token policy version, no
   temperature / top-k / top-p or RNG identity per request (the engine's static
-  sampling applies, and requests get RNG ids from a per-engine counter).
-- It also discards the token ``prefill`` samples (the engine works around it by
+  sampling applies, and requests get RNG ids from a per-API counter).
+- It also discards the token ``prefill`` samples (``EngineApi`` works around it by
   emitting that token on the slot's first ``generate``), and a Python exception
   in any Driver thread SIGKILLs the process (so over-long prompts are truncated
   by the tokenizer adapter, as JetStream itself does, instead of raising).
 
-JetStream 0.2.2 needs ``jetstream_compat.import_orchestrator()`` first (the
+JetStream 0.2.2 needs ``compat.import_orchestrator()`` first (the
 removed ``jax.tree_map``); ``serve`` does it.
 
 Address: JetStream 0.2.2's ``server_lib.JetStreamServer`` binds the hard-coded
@@ -51,8 +52,9 @@ from typing import Any
 import grpc
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine
-from jaxflash.generation.jetstream_compat import import_orchestrator
-from jaxflash.generation.jetstream_engine import JetStreamEngine
+from jaxflash.generation.jetstream.adapter import JetStreamEngine
+from jaxflash.generation.jetstream.api import EngineApi
+from jaxflash.generation.jetstream.compat import import_orchestrator
 
 LOOPBACK = "127.0.0.1"
 
@@ -112,8 +114,10 @@ class JetStreamService:
     """A running Driver + gRPC server; stop it with ``stop()`` or a ``with`` block.
 
     Args:
-      engine: the engine (built with a ``tokenizer``: the Driver tokenizes text).
+      engine: the engine (dense cache).
       params: model params, fixed for the server's lifetime.
+      tokenizer: what the Driver tokenizes text with (``encode``, ``decode``,
+        ``eos_id``, ``pad_id``; e.g. ``jaxflash.models.text.tokenizer.Tokenizer``).
       host: interface to bind; loopback by default. "0.0.0.0" / "[::]" expose
         the server to the network (no TLS, no authentication).
       port: TCP port; 0 picks a free one (see ``free_port``).
@@ -132,12 +136,13 @@ class JetStreamService:
         engine: LlamaEngine,
         params: Any,
         *,
+        tokenizer: Any,
         host: str = LOOPBACK,
         port: int = 0,
         threads: int = 4,
     ):
-        if engine.tokenizer is None:
-            raise ValueError("JetStreamService: the engine needs tokenizer= to serve text")
+        if tokenizer is None:
+            raise ValueError("JetStreamService: serving text needs tokenizer=")
         orchestrator = import_orchestrator()
         from jetstream.core import server_lib  # noqa: PLC0415 (after the compat import)
 
@@ -146,7 +151,8 @@ class JetStreamService:
         self.port = port or free_port(LOOPBACK if wildcard else host)
         self.address = _grpc_target(LOOPBACK if wildcard else host, self.port)
         params = engine.place_params(params)
-        adapter = JetStreamEngine(engine)  # the engine_api.Engine the Driver expects
+        # JetStream's Engine API over the engine, as the engine_api.Engine the Driver expects.
+        adapter = JetStreamEngine(EngineApi(engine, tokenizer=tokenizer))
         self._driver = orchestrator.Driver(
             prefill_engines=[adapter],
             generate_engines=[adapter],
@@ -191,6 +197,7 @@ def serve(
     engine: LlamaEngine,
     params: Any,
     *,
+    tokenizer: Any,
     host: str = LOOPBACK,
     port: int = 0,
     threads: int = 4,
@@ -200,7 +207,9 @@ def serve(
     See ``JetStreamService`` for arguments (loopback unless ``host`` says
     otherwise). Returns the running service.
     """
-    return JetStreamService(engine, params, host=host, port=port, threads=threads)
+    return JetStreamService(
+        engine, params, tokenizer=tokenizer, host=host, port=port, threads=threads
+    )
 
 
 def decode_text(address: str, text: str, *, max_tokens: int, timeout_s: float = 120.0) -> str:
