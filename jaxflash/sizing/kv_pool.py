@@ -32,9 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxflash.models.caches.kv_cache import LayerKVCache
-from jaxflash.models.caches.paged_kv_cache import PagedKVCache
-
 GIB = 1 << 30
 ATTENTION_PATHS = ("dense", "reference", "tpu_kernel")
 
@@ -75,40 +72,20 @@ class KvPool:
 
     @classmethod
     def from_state(cls, state: Any) -> KvPool:
-        """From an abstract (or real) ``DecodeState`` with shardings.
-
-        Raises:
-          TypeError: its cache is neither a ``LayerKVCache`` nor a ``PagedKVCache``.
-        """
-        cache = state.cache
-        if isinstance(cache, PagedKVCache):
-            pools = cache.kv_pages
-            n, p, two_k, h = pools[0].shape
-            item = np.dtype(pools[0].dtype).itemsize
-            return cls(
-                kind="paged",
-                attention="tpu_kernel" if cache.pages.kernel else "reference",
-                slots=int(cache.pages.table_bm.shape[0]),
-                positions=int(cache.pages.max_len),
-                page_size=int(p),
-                pages=int(n),
-                token_bytes=len(pools) * two_k * h * item,
-                chip_bytes=sum(_shard_bytes(x) for x in pools),
-            )
-        if isinstance(cache, LayerKVCache):
-            b, k, s, h = cache.k_bksh[0].shape
-            item = np.dtype(cache.k_bksh[0].dtype).itemsize
-            return cls(
-                kind="dense",
-                attention="dense",
-                slots=int(b),
-                positions=int(s),
-                page_size=1,
-                pages=int(b * s),
-                token_bytes=2 * len(cache.k_bksh) * k * h * item,
-                chip_bytes=sum(_shard_bytes(x) for x in (*cache.k_bksh, *cache.v_bkhs)),
-            )
-        raise TypeError(f"KvPool.from_state: unknown cache type {type(cache).__name__}")
+        """From an abstract (or real) ``DecodeState`` with shardings: what its cache
+        says it holds (``models.caches.cache_face.SlotCache.allocation``), and the
+        bytes one chip holds of its buffers."""
+        held = state.cache.allocation()
+        return cls(
+            kind=held.kind,
+            attention=held.attention,
+            slots=held.rows,
+            positions=held.positions,
+            page_size=held.page_size,
+            pages=held.pages,
+            token_bytes=held.token_bytes,
+            chip_bytes=sum(_shard_bytes(x) for x in held.buffers),
+        )
 
     @property
     def pool_tokens(self) -> int:

@@ -40,7 +40,6 @@ from jax.sharding import Mesh, use_abstract_mesh
 from jaxflash.generation.engine.state import DecodeState, EngineConfig, PrefillBatch
 from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.models.caches.kv_cache import LayerKVCache, init_layer_kv_cache
-from jaxflash.models.caches.paged_kv_cache import PagedKVCache, interleave_kv, write_rows
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.models.decoder.logprobs import logits_from_hidden
 from jaxflash.models.decoder.transformer import forward, unembed, unstack_layers
@@ -139,61 +138,21 @@ def with_page_table(state: DecodeState, table_bm) -> DecodeState:
     return state.replace(cache=c.replace(pages=c.pages.replace(table_bm=table_bm)))
 
 
-def _place_pages(paged: PagedKVCache, cache: LayerKVCache, row_g, slot_g, from_g) -> PagedKVCache:
-    """Write prefill rows ``cache[row_g]`` into the pages of slots ``slot_g`` (the
-    state's page table), skipping each entry's first ``from_g`` pages (a shared
-    prompt's, already in the pool); padding entries (slot B) write nothing. On a
-    split pool each slot group writes its own slots' pages (``write_rows``)."""
-    table_bm = paged.pages.table_bm
-    num_pages, page_size = paged.kv_pages[0].shape[:2]
-    table_gm = jnp.take(table_bm, slot_g, axis=0, mode="fill", fill_value=num_pages)
-    t = cache.max_len
-    pos_gt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (slot_g.shape[0], t))
-    pos_gt = jnp.where(pos_gt >= (from_g * page_size)[:, None], pos_gt, -1)
-
-    def write(pool, k_nksh, v_nkhs):
-        k_gtkh = k_nksh[row_g].transpose(0, 2, 1, 3)
-        v_gtkh = v_nkhs[row_g].transpose(0, 3, 1, 2)
-        kv_gtch = interleave_kv(k_gtkh, v_gtkh)
-        return write_rows(pool, paged.pages.layout, table_gm, kv_gtch, pos_gt)
-
-    pools = tuple(map(write, paged.kv_pages, cache.k_bksh, cache.v_bkhs))
-    return paged.replace(kv_pages=pools)
-
-
 def room(st: DecodeState, ec: EngineConfig):
-    """bool [B]: the slot's next token fits (position + 1 < S) and, paged, the page
-    this step writes (position ``pos_b``) is mapped. The slot loop maps pages ahead
-    of every block (``page_pool``), so an unmapped page stops the slot instead of
-    letting it write into nothing."""
-    room_b = st.pos_b + 1 < ec.max_target_length
-    if isinstance(st.cache, PagedKVCache):
-        index_b1 = (st.pos_b // ec.page_size)[:, None]
-        page_b = jnp.take_along_axis(st.cache.pages.table_bm, index_b1, axis=1)[:, 0]
-        room_b = room_b & (page_b < ec.pool_pages)
-    return room_b
+    """bool [B]: the slot's next token fits (position + 1 < S) and the cache can store
+    this step's entry (position ``pos_b``; a paged cache: its page is mapped, see
+    ``SlotCache.writable``)."""
+    return (st.pos_b + 1 < ec.max_target_length) & st.cache.writable(st.pos_b)
 
 
 def place_rows(
     state: DecodeState, cache: LayerKVCache, row_g, slot_g, values: dict, from_g=None
 ) -> DecodeState:
-    """Write prefill rows ``cache[row_g]`` into slots ``slot_g`` and set per-slot
-    vectors; entries whose slot is out of range (padding) are dropped."""
-    if isinstance(state.cache, PagedKVCache):
-        new_cache = _place_pages(state.cache, cache, row_g, slot_g, from_g)
-        return _put(state.replace(cache=new_cache), slot_g, values)
-    t = cache.max_len
-
-    def k_rows(dst_bksh, src_nksh):
-        return dst_bksh.at[slot_g, :, :t].set(src_nksh[row_g], mode="drop")
-
-    def v_rows(dst_bkhs, src_nkhs):
-        return dst_bkhs.at[slot_g, :, :, :t].set(src_nkhs[row_g], mode="drop")
-
-    new_cache = LayerKVCache(
-        k_bksh=tuple(map(k_rows, state.cache.k_bksh, cache.k_bksh)),
-        v_bkhs=tuple(map(v_rows, state.cache.v_bkhs, cache.v_bkhs)),
-    )
+    """Write prefill rows ``cache[row_g]`` into slots ``slot_g`` (the state's cache
+    owns how: ``SlotCache.write_prefill``; a paged one skips each entry's first
+    ``from_g`` pages) and set per-slot vectors; entries whose slot is out of range
+    (padding) are dropped."""
+    new_cache = state.cache.write_prefill(cache, row_g, slot_g, from_g)
     return _put(state.replace(cache=new_cache), slot_g, values)
 
 

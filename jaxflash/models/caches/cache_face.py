@@ -31,6 +31,13 @@ Two levels, each a small protocol:
   layer caches`` (stacked: one ``LayerCache`` whose leaves carry a leading [L] axis,
   what ``lax.scan`` slices; unstacked: a tuple of L) and ``with_layers(layers)``
   (the cache rebuilt from what ``attend`` returned).
+- ``SlotCache``, a ``ModelCache`` the generation engine decodes its slots in
+  (``LayerKVCache``, ``PagedKVCache``; one row per slot): ``writable(pos_b)`` (which
+  rows can store an entry at a position: a dense row up to S, a paged row where its
+  page is mapped), ``write_prefill(prefill, row_g, slot_g, shared_pages_g)`` (prefill
+  rows copied into slots; each kind owns how) and ``allocation()`` (what it holds, as
+  allocated: ``Allocation``, read by ``sizing.kv_pool``). The engine never asks which
+  kind it holds.
 
 ``Site`` says where the T new tokens sit: positions, packed segments (cache-free
 only) and whether the layer attends within the sliding window. Layer caches are
@@ -97,6 +104,52 @@ class ModelCache(Protocol):
         ...
 
     def with_layers(self, layers: Any) -> ModelCache: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """What a ``SlotCache`` holds, as allocated (``sizing.kv_pool.KvPool`` reads it).
+
+    Attributes:
+      kind: "dense" or "paged".
+      attention: "dense" (a dense cache), "reference" (paged, the pure-JAX views) or
+        "tpu_kernel" (paged, ``ragged_paged_attention``).
+      rows: B, rows (engine slots).
+      positions: S, positions a row can address.
+      page_size: P (1 for a dense cache).
+      pages: N, pages (dense: B x S one-position pages).
+      token_bytes: K and V of one token over all layers, whole (unsplit), bytes.
+      buffers: the K/V arrays, real or abstract (with their shardings): what the
+        chips hold.
+    """
+
+    kind: str
+    attention: str
+    rows: int
+    positions: int
+    page_size: int
+    pages: int
+    token_bytes: int
+    buffers: tuple[Any, ...]
+
+
+class SlotCache(ModelCache, Protocol):
+    """A ``ModelCache`` of one row per engine slot (see the module doc)."""
+
+    def writable(self, pos_b: jax.Array) -> jax.Array:
+        """bool [B]: row b can store an entry at position ``pos_b[b]`` (int32 [B])."""
+        ...
+
+    def write_prefill(
+        self, prefill: Any, row_g: jax.Array, slot_g: jax.Array, shared_pages_g: Any = None
+    ) -> SlotCache:
+        """Rows ``row_g`` of a prefill's dense cache (a ``LayerKVCache`` of [N, ..., T]
+        rows) written into rows ``slot_g`` at positions 0..T-1; out-of-range slots
+        (padding) write nothing; a paged cache skips each entry's first
+        ``shared_pages_g`` pages (int32 [G]: a shared prompt's, already in the pool)."""
+        ...
+
+    def allocation(self) -> Allocation: ...
 
 
 def attend_cached(

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxflash.models.caches.cache_face import FreshPrefill, Site, attend_cached
+from jaxflash.models.caches.cache_face import Allocation, FreshPrefill, Site, attend_cached
 from jaxflash.models.config.model_config import ModelConfig
 
 KV_CACHE_LOGICAL_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
@@ -98,6 +98,47 @@ class LayerKVCache(NamedTuple):
 
     def with_layers(self, layers: tuple[DenseLayer, ...]) -> LayerKVCache:
         return LayerKVCache(tuple(c.k_bksh for c in layers), tuple(c.v_bkhs for c in layers))
+
+    # The engine's slots (``cache_face.SlotCache``): one row per slot.
+
+    def writable(self, pos_b: jax.Array) -> jax.Array:
+        """bool [B]: every row holds positions 0..S-1."""
+        return pos_b < self.max_len
+
+    def write_prefill(
+        self, prefill: LayerKVCache, row_g: jax.Array, slot_g: jax.Array, shared_pages_g=None
+    ) -> LayerKVCache:
+        """Rows ``row_g`` of ``prefill`` ([N, K, T, H] keys) into rows ``slot_g`` at
+        positions 0..T-1; out-of-range slots (padding) write nothing. Nothing is shared
+        (``shared_pages_g`` is a paged cache's)."""
+        del shared_pages_g
+        t = prefill.max_len
+
+        def k_rows(dst_bksh, src_nksh):
+            return dst_bksh.at[slot_g, :, :t].set(src_nksh[row_g], mode="drop")
+
+        def v_rows(dst_bkhs, src_nkhs):
+            return dst_bkhs.at[slot_g, :, :, :t].set(src_nkhs[row_g], mode="drop")
+
+        return LayerKVCache(
+            k_bksh=tuple(map(k_rows, self.k_bksh, prefill.k_bksh)),
+            v_bkhs=tuple(map(v_rows, self.v_bkhs, prefill.v_bkhs)),
+        )
+
+    def allocation(self) -> Allocation:
+        """Every row reserves S positions: B x S one-position "pages"."""
+        b, k, s, h = self.k_bksh[0].shape
+        item = jnp.dtype(self.k_bksh[0].dtype).itemsize
+        return Allocation(
+            kind="dense",
+            attention="dense",
+            rows=int(b),
+            positions=int(s),
+            page_size=1,
+            pages=int(b * s),
+            token_bytes=2 * len(self.k_bksh) * k * h * item,
+            buffers=(*self.k_bksh, *self.v_bkhs),
+        )
 
 
 LAYER_K_LOGICAL_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxflash.models.caches import ragged_attention
 from jaxflash.models.caches.attention import attention_scale
-from jaxflash.models.caches.cache_face import Site, attend_cached
+from jaxflash.models.caches.cache_face import Allocation, Site, attend_cached
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
 
@@ -191,6 +192,58 @@ class PagedKVCache:
 
     def with_layers(self, layers: tuple[PagedLayer, ...]) -> PagedKVCache:
         return PagedKVCache(kv_pages=tuple(c.pool_npch for c in layers), pages=self.pages)
+
+    # The engine's slots (``cache_face.SlotCache``): one row per slot.
+
+    def writable(self, pos_b: jax.Array) -> jax.Array:
+        """bool [B]: position ``pos_b[b]`` is one row b addresses and its page is mapped.
+        The slot loop maps pages ahead of every block (``generation.page_pool``), so an
+        unmapped page stops the slot instead of letting it write into nothing."""
+        num_pages, page_size = self.kv_pages[0].shape[:2]
+        index_b1 = (pos_b // page_size)[:, None]
+        page_b = jnp.take_along_axis(self.pages.table_bm, index_b1, axis=1)[:, 0]
+        return (pos_b < self.max_len) & (page_b < num_pages)
+
+    def write_prefill(
+        self, prefill: Any, row_g: jax.Array, slot_g: jax.Array, shared_pages_g=None
+    ) -> PagedKVCache:
+        """Rows ``row_g`` of a prefill's dense cache (a ``LayerKVCache``: keys
+        [N, K, T, H], values [N, K, H, T]) into the pages of rows ``slot_g`` (this
+        cache's page table), skipping each entry's first ``shared_pages_g`` pages (a
+        shared prompt's, already in the pool; None: none); padding entries (slot B)
+        write nothing. On a split pool each slot group writes its own rows' pages
+        (``write_rows``)."""
+        table_bm = self.pages.table_bm
+        num_pages, page_size = self.kv_pages[0].shape[:2]
+        table_gm = jnp.take(table_bm, slot_g, axis=0, mode="fill", fill_value=num_pages)
+        t = prefill.max_len
+        pos_gt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (slot_g.shape[0], t))
+        if shared_pages_g is not None:
+            pos_gt = jnp.where(pos_gt >= (shared_pages_g * page_size)[:, None], pos_gt, -1)
+
+        def write(pool, k_nksh, v_nkhs):
+            k_gtkh = k_nksh[row_g].transpose(0, 2, 1, 3)
+            v_gtkh = v_nkhs[row_g].transpose(0, 3, 1, 2)
+            kv_gtch = interleave_kv(k_gtkh, v_gtkh)
+            return write_rows(pool, self.pages.layout, table_gm, kv_gtch, pos_gt)
+
+        pools = tuple(map(write, self.kv_pages, prefill.k_bksh, prefill.v_bkhs))
+        return self.replace(kv_pages=pools)
+
+    def allocation(self) -> Allocation:
+        """N pages of P positions per layer; the attention path the table says."""
+        n, p, two_k, h = self.kv_pages[0].shape
+        item = jnp.dtype(self.kv_pages[0].dtype).itemsize
+        return Allocation(
+            kind="paged",
+            attention="tpu_kernel" if self.pages.kernel else "reference",
+            rows=int(self.pages.table_bm.shape[0]),
+            positions=int(self.pages.max_len),
+            page_size=int(p),
+            pages=int(n),
+            token_bytes=len(self.kv_pages) * two_k * h * item,
+            buffers=tuple(self.kv_pages),
+        )
 
 
 def pages_per_row(max_len: int, page_size: int) -> int:
