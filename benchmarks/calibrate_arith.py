@@ -87,7 +87,6 @@ def main() -> None:
             max_target_length=64 + args.max_new_tokens,
             temperature=args.temperature,
         ),
-        tokenizer=tokenizer,
     )
     t0 = time.monotonic()
     with RewardPool(combined({"math": 1.0}), num_workers=2, timeout_s=10.0) as pool:

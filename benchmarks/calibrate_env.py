@@ -73,7 +73,6 @@ def main() -> None:
             max_target_length=args.max_context,
             temperature=args.temperature,
         ),
-        tokenizer=tokenizer,
     )
 
     def generate(requests):

@@ -65,7 +65,6 @@ def main() -> None:
             max_target_length=prefill + args.max_new_tokens,
             temperature=args.temperature,
         ),
-        tokenizer=tokenizer,
     )
     reward = CodeReward()
     print(reward.sandbox().check().line)

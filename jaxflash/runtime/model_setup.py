@@ -173,10 +173,15 @@ def make_reward(spec: RewardSpec) -> Any:
 def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, tokenizer: Any):
     """The rollout engine of one generation mesh (sampling static per engine).
 
+    ``tokenizer`` is not used: the engine takes none (only JetStream's serving adapter,
+    ``generation.jetstream``, does); the parameter goes once ``fleet.fleets`` stops
+    passing it.
+
     Returns:
       (LlamaEngine, generator param shardings on ``mesh`` for ``sync.publish``).
     """
-    return build_engine(model_config, engine_config(exp), mesh, tokenizer, lora=exp.learner.lora)
+    del tokenizer
+    return build_engine(model_config, engine_config(exp), mesh, lora=exp.learner.lora)
 
 
 def lora_base_source(exp: ExperimentConfig) -> dict[str, Any]:
@@ -233,13 +238,10 @@ def engine_config(exp: ExperimentConfig):
     )
 
 
-def build_engine(
-    model_config: ModelConfig, config: Any, mesh: Mesh, tokenizer: Any = None, *, lora: Any = None
-):
+def build_engine(model_config: ModelConfig, config: Any, mesh: Mesh, *, lora: Any = None):
     """A ``LlamaEngine`` on ``mesh`` with GENERATOR_RULES.
 
     Args:
-      tokenizer: only JetStream's serving path uses it (None in a generation program).
       lora: a ``LoraConfig``: the engine serves base + adapters (``models.adapters.lora``).
 
     Returns:
@@ -255,7 +257,6 @@ def build_engine(
         config,
         mesh=mesh,
         rules=GENERATOR_RULES,  # shards the KV cache like the params (tensor parallel)
-        tokenizer=tokenizer,
         lora=lora,
     )
     if lora is not None:
