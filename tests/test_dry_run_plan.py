@@ -211,11 +211,11 @@ def test_the_tpu_presets_convert_with_their_sizes(name, slots, pool, positions):
 
 
 def test_a_given_workload_replaces_the_assumed_one():
-    from jaxflash.runtime.simulate import Replay, Workload
+    from jaxflash.runtime.simulate import Replay, SimWorkload
     from jaxflash.runtime.simulate.forecast import make_forecast
     from jaxflash.sizing.chips import CHIPS
 
-    work = Workload(lengths=Replay(((8, 16, 32, 200),)), max_tokens=256, prompt_tokens=(32,))
+    work = SimWorkload(lengths=Replay(((8, 16, 32, 200),)), max_tokens=256, prompt_tokens=(32,))
     f = make_forecast(_stub_plan(), CHIPS["v5e"], _shape(), workload=work)
     assert "workload (given)" in f.work_line and "Replay lengths" in f.work_line
     assert f.best.result.len_max == 200 and f.best.result.samples_per_s > 0
