@@ -187,7 +187,7 @@ def precompile_train_buckets(exp) -> list[int]:
     train_step = make_train_step(model_config, exp.learner, mesh, LEARNER_RULES)
     n = exp.rollout.prompts_per_step * exp.rollout.group_size
     # The shortest possible batch: the shortest of the first 200 prompts + 1 token.
-    train_rows = build_task(exp).train
+    train_rows = build_task(exp.data, seed=exp.seed).train
     source = PromptSource(train_rows, tokenizer, max_prompt_tokens=exp.data.max_prompt_tokens)
     shortest = min(len(p.prompt_tokens) for p in source.take(200) if isinstance(p, Prompt))
     buckets = list(range(bucket_length(shortest + 1), model_config.max_seq_len + 1, 32))

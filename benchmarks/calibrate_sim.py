@@ -89,7 +89,7 @@ class Setup:
         self.model_config, self.params = load_model(
             self.sync_exp.model, self.sync_exp.rollout, self.tokenizer
         )
-        rows = build_task(self.sync_exp).train
+        rows = build_task(self.sync_exp.data, seed=self.sync_exp.seed).train
         source = PromptSource(
             rows, self.tokenizer, max_prompt_tokens=self.sync_exp.data.max_prompt_tokens
         )

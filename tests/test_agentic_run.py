@@ -80,7 +80,15 @@ def test_train_envs_of_one_group_draw_their_own_latencies():
     from jaxflash.runtime.workloads.agentic import EpisodeRollout  # noqa: PLC0415
 
     exp = _exp(agentic_smoke, **{"env.latency_mean_s": 1.0, "env.latency_std_s": 1.0})
-    rollout = EpisodeRollout(exp, load_tokenizer(exp.model))
+    rollout = EpisodeRollout(
+        exp.env,
+        load_tokenizer(exp.model),
+        rollout=exp.rollout,
+        eval=exp.eval,
+        advantage=exp.advantage,
+        seed=exp.seed,
+        model=exp.model,
+    )
     envs = [rollout.make_train_env() for _ in range(3)]
     waits = []
     for env in envs:

@@ -473,9 +473,9 @@ def test_a_data_file_too_small_for_the_held_out_split_says_so(tmp_path, rows, sa
     )
     exp = _smoke_exp(data__task="file", data__path=str(path))
     out = io.StringIO()
-    workload = make_workload(exp, Console(out))
+    _, workload = make_workload(exp, Console(out))
     text = out.getvalue()
     if says is None:
-        assert "held-out" not in text and workload.eval_size == 8, text
+        assert "held-out" not in text and workload.held_out.size == 8, text
     else:
         assert says in text, text

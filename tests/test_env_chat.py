@@ -184,7 +184,15 @@ def test_agentic_startup_refuses_such_a_template_in_one_line_naming_the_model(ch
     exp = _exp(agentic_smoke)  # a random-init "tiny" model
     tok = Tokenizer.from_hf_dir(checkpoints["qwen3"]).with_chat_template(NUMBERED)
     with pytest.raises(ConfigError, match="after two exchanges") as err:
-        EpisodeRollout(exp, tok)
+        EpisodeRollout(
+            exp.env,
+            tok,
+            rollout=exp.rollout,
+            eval=exp.eval,
+            advantage=exp.advantage,
+            seed=exp.seed,
+            model=exp.model,
+        )
     assert str(err.value).startswith("model random-init preset tiny: ")
     assert "\n" not in str(err.value)
 

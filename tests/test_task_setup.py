@@ -9,12 +9,12 @@ import pytest
 from configs import rlvr_smollm2_arith
 from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.prompt_limits import prompt_lengths
 from jaxflash.runtime.workloads.task_setup import (
     SAMPLE_ROWS,
     build_task,
     eval_prompts,
     measure_prompts,
-    prompt_lengths,
 )
 
 
@@ -51,7 +51,7 @@ def test_file_lengths_are_derived_from_every_row(tmp_path):
         data__answer_marker="####",
         data__eval_size=1,
     )
-    task = build_task(exp)
+    task = build_task(exp.data, seed=exp.seed)
     assert isinstance(task.train, EpochShuffledRows) and len(task.train) == 11  # 12 rows - 1 eval
     seen = []
     lengths, every_row = measure_prompts(task, WordTokenizer(), on_row=lambda i, n: seen.append(n))
@@ -66,7 +66,7 @@ def test_file_lengths_are_derived_from_every_row(tmp_path):
 
 def test_procedural_lengths_get_headroom():
     exp = _exp()
-    task = build_task(exp)
+    task = build_task(exp.data, seed=exp.seed)
     lengths, every_row = measure_prompts(task, WordTokenizer())
     assert not every_row and len(lengths) == exp.data.eval_size + SAMPLE_ROWS
     longest = max(lengths)  # "What is 12 + 34? Answer with just the number." + 3
@@ -105,13 +105,16 @@ def test_a_limit_the_user_set_is_checked_against_the_data(tmp_path, caplog):
 def test_task_errors_name_the_data_fields(tmp_path):
     path = _file(tmp_path, [3])
     with pytest.raises(ConfigError, match=r"data.task='file'.*unexpected keyword.*bogus"):
-        build_task(_exp(data__task="file", data__path=path, data__task_options='{"bogus": 1}'))
+        build_task(
+            (e := _exp(data__task="file", data__path=path, data__task_options='{"bogus": 1}')).data,
+            seed=e.seed,
+        )
     with pytest.raises(ConfigError, match="unknown reasoning-gym dataset 'nope'"):
-        build_task(_exp(data__task="reasoning_gym:nope"))
+        build_task((e := _exp(data__task="reasoning_gym:nope")).data, seed=e.seed)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ConfigError, match="no rows"):
-        build_task(_exp(data__task="file", data__path=str(empty)))
+        build_task((e := _exp(data__task="file", data__path=str(empty))).data, seed=e.seed)
 
 
 def test_a_run_whose_prompts_cannot_fit_stops_before_the_model_loads(tmp_path):

@@ -17,40 +17,47 @@ from jaxflash.runtime.workloads.workload import make_workload
 
 
 def test_make_workload_picks_the_task_or_the_environment_once():
-    task = make_workload(ExperimentConfig.from_config_dict(smoke.get_config()), Console(None))
+    _, task = make_workload(ExperimentConfig.from_config_dict(smoke.get_config()), Console(None))
     assert isinstance(task, TaskWorkload)
-    agentic = make_workload(
+    exp, agentic = make_workload(
         ExperimentConfig.from_config_dict(agentic_smoke.get_config()), Console(None)
     )
     assert isinstance(agentic, EpisodeRollout)
-    assert agentic.reward_pool(clock=None) is None and agentic.eval_size > 0
-    assert agentic.describe_eval().startswith(f"{agentic.exp.env.eval_seeds} seeds x ")
-    assert isinstance(agentic.source(3), EnvGroupSource) and agentic.source(3).cursor == 3
+    assert agentic.held_out.size > 0 and agentic.held_out.unit == "episodes"
+    assert agentic.held_out.describe().startswith(f"{exp.env.eval_seeds} seeds x ")
+    side = agentic.rollout(3, [])
+    assert isinstance(side.source, EnvGroupSource) and side.source.cursor == 3
+    agentic.close()  # no reward workers: nothing to stop
 
 
 def test_task_workload_derives_the_limits_and_regenerates_prompts_in_flight():
     c = smoke.get_config()
     c.data.max_prompt_tokens, c.rollout.max_prefill_length = 0, 0  # derive them
-    w = TaskWorkload.build(ExperimentConfig.from_config_dict(c), Console(None))
+    exp, w = make_workload(ExperimentConfig.from_config_dict(c), Console(None))
+    assert isinstance(w, TaskWorkload)
     lengths = w.prompt_lengths()
-    assert lengths.derived and w.exp.data.max_prompt_tokens == lengths.limit >= lengths.longest
-    assert w.eval_size == len(w.held_out) > 0
-    assert w.describe_eval() == f"{w.eval_size} prompts x {w.exp.eval.samples_per_prompt} samples"
-    source = w.source(5)
-    assert isinstance(source, PromptSource) and source.cursor == 5
-    fresh = {p.prompt_id: p for p in w.source(0).take(8)}
-    again = w.resume(source, [6, 2])  # rendered again in id order, the cursor untouched
-    assert [p.prompt_id for p in again] == [2, 6] and source.cursor == 5
-    assert [p.text for p in again] == [fresh[2].text, fresh[6].text]
-    r = w.exp.rollout
-    assert w.batch_timeout_s() == (
-        r.sample_deadline_s * (r.max_retries + 2) + 4 * w.exp.reward.timeout_s
+    assert lengths.derived and exp.data.max_prompt_tokens == lengths.limit >= lengths.longest
+    assert w.held_out.size == len(w.held_out.prompts) > 0 and w.held_out.unit == "samples"
+    assert w.held_out.describe() == (
+        f"{w.held_out.size} prompts x {exp.eval.samples_per_prompt} samples"
     )
-    assert not w.plays_episodes
-    with pytest.raises(ValueError, match="needs a scorer"):
-        w.dispatch(None)
-    with pytest.raises(ValueError, match="reward_pool"):
-        w.evaluate(None, None, version=0)
+    try:
+        side = w.rollout(5, [])
+        source = side.source
+        assert isinstance(source, PromptSource) and source.cursor == 5 and side.resume_prompts == ()
+        fresh = {p.prompt_id: p for p in w.rollout(0, []).source.take(8)}
+        again = w.rollout(5, [6, 2])  # rendered again in id order, the cursor untouched
+        assert [p.prompt_id for p in again.resume_prompts] == [2, 6]
+        assert again.source.cursor == 5
+        assert [p.text for p in again.resume_prompts] == [fresh[2].text, fresh[6].text]
+        r = exp.rollout
+        assert side.batch_timeout_s == (
+            r.sample_deadline_s * (r.max_retries + 2) + 4 * exp.reward.timeout_s
+        )
+        assert not w.plays_episodes
+        assert w._pool is not None  # the workload's own reward pool, started with the rollout
+    finally:
+        w.close()
 
 
 def test_checkpoint_meta_keeps_what_resuming_reads():

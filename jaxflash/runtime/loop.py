@@ -60,11 +60,11 @@ def run(
     exp, learner, interrupt = loop.exp, loop.learner, loop.interrupt
     hooks = RunHooks(total_steps=exp.total_steps, eval_every=exp.eval.every,
         checkpoint_every=exp.checkpoint.every, writer=loop.writer, console=console,
-        evaluate=HeldOutEval(loop.workload, loop.fleet, loop.reward_pool, console, clock),
+        evaluate=HeldOutEval(loop.workload.held_out, loop.fleet, console, clock),
         learner=learner, control=loop.control, rollout=loop.scheduler, interrupt=interrupt,
         elapsed=lambda: duration(clock.now() - t_run))  # fmt: skip
     try:
-        if loop.version == 0 and loop.workload.eval_size:
+        if loop.version == 0 and loop.workload.held_out.size:
             hooks.before_training()  # step 0: SIGTERM stops it, unscored
         for info in loop.steps():
             stopping = stop_after is not None and bool(stop_after(info.record))
@@ -109,8 +109,8 @@ class RLLoop:
         console.background("setting up")  # what is wrong with the config fails before the model
         placement = carve(exp.mesh)
         console.line(f"devices: {placement.describe()}")
-        self.workload = workload = make_workload(exp, console)  # a task, or an environment
-        self.exp = exp = workload.exp  # with the prompt limits derived
+        # A task (its prompt limits derived: the experiment as run), or an environment.
+        self.exp, self.workload = exp, workload = make_workload(exp, console, clock)
         tokenizer = workload.tokenizer
         learner, model = start_learner(exp, tokenizer, placement, workdir, console, learner_links)
         self.learner = learner
@@ -125,12 +125,12 @@ class RLLoop:
         with console.phase("publishing the weights to the generation engines"):
             self.fleet.start(learner, self.version)  # fleet.pool: what the rollout routes to
         self.control = RunControl(exp, placement, meta.extra)  # replay, controller, elastic
-        self.reward_pool = workload.reward_pool(clock)  # None: the environments score
-        # The rollout restores its own books (ledger, cursor, counters) from ``meta``.
+        # The rollout restores its own books (ledger, cursor, counters) from ``meta``; the
+        # workload gives it its side (prompts scored by its reward pool, or episodes).
         self.scheduler = make_scheduler(
-            exp, workload, self.fleet.pool, inbox, meta,
+            exp.rollout, workload, self.fleet.pool, inbox, meta, seed=exp.seed,
             batch_prompts=self.control.fresh_prompts, async_ratio=self.control.async_ratio,
-            reward_pool=self.reward_pool, clock=clock,
+            clock=clock,
         )  # fmt: skip
         if self.version:
             in_flight = len(self.scheduler.ledger.open_ids)  # generated again first
@@ -138,7 +138,6 @@ class RLLoop:
         self.fleet.listen(self.scheduler)  # told of every new version and elastic move
         self.control.attach(learner=learner, fleet=self.fleet, scheduler=self.scheduler)
         self.pack = dict(pad_id=tokenizer.pad_id, max_len=model.max_seq_len)  # batch rows
-        self.wait_s = workload.batch_timeout_s()  # for a batch, before giving up
         # Metrics: each part reports its section of the step's record where it arises.
         self.writer, self.tracker = MetricsWriter(workdir), StepTracker()  # docs/METRICS.md
         self.times = StepTimes(clock.now, origin=t_run, rollout=self.scheduler)
@@ -167,7 +166,7 @@ class RLLoop:
             scheduler, self.clock.now, samples=B * G, episodes=self.workload.plays_episodes
         )
         with console.phase(f"{label}: generating{note}", status):
-            batch = scheduler.next_batch(version, timeout_s=self.wait_s, stop=interrupt.check_stop)
+            batch = scheduler.next_batch(version, stop=interrupt.check_stop)  # or TimeoutError
         interrupt.check()  # a Ctrl-C while generating stops before the update, not after
         times.waited(batch.wait_s)
         self.writer.write_rollouts(batch.rows)
@@ -205,9 +204,10 @@ class RLLoop:
 
     def close(self) -> None:
         """Shut the run down: the scheduler aborts what is outstanding (counted) and stops
-        the servers first; then the fleet, the learner, the reward pool, the writer."""
+        the servers first; then the fleet, the learner, the workload (its reward pool), the
+        writer."""
         self.console.background("shutting down: stopping the servers, writing the last checkpoint")
-        parts = (self.scheduler, self.fleet, self.learner, self.reward_pool, self.writer)
+        parts = (self.scheduler, self.fleet, self.learner, self.workload, self.writer)
         for part in (p for p in parts if p):
             part.close()
         self.console.background(None)

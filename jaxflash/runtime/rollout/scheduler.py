@@ -298,12 +298,13 @@ class RolloutScheduler:
     def next_batch(
         self,
         learner_version: int,
-        timeout_s: float = 3600.0,
+        timeout_s: float | None = None,
         stop: Callable[[], None] | None = None,
     ) -> Batch:
         """``try_batch`` until it returns, waiting for the pump in between.
 
         Args:
+          timeout_s: how long to wait (None: ``settings.batch_timeout_s``, the workload's).
           stop: called before every wait slice (<= 0.5 s); what it raises ends the
             wait (the loop's Ctrl-C, ``runtime.interrupt``).
 
@@ -312,6 +313,7 @@ class RolloutScheduler:
           RuntimeError: the pump thread died, or every generation server died.
         """
         t0 = self.clock.now()
+        timeout_s = self.settings.batch_timeout_s if timeout_s is None else timeout_s
         with self._changed:
             while True:
                 if stop is not None:

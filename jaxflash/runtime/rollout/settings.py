@@ -48,6 +48,8 @@ class RolloutSettings:
         capacity returns at once (up to B per step) instead of at the next publish.
       prompt_replication: each of a prompt's G samples goes to the best server on
         its own (ROLL Flash, arXiv 2510.11345 §5.1.2); False keeps them on one.
+      batch_timeout_s: how long ``next_batch`` waits for a batch before giving up
+        (the workload's, ``WorkloadRollout.batch_timeout_s``).
 
     Raises:
       ValueError: B < 1, G < 1, α < 0 (naming the three), or an unknown stale_policy.
@@ -65,6 +67,7 @@ class RolloutSettings:
     truncation: TruncationPolicy = TruncationPolicy()
     refill_dropped: bool = False
     prompt_replication: bool = True
+    batch_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.batch_prompts < 1 or self.group_size < 1 or self.async_ratio < 0:
@@ -85,10 +88,12 @@ class RolloutSettings:
         seed: int,
         policy_version: int,
         refill_dropped: bool,
+        batch_timeout_s: float = 3600.0,
     ) -> RolloutSettings:
         """The settings of a run's ``rollout`` section (G, sampling, stale policy,
         deadline, retries, truncation) with B and α in force (the step controller's),
-        the run's seed, the servers' version and whether dropped prompts refill."""
+        the run's seed, the servers' version, whether dropped prompts refill and the
+        workload's batch timeout."""
         return cls(
             batch_prompts=batch_prompts,
             group_size=spec.group_size,
@@ -101,6 +106,7 @@ class RolloutSettings:
             max_retries=spec.max_retries,
             truncation=TruncationPolicy(mode=spec.truncation, penalty=spec.truncation_penalty),
             refill_dropped=refill_dropped,
+            batch_timeout_s=batch_timeout_s,
         )
 
     @property
@@ -215,6 +221,23 @@ class Dispatch(Protocol):
 
 
 class DispatchFactory(Protocol):
-    """Builds the run's dispatcher (the workload provides it: ``Workload.dispatch``)."""
+    """Builds the run's dispatcher (the workload provides it: ``Workload.rollout``)."""
 
     def __call__(self, parts: DispatchParts, settings: RolloutSettings) -> Dispatch: ...
+
+
+class WorkloadRollout(NamedTuple):
+    """The workload's side of the rollout (``Workload.rollout(start, open_ids)``).
+
+    Attributes:
+      source: the prompt source (``take(n)``, ``cursor``) from the checkpoint's cursor.
+      resume_prompts: prompts (groups) in flight at the checkpoint, generated again.
+      dispatch: builds the dispatcher: prompts scored by the workload's reward pool, or
+        groups of episodes scored by their environments.
+      batch_timeout_s: how long the loop waits for a batch before giving up.
+    """
+
+    source: Any
+    resume_prompts: tuple[Prompt | PromptFailure, ...]
+    dispatch: DispatchFactory
+    batch_timeout_s: float

@@ -11,9 +11,10 @@ With ``env.name`` set, ``runtime.loop.run``'s workload (``runtime.workloads.work
   (``envs.training.sample_token_advantages``, trajectory or step level), packed
   with the response mask (``learner.episode_batching.pack_episode_batch``: only
   sampled tokens carry loss);
-* evaluation: success rate on the eval split's seeds, mean@n with its standard
-  error over seeds (``envs.calibration.calibrate_success``, lockstep rounds with
-  the run's engine and current weights), reported as ``eval_accuracy``;
+* evaluation (``held_out``, an ``EpisodeHeldOut``): success rate on the eval split's
+  seeds, mean@n with its standard error over seeds (``envs.calibration.calibrate_success``,
+  lockstep rounds with the run's engine and current weights), reported as
+  ``eval_accuracy``;
 * per-step episode metrics (``workloads.episode_metrics``), including the bias of
   dropping stale groups.
 """
@@ -35,15 +36,17 @@ from jaxflash.envs.registry import env_config, make_env
 from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
 from jaxflash.replay.groups import Group
-from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.env_spec import EnvSpec
+from jaxflash.runtime.config.prompt_limits import PromptLengths
+from jaxflash.runtime.config.rollout_spec import RolloutSpec
+from jaxflash.runtime.config.specs import ConfigError, EvalSpec, ModelSpec
 from jaxflash.runtime.model_setup import describe_source
 from jaxflash.runtime.rollout.env_calls import close_env
 from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
-from jaxflash.runtime.rollout.settings import DispatchFactory
+from jaxflash.runtime.rollout.settings import WorkloadRollout
 from jaxflash.runtime.workloads.episode_metrics import episode_metrics
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
-from jaxflash.runtime.workloads.task_setup import PromptLengths
 from jaxflash.types import Prompt, Sample
 
 FIRST_PROMPTS_MEASURED = 16
@@ -81,8 +84,12 @@ class EpisodeRollout:
     """The environment side of an agentic experiment.
 
     Args:
-      exp: a validated experiment with ``env.name`` set.
+      env: the ``env`` section, ``name`` set.
       tokenizer: the policy's tokenizer (chat template, stop ids).
+      rollout: the ``rollout`` section (G, redundancy, sampling, slots, deadlines).
+      eval: the ``eval`` section (episodes per held-out seed).
+      advantage: the advantage estimator's name. seed: the run seed.
+      model: the ``model`` section (named when its chat template cannot be extended).
 
     Raises:
       ConfigError: the environment cannot be built, the chat template cannot be
@@ -91,22 +98,36 @@ class EpisodeRollout:
         does not leave room for a turn in ``env.max_context_tokens`` (names the field).
     """
 
-    def __init__(self, exp: ExperimentConfig, tokenizer: Any) -> None:
-        spec = exp.env
+    def __init__(
+        self, env: EnvSpec, tokenizer: Any, *, rollout: RolloutSpec, eval: EvalSpec,
+        advantage: str, seed: int, model: ModelSpec,
+    ) -> None:  # fmt: skip
+        spec = env
         if not spec.name:
             raise ValueError("EpisodeRollout needs env.name")
-        self.exp, self.spec, self.tokenizer = exp, spec, tokenizer
+        self.spec, self.tokenizer, self._rollout, self._advantage = (
+            env,
+            tokenizer,
+            rollout,
+            advantage,
+        )
         self.limits = env_config(spec.name, **spec.env_options("train"))
         try:  # a template that cannot be extended turn by turn is refused here, not mid-run
             self.renderer = TurnRenderer(tokenizer, system_prompt=spec.system_prompt or None)
         except ValueError as e:
-            raise ConfigError(f"model {describe_source(exp.model)}: {e}") from None
+            raise ConfigError(f"model {describe_source(model)}: {e}") from None
         self._latency = spec.latency()
         self._instances = itertools.count()
         self.make_eval_env: Callable[[], Any] = functools.partial(
             make_env, spec.name, **spec.env_options("eval")
         )
         self.first_prompt_lengths = self._measure_first_prompts()
+        self.held_out = EpisodeHeldOut(
+            make_eval_env=self.make_eval_env, renderer=self.renderer, seeds=spec.eval_seeds,
+            n=eval.samples_per_prompt, sampling=rollout.sampling,
+            max_context_tokens=spec.max_context_tokens, episodes_per_batch=rollout.num_slots,
+            seed=seed,
+        )  # fmt: skip
 
     def make_train_env(self) -> Any:
         """A fresh train-split environment; with ``env.latency_*`` each instance draws its
@@ -149,15 +170,15 @@ class EpisodeRollout:
             every_row=False,
             shortest=min(lens),
             longest=max(lens),
-            limit=self.exp.rollout.max_prefill_length,
+            limit=self._rollout.max_prefill_length,
             derived=True,
             too_long=0,
         )
 
-    def batch_timeout_s(self) -> float:
+    def _batch_timeout_s(self) -> float:
         """How long the loop waits for a batch before giving up (a safety net: every
         turn and environment call has its own deadline, retried or restarted)."""
-        r, limits = self.exp.rollout, self.limits
+        r, limits = self._rollout, self.limits
         turn_s = r.sample_deadline_s * (r.max_retries + 1) + limits.step_timeout_s
         episode_s = limits.step_timeout_s + limits.max_turns * turn_s
         return episode_s * (self.spec.max_env_restarts + 1) * (r.async_ratio + 1)
@@ -170,33 +191,26 @@ class EpisodeRollout:
             f"{self.limits.max_tokens_per_turn} tokens, step deadline "
             f"{self.limits.step_timeout_s:g} s); first prompts {min(lens)}-{max(lens)} tokens, "
             f"context limit {s.max_context_tokens} (env.max_context_tokens); "
-            f"{self.exp.rollout.group_size} + {self.exp.rollout.group_redundancy} episodes "
+            f"{self._rollout.group_size} + {self._rollout.group_redundancy} episodes "
             f"per group; {s.advantage_level}-level advantages"
         )
 
     # ------------------------------------------------------------------ the scheduler's parts
 
-    def source(self, start: int) -> EnvGroupSource:
-        return EnvGroupSource(self.spec.name, start=start)
-
-    def resume(self, source: EnvGroupSource, open_ids: Sequence[int]) -> tuple[Prompt, ...]:
-        """Groups in flight at the checkpoint: played again from scratch."""
-        return tuple(source.group(g) for g in sorted(open_ids))
-
-    def reward_pool(self, clock: Any) -> None:
-        """No reward workers: the environments score the episodes."""
-        return None
+    def rollout(self, start: int, open_ids: Sequence[int]) -> WorkloadRollout:
+        """Groups from ``start`` (the checkpoint's cursor), the groups in flight at the
+        checkpoint (played again from scratch) and the environment manager
+        (``rollout.episode_dispatch``) playing each group's episodes; no reward workers:
+        the environments score them."""
+        source = EnvGroupSource(self.spec.name, start=start)
+        resume = tuple(source.group(g) for g in sorted(open_ids))
+        dispatch = episode_dispatch(self.episode_settings())
+        return WorkloadRollout(source, resume, dispatch, batch_timeout_s=self._batch_timeout_s())
 
     @property
     def plays_episodes(self) -> bool:
         """True: a "prompt" is a group of episodes."""
         return True
-
-    def dispatch(self, reward_pool: None = None) -> DispatchFactory:
-        """The environment manager (``rollout.episode_dispatch``) playing each group's
-        episodes; ``reward_pool``: None (the environments score), the ``Workload``
-        signature."""
-        return episode_dispatch(self.episode_settings())
 
     def episode_settings(self) -> EpisodeSettings:
         """How the environment manager plays episodes (train split, redundancy)."""
@@ -205,7 +219,7 @@ class EpisodeRollout:
             renderer=self.renderer,
             limits=self.limits,
             max_context_tokens=self.spec.max_context_tokens,
-            redundancy=self.exp.rollout.group_redundancy,
+            redundancy=self._rollout.group_redundancy,
             max_env_restarts=self.spec.max_env_restarts,
         )
 
@@ -230,7 +244,7 @@ class EpisodeRollout:
             [g.samples for g in groups],
             level=self.spec.advantage_level,
             gamma=self.spec.gamma,
-            estimator=self.exp.advantage,
+            estimator=self._advantage,
         )
         samples = tuple(s for g in groups for s in g.samples)
         advantages = [a for row in per_token for a in row]
@@ -246,39 +260,59 @@ class EpisodeRollout:
         )
         return LearnerBatch(batch, samples, scalar)
 
-    @property
-    def eval_size(self) -> int:
-        """Held-out seeds (``env.eval_seeds``; 0: no evaluation)."""
-        return self.spec.eval_seeds
+    def close(self) -> None:
+        """Nothing to stop: the environment manager closes its environments."""
 
-    def describe_eval(self) -> str:
-        return f"{self.eval_size} seeds x {self.exp.eval.samples_per_prompt} episodes"
+
+class EpisodeHeldOut:
+    """An environment's held-out seeds (``HeldOut``): success rate, ``seeds`` eval-split
+    seeds x ``n`` episodes (lockstep rounds of ``episodes_per_batch``), scored by the
+    environments.
+
+    Args:
+      make_eval_env: a fresh eval-split environment. renderer: the turn renderer.
+      seeds: held-out seeds (``env.eval_seeds``; 0: no evaluation). n: episodes each.
+      sampling, max_context_tokens, episodes_per_batch, seed: as the run's rollout.
+    """
+
+    unit = "episodes"
+
+    def __init__(
+        self, *, make_eval_env: Callable[[], Any], renderer: Any, seeds: int, n: int,
+        sampling: Any, max_context_tokens: int, episodes_per_batch: int, seed: int,
+    ) -> None:  # fmt: skip
+        self._make_env, self._renderer, self._seeds, self._n = make_eval_env, renderer, seeds, n
+        self._sampling, self._max_context = sampling, max_context_tokens
+        self._per_batch, self._seed = episodes_per_batch, seed
+
+    @property
+    def size(self) -> int:
+        """Held-out seeds (``env.eval_seeds``; 0: no evaluation)."""
+        return self._seeds
+
+    def describe(self) -> str:
+        """What one evaluation runs, e.g. "8 seeds x 4 episodes"."""
+        return f"{self.size} seeds x {self._n} episodes"
 
     def evaluate(
-        self,
-        generate: Any,
-        reward_pool: None = None,
-        *,
-        version: int,
+        self, generate: Any, *, version: int,
         progress: Callable[[int, int, int], None] | None = None,
-    ) -> dict[str, float]:
-        """Held-out success: ``env.eval_seeds`` eval-split seeds x ``eval.samples_per_prompt``
-        episodes generated by ``generate`` (lockstep rounds of ``rollout.num_slots``);
-        the environments score them (``reward_pool``: None, the ``Workload`` signature)."""
+    ) -> dict[str, float]:  # fmt: skip
+        """Held-out success at ``version``, episodes generated by ``generate``."""
 
         def play(requests: Sequence[Any]) -> list[Sample]:
             return generate.run(list(requests), version=version)
 
         res = calibrate_success(
-            self.make_eval_env,
-            self.renderer,
+            self._make_env,
+            self._renderer,
             play,
-            seeds=list(range(self.spec.eval_seeds)),
-            n=self.exp.eval.samples_per_prompt,
-            sampling=self.exp.rollout.sampling,
-            max_context_tokens=self.spec.max_context_tokens,
-            episodes_per_batch=self.exp.rollout.num_slots,
-            sampling_seed=self.exp.seed,
+            seeds=list(range(self._seeds)),
+            n=self._n,
+            sampling=self._sampling,
+            max_context_tokens=self._max_context,
+            episodes_per_batch=self._per_batch,
+            sampling_seed=self._seed,
             progress=progress,
         )
         return {

@@ -2,7 +2,8 @@
 
 It generates through whatever fleet the run has: a ``Generate`` (``fleet.generator()``:
 an engine of this process, or the generation programs) runs the requests.
-``HeldOutEval`` is the loop's call: the workload's evaluation with console progress.
+``HeldOutEval`` is the loop's call: the workload's held-out evaluation (``Workload.held_out``)
+with console progress.
 """
 
 from __future__ import annotations
@@ -53,28 +54,24 @@ class Generate(Protocol):
 
 
 class HeldOutEval:
-    """The run's evaluation: ``self(version)`` runs the workload's on ``fleet.generator()``
-    (whatever fleet the run has) with console progress; {} when the workload holds
-    nothing out. Adds ``eval_time_s``."""
+    """The run's evaluation: ``self(version)`` runs the workload's ``held_out`` (a
+    ``workloads.workload.HeldOut``) on ``fleet.generator()`` (whatever fleet the run has)
+    with console progress; {} when the workload holds nothing out. Adds ``eval_time_s``."""
 
-    def __init__(
-        self, workload: Any, fleet: Any, reward_pool: RewardPool | None, console: Console,
-        clock: Clock,
-    ):  # fmt: skip
-        self._workload, self._fleet, self._reward_pool = workload, fleet, reward_pool
-        self._console, self._clock = console, clock
+    def __init__(self, held_out: Any, fleet: Any, console: Console, clock: Clock):
+        self._held_out, self._fleet, self._console, self._clock = held_out, fleet, console, clock
 
     def __call__(self, version: int, stop: Callable[[], None] | None = None) -> dict[str, float]:
         """Evaluate ``version``; ``stop()`` is called at every progress report (each decode
         step, or every 0.2 s on generation programs): a ``Preempted`` or ``Interrupted`` it
         raises ends the evaluation unscored ({} : a stopping run saves rather than evaluates)."""
-        w, console, clock = self._workload, self._console, self._clock
-        if not w.eval_size:
+        held_out, console, clock = self._held_out, self._console, self._clock
+        if not held_out.size:
             return {}
         t0 = clock.now()
-        status = EvalStatus(clock.now, unit="episodes" if w.plays_episodes else "samples")
+        status = EvalStatus(clock.now, unit=held_out.unit)
         note = console.once("engine", " (the first evaluation compiles the engine)")
-        announce = f"evaluating at step {version}: {w.describe_eval()}{note} ..."
+        announce = f"evaluating at step {version}: {held_out.describe()}{note} ..."
 
         def progress(done: int, total: int, tokens: int) -> None:
             if stop is not None:
@@ -84,7 +81,7 @@ class HeldOutEval:
         with console.phase("evaluating", status, announce=announce):
             generate = self._fleet.generator()
             try:
-                out = w.evaluate(generate, self._reward_pool, version=version, progress=progress)
+                out = held_out.evaluate(generate, version=version, progress=progress)
             except (Preempted, Interrupted):
                 log.warning(
                     "evaluation at step %d stopped (SIGTERM or Ctrl-C): not scored", version

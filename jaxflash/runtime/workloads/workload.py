@@ -4,14 +4,16 @@
 from ``env.name``, and the loop calls it through ``Workload`` without asking which:
 
 * ``runtime.workloads.task_workload.TaskWorkload``: prompts of ``data.task``, one
-  response each per sample, scored by ``reward.fn`` in reward worker processes;
+  response each per sample, scored by ``reward.fn`` in reward worker processes the
+  workload owns (started with the rollout, stopped by ``close``);
 * ``runtime.workloads.agentic.EpisodeRollout``: a "prompt" is a group of episodes
   sharing an environment seed, played by the environment manager
   (``runtime.rollout.episode_dispatch``); the environments score them.
 
-Each builds the rollout scheduler's dispatcher (``dispatch``), so the scheduler
-never asks which, and the agentic side (``jaxflash.envs``) is imported only when
-``env.name`` is set.
+Each gives the rollout its side (``rollout``: the prompt source, the prompts in flight at
+the checkpoint, the dispatcher), so the scheduler never asks which, and the agentic side
+(``jaxflash.envs``) is imported only when ``env.name`` is set. This module is the one
+place of ``workloads/`` that reads the whole experiment: each workload takes its sections.
 """
 
 from __future__ import annotations
@@ -20,54 +22,67 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxflash.replay.groups import Group
+from jaxflash.rewards.code_reward import CodeReward
 from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.config.prompt_limits import PromptLengths, prompt_lengths
 from jaxflash.runtime.console import Console
-from jaxflash.runtime.model_setup import load_tokenizer
-from jaxflash.runtime.rollout.reward_pool import RewardPool
-from jaxflash.runtime.rollout.settings import DispatchFactory
+from jaxflash.runtime.model_setup import load_tokenizer, make_reward
+from jaxflash.runtime.rollout.settings import WorkloadRollout
 from jaxflash.runtime.workloads.evaluation import Generate
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
-from jaxflash.runtime.workloads.task_setup import PromptLengths
+from jaxflash.runtime.workloads.task_setup import build_task, held_out_note, measure_prompts
 from jaxflash.runtime.workloads.task_workload import TaskWorkload
+
+
+class HeldOut(Protocol):
+    """What a run evaluates on (``Workload.held_out``): held-out prompts or seeds.
+
+    Attributes:
+      unit: what ``evaluate`` counts as it goes ("samples" or "episodes").
+    """
+
+    unit: str
+
+    @property
+    def size(self) -> int:
+        """Held-out prompts or seeds (0: no evaluation)."""
+
+    def describe(self) -> str:
+        """What one evaluation runs, e.g. "64 prompts x 4 samples"."""
+
+    def evaluate(
+        self, generate: Generate, *, version: int,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> dict[str, float]:  # fmt: skip
+        """Held-out ``eval_accuracy`` (mean@n) and its companions at ``version``, generated
+        by ``generate`` (the fleet's: ``workloads.evaluation.Generate``) and scored by the
+        workload (its reward pool, or the environments)."""
 
 
 class Workload(Protocol):
     """The loop's view of what it trains on (``TaskWorkload`` or ``EpisodeRollout``).
 
     Attributes:
-      exp: the experiment as run (a task's prompt limits derived from its data).
       tokenizer: the policy's tokenizer.
+      held_out: what evaluation runs on (``HeldOut``).
     """
 
-    exp: ExperimentConfig
     tokenizer: Any
-
-    def describe(self) -> str:
-        """One console line: the task and reward, or the environment."""
+    held_out: HeldOut
 
     def prompt_lengths(self) -> PromptLengths:
         """The prompt lengths measured at start (``run_config.json``)."""
-
-    def source(self, start: int) -> Any:
-        """The scheduler's prompt source (``take(n)``, ``cursor``) from ``start``."""
-
-    def resume(self, source: Any, open_ids: Sequence[int]) -> tuple[Any, ...]:
-        """Prompts (groups) in flight at the checkpoint, generated again from scratch."""
-
-    def reward_pool(self, clock: Clock) -> RewardPool | None:
-        """The reward worker processes, started (None: the environments score)."""
 
     @property
     def plays_episodes(self) -> bool:
         """True: a "prompt" is a group of episodes (False: G scored samples)."""
 
-    def dispatch(self, reward_pool: RewardPool | None) -> DispatchFactory:
-        """The rollout scheduler's dispatcher factory (prompts scored by ``reward_pool``,
-        or episodes scored by their environments)."""
-
-    def batch_timeout_s(self) -> float:
-        """How long the loop waits for a batch before giving up."""
+    def rollout(self, start: int, open_ids: Sequence[int]) -> WorkloadRollout:
+        """The rollout's side: the prompt source from ``start`` (a checkpoint's cursor),
+        the prompts (groups) in flight at the checkpoint, generated again from scratch,
+        the dispatcher (prompts scored by the workload's reward pool, started here, or
+        episodes scored by their environments) and the batch timeout."""
 
     def learner_batch(
         self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int
@@ -79,28 +94,16 @@ class Workload(Protocol):
         ``Batch``) to ``tracker``: an agentic run's ``episodes`` section; a task's
         samples have none."""
 
-    @property
-    def eval_size(self) -> int:
-        """Held-out prompts or seeds (0: no evaluation)."""
-
-    def describe_eval(self) -> str:
-        """What one evaluation runs, e.g. "64 prompts x 4 samples"."""
-
-    def evaluate(
-        self,
-        generate: Generate,
-        reward_pool: RewardPool | None,
-        *,
-        version: int,
-        progress: Callable[[int, int, int], None] | None = None,
-    ) -> dict[str, float]:
-        """Held-out ``eval_accuracy`` (mean@n) and its companions at ``version``, generated
-        by ``generate`` (the fleet's: ``workloads.evaluation.Generate``)."""
+    def close(self) -> None:
+        """Stop what the workload started (its reward workers)."""
 
 
-def make_workload(exp: ExperimentConfig, console: Console) -> Workload:
-    """The run's workload, built before the model loads (each long phase on the console;
-    then a line naming it and one naming the tokenizer's stop set).
+def make_workload(
+    exp: ExperimentConfig, console: Console, clock: Clock | None = None
+) -> tuple[ExperimentConfig, Workload]:
+    """The experiment as run (a task's prompt limits derived from its data) and the run's
+    workload, built before the model loads (each long phase on the console; then a line
+    naming it and one naming the tokenizer's stop set). ``clock``: the reward pool's.
 
     Raises:
       ConfigError: the task, its data, the reward or the environment cannot run
@@ -111,10 +114,47 @@ def make_workload(exp: ExperimentConfig, console: Console) -> Workload:
         from jaxflash.runtime.workloads.agentic import EpisodeRollout  # noqa: PLC0415
 
         with console.phase(f"building environment {exp.env.name}"):
-            workload: Workload = EpisodeRollout(exp, load_tokenizer(exp.model))
+            episodes = EpisodeRollout(
+                exp.env, load_tokenizer(exp.model), rollout=exp.rollout, eval=exp.eval,
+                advantage=exp.advantage, seed=exp.seed, model=exp.model,
+            )  # fmt: skip
+        console.line(episodes.describe())
+        workload: Workload = episodes
     else:
-        workload = TaskWorkload.build(exp, console)
-    console.line(workload.describe())
+        exp, task = _task_workload(exp, console, clock)
+        if note := held_out_note(exp.data, task.task, task.held_out.size):
+            console.line(note)  # a small file: no (or a smaller) evaluation, said
+        console.line(task.describe())
+        workload = task
     stops = workload.tokenizer.stop_set.describe(workload.tokenizer.id_to_token)
     console.line(f"stop set (ids that end a response): {stops}")
-    return workload
+    return exp, workload
+
+
+def _task_workload(
+    exp: ExperimentConfig, console: Console, clock: Clock | None
+) -> tuple[ExperimentConfig, TaskWorkload]:
+    """Resolves the reward, builds the task and the tokenizer, measures the prompts
+    (each long phase on the console) and sets the prompt limits."""
+    reward = make_reward(exp.reward)  # resolve a custom reward before the model load
+    if isinstance(reward, CodeReward):  # which sandbox runs model code, in one line
+        console.line(reward.sandbox().check().line)
+    with console.phase(f"building task {exp.data.task}"):
+        task = build_task(exp.data, seed=exp.seed)
+        tokenizer = load_tokenizer(exp.model)
+    measured = {"rows": 0, "of": 0}
+    with console.phase(
+        "measuring prompt lengths",
+        lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
+    ):
+        failures: list[str] = []
+        lengths, every_row = measure_prompts(
+            task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n), failures=failures
+        )
+    exp, info = prompt_lengths(exp, lengths, every_row, failures)
+    workload = TaskWorkload(
+        task=task, reward=reward, tokenizer=tokenizer, lengths=info, data=exp.data,
+        reward_spec=exp.reward, rollout=exp.rollout, eval=exp.eval, advantage=exp.advantage,
+        seed=exp.seed, clock=clock,
+    )  # fmt: skip
+    return exp, workload
