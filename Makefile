@@ -31,7 +31,7 @@ $(VENV)/.installed: $(VENV)/.run-installed
 	# Independent reader for the HF-export test (CPU torch wheel). Best effort: without
 	# it that one test skips, saying why.
 	# accelerate: transformers' GGUF loader (the Gemma 3 real-weight parity test) needs it.
-	# peft: independent reader of the exported LoRA adapter (tests/test_lora_export.py).
+	# peft: independent reader of the exported LoRA adapter (tests/models/test_lora_export.py).
 	$(PY) -m pip install -q 'torch==2.13.0' transformers accelerate 'peft==0.21.2' || echo "torch/transformers/peft unavailable: the HF cross-check tests will skip"
 	touch $@
 

@@ -187,7 +187,7 @@ def test_adaptive_role_split_goes_to_move_and_the_controller_learns_the_split_in
     """The adaptive controller's proposals (test_replay_cycle's gen-bound then
     train-bound rows) are handed to ``move``; what it returns is the split in force,
     logged as ctl_*_devices and reported to the controller through ``applied``."""
-    from tests.test_replay_cycle import _after, _control, _row
+    from tests.replay.test_replay_cycle import _after, _control, _row
 
     spec = ControllerSpec(kind="adaptive", move_patience=2)
     replay = ReplaySpec(ratio=0.25, max_age=2)

@@ -40,7 +40,7 @@ def test_restore_without_a_sigint_and_twice_is_harmless():
 def test_the_exit_line_names_the_step_a_resume_starts_from(tmp_path):
     """The launcher's last line after Ctrl-C is read from the checkpoint directory as
     the run left it (committed step directories ``N``, uncommitted ``N.orbax-checkpoint-
-    tmp-*``; a real half-written one: tests/test_checkpoint.py)."""
+    tmp-*``; a real half-written one: tests/checkpoint/test_checkpoint.py)."""
     work = str(tmp_path)
     assert interrupted_message(work) == (
         f"interrupted: {work} has no complete checkpoint: running the same command again "

@@ -167,7 +167,7 @@ def test_alpha2_staleness_bound_counters_and_resume(tmp_path):
 @pytest.mark.timeout(600)
 def test_async_smoke_restart_policy_two_steps(tmp_path):
     """The fast end-to-end check: α = 1, partial_rollout=restart, stale groups regenerated,
-    on the paged KV cache (the dense engine's tokens, tests/test_paged_engine.py), whose
+    on the paged KV cache (the dense engine's tokens, tests/generation/test_paged_engine.py), whose
     page counters reach the step metrics."""
     c = smoke_async.get_config()
     c.data.eval_size = 0

@@ -14,7 +14,7 @@ group (or a leave-one-out set) of equal rewards has a "standard deviation" of
 standard deviation at most ``residue_rtol * max|r|`` (over the valid rewards in
 the group; 1e-5 is ~80 float32 ulps) is therefore treated as exactly zero: such a
 deviation becomes 0, and such a std means "do not rescale" (divide by 1). All-equal
-groups give exactly 0 under every estimator (tests/test_advantages.py).
+groups give exactly 0 under every estimator (tests/algorithms/test_advantages.py).
 """
 
 from __future__ import annotations

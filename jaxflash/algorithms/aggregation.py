@@ -4,7 +4,7 @@ A batch split into micro-batches must give the same loss and gradient as the
 whole batch. Averaging each micro-batch by its own token count and then weighting
 micro-batches by their sample share does not: sequences with token losses [1, 1]
 and [0]*8 give 0.5 that way and 0.2 as a true token mean ("Micro-batch
-invariance", tests/test_aggregation.py). So every mode divides a
+invariance", tests/algorithms/test_aggregation.py). So every mode divides a
 *sum* by a normaliser counted over the whole batch (``batch_normalizers``) and
 passed in; summing the per-micro-batch results then equals the full-batch result
 exactly (up to float addition order), for values and gradients alike.

@@ -5,7 +5,7 @@ Temperature, top-k and top-p turn logits z into a *processed* distribution
     q(v) ∝ exp(z_v / T)  for v in the kept set, 0 elsewhere.
 The engine samples from q and records log q(token); the learner must score the
 same q (not the full-vocabulary softmax), otherwise the importance ratio of an
-unchanged policy is not 1 ("Importance ratios", tests/test_distributions.py).
+unchanged policy is not 1 ("Importance ratios", tests/algorithms/test_distributions.py).
 
 Top-k keeps every token whose scaled logit is >= the k-th largest (ties kept on
 both sides alike). Top-p keeps, in descending order, each token whose cumulative

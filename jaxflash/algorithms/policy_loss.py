@@ -21,7 +21,7 @@ when all ratios are 1 (the on-policy REINFORCE gradient).
 Masks and NaN: inputs are selected with ``jnp.where`` *before* any arithmetic, so
 a NaN/Inf behind the mask never reaches a value or a gradient. A non-finite input
 at a valid position is not hidden: it propagates into ``loss_bt`` and is counted
-in ``metrics["nonfinite_count"]`` ("NaN behind a mask", tests/test_policy_loss.py).
+in ``metrics["nonfinite_count"]`` ("NaN behind a mask", tests/algorithms/test_policy_loss.py).
 
 Metrics (float32 scalars over this call's valid tokens, ``num_tokens`` lets a
 caller combine micro-batches): ratio_mean/max/min, clip_frac, clip_frac_low,

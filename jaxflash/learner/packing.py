@@ -7,7 +7,7 @@ into rows of ``row_length`` tokens by first-fit decreasing, each sequence with i
 own segment id (1, 2, ... within a row; 0 marks padding) and its own positions
 (RoPE restarts per sequence). The model attends within segments
 (``models.caches.attention``), so every token sees exactly the context it had unpacked and
-the logprobs are those of the unpacked batch (tests/test_packing.py).
+the logprobs are those of the unpacked batch (tests/learner/test_packing.py).
 
 What the loss reads per sequence must then be read per segment: the sequence count
 of the ``seq-mean-*`` normalisers is counted over segments (``sequence_count``);

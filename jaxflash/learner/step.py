@@ -5,7 +5,7 @@ in/out shardings and the state donated. Gradients accumulate over micro-batches
 with ``jax.lax.scan``; every micro-batch's loss is normalised by the *whole*
 batch's token / sequence counts (``aggregation.batch_normalizers``), so the sum of
 micro-batch gradients is the full-batch gradient and nothing depends on how the
-batch was split ("Micro-batch invariance", tests/test_learner.py).
+batch was split ("Micro-batch invariance", tests/learner/test_learner.py).
 
 Per micro-batch: forward -> h [b, T, D] -> chunked log q(target) and entropy
 under the sampling distribution (temperature / top-k / top-p, the same q the

@@ -3,7 +3,7 @@
 A group is the G samples of one prompt. `GroupBuffer.take` returns complete, fresh
 groups oldest-first (by start version, then prompt_id) and never more than asked:
 what does not fit stays for the next call ("Nothing dropped at the batch edge",
-tests/test_group_buffer.py). Every group leaves through `take` (or `drain`, `discard`),
+tests/replay/test_group_buffer.py). Every group leaves through `take` (or `drain`, `discard`),
 either returned or in the `dropped` list with an outcome and a reason, so at any time
 
     produced == returned + dropped + pending                       (see `counts`)

@@ -5,7 +5,7 @@ token with the version that sampled it, and the staleness gate
 (`jaxflash.replay.staleness`) compares those stamps with the published version.
 A version that goes backwards (e.g. a checkpoint restored into a running job, or two
 learners publishing) would make old samples look fresh, so `publish` refuses it
-loudly instead ("Versions only go up", tests/test_staleness.py).
+loudly instead ("Versions only go up", tests/replay/test_staleness.py).
 
 This module holds a lock but starts no threads (threads live in `jaxflash.runtime`).
 

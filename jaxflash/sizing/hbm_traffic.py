@@ -8,7 +8,7 @@ takes the weight 3 to 5 times: the staging copy's read, its output tuple (the VM
 destination and, for ``copy-start``, the source again), the ``*-done``'s output
 and the matmul's read from VMEM. Measured with libtpu 0.0.42.1 on one abstract
 v5e chip: ``x[32, 1536] @ w[1536, 4480]`` in bfloat16 (a 13.8 MB weight) counts
-69.2 MB (tests/test_tpu_compile.py); a decode step of Qwen2.5-1.5B's layers counts
+69.2 MB (tests/sizing/test_tpu_compile.py); a decode step of Qwen2.5-1.5B's layers counts
 193 MB per layer per chip against 47 MB of bfloat16 weights. Only the first read is
 HBM traffic. (XLA counts nothing inside a Mosaic kernel either: ``sizing.kv_pool``.)
 

@@ -4,7 +4,7 @@
 trip count (checked here: a ``fori_loop`` / ``scan`` of 10 matmuls reports the FLOPs
 of one), and nothing inside a Mosaic (Pallas TPU) kernel. The learner step runs its
 micro-batches in a ``lax.scan``, its layers in another, and attention in the splash
-kernel, so XLA reports about one micro-batch of one layer (tests/test_tpu_compile.py
+kernel, so XLA reports about one micro-batch of one layer (tests/sizing/test_tpu_compile.py
 measures it). The plan uses these paper FLOPs for the train step's roofline.
 
 Counting (per token, forward): 2 x the weights a token multiplies (every ``w_*``

@@ -26,7 +26,7 @@ call copies every layer's weights — pass placed params for speed).
 Every decode step is the same sequence of operations in every decode path, so
 tokens and logprobs are bit-identical between ``generate_block``, JetStream's
 ``generate`` and the engine before these programs were unrolled
-(tests/test_engine_golden.py).
+(tests/generation/test_engine_golden.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def prefill(
     engine's goldens); a longer one attends causally over its own tokens through
     ``model_config.attention`` (blockwise on CPU, XLA / cuDNN flash on GPU, splash on
     TPU: O(T) memory) and then writes k/v (``forward(..., fresh_cache=True)``). The
-    two agree to float rounding (tests/test_engine_block.py).
+    two agree to float rounding (tests/generation/test_engine_block.py).
 
     Args:
       params: model params (stacked or unstacked layers).

@@ -3,7 +3,7 @@
 Built from the engine's own pieces (``generation.engine.kernels``: ``place_rows``,
 ``next_tokens``, ``room``, ``sample_first``), so every decode step is the same
 sequence of operations as the slot loop's ``generate_block`` and tokens and
-logprobs are bit-identical to it (tests/test_engine_golden.py, "driver").
+logprobs are bit-identical to it (tests/generation/test_engine_golden.py, "driver").
 ``api.EngineApi`` jits them with the static configuration bound.
 """
 

@@ -25,7 +25,7 @@ Two levels, each a small protocol:
   The dense kinds write at ``site.positions_bt``, then ``attend_cached`` runs over the
   cache's S entries ([T, S] scores per head) with ``cache_visibility``: the engine's
   decode and short prefills, which the bit-for-bit goldens pin
-  (tests/test_engine_golden.py).
+  (tests/generation/test_engine_golden.py).
 - ``ModelCache``, all L layers (``KVCache``, ``LayerKVCache``, ``PagedKVCache``):
   ``stacked`` (the params layout it pairs with), ``batch``, ``layers(fresh=) -> the
   layer caches`` (stacked: one ``LayerCache`` whose leaves carry a leading [L] axis,

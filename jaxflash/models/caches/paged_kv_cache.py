@@ -21,7 +21,7 @@ two ways. ``write_and_view`` is the pure-JAX path the engine decodes with on CPU
 GPU: it writes the new tokens' k/v into their pages, then gathers each row's pages
 into the dense ``[B, K, S, H]`` / ``[B, K, H, S]`` views ``cache_face.attend_cached``
 reads, so the attention is the dense engine's, operation for operation (same tokens
-and logprobs; tests/test_paged_engine.py). With ``PageTable.kernel``,
+and logprobs; tests/generation/test_paged_engine.py). With ``PageTable.kernel``,
 ``kernel_attention`` writes, then attends with the TPU kernel
 (``models.caches.ragged_attention``), which reads only each row's pages.
 

@@ -2,7 +2,7 @@
 (qkv_bias), Qwen3 (qk_norm), Qwen3-MoE (n_experts: routed experts, models/decoder/moe.py),
 Mistral (sliding_window) and Gemma 3 (qk_norm, norm_offset, gelu_tanh, sandwich_norm,
 scale_embeddings, interleaved sliding/full layers). Each
-difference is a ``ModelConfig`` field, tested against transformers (tests/test_families.py).
+difference is a ``ModelConfig`` field, tested against transformers (tests/models/test_families.py).
 
 Dimension letters: B batch, T time, V vocabulary, D model width, N query heads,
 K key/value heads, G = N/K queries per kv head, H head dim, F MLP width,

@@ -19,7 +19,7 @@ Jinja2's defaults (transformers 5.x, ``utils/chat_template_utils.py``):
   (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ... — always,
   whether or not the tokenizer adds BOS when encoding).
 
-``tests/test_chat_templates.py`` checks token-id parity against transformers
+``tests/models/test_chat_templates.py`` checks token-id parity against transformers
 itself on real templates (SmolLM2, Qwen2.5, Llama 3.x, DeepSeek-R1-distill,
 Mistral, Gemma and the GGUF-embedded one). transformers is not imported here:
 it stays a test-time cross-check, so importing jaxflash does not pay for it.

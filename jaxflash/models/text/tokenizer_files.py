@@ -169,7 +169,7 @@ def _gemma_sentencepiece(tokens: list[str], unk_id: int | None) -> tokenizers.To
     as "▁" runs, so they are respelled first (a repeated spelling keeps its last id).
     Normalizer, pre-tokenizer, byte fallback and decoder are those of Gemma's
     ``tokenizer.json``. This is the construction transformers' GGUF reader uses
-    (checked id for id in tests/test_gemma3_gguf.py).
+    (checked id for id in tests/models/test_gemma3_gguf.py).
     """
     spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}

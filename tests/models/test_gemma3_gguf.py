@@ -23,7 +23,7 @@ import pytest
 from jaxflash.models.decoder import transformer
 from jaxflash.models.decoder.logprobs import logits_from_hidden
 from jaxflash.models.formats.weights_gguf import gemma3_gguf_path, load_gguf
-from tests.test_weights import greedy_generate
+from tests.models.test_weights import greedy_generate
 
 pytestmark = pytest.mark.slow
 

@@ -31,9 +31,9 @@ from jaxflash.models.formats.weights_hf import load_hf, save_hf
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES, logical_to_spec
 from jaxflash.types import FinishReason, Sample, SamplingParams, TrainBatch
-from tests.test_engine import NO_EOS, SAMPLING, learner_logprobs
-from tests.test_engine import request as engine_request
-from tests.test_families import PROMPTS, _assert_close, _hf_logits, _our_logits
+from tests.generation.test_engine import NO_EOS, SAMPLING, learner_logprobs
+from tests.generation.test_engine import request as engine_request
+from tests.models.test_families import PROMPTS, _assert_close, _hf_logits, _our_logits
 
 torch = pytest.importorskip("torch", reason="crosscheck extra (torch) not installed")
 transformers = pytest.importorskip(
@@ -188,7 +188,7 @@ MOE = get_preset("tiny_moe")  # vocab 512, 8 experts, top-2, renormalised, fp32
 
 
 def _spread_params(config, seed):
-    """4x the init spread and noisy norms (as tests/test_engine.py): decisive routing."""
+    """4x the init spread and noisy norms (as tests/generation/test_engine.py): decisive routing."""
     rng = np.random.default_rng(3)
 
     def spread(path, x):

@@ -10,6 +10,7 @@ from jaxflash.sizing.chips import CHIPS, parse_topology, roofline_seconds
 from jaxflash.sizing.plan import ProgramCost, parse_oom
 from jaxflash.sizing.report import Settings, format_plan
 from jaxflash.sizing.tpu import MissingTpuExtraError, check_libtpu
+from tests.paths import REPO
 
 GIB = 1 << 30
 
@@ -323,11 +324,10 @@ def test_the_kernels_page_table_fits_smem_in_calls_of_rows():
 
 
 def test_the_launcher_says_it_in_one_line_and_exits_2_without_libtpu():
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     # libtpu hidden from the launcher's check (CI has the extra installed).
     prelude = (
         "import importlib.util, runpy, sys; real = importlib.util.find_spec; "

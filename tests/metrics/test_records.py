@@ -22,8 +22,9 @@ from jaxflash.runtime.workloads.learner_batch import (
     staleness_metrics,
 )
 from jaxflash.types import FailureReason, FinishReason, Prompt, PromptOutcome, Sample
+from tests.paths import REPO
 
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")
+README = os.path.join(REPO, "docs", "METRICS.md")
 
 
 def _s(pid, idx, reward, *, n=3, truncated=False, versions=None, components=None):

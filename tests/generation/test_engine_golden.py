@@ -2,7 +2,7 @@
 
 The goldens in ``tests/data/engine_golden.npz`` were recorded from the engine as of
 commit 45e787d (layer ``lax.scan``, batch-1 prefill, one decode step per dispatch)
-with ``python -m tests.test_engine_golden --record`` — run it again only to
+with ``python -m tests.generation.test_engine_golden --record`` — run it again only to
 re-baseline on purpose. Every later engine change (unrolled layers, in-place cache
 updates, block decoding, batched prefill, bucketed attention) must reproduce every
 token and every behaviour logprob bit for bit, for the same seeds.
@@ -32,6 +32,8 @@ import argparse
 import os
 import sys
 
+from tests.paths import TESTS
+
 if __name__ == "__main__":  # record under the same device setup as tests/conftest.py
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -49,7 +51,7 @@ from jaxflash.models.config.presets import get_preset
 from jaxflash.models.decoder.transformer import init_params
 from jaxflash.types import GenerationRequest, SamplingParams
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "engine_golden.npz")
+GOLDEN = os.path.join(TESTS, "data", "engine_golden.npz")
 RECORDED_WITH = ("cpu", "0.10.2")  # (platform, jax version) of the recording
 TINY = get_preset("tiny")
 NO_EOS = -1

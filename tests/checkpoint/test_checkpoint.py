@@ -25,8 +25,7 @@ from jaxflash.models.config.presets import get_preset
 from jaxflash.runtime.interrupt import interrupted_message
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sharding.rules import LEARNER_RULES
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO
 
 
 @pytest.fixture(scope="module")

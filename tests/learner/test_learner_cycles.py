@@ -1,6 +1,6 @@
 """learner.cycles in the train step: the fresh loss on fresh rows and the replay correction
 on replayed rows in one compiled step, and importance ratios / ESS per cycle from the
-step's own forward pass (tiny fp32 model, the batch of tests/test_learner.py).
+step's own forward pass (tiny fp32 model, the batch of tests/learner/test_learner.py).
 
 The batch: rows of 6, 2, 1, 3 response tokens with advantages 1, -1, 0.5, -0.5 (12
 tokens). Rows 1 and 2 are labelled replayed, so each micro-batch of 2 rows mixes both
@@ -24,7 +24,7 @@ from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_grad_fn, make_train_step
 from jaxflash.runtime.workloads.learner_batch import learner_metrics
 from jaxflash.sharding.rules import LEARNER_RULES
-from tests.test_learner import MODEL, _copy, _learner_config, world  # noqa: F401
+from tests.learner.test_learner import MODEL, _copy, _learner_config, world  # noqa: F401
 
 CYCLE_B = np.array([0, 1, 1, 0], np.int32)  # rows 1, 2 replayed
 LN2 = float(np.log(2.0))

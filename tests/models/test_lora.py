@@ -290,7 +290,7 @@ def test_engine_behaviour_logprobs_equal_the_learners_under_adapters(base_dtype)
     gap = max(
         float(np.max(np.abs(w - s.behaviour_logprobs))) for w, s in zip(want, samples, strict=True)
     )
-    assert gap < 1e-5, gap  # today's fp32 engine/learner bound (tests/test_bf16.py)
+    assert gap < 1e-5, gap  # today's fp32 engine/learner bound (tests/models/test_bf16.py)
     # Publish v1: only the adapters move (counted); the base buffers are the same.
     new = _nonzero(adapters, seed=2)
     params1 = pub.publish(new, base, 1).params

@@ -6,8 +6,9 @@ import os
 
 from jaxflash.metrics import reference
 from jaxflash.runtime.rollout.rows import ROLLOUT_FIELDS
+from tests.paths import REPO
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "METRICS.md")
+DOC = os.path.join(REPO, "docs", "METRICS.md")
 
 
 def test_docs_metrics_md_is_generated_from_the_reference():
