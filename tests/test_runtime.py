@@ -123,6 +123,9 @@ def test_resume_keeps_counters_and_cursor(tmp_path):
     rows = [json.loads(x) for x in open(f"{workdir}/metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[:2] == first
+    # The run's clock goes on from the checkpoint: trained_at_s never goes back (issue 31).
+    wall = [r["trained_at_s"] for r in rows]
+    assert wall == sorted(wall), wall
     assert last["prompts_taken"] == 24
     assert last["policy_version"] == 3
     rollouts = [json.loads(x) for x in open(f"{workdir}/rollouts.jsonl")]

@@ -72,7 +72,8 @@ def time_metrics(
 
     Args:
       step_s, train_s, wait_s: the step's, the update's and the learner's wait for the
-        batch. trained_at_s: since the first request of the run.
+        batch. trained_at_s: since the first request of the run (a resumed run's goes
+        on from its checkpoint).
       learner_metrics: the update's (its "tokens" trained).
       sync: the publish (``fleet.WeightSync``: copy_s, handover_s, bytes).
     """
@@ -92,15 +93,43 @@ def time_metrics(
 class StepTimes:
     """The phases of one learner step at a time, on the run's clock.
 
+    A resumed run's clock goes on from its checkpoint: ``wall_state()`` is saved with
+    each checkpoint and given back as ``resumed`` (the time between the save and the
+    restart is not counted), so ``trained_at_s``, the timeline and the console's
+    ``elapsed`` keep increasing across a resume instead of starting again from 0.
+
     Args:
       now: the run's clock (``Clock.now``), seconds.
-      origin: the run's start on that clock (timeline rows count from it).
+      origin: this launch's start on that clock (timeline rows count from it, plus
+        ``resumed``'s ``run_s``).
       rollout: where the generation and reward spans come from.
+      resumed: the checkpoint's ``wall_state()`` ({} or None: a fresh run).
     """
 
-    def __init__(self, now: Callable[[], float], *, origin: float, rollout: SpanSource):
-        self._now, self._origin, self._rollout = now, origin, rollout
+    def __init__(
+        self, now: Callable[[], float], *, origin: float, rollout: SpanSource,
+        resumed: dict[str, float] | None = None,
+    ):  # fmt: skip
+        self._now, self._rollout = now, rollout
+        resumed = resumed or {}
+        self._run_before = float(resumed.get("run_s", 0.0))  # earlier launches' seconds
+        self._trained_before = float(resumed.get("trained_s", 0.0))
+        self._origin = origin - self._run_before  # the run's start, as if never stopped
         self.start()
+
+    def elapsed_s(self) -> float:
+        """Seconds since the run started (earlier launches' included)."""
+        return self._now() - self._origin
+
+    def wall_state(self) -> dict[str, float]:
+        """What a checkpoint keeps so a resume continues the run's clocks: ``run_s``
+        (``elapsed_s``) and ``trained_s`` (the ``trained_at_s`` clock, now)."""
+        return {"run_s": self.elapsed_s(), "trained_s": self._trained_clock()}
+
+    def _trained_clock(self) -> float:
+        """Seconds since the run's first request (earlier launches' included)."""
+        first = self._rollout.first_request_at
+        return self._trained_before + (self._now() - first if first else 0.0)
 
     def start(self) -> None:
         """A step begins (the learner starts waiting for its batch)."""
@@ -125,12 +154,15 @@ class StepTimes:
 
     @contextlib.contextmanager
     def training(self) -> Iterator[None]:
-        """Times the update (the ``train`` span; ``trained_at_s`` since the first request)."""
+        """Times the update (the ``train`` span; ``trained_at_s`` since the run's first
+        request, earlier launches' seconds included)."""
         t0 = self._now()
         yield
         self.train = (t0, self._now())
-        first = self._rollout.first_request_at
-        self.trained_at_s = self._now() - (first or self.t_step)
+        if not self._rollout.first_request_at:  # no request yet: from the step's start
+            self.trained_at_s = self._trained_before + self._now() - self.t_step
+        else:
+            self.trained_at_s = self._trained_clock()
 
     @contextlib.contextmanager
     def publishing(self) -> Iterator[None]:

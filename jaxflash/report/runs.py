@@ -36,12 +36,18 @@ class Run:
         """(x, y) over the rows that hold a finite number under ``key``.
 
         ``x``: "step", "samples" (trained samples so far: the running sum of
-        ``num_samples``) or "wall" (``trained_at_s``; 0 before the first update).
+        ``num_samples``) or "wall" (``trained_at_s``; 0 before the first update). A run
+        resumed before its checkpoints kept the run's clock restarted ``trained_at_s``
+        from 0: a value below the previous row's goes on from there, so "wall" never
+        goes back.
         """
-        xs, ys, samples, wall = [], [], 0.0, 0.0
+        xs, ys, samples, wall, restarted_at = [], [], 0.0, 0.0, 0.0
         for row in self.metrics:
             samples += _number(row.get("num_samples")) or 0.0
-            wall = _number(row.get("trained_at_s")) or wall
+            if t := _number(row.get("trained_at_s")):
+                if restarted_at + t < wall:  # an old resume's clock started again at 0
+                    restarted_at = wall
+                wall = restarted_at + t
             y = _number(row.get(key))
             if y is None:
                 continue

@@ -62,7 +62,7 @@ def run(
         checkpoint_every=exp.checkpoint.every, writer=loop.writer, console=console,
         evaluate=HeldOutEval(loop.workload.held_out, loop.fleet, console, clock),
         learner=learner, control=loop.control, rollout=loop.scheduler, interrupt=interrupt,
-        elapsed=lambda: duration(clock.now() - t_run))  # fmt: skip
+        elapsed=lambda: duration(loop.times.elapsed_s()), wall=loop.times.wall_state)  # fmt: skip
     try:
         if loop.version == 0 and loop.workload.held_out.size:
             hooks.before_training()  # step 0: SIGTERM stops it, unscored
@@ -140,7 +140,9 @@ class RLLoop:
         self.pack = dict(pad_id=tokenizer.pad_id, max_len=model.max_seq_len)  # batch rows
         # Metrics: each part reports its section of the step's record where it arises.
         self.writer, self.tracker = MetricsWriter(workdir), StepTracker()  # docs/METRICS.md
-        self.times = StepTimes(clock.now, origin=t_run, rollout=self.scheduler)
+        self.times = StepTimes(  # the run's clocks go on from the checkpoint
+            clock.now, origin=t_run, rollout=self.scheduler, resumed=meta.extra.get("wall")
+        )
         self.interrupt = DeferredInterrupt(lambda: learner.sigterm).install()  # at checks
 
     def steps(self) -> Iterator[StepInfo]:

@@ -222,6 +222,8 @@ def checkpoint_meta(
     snapshot: tuple[dict[str, Any], dict[str, int], int, dict[str, int]],
     replay: dict[str, Any] | None = None,
     elastic: dict[str, Any] | None = None,
+    *,
+    wall: dict[str, float] | None = None,
 ) -> CheckpointMeta:
     """What a checkpoint at ``step`` keeps beside the learner state (what resuming reads).
 
@@ -232,10 +234,12 @@ def checkpoint_meta(
         buffer's counters); the ledger's prompts in flight are generated again on resume.
       replay: ``ReplayCycle.state_dict()`` (None without replay).
       elastic: ``ElasticPool.state_dict()`` (None without elastic moves).
+      wall: the run's clocks (``StepTimes.wall_state``: ``run_s``, ``trained_s``), which
+        a resume continues (``trained_at_s`` and the console's elapsed never go back).
 
     Returns:
       ``CheckpointMeta`` with ``extra`` = {"ledger", "counters", "group_buffer"[, "replay"][,
-        "elastic"]}.
+        "elastic"][, "wall"]}.
     """
     ledger_state, counts, cursor, buffer_counts = snapshot
     extra: dict[str, Any] = {"ledger": ledger_state, "counters": counts}
@@ -244,6 +248,8 @@ def checkpoint_meta(
         extra["replay"] = replay
     if elastic is not None:
         extra["elastic"] = elastic
+    if wall:
+        extra["wall"] = {k: float(v) for k, v in wall.items()}
     return CheckpointMeta(
         step=step, data_cursor=cursor, policy_version=step, counters=counts, extra=extra
     )

@@ -104,6 +104,15 @@ def test_series_against_samples_and_wall_time(runs):
     assert run.series("eval_accuracy", "wall")[0] == [0.0, 2.0, 4.0, 6.0]
 
 
+def test_wall_time_of_a_run_resumed_before_the_clock_was_kept_never_goes_back(tmp_path):
+    # Issue 31's trial: steps 1-3 at 108, 173, 248 s, then the resume restarted
+    # trained_at_s at 0 and step 4 read 95 s, so "reward vs wall time" ran backwards.
+    rows = [_step(s, trained_at_s=t) for s, t in ((1, 108.0), (2, 173.0), (3, 248.0), (4, 95.0))]
+    rows.append(_step(5, trained_at_s=160.0))
+    xs, _ = load_run(_write(tmp_path / "old", rows)).series("reward_mean", "wall")
+    assert xs == [108.0, 173.0, 248.0, 343.0, 408.0]
+
+
 def test_a_benchmark_results_json(tmp_path):
     curve = [
         {"step": s, "seconds": 10.0 * s, "trained": 8 * s, "accuracy": 0.1 * s} for s in range(4)

@@ -57,6 +57,8 @@ class RunHooks:
       rollout: the ``RolloutScheduler`` (``step_books``, ``ledger``).
       interrupt: the run's Ctrl-C (``requested``, ``check_stop``).
       elapsed: the time since the run started, as text.
+      wall: the run's clocks to keep in each checkpoint (``StepTimes.wall_state``), so
+        a resume continues them.
 
     Attributes:
       record: the last record written (the run returns it).
@@ -67,11 +69,12 @@ class RunHooks:
         self, *, total_steps: int, eval_every: int, checkpoint_every: int,
         evaluate: Callable[..., dict[str, Any]], writer: MetricsWriter, console: Console,
         learner: Any, control: RunControl, rollout: Any, interrupt: DeferredInterrupt,
-        elapsed: Callable[[], str],
+        elapsed: Callable[[], str], wall: Callable[[], dict[str, float]] = dict,
     ):  # fmt: skip
         self._total, self._evaluate, self._writer = total_steps, evaluate, writer
         self._console, self._learner, self._control = console, learner, control
         self._rollout, self._interrupt, self.elapsed = rollout, interrupt, elapsed
+        self._wall = wall
         self.record: dict[str, Any] = {}
         self.preempted, self._failing = False, 0
         self.hooks = (
@@ -127,4 +130,5 @@ class RunHooks:
 
     def _save(self, version: int) -> None:
         books = self._rollout.step_books
-        self._learner.save(checkpoint_meta(version, books, *self._control.checkpoint_state()))
+        state = self._control.checkpoint_state()
+        self._learner.save(checkpoint_meta(version, books, *state, wall=self._wall()))
