@@ -63,6 +63,7 @@ from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
 from jaxflash.runtime.rollout.env_calls import thread_runner  # noqa: E402
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings  # noqa: E402
 from jaxflash.runtime.rollout.inbox import Inbox  # noqa: E402
+from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged  # noqa: E402
 from jaxflash.runtime.simulate.episodes import (  # noqa: E402
     VirtualEnvTime,
@@ -189,7 +190,7 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
                 batch = sched.next_batch(v, timeout_s=600)
                 ready.append(clock.now())
                 window.append(batch)
-                sched.mark_trained(batch.groups)
+                ThreadFree(sched).mark_trained(batch.groups)
                 sched.servers_changed(ServersChanged(version=v + 1, weights=[None]))
         finally:
             sched.close()
@@ -199,7 +200,7 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
         ready, window = [r.ready_at for r in runs], [r.batch for r in runs[args.warmup :]]
     # Steady state: the steps after the warm-up ones, from the batch before them.
     episodes = sum(len(g.samples) for b in window for g in b.groups)
-    return episodes, ready[-1] - ready[args.warmup - 1], dict(sched.counters)
+    return episodes, ready[-1] - ready[args.warmup - 1], dict(sched.watch.counters)
 
 
 def main() -> None:

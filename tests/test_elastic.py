@@ -19,6 +19,7 @@ from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec, chec
 from jaxflash.runtime.config.specs import ConfigError, MeshSpec
 from jaxflash.runtime.console import step_line
 from jaxflash.runtime.control.controller_setup import fixed_decisions
+from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import RetiredServer, ServersChanged
 from jaxflash.types import PromptOutcome
 from tests.test_scheduler_parts import VirtualServer, _virtual_scheduler, drive
@@ -35,11 +36,11 @@ def test_retire_requeues_what_the_server_held_and_add_takes_requests():
     )
     trained = collections.Counter()
     batch = drive(sched, clock, servers, 0)
-    sched.mark_trained(batch.groups)
+    ThreadFree(sched).mark_trained(batch.groups)
     trained.update((s.prompt_id, s.sample_index) for g in batch.groups for s in g.samples)
     sched.servers_changed(ServersChanged(version=1, weights=[None, None]))
-    sched.poll()
-    table = sched.dispatcher.router.table
+    ThreadFree(sched).poll()
+    table = ThreadFree(sched).parts.dispatcher.router.table
     held = {e.key for e in table.by_server(1)}
     assert len(held) >= 2, "server 1 holds requests at the boundary (alpha = 1)"
     # Server 1 finishes one of them before it stops: that one is generated, not re-queued;
@@ -56,25 +57,28 @@ def test_retire_requeues_what_the_server_held_and_add_takes_requests():
     servers[1].deliver_due()
     finished_early = {k for k in held if k not in servers[1].queue}
     assert finished_early == {first}
-    generated = sched.counters["samples_generated"]
+    generated = sched.watch.counters["samples_generated"]
     submitted_before = list(servers[1].submitted)
 
     requeued = sched.servers_changed(ServersChanged(retired=[1])).requeued
 
-    assert requeued == len(held) - 1 == sched.counters["samples_requeued"] > 0
-    assert sched.counters["samples_generated"] == generated + len(finished_early) + delivered0
+    assert requeued == len(held) - 1 == sched.watch.counters["samples_requeued"] > 0
+    assert sched.watch.counters["samples_generated"] == generated + len(finished_early) + delivered0
     assert {e.key for e in table.by_server(0)} >= held - finished_early
     assert not table.by_server(1)
-    assert isinstance(sched.pool.servers[1], RetiredServer) and 1 not in sched.pool.alive
-    assert sched.pool.stats()[1] == {}
+    assert (
+        isinstance(ThreadFree(sched).parts.pool.servers[1], RetiredServer)
+        and 1 not in ThreadFree(sched).parts.pool.alive
+    )
+    assert ThreadFree(sched).parts.pool.stats()[1] == {}
     # A new server at the published version takes requests; server 1 never again.
-    new = VirtualServer(sched.dispatcher.inbox.generated, clock, latency_s=0.2)
+    new = VirtualServer(ThreadFree(sched).parts.dispatcher.inbox.generated, clock, latency_s=0.2)
     new.version = 1
     assert sched.servers_changed(ServersChanged(added=[new])).added == (2,)
     live = [servers[0], new]
     for v in range(1, 5):
         batch = drive(sched, clock, live, v)
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
         trained.update((s.prompt_id, s.sample_index) for g in batch.groups for s in g.samples)
         sched.servers_changed(ServersChanged(version=v + 1, weights=[None, None, None]))
     assert servers[1].submitted == submitted_before

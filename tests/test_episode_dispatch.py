@@ -25,6 +25,7 @@ from jaxflash.runtime.rollout.env_calls import thread_runner
 from jaxflash.runtime.rollout.episode_groups import EPISODE_ENDS, EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.simulate.episodes import (
     VirtualEnvTime,
     VirtualTurnServer,
@@ -121,10 +122,10 @@ def _setup(
 
 
 def _books_add_up(sched):
-    c = sched.counters
-    running = sched.dispatcher.stats()["episodes_running"]
+    c = sched.watch.counters
+    running = ThreadFree(sched).parts.dispatcher.stats()["episodes_running"]
     assert c["episodes_started"] == sum(c[k] for k in EPISODE_ENDS) + running, dict(c)
-    sched.ledger.check()
+    ThreadFree(sched).parts.ledger.check()
 
 
 def _episodes(runs):
@@ -167,7 +168,7 @@ def test_redundancy_keeps_the_first_group_size_and_counts_the_aborted():
             assert [s.sample_index for s in g.samples] == list(range(G))
             launched = sorted(s.reward_info["episode_index"] for s in g.samples)
             assert 0 not in launched and len(set(launched)) == G  # the straggler is not kept
-    c = sched.counters
+    c = sched.watch.counters
     assert c["episodes_started"] == 2 * B * (G + r)
     assert c["episodes_finished"] == 2 * B * G
     assert c["episodes_aborted_redundant"] == 2 * B * r
@@ -184,10 +185,10 @@ def test_env_crash_hang_garbage_is_isolated_counted_and_the_batch_still_fills(mo
     runs = run_steps(sched, clock, [server], env_time, steps=2)
     assert [len(r.batch.groups) for r in runs] == [2, 2]
     assert all(len(g.samples) == 4 for r in runs for g in r.batch.groups)
-    c = sched.counters
+    c = sched.watch.counters
     assert c["episodes_env_failed"] == c[f"env_failures_{reason}"] == 2
     assert c["episodes_restarted"] == 2  # each group restarted one episode in its place
-    assert sched.ledger.outcomes["failed"] == {}
+    assert ThreadFree(sched).parts.ledger.outcomes["failed"] == {}
     for s in _episodes(runs):
         assert s.reward_info["episode_end"] != "env_failure"
     _books_add_up(sched)
@@ -206,9 +207,9 @@ def test_a_message_the_chat_template_rejects_fails_its_episode_and_the_run_goes_
     sched, clock, server, env_time, _ = _setup(factory_kw={"faults": faults}, tok=tok)
     runs = run_steps(sched, clock, [server], env_time, steps=2)
     assert all(len(g.samples) == 4 for r in runs for g in r.batch.groups)
-    c = sched.counters
+    c = sched.watch.counters
     assert c["episodes_env_failed"] == c["env_failures_bad_observation"] == 2
-    assert c["episodes_restarted"] == 2 and sched.ledger.outcomes["failed"] == {}
+    assert c["episodes_restarted"] == 2 and ThreadFree(sched).parts.ledger.outcomes["failed"] == {}
     _books_add_up(sched)
 
 
@@ -221,9 +222,9 @@ def test_a_group_whose_environment_keeps_failing_is_failed_with_its_reason():
     runs = run_steps(sched, clock, [server], env_time, steps=1)
     trained = {g.prompt_id for g in runs[0].batch.groups}
     assert 0 not in trained and len(trained) == 2  # a fresh group took its place
-    outcomes = sched.ledger.outcomes
+    outcomes = ThreadFree(sched).parts.ledger.outcomes
     assert outcomes["failed"] == {str(FailureReason.ENV_FAILURE): 1}, outcomes
-    c = sched.counters
+    c = sched.watch.counters
     assert c["env_failures_raised"] == 2 and c["episodes_restarted"] == 1
     assert c["episodes_aborted"] == 3
     _books_add_up(sched)
@@ -264,9 +265,9 @@ def test_a_hung_environment_thread_is_abandoned_at_its_deadline():
         sched.close()
         release.set()
     assert len(batch.groups[0].samples) == 2
-    assert sched.counters["env_failures_timeout"] == 1
-    assert sched.counters["env_calls_abandoned"] == 1
-    assert sched.counters["episodes_restarted"] == 1
+    assert sched.watch.counters["env_failures_timeout"] == 1
+    assert sched.watch.counters["env_calls_abandoned"] == 1
+    assert sched.watch.counters["episodes_restarted"] == 1
 
 
 def test_counters_add_up_across_a_restart_and_nothing_is_trained_twice():
@@ -276,16 +277,16 @@ def test_counters_add_up_across_a_restart_and_nothing_is_trained_twice():
     kw = dict(B=2, G=2, alpha=1, factory_kw={"std_s": 1.0})
     sched, clock, server, env_time, _ = _setup(**kw)
     first = run_steps(sched, clock, [server], env_time, steps=2, train_s=3.0)
-    ledger_state, counters, cursor, _ = sched.snapshot()
-    running = sched.dispatcher.stats()["episodes_running"]
-    assert running > 0 and sched.ledger.open_ids  # something was in flight
-    open_ids = sorted(sched.ledger.open_ids)
+    ledger_state, counters, cursor, _ = ThreadFree(sched).snapshot()
+    running = ThreadFree(sched).parts.dispatcher.stats()["episodes_running"]
+    assert running > 0 and ThreadFree(sched).parts.ledger.open_ids  # something was in flight
+    open_ids = sorted(ThreadFree(sched).parts.ledger.open_ids)
 
     ledger = PromptLedger.from_state_dict(ledger_state)
     sched2, clock2, server2, env_time2, _ = _setup(
         **kw, ledger=ledger, start_group=cursor, resume_groups=open_ids, counters=counters
     )
-    assert sched2.counters["episodes_aborted_on_resume"] == running
+    assert sched2.watch.counters["episodes_aborted_on_resume"] == running
     second = run_steps(sched2, clock2, [server2], env_time2, steps=2, train_s=3.0)
     trained = [g.prompt_id for r in first + second for g in r.batch.groups]
     assert len(trained) == len(set(trained)) == 8
@@ -329,7 +330,7 @@ def test_fault_counters_are_reported_as_zero_before_any_fault():
 
     sched, clock, server, env_time, _ = _setup(B=1, G=2)
     run_steps(sched, clock, [server], env_time, steps=1)
-    c = sched.counters
+    c = sched.watch.counters
     names = ["episodes_env_failed", "episodes_aborted", "env_failures", "env_calls_abandoned"]
     names += ["env_close_errors", *(f"env_failures_{r}" for r in EnvFailureReason)]
     assert {name: c.get(name) for name in names} == dict.fromkeys(names, 0)

@@ -10,6 +10,7 @@ import pytest
 from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
 from jaxflash.runtime.control.replay_cycle import ReplayCycle
 from jaxflash.runtime.control.step_control import StepControl, StepReport
+from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from tests.test_scheduler_parts import _virtual_scheduler, drive
 
@@ -35,9 +36,9 @@ def _measured(control, v, generated, *, gen_per_s, train_per_s, queue):
 
 def _step(sched, clock, servers, v):
     batch = drive(sched, clock, servers, v)
-    sched.mark_trained(batch.groups)
+    ThreadFree(sched).mark_trained(batch.groups)
     sched.servers_changed(ServersChanged(version=v + 1, weights=[None] * len(servers)))
-    sched.poll()  # admits up to the capacity in force
+    ThreadFree(sched).poll()  # admits up to the capacity in force
     return batch
 
 
@@ -67,7 +68,7 @@ def test_the_next_step_runs_under_the_controllers_decision():
         alpha=first["async_ratio"],
     )
     assert len(_step(sched, clock, servers, 0).groups) == 4
-    assert sched.stats()["prompts_active"] == 12  # the admission capacity is full
+    assert sched.watch.stats()["prompts_active"] == 12  # the admission capacity is full
 
     # Training-bound (100 samples/s generated, 16/s trained, a deep queue): rho and alpha
     # go down -> 5 fresh groups (round(0.625 * 8)), (1 + 1) * 5 = 10 prompts in flight.
@@ -76,12 +77,12 @@ def test_the_next_step_runs_under_the_controllers_decision():
     assert (m["ctl_replay_ratio"], m["ctl_async_ratio"]) == (0.375, 1)
     assert m["ctl_requests_in_flight"] == 20
     sched.reconfigure(**dataclasses.asdict(plan.scheduler))
-    stats = sched.stats()
+    stats = sched.watch.stats()
     assert (stats["sched_batch_prompts"], stats["sched_async_ratio"]) == (5, 1)
     assert stats["sched_prompts_capacity"] == 10
     batch = _step(sched, clock, servers, 1)
     assert len(batch.groups) == 5  # the next batch has the new fresh share
-    assert sched.stats()["prompts_active"] <= 10  # 12 admitted before: none admitted above
+    assert sched.watch.stats()["prompts_active"] <= 10  # 12 admitted before: none admitted above
     # ... and the replay cycle draws at the new rho: 10 fresh -> round(0.375 * 10 / 0.625).
     mixed = cycle.mix(
         [s for g in batch.groups for s in g.samples],
@@ -102,15 +103,15 @@ def test_the_next_step_runs_under_the_controllers_decision():
     assert (m["ctl_proposed_generation_devices"], m["ctl_generation_devices"]) == (3, 2)
     sched.reconfigure(**dataclasses.asdict(plan.scheduler))
     assert len(_step(sched, clock, servers, 2).groups) == 4
-    assert sched.stats()["sched_prompts_capacity"] == 12
-    assert sched.stats()["prompts_active"] == 12  # raised capacity is used at once
+    assert sched.watch.stats()["sched_prompts_capacity"] == 12
+    assert sched.watch.stats()["prompts_active"] == 12  # raised capacity is used at once
 
 
 def test_reconfigure_refuses_a_capacity_below_one_batch_and_mid_batch_calls():
     sched, clock, servers, _ = _virtual_scheduler([{"latency_s": 0.3}], B=2, G=G)
     with pytest.raises(ValueError, match="prompts_in_flight >= batch_prompts"):
         sched.reconfigure(batch_prompts=3, async_ratio=0, prompts_in_flight=2)
-    sched.poll()
-    assert sched.try_batch(0) is None  # a batch is being assembled
+    ThreadFree(sched).poll()
+    assert ThreadFree(sched).try_batch(0) is None  # a batch is being assembled
     with pytest.raises(RuntimeError, match="between batches"):
         sched.reconfigure(batch_prompts=2, async_ratio=0, prompts_in_flight=2)

@@ -19,7 +19,7 @@ from jaxflash.rewards.base import RewardResult
 from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.reward_pool import Scored
-from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler, ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
@@ -187,7 +187,7 @@ def test_alpha0_next_prompts_start_after_publish():
         assert [len(s.submitted) for s in servers] == [2, 2]
         time.sleep(0.1)
         assert sum(len(s.submitted) for s in servers) == 4  # nothing new before publish
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
         sched.servers_changed(ServersChanged(version=1, weights=[None, None]))
         batch = sched.next_batch(1, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [2, 3]
@@ -205,7 +205,7 @@ def test_at_most_alpha_plus_one_batches_in_flight():
     assert ledger.taken == 6  # (2 + 1) * 2 prompts
     assert len(servers[0].submitted) == 12
     sched.close()
-    assert sched.counters["samples_aborted"] == 12  # surplus aborted at shutdown, counted
+    assert sched.watch.counters["samples_aborted"] == 12  # surplus aborted at shutdown, counted
 
 
 @pytest.mark.parametrize("policy", ["drop", "regenerate"])
@@ -230,7 +230,7 @@ def test_stale_groups_dropped_or_regenerated(policy):
             assert [g.prompt_id for g in batch.groups] == [0]
             assert {s.start_version for s in batch.groups[0].samples} == {2}
             assert ledger.count(PromptOutcome.STALE) == 0
-            assert sched.counters["prompts_regenerated_stale"] == 2
+            assert sched.watch.counters["prompts_regenerated_stale"] == 2
     finally:
         sched.close()
     ledger.check()
@@ -252,9 +252,9 @@ def test_dead_server_and_hung_sample_do_not_block():
     assert [(d.prompt_id, d.reason, d.failure) for d in batch.dropped] == [
         (1, "failed", FailureReason.GENERATION_TIMEOUT)
     ]
-    assert sched.counters["samples_timed_out"] >= 2
-    assert sched.counters["samples_retried"] >= 1
-    assert sched.counters["samples_failed"] == 1
+    assert sched.watch.counters["samples_timed_out"] >= 2
+    assert sched.watch.counters["samples_retried"] >= 1
+    assert sched.watch.counters["samples_failed"] == 1
     assert ledger.outcomes["failed"] == {"generation_timeout": 1}
     ledger.check()
 
@@ -277,7 +277,7 @@ def test_dynamic_sampling_refills_filtered_groups():
     assert [g.prompt_id for g in batch.groups] == [1, 3]
     assert sorted(d.prompt_id for d in batch.dropped) == [0, 2]
     assert ledger.count(PromptOutcome.FILTERED) == 2
-    assert sched.counters["samples_dropped_zero_variance"] == 4
+    assert sched.watch.counters["samples_dropped_zero_variance"] == 4
     ledger.check()
 
 
@@ -317,9 +317,9 @@ def test_server_that_dies_is_routed_around():
     finally:
         sched.close()
     assert [g.prompt_id for g in batch.groups] == [0, 1]
-    assert sched.counters["server_failures"] == 1
-    assert sched.counters["samples_rerouted"] == 2
-    assert sched.counters["samples_timed_out"] == 0  # noticed at once, not at the deadline
+    assert sched.watch.counters["server_failures"] == 1
+    assert sched.watch.counters["samples_rerouted"] == 2
+    assert sched.watch.counters["samples_timed_out"] == 0  # noticed at once, not at the deadline
     assert len(servers[0].submitted) == 4
     ledger.check()
 
@@ -337,8 +337,8 @@ def test_surplus_prompt_aborted_once_it_can_no_longer_be_trained_fresh():
         batch = sched.next_batch(0, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [0]
         # Still fresh at step 1 (start 0 >= 0 + 1 - 1): kept running, not aborted.
-        assert servers[0].aborted == [] and sched.counters["samples_aborted_surplus"] == 0
-        sched.mark_trained(batch.groups)
+        assert servers[0].aborted == [] and sched.watch.counters["samples_aborted_surplus"] == 0
+        ThreadFree(sched).mark_trained(batch.groups)
         sched.servers_changed(
             ServersChanged(version=1, weights=[None])
         )  # prompt 2 starts at version 1
@@ -356,15 +356,15 @@ def test_surplus_prompt_aborted_once_it_can_no_longer_be_trained_fresh():
             (1, "stale", "surplus_stale"),
         ]
         assert ledger.outcomes["stale"] == {"surplus_stale": 1}
-        assert sched.counters["samples_aborted_surplus"] == 1  # (1, 1) was outstanding
-        assert sched.counters["samples_aborted"] == 1
-        assert sched.counters["samples_dropped_surplus_stale"] == 1  # (1, 0) had arrived
-        c = sched.buffer.counts()
-        assert c["dropped_surplus_stale"] == 1 and _balanced(sched.buffer)
+        assert sched.watch.counters["samples_aborted_surplus"] == 1  # (1, 1) was outstanding
+        assert sched.watch.counters["samples_aborted"] == 1
+        assert sched.watch.counters["samples_dropped_surplus_stale"] == 1  # (1, 0) had arrived
+        c = ThreadFree(sched).parts.buffer.counts()
+        assert c["dropped_surplus_stale"] == 1 and _balanced(ThreadFree(sched).parts.buffer)
         # Its capacity is free now (a prompt started at version 1 is fresh at step 2).
         time.sleep(0.1)
         assert (3, 0) in servers[0].submitted and ledger.taken == 4
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
     finally:
         sched.close()
     assert ledger.count(PromptOutcome.TRAINED) == 2 and ledger.count(PromptOutcome.STALE) == 1
@@ -383,18 +383,18 @@ def test_in_flight_start_version_depends_on_partial_rollout(partial_rollout):
     sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1)
     try:
         batch = sched.next_batch(0, timeout_s=10)
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
         sched.servers_changed(ServersChanged(version=1, weights=[None]))
         batch = sched.next_batch(1, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [2]
         assert batch.dropped == []  # no sample of prompt 1 had arrived
         if partial_rollout == "continue":
             assert servers[0].aborted == [1]
-            assert sched.counters["samples_aborted_surplus"] == 2
+            assert sched.watch.counters["samples_aborted_surplus"] == 2
             assert ledger.outcomes["stale"] == {"surplus_stale": 1}
         else:
             assert servers[0].aborted == []
-            assert sched.counters["samples_aborted_surplus"] == 0
+            assert sched.watch.counters["samples_aborted_surplus"] == 0
             assert ledger.count(PromptOutcome.STALE) == 0
     finally:
         sched.close()
@@ -406,7 +406,7 @@ def test_surplus_prompt_regenerated_fresh():
     sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1, stale_policy="regenerate")
     try:
         batch = sched.next_batch(0, timeout_s=10)
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
         sched.servers_changed(ServersChanged(version=1, weights=[None]))
         time.sleep(0.1)
         batch = sched.next_batch(1, timeout_s=10)
@@ -415,20 +415,20 @@ def test_surplus_prompt_regenerated_fresh():
         assert [(d.prompt_id, d.reason, d.regenerate) for d in batch.dropped] == [
             (1, "surplus_stale", True)
         ]
-        assert sched.counters["prompts_regenerated_stale"] == 1
+        assert sched.watch.counters["prompts_regenerated_stale"] == 1
         servers[0].hang.clear()  # the resubmitted requests finish normally
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
         sched.servers_changed(ServersChanged(version=2, weights=[None]))
         batch = sched.next_batch(2, timeout_s=10)
         # The regenerated group started at version 1: fresh at step 2, trained.
         assert [g.prompt_id for g in batch.groups] == [1]
         assert {s.start_version for s in batch.groups[0].samples} == {1}
         assert servers[0].submitted.count((1, 0)) == 2 and servers[0].submitted.count((1, 1)) == 2
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
     finally:
         sched.close()
     assert ledger.count(PromptOutcome.STALE) == 0 and ledger.count(PromptOutcome.TRAINED) == 3
-    assert sched.counters["samples_aborted_surplus"] == 1
+    assert sched.watch.counters["samples_aborted_surplus"] == 1
     ledger.check()
 
 
@@ -439,9 +439,11 @@ def test_batch_groups_in_prompt_order_whatever_order_they_completed_in():
     sched, _ = _scheduler((inbox, servers), B=2, G=2, alpha=0)
     try:
         deadline = time.monotonic() + 10
-        while sched.buffer.num_complete() < 1 and time.monotonic() < deadline:
+        while ThreadFree(sched).parts.buffer.num_complete() < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert sched.buffer.num_complete() == 1  # prompt 1's group, complete first
+        assert (
+            ThreadFree(sched).parts.buffer.num_complete() == 1
+        )  # prompt 1's group, complete first
         servers[0].hang.clear()
         batch = sched.next_batch(0, timeout_s=10)
         assert [g.prompt_id for g in batch.groups] == [0, 1]

@@ -24,7 +24,7 @@ from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.rollout.reward_pool import Scored
-from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
+from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler, ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServerPool, ServersChanged, Submitted
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
@@ -362,14 +362,17 @@ def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
     """
     stop_at = time.monotonic() + real_timeout_s
     while time.monotonic() < stop_at:
-        sched.poll()
-        batch = sched.try_batch(learner_version)
+        ThreadFree(sched).poll()
+        batch = ThreadFree(sched).try_batch(learner_version)
         if batch is not None:
             return batch
-        if sched.dispatcher.num_scoring or not sched.dispatcher.inbox.empty():
-            sched.dispatcher.inbox.wait(RealClock(), 0.05)
+        if (
+            ThreadFree(sched).parts.dispatcher.num_scoring
+            or not ThreadFree(sched).parts.dispatcher.inbox.empty()
+        ):
+            ThreadFree(sched).parts.dispatcher.inbox.wait(RealClock(), 0.05)
             continue
-        events = [s.next_due() for s in servers] + [sched.next_deadline()]
+        events = [s.next_due() for s in servers] + [ThreadFree(sched).next_deadline()]
         events = [t for t in events if t is not None]
         assert events, "nothing can happen: the scheduler would wait forever"
         clock.advance_to(max(clock.now(), min(events) + 1e-6))
@@ -419,17 +422,17 @@ def test_no_silent_hang_under_a_virtual_clock(monkeypatch):
         max_retries=1,
     )
     # Deadlines fire at the virtual time they are due, not before.
-    sched.poll()  # admits prompts 0-3 at t = 0; (2, 0) is rejected on submit
+    ThreadFree(sched).poll()  # admits prompts 0-3 at t = 0; (2, 0) is rejected on submit
     clock.advance_to(0.2)
     for s in servers:
         s.deliver_due()  # everything but prompt 1 is back
     clock.advance_to(0.5)
-    sched.poll()
-    assert sched.counters["samples_timed_out"] == 0
+    ThreadFree(sched).poll()
+    assert sched.watch.counters["samples_timed_out"] == 0
     clock.advance_to(0.51)
-    sched.poll()
-    assert sched.counters["samples_timed_out"] == 2  # (1, 0) and (1, 1), both late now
-    assert sched.counters["samples_retried"] == 2  # each retried on the other server
+    ThreadFree(sched).poll()
+    assert sched.watch.counters["samples_timed_out"] == 2  # (1, 0) and (1, 1), both late now
+    assert sched.watch.counters["samples_retried"] == 2  # each retried on the other server
     batch = drive(sched, clock, servers, 0)
     assert 1.0 < clock.now() < 1.1  # the second deadline (0.51 + 0.5), not later
     assert [g.prompt_id for g in batch.groups] == [0, 3]
@@ -438,18 +441,18 @@ def test_no_silent_hang_under_a_virtual_clock(monkeypatch):
         (2, FailureReason.REQUEST_REJECTED),
     }
     # Second deadline: the first late sample fails the prompt, its sibling is aborted.
-    assert sched.counters["samples_timed_out"] == 3
-    assert sched.counters["samples_failed"] == 2
+    assert sched.watch.counters["samples_timed_out"] == 3
+    assert sched.watch.counters["samples_failed"] == 2
     assert ledger.outcomes["failed"] == {"generation_timeout": 1, "request_rejected": 1}
-    sched.mark_trained(batch.groups)
+    ThreadFree(sched).mark_trained(batch.groups)
     assert ledger.count(PromptOutcome.TRAINED) == 2
     # alpha = 0: nothing new starts before the next weights are published.
     sent = sum(len(s.submitted) for s in servers)
     clock.advance(10.0)
-    sched.poll()
+    ThreadFree(sched).poll()
     assert sum(len(s.submitted) for s in servers) == sent
     sched.servers_changed(ServersChanged(version=1, weights=[None, None]))
-    sched.poll()
+    ThreadFree(sched).poll()
     assert sum(len(s.submitted) for s in servers) == sent + 4 * 2
     assert threading.active_count() == threads  # no pump thread was started
 
@@ -462,10 +465,10 @@ def test_virtual_clock_runs_are_deterministic():
         trace = []
         for v in range(4):
             batch = drive(sched, clock, servers, v)
-            sched.mark_trained(batch.groups)
+            ThreadFree(sched).mark_trained(batch.groups)
             trace.append((clock.now(), [g.prompt_id for g in batch.groups], batch.rows))
             sched.servers_changed(ServersChanged(version=v + 1, weights=[None, None]))
-        return trace, dict(sched.counters), ledger.state_dict()
+        return trace, dict(sched.watch.counters), ledger.state_dict()
 
     assert run() == run()
 
@@ -519,7 +522,7 @@ def test_every_failure_reason_is_counted_exactly(tmp_path, placement):
             max_retries=0,
         )
         first = drive(sched, clock, servers, 0)  # prompts 0-5
-        sched.mark_trained(first.groups)
+        ThreadFree(sched).mark_trained(first.groups)
         sched.servers_changed(ServersChanged(version=1, weights=[None] * n_servers))
         second = drive(sched, clock, servers, 1)  # prompt 6 kills the servers: admission halts
         with pytest.raises(RuntimeError, match="every generation server died"):
@@ -534,7 +537,7 @@ def test_every_failure_reason_is_counted_exactly(tmp_path, placement):
         "server_died": 1,
     }
     assert ledger.count(PromptOutcome.TRAINED) == 1 and ledger.taken == 7
-    assert sched.counters["server_failures"] == n_servers
+    assert sched.watch.counters["server_failures"] == n_servers
     failures = {r["prompt_id"]: r["failure"] for r in first.rows + second.rows if r["failure"]}
     assert failures == {3: "reward_error", 4: "reward_timeout"}  # the samples that came back
     ledger.check()
@@ -614,11 +617,11 @@ def test_settings_and_dispatch_factories_refuse_bad_input_naming_it():
         episode_dispatch(None)(None, no_replication)
     # reconfigure goes through the owners' methods: capacity and refill budget checked there.
     sched.reconfigure(batch_prompts=2, async_ratio=1, prompts_in_flight=3)
-    stats = sched.stats()
+    stats = sched.watch.stats()
     assert (stats["sched_batch_prompts"], stats["sched_async_ratio"]) == (2, 1)
     assert stats["sched_prompts_capacity"] == 3
     with pytest.raises(ValueError, match="Admission needs capacity >= 1"):
-        sched.admission.resize(capacity=0, refill_budget=0)
+        ThreadFree(sched).parts.admission.resize(capacity=0, refill_budget=0)
 
 
 def test_counters_are_the_checkpoints_plus_what_each_part_counted():
@@ -626,11 +629,13 @@ def test_counters_are_the_checkpoints_plus_what_each_part_counted():
     sched, clock, servers, _ = _virtual_scheduler([{}], B=1, G=2, counters=restored)
     batch = drive(sched, clock, servers, 0)
     assert len(batch.groups) == 1
-    c = sched.counters
+    c = sched.watch.counters
     assert c["samples_generated"] == 12 and c["samples_scored"] == 12  # 10 restored + 2
     assert c["prompts_trained"] == 3 and c["prompts_regenerated_on_resume"] == 0
-    assert sched.dispatcher.counts()["samples_generated"] == 2  # the router's own, via its owner
-    assert sched.snapshot().counters == {k: c[k] for k in sorted(c)}
+    assert (
+        ThreadFree(sched).parts.dispatcher.counts()["samples_generated"] == 2
+    )  # the router's own, via its owner
+    assert ThreadFree(sched).snapshot().counters == {k: c[k] for k in sorted(c)}
 
 
 def test_a_malformed_row_is_warned_once_and_counted_every_epoch(tmp_path, caplog):
@@ -646,7 +651,7 @@ def test_a_malformed_row_is_warned_once_and_counted_every_epoch(tmp_path, caplog
     caplog.set_level(logging.WARNING, logger="jaxflash.runtime.rollout.batches")
     for version in range(3):  # three epochs of the three rows
         batch = drive(sched, clock, servers, version)
-        sched.mark_trained(batch.groups)
+        ThreadFree(sched).mark_trained(batch.groups)
         sched.servers_changed(ServersChanged(version=version + 1, weights=[None]))
     assert ledger.outcomes["failed"] == {"malformed_row": 6}
     warned = [r.getMessage() for r in caplog.records if "malformed_row" in r.getMessage()]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 
 class SpanSource(Protocol):
-    """What the step's timeline reads of the rollout (``RolloutScheduler``)."""
+    """What the step's timeline reads of the rollout (``RolloutScheduler.watch``)."""
 
     @property
     def first_request_at(self) -> float | None:

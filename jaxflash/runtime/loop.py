@@ -32,12 +32,19 @@ from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_setup import start_learner
 from jaxflash.runtime.fleet.placement import carve
 from jaxflash.runtime.interrupt import DeferredInterrupt, Interrupted, Preempted
-from jaxflash.runtime.resume import finished_line, finished_run, resumed_note, stopped_note
+from jaxflash.runtime.resume import (
+    finished_line,
+    finished_run,
+    nothing_trained,
+    resumed_note,
+    stopped_note,
+)
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.scheduler_setup import make_scheduler
 from jaxflash.runtime.workloads.evaluation import HeldOutEval
 from jaxflash.runtime.workloads.learner_batch import learner_update, report_batch
 from jaxflash.runtime.workloads.workload import make_workload
+from jaxflash.types import NothingTrainedError
 
 
 def run(
@@ -50,7 +57,8 @@ def run(
     run: its last row). ``server_factory`` builds each thread server (tests inject faults);
     ``stop_after(metrics)`` True ends the run after that step, saved like a last one.
     Raises: ConfigError (found before the model loads), TimeoutError (no batch in time),
-      RuntimeError (every server died), FloatingPointError (non-finite loss, grad or entropy)."""
+      RuntimeError (every server died), FloatingPointError (non-finite loss, grad or entropy),
+      NothingTrainedError (the run reached its last step with every step skipped)."""
     clock, console = clock or RealClock(), console or Console(None)
     check_replay_learner(exp.replay, exp.controller, multi_process=learner_links is not None)
     t_run = clock.now()
@@ -61,7 +69,7 @@ def run(
     hooks = RunHooks(total_steps=exp.total_steps, eval_every=exp.eval.every,
         checkpoint_every=exp.checkpoint.every, writer=loop.writer, console=console,
         evaluate=HeldOutEval(loop.workload.held_out, loop.fleet, console, clock),
-        learner=learner, control=loop.control, rollout=loop.scheduler, interrupt=interrupt,
+        learner=learner, control=loop.control, rollout=loop.scheduler.books, interrupt=interrupt,
         elapsed=lambda: duration(loop.times.elapsed_s()), wall=loop.times.wall_state)  # fmt: skip
     try:
         if loop.version == 0 and loop.workload.held_out.size:
@@ -85,6 +93,8 @@ def run(
         loop.close()
     if not (hooks.preempted or learner.sigterm):
         console.line(finished_line(loop.version, exp.total_steps, hooks.elapsed(), workdir))
+        if why := nothing_trained(hooks.record, loop.version):  # not a success: exit 3
+            raise NothingTrainedError(why, hooks.record)
     return hooks.record
 
 
@@ -133,7 +143,7 @@ class RLLoop:
             clock=clock,
         )  # fmt: skip
         if self.version:
-            in_flight = len(self.scheduler.ledger.open_ids)  # generated again first
+            in_flight = len(self.scheduler.books.open_ids)  # generated again first
             console.line(resumed_note(meta, in_flight, exp.total_steps, workdir))
         self.fleet.listen(self.scheduler)  # told of every new version and elastic move
         self.control.attach(learner=learner, fleet=self.fleet, scheduler=self.scheduler)
@@ -141,7 +151,7 @@ class RLLoop:
         # Metrics: each part reports its section of the step's record where it arises.
         self.writer, self.tracker = MetricsWriter(workdir), StepTracker()  # docs/METRICS.md
         self.times = StepTimes(  # the run's clocks go on from the checkpoint
-            clock.now, origin=t_run, rollout=self.scheduler, resumed=meta.extra.get("wall")
+            clock.now, origin=t_run, rollout=self.scheduler.watch, resumed=meta.extra.get("wall")
         )
         self.interrupt = DeferredInterrupt(lambda: learner.sigterm).install()  # at checks
 
@@ -165,7 +175,7 @@ class RLLoop:
         # 1-4. Sample, generate, score, group: B groups with staleness <= alpha.
         note = console.once("engine", " (the first generation compiles the engine)")
         status = GenerationStatus(
-            scheduler, self.clock.now, samples=B * G, episodes=self.workload.plays_episodes
+            scheduler.watch, self.clock.now, samples=B * G, episodes=self.workload.plays_episodes
         )
         with console.phase(f"{label}: generating{note}", status):
             batch = scheduler.next_batch(version, stop=interrupt.check_stop)  # or TimeoutError
@@ -183,12 +193,12 @@ class RLLoop:
         note = console.once("learner", " (the first update compiles the step)") if training else ""
         phase = f"{label}: training on {control.rows} samples{note}"
         with times.training(), console.phase(phase) if training else contextlib.nullcontext():
-            learned = learner_update(
-                self.learner, train_batch, batch, learner_version=version, count=scheduler.count
-            )
+            learned = learner_update(self.learner, train_batch, batch, learner_version=version)
         tracker.report("learner", learned)  # a Ctrl-C from here on: this step is saved (9.)
         # Books before publish frees capacity: in flight = admitted under the old weights.
-        progress = scheduler.end_step(batch.groups, version, tracker)
+        progress = scheduler.end_step(
+            batch.groups, version, tracker, skipped=learned.get("skipped")
+        )
         # 7. Publish: the fleet puts the new version on every server (they keep decoding).
         with times.publishing():
             self.version = version = self.learner.step

@@ -54,7 +54,8 @@ class RunHooks:
       writer: the run's metrics.jsonl. console: where each row's line goes.
       learner: ``LearnerProgram`` (``preempted``, ``save``, ``saved_step``).
       control: the run's ``RunControl`` (its ``checkpoint_state``).
-      rollout: the ``RolloutScheduler`` (``step_books``, ``ledger``).
+      rollout: the rollout's books (``RolloutScheduler.books``: ``step_books``, ``outcomes``,
+        ``ledger_metrics``).
       interrupt: the run's Ctrl-C (``requested``, ``check_stop``).
       elapsed: the time since the run started, as text.
       wall: the run's clocks to keep in each checkpoint (``StepTimes.wall_state``), so
@@ -91,7 +92,7 @@ class RunHooks:
         ledger's counts) and line. Returns the evaluation's metrics."""
         self._console.background(f"step 0/{self._total}")
         self.record = self._evaluate(0, stop=self._interrupt.check_stop)  # SIGTERM: unscored
-        row = self._writer.write_step(0, {**self.record, **self._rollout.ledger.metrics()})
+        row = self._writer.write_step(0, {**self.record, **self._rollout.ledger_metrics()})
         self._console.line(step_line(0, self._total, self.elapsed(), row))
         return self.record
 
@@ -119,7 +120,7 @@ class RunHooks:
 
     def _failing_streak(self, info: StepInfo) -> None:
         self._failing = self._failing + 1 if info.record.get("skipped") == "all_failed" else 0
-        check_failing_streak(self._failing, self._rollout.ledger.outcomes)  # broken reward/data
+        check_failing_streak(self._failing, self._rollout.outcomes)  # broken reward/data
 
     def _preemption(self, info: StepInfo) -> None:
         self.preempted = self._learner.preempted(info.step)  # every learner process agrees

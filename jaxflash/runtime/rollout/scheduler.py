@@ -8,10 +8,15 @@
 Built from thread-free parts, each with its own tests: ``OutstandingTable``,
 ``Admission``, ``ServerPool``, a dispatcher (``rollout.settings.Dispatch``, built by
 the workload's factory), ``BatchAssembler``. Each part owns its state (the others
-call its methods) and its counters (``counts()``; ``counters`` here adds them to the
-checkpoint's). Their work is reachable without threads (``poll``, ``try_batch``,
-``servers_changed``); the scheduler adds only the pump thread that calls ``poll`` in a loop
-and the blocking ``next_batch``. A simulator drives the same object without threads under a
+call its methods) and its counters (``counts()``; ``watch.counters`` here adds them to the
+checkpoint's). Their work is reachable without threads (``ThreadFree``: ``poll``,
+``try_batch``, ``mark_trained``; and ``servers_changed``); the scheduler adds only the pump
+thread that calls ``poll`` in a loop and the blocking ``next_batch``.
+
+Faces: the loop sees ``Rollout`` (``start``, ``next_batch``, ``end_step``, ``close``,
+``watch``, ``books``), the fleet a ``ServerListener`` (``servers_changed``), the step
+controller ``reconfigure``; the simulator and the tests drive ``ThreadFree(scheduler)``.
+A simulator drives the same object without threads under a
 ``VirtualClock`` (``runtime.clock``).
 
 Driving it without threads (a discrete-event simulator; see
@@ -24,14 +29,15 @@ tests/test_scheduler_parts.py for a complete driver)::
     sched = RolloutScheduler(
         servers, inbox, books, settings, prompt_dispatch(scorer, tokenizer), clock=clock
     )
+    steps = ThreadFree(sched)
     while v < steps:
-        sched.poll()
-        batch = sched.try_batch(v)
+        steps.poll()
+        batch = steps.try_batch(v)
         if batch is None:  # jump to the next event; servers deliver what is due
-            clock.advance_to(min(next server completion, sched.next_deadline()))
+            clock.advance_to(min(next server completion, steps.next_deadline()))
             continue
         clock.advance(learner time)
-        sched.mark_trained(batch.groups)
+        steps.mark_trained(batch.groups)
         v += 1
         sched.servers_changed(ServersChanged(version=v, weights=[None] * n))
 
@@ -54,7 +60,7 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock, RealClock
@@ -77,7 +83,15 @@ from jaxflash.runtime.rollout.settings import (
 )
 from jaxflash.types import PromptOutcome
 
-__all__ = ["Batch", "Inbox", "RolloutBooks", "RolloutScheduler", "RolloutSettings"]
+__all__ = [
+    "Batch",
+    "Inbox",
+    "Rollout",
+    "RolloutBooks",
+    "RolloutScheduler",
+    "RolloutSettings",
+    "ThreadFree",
+]
 
 
 class BooksSnapshot(NamedTuple):
@@ -127,33 +141,33 @@ class RolloutScheduler:
         dispatch: DispatchFactory,
         clock: Clock | None = None,
     ) -> None:
-        self.settings, self.inbox = settings, inbox
-        self.ledger, self.buffer, self.source = books.ledger, books.buffer, books.source
-        self.truncation = settings.truncation
-        self.clock = clock or RealClock()
+        self._settings, self._inbox = settings, inbox
+        self._ledger, self._buffer, self._source = books.ledger, books.buffer, books.source
+        self._truncation = settings.truncation
+        self._clock = clock or RealClock()
         # Counters: the checkpoint's, plus what each part counted since (``counts``).
         self._restored: dict[str, int] = {k: int(v) for k, v in books.counters.items()}
         self._counters: collections.Counter = collections.Counter()  # the scheduler's own
         self._counters["prompts_regenerated_on_resume"] += len(books.resume_prompts)
-        self.pool = servers if isinstance(servers, ServerPool) else ServerPool(servers)
-        self.admission = Admission(
+        self._pool = servers if isinstance(servers, ServerPool) else ServerPool(servers)
+        self._admission = Admission(
             books.source,
             capacity=settings.capacity,
             refill_budget=settings.refill_budget,
             resume=books.resume_prompts,
         )
         parts = DispatchParts(
-            pool=self.pool,
+            pool=self._pool,
             inbox=inbox,
-            admission=self.admission,
-            ledger=self.ledger,
-            buffer=self.buffer,
-            clock=self.clock,
+            admission=self._admission,
+            ledger=self._ledger,
+            buffer=self._buffer,
+            clock=self._clock,
             restored=dict(self._restored),
         )
-        self.dispatcher = dispatch(parts, settings)
-        self.assembler = BatchAssembler(
-            self.dispatcher, self.admission, self.buffer, self.ledger, settings
+        self._dispatcher = dispatch(parts, settings)
+        self._assembler = BatchAssembler(
+            self._dispatcher, self._admission, self._buffer, self._ledger, settings
         )
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -161,27 +175,38 @@ class RolloutScheduler:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._servers_seen: list[dict[str, Any]] = []  # server stats at the last step
-        self.step_books: BooksSnapshot | None = None  # at the last ``end_step``
+        self._step_books: BooksSnapshot | None = None  # at the last ``end_step``
 
-    @property
-    def counters(self) -> collections.Counter:
+    def _all_counters(self) -> collections.Counter:
         """Every counter of the run: the checkpoint's plus each part's since (a copy)."""
         with self._lock:
             out = collections.Counter(self._restored)
-            for part in (self._counters, self.dispatcher.counts(), self.assembler.counts()):
+            for part in (self._counters, self._dispatcher.counts(), self._assembler.counts()):
                 out.update(part)
             return out
 
-    # ------------------------------------------------------------------ thread-free API
+    # ------------------------------------------------------------------ the other faces
 
-    def poll(self) -> int:
+    @property
+    def watch(self) -> RolloutWatch:
+        """What observers read while it runs (console, step times, the simulator)."""
+        return RolloutWatch(self)
+
+    @property
+    def books(self) -> RolloutBooksView:
+        """The prompt books: the last step's (a checkpoint), outcomes, prompts open."""
+        return RolloutBooksView(self)
+
+    # ------------------------------------------------------------------ thread-free parts
+
+    def _poll(self) -> int:
         """One pump step (reports, deaths, deadlines, admission); events handled."""
         with self._changed:
-            n = self.dispatcher.poll()
+            n = self._dispatcher.poll()
             self._changed.notify_all()
             return n
 
-    def try_batch(self, learner_version: int) -> Batch | None:
+    def _try_batch(self, learner_version: int) -> Batch | None:
         """The batch for the step at ``learner_version`` if complete, else None (never blocks).
 
         See ``BatchAssembler.take``.
@@ -190,7 +215,7 @@ class RolloutScheduler:
           RuntimeError: every generation server died and nothing is left to hand out.
         """
         with self._changed:
-            batch = self.assembler.take(learner_version)
+            batch = self._assembler.take(learner_version)
             if batch is not None:
                 self._changed.notify_all()
             return batch
@@ -217,18 +242,12 @@ class RolloutScheduler:
                 f">= batch_prompts; got {batch_prompts}, {async_ratio}, {prompts_in_flight}"
             )
         with self._changed:
-            self.assembler.reconfigure(batch_prompts=batch_prompts, async_ratio=async_ratio)
-            refill = batch_prompts if self.settings.refill_dropped else 0
-            self.admission.resize(capacity=prompts_in_flight, refill_budget=refill)
+            self._assembler.reconfigure(batch_prompts=batch_prompts, async_ratio=async_ratio)
+            refill = batch_prompts if self._settings.refill_dropped else 0
+            self._admission.resize(capacity=prompts_in_flight, refill_budget=refill)
             self._changed.notify_all()
 
-    def count(self, *names: str) -> None:
-        """Add 1 to each named counter (the loop's own counts live with the scheduler's)."""
-        with self._lock:
-            for name in names:
-                self._counters[name] += 1
-
-    def mark_trained(self, groups: Sequence[Group]) -> None:
+    def _mark_trained(self, groups: Sequence[Group]) -> None:
         """Close a batch's prompts in the ledger (their capacity returns at the next
         version, ``servers_changed``).
 
@@ -237,11 +256,11 @@ class RolloutScheduler:
         """
         with self._lock:
             for g in groups:
-                if self.truncation.masks_all(g.samples):
-                    self.ledger.close(g.prompt_id, PromptOutcome.FILTERED, ALL_TRUNCATED)
+                if self._truncation.masks_all(g.samples):
+                    self._ledger.close(g.prompt_id, PromptOutcome.FILTERED, ALL_TRUNCATED)
                 else:
-                    self.ledger.close(g.prompt_id, PromptOutcome.TRAINED, "trained")
-            self.ledger.check()
+                    self._ledger.close(g.prompt_id, PromptOutcome.TRAINED, "trained")
+            self._ledger.check()
 
     def servers_changed(self, change: ServersChanged) -> ServersApplied:
         """The fleet's one call (``ServerListener``): its servers changed at a step boundary.
@@ -260,40 +279,40 @@ class RolloutScheduler:
           ValueError: see ``ServerPool.retire``; a version that does not increase.
           TimeoutError: a retired server did not stop.
         """
-        t0 = self.clock.now()
+        t0 = self._clock.now()
         requeued, added = 0, []
         with self._changed:
             for i in change.retired:
-                self.pool.retire(i).stop(60.0)
-                self.dispatcher.poll()
-                requeued += self.dispatcher.router.retire(i)
+                self._pool.retire(i).stop(60.0)
+                self._dispatcher.poll()
+                requeued += self._dispatcher.router.retire(i)
             for server in change.added:
-                added.append(self.pool.add(server))
+                added.append(self._pool.add(server))
                 if self._thread is not None:
                     server.start()
             if change.version is not None:
                 self._publish(change.weights, change.version)
             self._changed.notify_all()
-        return ServersApplied(seconds=self.clock.now() - t0, requeued=requeued, added=tuple(added))
+        return ServersApplied(seconds=self._clock.now() - t0, requeued=requeued, added=tuple(added))
 
     def _publish(self, weights: Sequence[Any], version: int) -> None:
         """Hand ``version`` to every live server and release capacity (under the lock)."""
         for i, params in enumerate(weights):
-            if self.pool.update(i, params, version) is Submitted.DIED:
-                self.dispatcher.router.server_died(i)
-        self.dispatcher.router.publish(version)
-        self.assembler.release()
-        for prompt in self.admission.release():  # surplus prompts, fresh at this version
-            self.dispatcher.dispatch_prompt(prompt)
+            if self._pool.update(i, params, version) is Submitted.DIED:
+                self._dispatcher.router.server_died(i)
+        self._dispatcher.router.publish(version)
+        self._assembler.release()
+        for prompt in self._admission.release():  # surplus prompts, fresh at this version
+            self._dispatcher.dispatch_prompt(prompt)
 
     # ------------------------------------------------------------------ threads
 
     def start(self) -> None:
         """Start the servers and the pump thread."""
-        self.pool.start()
+        self._pool.start()
         self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
         self._thread.start()
-        self._servers_seen = self.server_stats()  # what _server_metrics counts from
+        self._servers_seen = self._server_stats()  # what _server_metrics counts from
 
     def next_batch(
         self,
@@ -312,24 +331,24 @@ class RolloutScheduler:
           TimeoutError: no batch within ``timeout_s`` (naming the counts).
           RuntimeError: the pump thread died, or every generation server died.
         """
-        t0 = self.clock.now()
-        timeout_s = self.settings.batch_timeout_s if timeout_s is None else timeout_s
+        t0 = self._clock.now()
+        timeout_s = self._settings.batch_timeout_s if timeout_s is None else timeout_s
         with self._changed:
             while True:
                 if stop is not None:
                     stop()
                 if self._error is not None:
                     raise RuntimeError(f"rollout scheduler failed: {self._error!r}")
-                batch = self.try_batch(learner_version)
+                batch = self._try_batch(learner_version)
                 if batch is not None:
-                    return dataclasses.replace(batch, wait_s=self.clock.now() - t0)
-                left = timeout_s - (self.clock.now() - t0)
+                    return dataclasses.replace(batch, wait_s=self._clock.now() - t0)
+                left = timeout_s - (self._clock.now() - t0)
                 if left <= 0:
                     raise TimeoutError(
-                        f"next_batch: {self.assembler.groups_so_far}/{self.assembler.B} groups "
-                        f"after {timeout_s}s at learner version {learner_version}: {self.stats()}"
+                        f"next_batch: {self._assembler.groups_so_far}/{self._assembler.B} groups "
+                        f"after {timeout_s}s at learner version {learner_version}: {self._stats()}"
                     )
-                self.clock.wait(self._changed, min(left, 0.5))
+                self._clock.wait(self._changed, min(left, 0.5))
 
     def close(self) -> None:
         """Stop the pump, abort every outstanding request (counted), stop the servers."""
@@ -337,15 +356,15 @@ class RolloutScheduler:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            for pid in self.dispatcher.in_flight():
-                self.dispatcher.abort_prompt(pid)
-        self.pool.stop()
+            for pid in self._dispatcher.in_flight():
+                self._dispatcher.abort_prompt(pid)
+        self._pool.stop()
 
     def _pump(self) -> None:
         try:
             while not self._stop.is_set():
-                self.inbox.wait(self.clock, 0.02)
-                self.poll()
+                self._inbox.wait(self._clock, 0.02)
+                self._poll()
         except BaseException as err:  # surfaced by next_batch
             with self._changed:
                 self._error = err
@@ -353,35 +372,42 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ books
 
-    def snapshot(self) -> BooksSnapshot:
+    def _snapshot(self) -> BooksSnapshot:
         """The books, consistent with each other, for a checkpoint."""
         with self._lock:
-            counts = {k: int(v) for k, v in sorted(self.counters.items())}
+            counts = {k: int(v) for k, v in sorted(self._all_counters().items())}
             return BooksSnapshot(
-                self.ledger.state_dict(), counts, int(self.source.cursor), self.buffer.state_dict()
+                self._ledger.state_dict(),
+                counts,
+                int(self._source.cursor),
+                self._buffer.state_dict(),
             )
 
-    def stats(self) -> dict[str, Any]:
+    def _stats(self) -> dict[str, Any]:
         """Counters plus instantaneous queue state, for metrics.jsonl."""
         with self._lock:
-            out = {k: int(v) for k, v in sorted(self.counters.items())}
+            out = {k: int(v) for k, v in sorted(self._all_counters().items())}
             out.update(
-                prompts_active=len(self.admission),
-                sched_batch_prompts=self.assembler.B,
-                sched_async_ratio=self.assembler.alpha,
-                sched_prompts_capacity=self.admission.capacity,
-                **self.dispatcher.stats(),
-                **{f"buffer_{k}": v for k, v in self.buffer.counts().items()},
-                **self.ledger.metrics(),
+                prompts_active=len(self._admission),
+                sched_batch_prompts=self._assembler.B,
+                sched_async_ratio=self._assembler.alpha,
+                sched_prompts_capacity=self._admission.capacity,
+                **self._dispatcher.stats(),
+                **{f"buffer_{k}": v for k, v in self._buffer.counts().items()},
+                **self._ledger.metrics(),
             )
             return out
 
-    def end_step(self, groups: Sequence[Group], version: int, tracker: Any) -> tuple[int, int]:
+    def end_step(
+        self, groups: Sequence[Group], version: int, tracker: Any, *, skipped: str | None = None
+    ) -> tuple[int, int]:
         """Step boundary, after the update and before the publish frees capacity.
 
-        Closes the batch's prompts (``mark_trained``), keeps the books a checkpoint of
-        this step saves (``step_books``: what is in flight was admitted under the old
-        weights) and reports the step's sections to ``tracker``
+        A skipped step (``skipped``: its reason, ``learner_batch.empty_reason``) counts
+        ``steps_skipped`` and ``steps_skipped_<reason>`` (the loop's counts live with the
+        rollout's, in its books). Closes the batch's prompts (``_mark_trained``), keeps
+        the books a checkpoint of this step saves (``step_books``: what is in flight was
+        admitted under the old weights) and reports the step's sections to ``tracker``
         (``metrics.tracker.StepTracker``): ``generation`` (the servers' ``gen*`` over
         the step at ``version``), ``rollout`` (``stats``) and ``outcomes``
         (``prompt_outcomes``: the ledger's outcome -> reason -> count, live).
@@ -390,42 +416,192 @@ class RolloutScheduler:
           (samples generated since the run began, groups pending in the buffer): the
           step controller's view of supply and queue (``control.step_control.StepReport``).
         """
-        self.mark_trained(groups)
-        self.step_books = self.snapshot()
-        tracker.report("rollout", self.stats())
-        tracker.report("outcomes", {"prompt_outcomes": self.ledger.outcomes})
+        if skipped is not None:
+            with self._lock:
+                self._counters.update(("steps_skipped", f"steps_skipped_{skipped}"))
+        self._mark_trained(groups)
+        self._step_books = self._snapshot()
+        tracker.report("rollout", self._stats())
+        tracker.report("outcomes", {"prompt_outcomes": self._ledger.outcomes})
         with self._lock:  # supply and queue, before the servers' metrics (as they were)
-            generated = int(self.counters.get("samples_generated", 0))
-            progress = generated, int(self.buffer.counts()["pending"])
+            generated = int(self._all_counters().get("samples_generated", 0))
+            progress = generated, int(self._buffer.counts()["pending"])
         tracker.report("generation", self._server_metrics(version))
         return progress
 
-    def take_timeline_spans(self) -> dict[str, Any]:
+    def _take_timeline_spans(self) -> dict[str, Any]:
         """Busy spans per server and reward-scoring spans since the last call (clock
         seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
         server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
         with self._lock:
-            spans = self.dispatcher.take_score_spans()
-            return {"gen": self.pool.take_busy_spans(), "reward": spans}
+            spans = self._dispatcher.take_score_spans()
+            return {"gen": self._pool.take_busy_spans(), "reward": spans}
 
-    def server_stats(self) -> list[dict[str, Any]]:
+    def _server_stats(self) -> list[dict[str, Any]]:
         """Each server's cumulative ``stats()`` ({} once dead)."""
-        return self.pool.stats()
+        return self._pool.stats()
 
     def _server_metrics(self, version: int) -> dict[str, Any]:
         """The servers' generation metrics since the last call (since ``start`` at the
         first): ``rollout.server_metrics.server_metrics`` of the step at ``version``."""
-        now = self.server_stats()
+        now = self._server_stats()
         before, self._servers_seen = self._servers_seen, now
         return gen_metrics.server_metrics(before, now, version)
 
-    def next_deadline(self) -> float | None:
+    def _next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline (None if
         nothing is out): the next event a discrete-event driver must ``poll`` at."""
         with self._lock:
-            return self.dispatcher.next_deadline()
+            return self._dispatcher.next_deadline()
+
+    def _first_request_at(self) -> float | None:
+        """Clock time of the first sample sent to a server (None before)."""
+        return self._dispatcher.router.first_request_at
+
+
+class Rollout(Protocol):
+    """The loop's face of the rollout (``RolloutScheduler``): the fleet sees it as a
+    ``server_pool.ServerListener`` (``servers_changed``), the step controller calls its
+    ``reconfigure``; observers read ``watch`` and ``books``."""
+
+    def start(self) -> None:
+        """Start the servers and the pump thread."""
+
+    def next_batch(
+        self,
+        learner_version: int,
+        timeout_s: float | None = None,
+        stop: Callable[[], None] | None = None,
+    ) -> Batch:
+        """The step's batch (blocks; TimeoutError after the workload's batch timeout)."""
+
+    def end_step(
+        self, groups: Sequence[Group], version: int, tracker: Any, *, skipped: str | None = None
+    ) -> tuple[int, int]:
+        """Step boundary: books closed and kept, sections reported; (generated, pending)."""
+
+    def close(self) -> None:
+        """Stop the pump, abort what is outstanding, stop the servers."""
+
+    @property
+    def watch(self) -> RolloutWatch:
+        """Counters, stats and spans for observers."""
+
+    @property
+    def books(self) -> RolloutBooksView:
+        """The prompt books."""
+
+
+class RolloutWatch:
+    """What observers read of a running rollout (each call takes the scheduler's lock).
+
+    ``stats()``: counters plus queue state (metrics.jsonl's ``rollout`` section);
+    ``counters``: every counter of the run (the checkpoint's plus each part's since; a
+    copy); ``server_stats()``: each server's cumulative ``stats()`` ({} once dead);
+    ``take_timeline_spans()``: busy spans per server and reward-scoring spans since the last
+    call (clock seconds, for ``timeline.jsonl``: {"gen": [[(t0, t1), ...] per server],
+    "reward": [(t0, t1), ...]}); ``first_request_at``: clock time of the first sample sent
+    to a server (None before).
+    """
+
+    def __init__(self, scheduler: RolloutScheduler) -> None:
+        self._s = scheduler
+
+    def stats(self) -> dict[str, Any]:
+        return self._s._stats()
+
+    @property
+    def counters(self) -> collections.Counter:
+        return self._s._all_counters()
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        return self._s._server_stats()
+
+    def take_timeline_spans(self) -> dict[str, Any]:
+        return self._s._take_timeline_spans()
 
     @property
     def first_request_at(self) -> float | None:
-        """Clock time of the first sample sent to a server (None before)."""
-        return self.dispatcher.router.first_request_at
+        return self._s._first_request_at()
+
+
+class RolloutBooksView:
+    """The rollout's prompt books, read by the step hooks and the loop.
+
+    ``step_books``: the ``BooksSnapshot`` taken at the last ``end_step`` (what a checkpoint
+    of that step saves; None before); ``outcomes``: the ledger's outcome -> reason -> count
+    (live); ``open_ids``: prompts admitted and not closed (at start: the checkpoint's in
+    flight, generated again); ``ledger_metrics()``: the ledger's prompts_* figures.
+    """
+
+    def __init__(self, scheduler: RolloutScheduler) -> None:
+        self._s = scheduler
+
+    @property
+    def step_books(self) -> BooksSnapshot | None:
+        return self._s._step_books
+
+    @property
+    def outcomes(self) -> dict[str, Any]:
+        return self._s._ledger.outcomes
+
+    @property
+    def open_ids(self) -> Any:
+        return self._s._ledger.open_ids
+
+    def ledger_metrics(self) -> dict[str, Any]:
+        with self._s._lock:
+            return self._s._ledger.metrics()
+
+
+class ThreadFree:
+    """The thread-free seam of a ``RolloutScheduler``: what a discrete-event simulator
+    (``runtime.simulate``) and the tests drive instead of the pump thread and the blocking
+    ``next_batch``. Not the loop's: the loop sees ``Rollout``.
+
+    ``poll()``: one pump step (reports, deaths, deadlines, admission), events handled;
+    ``try_batch(v)``: the batch at learner version ``v`` if complete, else None (never
+    blocks; RuntimeError when every server died and nothing is left);
+    ``mark_trained(groups)``: close a batch's prompts in the ledger (TRAINED, or FILTERED
+    "all_truncated" when no sample carried loss), their capacity returns at the next
+    version; ``next_deadline()``: clock time at which the oldest outstanding sample misses
+    its deadline (None if nothing is out); ``snapshot()``: the books under one lock;
+    ``parts``: the scheduler's parts (``ThreadFreeParts``) for tests to inspect.
+    """
+
+    def __init__(self, scheduler: RolloutScheduler) -> None:
+        self._s = scheduler
+
+    def poll(self) -> int:
+        return self._s._poll()
+
+    def try_batch(self, learner_version: int) -> Batch | None:
+        return self._s._try_batch(learner_version)
+
+    def mark_trained(self, groups: Sequence[Group]) -> None:
+        self._s._mark_trained(groups)
+
+    def next_deadline(self) -> float | None:
+        return self._s._next_deadline()
+
+    def snapshot(self) -> BooksSnapshot:
+        return self._s._snapshot()
+
+    @property
+    def parts(self) -> ThreadFreeParts:
+        s = self._s
+        return ThreadFreeParts(
+            s._dispatcher, s._ledger, s._buffer, s._pool, s._admission, s._assembler, s._inbox
+        )
+
+
+class ThreadFreeParts(NamedTuple):
+    """A scheduler's parts, each owning its state (tests read them; ``ThreadFree.parts``)."""
+
+    dispatcher: Any
+    ledger: Any
+    buffer: Any
+    pool: ServerPool
+    admission: Admission
+    assembler: BatchAssembler
+    inbox: Inbox

@@ -34,7 +34,7 @@ from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler, ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.simulate.barrier import RoundBarrier
@@ -216,11 +216,11 @@ def simulate(
     version, changed, events = 0, True, 0
     snapshots[0] = (clock.now(), [s.stats() for s in servers])
     while version < config.steps:
-        if sched.poll():
+        if ThreadFree(sched).poll():
             changed = True
         if learner.idle and changed:
             changed = False
-            batch = sched.try_batch(version)
+            batch = ThreadFree(sched).try_batch(version)
             if batch is not None:
                 record = _record(batch, version, clock.now(), gen_log, workload)
                 records.append(record)
@@ -236,7 +236,7 @@ def simulate(
         due = [t for t in (learner.due(), scorer.next_due(), *server_due) if t is not None]
         if not due:
             raise RuntimeError(
-                f"simulation stuck at version {version}, t={clock.now():.3f}: {sched.stats()}"
+                f"simulation stuck at version {version}, t={clock.now():.3f}: {sched.watch.stats()}"
             )
         now = clock.advance_to(max(clock.now(), min(due)))
         events += 1
@@ -244,7 +244,7 @@ def simulate(
             raise RuntimeError(f"simulation exceeded {max_events} events at version {version}")
         phase = learner.advance()
         if phase == "train":
-            sched.mark_trained(training)
+            ThreadFree(sched).mark_trained(training)
             snapshots[version + 1] = (now, [s.stats() for s in servers])
             sync_s = learner.due() - now
             if sync_s > 0 and (colocated or costs.sync.stalls_generation):

@@ -33,7 +33,7 @@ from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.scheduler import RolloutScheduler
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler, ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.runtime.workloads.agentic import EnvGroupSource
@@ -255,28 +255,30 @@ def run_steps(
     out: list[StepRun] = []
     version, training, train_done, events = 0, None, None, 0
     while version < steps:
-        sched.poll()
+        ThreadFree(sched).poll()
         if training is None:
-            batch = sched.try_batch(version)
+            batch = ThreadFree(sched).try_batch(version)
             if batch is not None:
                 out.append(StepRun(version, batch, clock.now()))
                 training, train_done = batch, clock.now() + train_s
                 continue
         elif clock.now() >= train_done:
-            sched.mark_trained(training.groups)
+            ThreadFree(sched).mark_trained(training.groups)
             version += 1
             sched.servers_changed(ServersChanged(version=version, weights=[None] * len(servers)))
             training = train_done = None
             continue
-        if not sched.dispatcher.inbox.empty():
+        if not ThreadFree(sched).parts.dispatcher.inbox.empty():
             continue
         due = [s.next_due() for s in servers] + [env_time.next_due(), train_done]
-        deadline = sched.next_deadline()
+        deadline = ThreadFree(sched).next_deadline()
         if deadline is not None:
             due.append(deadline + 1e-9)  # deadlines fire strictly after their time
         due = [t for t in due if t is not None]
         if not due:
-            raise RuntimeError(f"episode simulation stuck at version {version}: {sched.stats()}")
+            raise RuntimeError(
+                f"episode simulation stuck at version {version}: {sched.watch.stats()}"
+            )
         events += 1
         if events > max_events:
             raise RuntimeError(f"episode simulation exceeded {max_events} events")

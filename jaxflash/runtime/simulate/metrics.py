@@ -97,7 +97,7 @@ def summarize(
     """Builds the SimResult of a finished ``driver.simulate`` run."""
     w = config.warmup_steps
     measured = records[w:]
-    start = records[w - 1].train_end if w else (sched.first_request_at or 0.0)
+    start = records[w - 1].train_end if w else (sched.watch.first_request_at or 0.0)
     end = records[-1].train_end
     window = max(end - start, 1e-12)
     t0, s0 = snapshots[w]
@@ -132,6 +132,6 @@ def summarize(
         ),
         replayed_samples=sum(r.replayed for r in measured),
         outcomes={k: dict(v) for k, v in ledger.outcomes.items()},
-        counters={k: int(v) for k, v in sorted(sched.counters.items())},
+        counters={k: int(v) for k, v in sorted(sched.watch.counters.items())},
         trace=tuple((r.taken_at, r.train_end, r.sync_end, tuple(r.groups)) for r in records),
     )

@@ -185,7 +185,6 @@ def learner_update(
     batch: Any,
     *,
     learner_version: int,
-    count: Callable[..., None],
 ) -> dict[str, Any]:
     """Train on ``train_batch``, or skip a step with nothing to train.
 
@@ -194,17 +193,15 @@ def learner_update(
       train_batch: the step's batch (None: nothing carries loss).
       batch: the rollout's ``Batch`` (its groups and dropped groups name the reason).
       learner_version: the version the step trains at.
-      count: adds 1 to each named counter (``RolloutScheduler.count``): a skipped step
-        counts ``steps_skipped`` and ``steps_skipped_<reason>``.
 
     Returns:
       The ``learner`` section: the update's ``learner_metrics``, or {"skipped": reason}
-      (``empty_reason``; the version advances, the weights do not).
+      (``empty_reason``; the version advances, the weights do not; the rollout counts it,
+      ``RolloutScheduler.end_step(..., skipped=reason)``).
     """
     if train_batch is not None:
         return learner_metrics(learner.train(train_batch))
     skipped = empty_reason(batch.groups, batch.dropped)
-    count("steps_skipped", f"steps_skipped_{skipped}")
     log.warning("step %d has nothing to train (%s): skipped", learner_version + 1, skipped)
     learner.skip()
     return {"skipped": skipped}
