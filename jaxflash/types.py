@@ -68,6 +68,21 @@ class RunStoppedError(RuntimeError):
     to check); the launcher prints it in one line."""
 
 
+class NothingTrainedError(RuntimeError):
+    """A run that reached its last step without one update: every step was skipped with
+    nothing to train (e.g. a reward that raises on every sample), so the weights are the
+    ones it started with. The launcher prints the message in one line and exits with
+    status 3 (docs/RUNNING.md), so a wrapper script does not take it for a success.
+
+    Attributes:
+      record: the run's last metrics row (what ``runtime.loop.run`` would have returned).
+    """
+
+    def __init__(self, message: str, record: dict[str, Any]):
+        super().__init__(message)
+        self.record = record
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How tokens are drawn; the learner rescores under the same distribution.

@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
     from jaxflash.runtime.config.specs import ConfigError
     from jaxflash.runtime.console import Console
     from jaxflash.sharding.distributed import initialize_from_env
-    from jaxflash.types import RunStoppedError
+    from jaxflash.types import NothingTrainedError, RunStoppedError
 
     console = Console(sys.stdout, every_s=_PROGRESS.value)
     try:
@@ -249,6 +249,9 @@ def main(argv: list[str]) -> None:
     except RunStoppedError as err:  # e.g. every prompt failing step after step
         print(f"run stopped: {err}", file=sys.stderr)
         sys.exit(1)
+    except NothingTrainedError as err:  # finished, but no update: not a success
+        print(f"nothing trained: {err}", file=sys.stderr)
+        sys.exit(3)
     except KeyboardInterrupt:
         from jaxflash.runtime.interrupt import interrupted_message
 

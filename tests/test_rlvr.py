@@ -30,6 +30,7 @@ from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.interrupt import interrupted_message
+from jaxflash.types import NothingTrainedError
 from tests.report_fixtures import check_report_pngs
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
@@ -223,7 +224,10 @@ def test_all_truncated_batches_are_skipped_and_the_run_goes_on(tmp_path, placeme
     c.data.eval_size = 0
     c.rollout.truncation = "mask"
     c.rollout.async_ratio = 0 if placement == "colocated" else 1
-    last = rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    # Every step skipped: the run reaches its last step but trained nothing (exit 3).
+    with pytest.raises(NothingTrainedError, match=r"'all_truncated': 2") as stopped:
+        rlvr.run(ExperimentConfig.from_config_dict(c), workdir=str(tmp_path))
+    last = stopped.value.record
     metrics = _rows(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

@@ -17,7 +17,7 @@ from jaxflash.data.epochs import EpochShuffledRows
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.loop import run
-from jaxflash.types import RunStoppedError
+from jaxflash.types import NothingTrainedError, RunStoppedError
 
 
 def _rows(tmp_path):
@@ -110,6 +110,24 @@ def test_a_run_whose_every_prompt_keeps_failing_stops(tmp_path):
         run(exp, workdir=str(workdir))
     steps = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
     assert [(r["step"], r["skipped"]) for r in steps] == [(k, "all_failed") for k in (1, 2, 3)]
+
+
+@pytest.mark.timeout(600)
+def test_a_run_that_trained_no_step_says_so_and_fails(tmp_path, caplog):
+    # Issue 31's trial: a reward that always raises skipped the one step (all_failed),
+    # the evaluations' failures got no warning, and the run said "finished 1/1 steps"
+    # and exited 0 with nothing trained (the launcher now exits 3).
+    path = tmp_path / "raise.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": "raise"}) for i in range(20)]
+    path.write_text("\n".join(rows) + "\n")
+    exp = _config(tmp_path, total_steps=1, **{"rollout.prompts_per_step": 2, "data.eval_size": 2})
+    exp = dataclasses.replace(exp, data=dataclasses.replace(exp.data, path=str(path)))
+    with pytest.raises(NothingTrainedError, match=r"all 1 steps were skipped .*'all_failed': 1"):
+        run(exp, workdir=str(tmp_path / "run"))
+    for step in (0, 1):  # before training and at the last step: said, by reason (2 samples each)
+        assert re.search(
+            rf"evaluation at step {step}: 2 of 2 prompts failed .*'reward_error': 4", caplog.text
+        ), caplog.text
 
 
 @pytest.mark.slow

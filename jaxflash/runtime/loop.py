@@ -32,12 +32,19 @@ from jaxflash.runtime.fleet.learner_links import LeaderLinks
 from jaxflash.runtime.fleet.learner_setup import start_learner
 from jaxflash.runtime.fleet.placement import carve
 from jaxflash.runtime.interrupt import DeferredInterrupt, Interrupted, Preempted
-from jaxflash.runtime.resume import finished_line, finished_run, resumed_note, stopped_note
+from jaxflash.runtime.resume import (
+    finished_line,
+    finished_run,
+    nothing_trained,
+    resumed_note,
+    stopped_note,
+)
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.scheduler_setup import make_scheduler
 from jaxflash.runtime.workloads.evaluation import HeldOutEval
 from jaxflash.runtime.workloads.learner_batch import learner_update, report_batch
 from jaxflash.runtime.workloads.workload import make_workload
+from jaxflash.types import NothingTrainedError
 
 
 def run(
@@ -50,7 +57,8 @@ def run(
     run: its last row). ``server_factory`` builds each thread server (tests inject faults);
     ``stop_after(metrics)`` True ends the run after that step, saved like a last one.
     Raises: ConfigError (found before the model loads), TimeoutError (no batch in time),
-      RuntimeError (every server died), FloatingPointError (non-finite loss, grad or entropy)."""
+      RuntimeError (every server died), FloatingPointError (non-finite loss, grad or entropy),
+      NothingTrainedError (the run reached its last step with every step skipped)."""
     clock, console = clock or RealClock(), console or Console(None)
     check_replay_learner(exp.replay, exp.controller, multi_process=learner_links is not None)
     t_run = clock.now()
@@ -85,6 +93,8 @@ def run(
         loop.close()
     if not (hooks.preempted or learner.sigterm):
         console.line(finished_line(loop.version, exp.total_steps, hooks.elapsed(), workdir))
+        if why := nothing_trained(hooks.record, loop.version):  # not a success: exit 3
+            raise NothingTrainedError(why, hooks.record)
     return hooks.record
 
 

@@ -202,6 +202,28 @@ def finished_line(version: int, total_steps: int, elapsed: str, workdir: str) ->
     )
 
 
+def nothing_trained(record: dict[str, Any], version: int) -> str:
+    """Why a run that reached step ``version`` trained nothing ("" when it trained): every
+    step was skipped (``steps_skipped``, which a resume carries on, equals the steps run).
+
+    Args:
+      record: the run's last metrics row (its counters ``steps_skipped``,
+        ``steps_skipped_<reason>`` and ``prompt_outcomes``).
+    """
+    skipped = int(record.get("steps_skipped", 0) or 0)
+    if version <= 0 or skipped < version:
+        return ""
+    prefix = "steps_skipped_"
+    why = {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix) and v}
+    failed = (record.get("prompt_outcomes") or {}).get("failed") or {}
+    failures = f"; failed prompts by reason: {failed}" if failed else ""
+    return (
+        f"all {version} steps were skipped with nothing to train (by reason: {why}{failures}): "
+        "the weights are the ones the run started with; check reward.fn and the data "
+        "(rollouts.jsonl names each sample's failure)"
+    )
+
+
 def last_metrics(workdir: str) -> dict[str, Any]:
     """The last row of ``<workdir>/metrics.jsonl`` ({} if none)."""
     path = os.path.join(workdir, "metrics.jsonl")

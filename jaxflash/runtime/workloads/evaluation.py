@@ -8,6 +8,7 @@ with console progress.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -128,6 +129,7 @@ def evaluate(
     """
     requests = []
     failed = 0
+    reasons: collections.Counter[str] = collections.Counter()  # failed samples, by reason
     for p in prompts:
         reqs = [
             GenerationRequest(
@@ -143,6 +145,7 @@ def evaluate(
             generate.check(reqs[0])
         except ValueError:
             failed += 1
+            reasons["prompt_too_long"] += samples_per_prompt  # or other sampling: refused
             continue
         requests.extend(reqs)
     answers = {p.prompt_id: p.answer for p in prompts}
@@ -168,9 +171,16 @@ def evaluate(
         s, failure = scored_sample(s, fut.result(), _NO_TRUNCATION_PENALTY)
         if failure is not None:
             errored.add(s.prompt_id)
+            reasons[str(failure)] += 1
         per_prompt.setdefault(s.prompt_id, []).append(correctness(s))
     means = np.array([np.mean(v) for k, v in per_prompt.items() if k not in errored])
     n = len(means)
+    if reasons:  # a reward that raises fails evaluation too: said, not only counted
+        log.warning(
+            "evaluation at step %d: %d of %d prompts failed and are left out of "
+            "eval_accuracy (failed samples by reason: %s)",
+            policy_version, failed + len(errored), len(prompts), dict(sorted(reasons.items())),
+        )  # fmt: skip
     return {
         "eval_accuracy": float(means.mean()) if n else float("nan"),
         "eval_accuracy_stderr": float(means.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
