@@ -39,7 +39,8 @@ from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.scheduler import RolloutScheduler
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
-from jaxflash.runtime.workloads.task_workload import TaskWorkload
+from jaxflash.runtime.rollout.dispatch import prompt_dispatch
+import jaxflash.runtime.workloads.task_workload
 from jaxflash.types import SamplingParams
 
 def envs():
@@ -49,8 +50,7 @@ books = RolloutBooks(source=None, ledger=PromptLedger(), buffer=GroupBuffer(2))
 settings = RolloutSettings(
     batch_prompts=1, group_size=2, async_ratio=0, sampling=SamplingParams(), seed=0
 )
-workload = types.SimpleNamespace(tokenizer=None)  # what TaskWorkload.dispatch reads
-dispatch = TaskWorkload.dispatch(workload, reward_pool=object())
+dispatch = prompt_dispatch(object(), None)  # what TaskWorkload.rollout builds
 RolloutScheduler([object()], Inbox(), books, settings, dispatch)
 rlvr = envs()
 import jaxflash.runtime.rollout.episode_dispatch  # the agentic side does load them
