@@ -218,7 +218,7 @@ def main(argv: list[str]) -> None:
 
     console = Console(sys.stdout, every_s=_PROGRESS.value)
     try:
-        announce = "starting: importing JAX, JetStream and the verifiers ..."
+        announce = "starting: importing JAX, Orbax and the verifiers ..."  # never JetStream
         with console.phase("starting", announce=announce):
             try:  # join this host's JAX program (a TPU slice, or JAX_COORDINATOR_ADDRESS)
                 initialize_from_env()

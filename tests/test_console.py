@@ -240,6 +240,7 @@ def test_launcher_says_a_bad_override_in_one_line(tmp_path, override, message):
     assert proc.stderr.startswith(message), proc.stderr
     assert proc.stderr.count("\n") == 1  # one line, no traceback
     assert not (tmp_path / "w").exists()
+    assert "JetStream" not in proc.stdout  # the RL runtime never imports it (issue 31)
 
 
 def test_launcher_refuses_a_missing_config_file_and_a_file_as_workdir_in_one_line(tmp_path):

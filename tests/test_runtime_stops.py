@@ -19,9 +19,11 @@ tokenizer's (as real checkpoints pad to a multiple of 64 or 128), the run must
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,7 @@ from jaxflash.models.config.presets import get_preset
 from jaxflash.models.decoder.transformer import init_params
 from jaxflash.models.formats.weights_hf import save_hf
 from jaxflash.models.text.tokenizer import Tokenizer
-from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.loop import run
 from tests.chat_fixtures import build_checkpoint
@@ -108,6 +110,10 @@ def test_stop_set_reward_and_rerun_end_to_end(tmp_path):
     assert "2 '<|im_end|>' <- " in console
     assert f"prompt length limit {limit} tokens" in console
     assert "step 1/1 | elapsed" in console and "finished 1/1 steps" in console
+    # The finish line's TensorBoard is the venv's (issue 31: a bare `tensorboard` is not
+    # on the PATH of a venv that is not activated).
+    venv_tensorboard = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "tensorboard"))
+    assert f"; {venv_tensorboard} --logdir {workdir}/tensorboard" in console
 
     # Run again: finished, so nothing is loaded, written or appended.
     before = {p: os.path.getsize(workdir / p) for p in ("metrics.jsonl", "rollouts.jsonl")}
@@ -119,6 +125,11 @@ def test_stop_set_reward_and_rerun_end_to_end(tmp_path):
     assert "--config.total_steps=<more than 1>" in again.getvalue()
     assert {p: os.path.getsize(workdir / p) for p in before} == before
     assert sorted(os.listdir(workdir / "tensorboard")) == events
+    # Another config's model in this finished workdir: refused for the model at once, not
+    # told "finished ... --config.total_steps=<more>", advice the model check then refused.
+    other = dataclasses.replace(exp, model=dataclasses.replace(exp.model, source="random", path=""))
+    with pytest.raises(ConfigError, match=r"finished run of another model .*'model.source'"):
+        run(other, workdir=str(workdir), console=Console(io.StringIO()))
 
 
 def test_weights_the_importer_refuses_are_a_config_error_naming_model_path(tmp_path):

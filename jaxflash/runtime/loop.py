@@ -62,7 +62,7 @@ def run(
     clock, console = clock or RealClock(), console or Console(None)
     check_replay_learner(exp.replay, exp.controller, multi_process=learner_links is not None)
     t_run = clock.now()
-    if (finished := finished_run(workdir, exp.total_steps, console)) is not None:
+    if (finished := finished_run(workdir, exp.total_steps, console, exp.model)) is not None:
         return finished  # nothing to do: said instead of resuming silently
     loop = RLLoop(exp, workdir, clock, console, learner_links, server_factory, t_run=t_run)
     exp, learner, interrupt = loop.exp, loop.learner, loop.interrupt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from jax.sharding import Mesh
@@ -18,7 +19,7 @@ from jaxflash.learner.state import (
 )
 from jaxflash.metrics.writer import truncate_jsonl
 from jaxflash.models.config.model_config import ModelConfig
-from jaxflash.runtime.config.experiment import ExperimentConfig
+from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.sharding.rules import LEARNER_RULES
 
 log = logging.getLogger(__name__)
@@ -150,14 +151,51 @@ def finished_step(workdir: str, total_steps: int) -> int | None:
     return step if step is not None and step >= total_steps else None
 
 
-def finished_run(workdir: str, total_steps: int, console: Any) -> dict[str, Any] | None:
+def finished_run(
+    workdir: str, total_steps: int, console: Any, model: Any = None
+) -> dict[str, Any] | None:
     """A run already finished in ``workdir``: said on ``console``, its last metrics row
-    returned (nothing is resumed); None: a fresh start or a resume."""
+    returned (nothing is resumed); None: a fresh start or a resume.
+
+    Args:
+      model: the launch's ``ModelSpec``: a finished run of another model is refused here
+        (``check_finished_model``), before "finished" advises ``--config.total_steps``
+        that the model check after the load would then refuse.
+
+    Raises:
+      ConfigError: ``workdir`` holds a finished run of another model.
+    """
     step = finished_step(workdir, total_steps)
     if step is None:
         return None
+    if model is not None:
+        check_finished_model(workdir, model)
     console.line(finished_note(workdir, step, total_steps))
     return last_metrics(workdir)
+
+
+def check_finished_model(workdir: str, model: Any) -> None:
+    """Refuses a launch whose weights are not the ones ``workdir``'s run was trained
+    from (``run_config.json``'s ``model``: ``source``, and ``preset`` or ``path``), read
+    without loading them; a workdir without the file passes.
+
+    Raises:
+      ConfigError: they differ (naming the fields, saved vs now).
+    """
+    try:
+        with open(os.path.join(workdir, "run_config.json"), encoding="utf-8") as f:
+            saved = json.load(f)["experiment"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    keys = ("source", "preset") if model.source == "random" else ("source", "path")
+    diff = {f"model.{k}": (saved.get(k), getattr(model, k)) for k in keys}
+    diff = {k: v for k, v in diff.items() if v[0] != v[1]}
+    if diff:
+        raise ConfigError(
+            f"workdir {workdir} holds a finished run of another model (field: saved vs "
+            f"now) {diff}; pass its model.* settings to train it further, or use a new "
+            "--workdir"
+        )
 
 
 def finished_note(workdir: str, step: int, total_steps: int) -> str:
@@ -195,11 +233,22 @@ def stopped_note(version: int, workdir: str, *, preempted: bool) -> str:
 
 
 def finished_line(version: int, total_steps: int, elapsed: str, workdir: str) -> str:
-    """The console's last line of a run that reached its last step."""
+    """The console's last line of a run that reached its last step (its TensorBoard
+    command names the venv's ``tensorboard``, beside this Python: a bare ``tensorboard``
+    is not on the PATH of a venv that is not activated)."""
     return (
         f"finished {version}/{total_steps} steps in {elapsed}: {workdir}/metrics.jsonl, "
-        f"rollouts.jsonl; tensorboard --logdir {workdir}/tensorboard"
+        f"rollouts.jsonl; {venv_tool('tensorboard')} --logdir {workdir}/tensorboard"
     )
+
+
+def venv_tool(name: str) -> str:
+    """The command of script ``name`` of this Python's environment (``sys.executable``'s
+    bin directory, unresolved so a venv stays a venv): relative to the working directory
+    when under it (``.venv/bin/tensorboard``), else absolute."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else path
 
 
 def nothing_trained(record: dict[str, Any], version: int) -> str:
