@@ -176,6 +176,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every = 5  # learner steps between evaluations (and at step 0)
     c.eval.temperature = 1.0  # must equal rollout.temperature (one compiled distribution)
     c.eval.samples_per_prompt = 1  # accuracy is mean@n over the held-out prompts
+    c.eval.at_start = True  # False: no evaluation at step 0 (before training); at the others
 
     # A checkpoint is the whole TrainState: float32 params + Adam's two moments, 12 bytes a
     # parameter (1.6 GB for SmolLM2-135M). The last step and a SIGTERM are always saved;

@@ -130,6 +130,25 @@ def test_a_run_that_trained_no_step_says_so_and_fails(tmp_path, caplog):
         ), caplog.text
 
 
+@pytest.mark.timeout(600)
+def test_eval_at_start_false_skips_the_evaluation_before_training(tmp_path):
+    # Issue 31: eval.every=0 is refused, and the step-0 evaluation (4.5 min on HumanEval)
+    # had no documented way out.
+    path = tmp_path / "sums.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(20)]
+    path.write_text("\n".join(rows) + "\n")
+    overrides = {"rollout.prompts_per_step": 2, "data.eval_size": 2, "reward.fn": "math"}
+    exp = _config(tmp_path, total_steps=1, **overrides)
+    exp = dataclasses.replace(
+        exp, data=dataclasses.replace(exp.data, path=str(path)),
+        eval=dataclasses.replace(exp.eval, at_start=False),
+    )  # fmt: skip
+    workdir = tmp_path / "run"
+    run(exp, workdir=str(workdir))
+    rows = [json.loads(x) for x in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1] and rows[0]["eval_prompts"] == 2  # the last step's
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_keeps_counters_and_cursor(tmp_path):

@@ -72,7 +72,7 @@ def run(
         learner=learner, control=loop.control, rollout=loop.scheduler.books, interrupt=interrupt,
         elapsed=lambda: duration(loop.times.elapsed_s()), wall=loop.times.wall_state)  # fmt: skip
     try:
-        if loop.version == 0 and loop.workload.held_out.size:
+        if loop.version == 0 and loop.workload.held_out.size and exp.eval.at_start:
             hooks.before_training()  # step 0: SIGTERM stops it, unscored
         for info in loop.steps():
             stopping = stop_after is not None and bool(stop_after(info.record))

@@ -378,12 +378,20 @@ class RewardSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSpec:
+    """Held-out evaluation: every ``every`` steps and at the last; at step 0 (before any
+    update) too unless ``at_start`` is False. No evaluation at all: ``data.eval_size=0``."""
+
     every: int = 5
     temperature: float = 1.0
     samples_per_prompt: int = 1
+    at_start: bool = True
 
     def __post_init__(self) -> None:
-        check(self.every >= 1, f"eval.every must be >= 1, got {self.every}")
+        check(
+            self.every >= 1,
+            f"eval.every must be >= 1, got {self.every} (eval.at_start=False skips the "
+            "evaluation before training; data.eval_size=0 turns evaluation off)",
+        )
         check(
             self.samples_per_prompt >= 1,
             f"eval.samples_per_prompt must be >= 1, got {self.samples_per_prompt}",
