@@ -200,7 +200,7 @@ class RLLoop:
             batch.groups, version, tracker, skipped=learned.get("skipped")
         )
         # 7. Publish: the fleet puts the new version on every server (they keep decoding).
-        with times.publishing():
+        with times.publishing(), console.phase(f"{label}: publishing the weights"):
             self.version = version = self.learner.step
             sync = self.fleet.publish(self.learner, version)
         self.writer.write_timeline(times.timeline(version))

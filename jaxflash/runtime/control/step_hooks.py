@@ -132,4 +132,7 @@ class RunHooks:
     def _save(self, version: int) -> None:
         books = self._rollout.step_books
         state = self._control.checkpoint_state()
-        self._learner.save(checkpoint_meta(version, books, *state, wall=self._wall()))
+        # A phase of its own: a real model's save takes minutes, and its progress line
+        # says so rather than a bare "step 1/20 (1 min 51 s)".
+        with self._console.phase(f"step {version}/{self._total}: saving the checkpoint"):
+            self._learner.save(checkpoint_meta(version, books, *state, wall=self._wall()))
