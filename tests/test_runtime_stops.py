@@ -112,7 +112,9 @@ def test_stop_set_reward_and_rerun_end_to_end(tmp_path):
     assert "step 1/1 | elapsed" in console and "finished 1/1 steps" in console
     # The finish line's TensorBoard is the venv's (issue 31: a bare `tensorboard` is not
     # on the PATH of a venv that is not activated).
-    venv_tensorboard = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "tensorboard"))
+    venv_tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
+    if not os.path.relpath(venv_tensorboard).startswith(".."):  # under the working directory
+        venv_tensorboard = os.path.relpath(venv_tensorboard)
     assert f"; {venv_tensorboard} --logdir {workdir}/tensorboard" in console
 
     # Run again: finished, so nothing is loaded, written or appended.

@@ -127,3 +127,32 @@ def test_a_run_whose_prompts_cannot_fit_stops_before_the_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="limit of 32 tokens"):
         run(exp, workdir=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
+
+
+def test_a_derived_limit_is_capped_at_the_models_context_and_the_longer_rows_named(
+    tmp_path, caplog
+):
+    # Issue 31's trial: one 9,035-token row derived a limit of 16384, and the run was
+    # refused for the model's context of 8192, naming fields the user never set.
+    path = _file(tmp_path, [90, 100, 9032])
+    exp = _exp(data__task="file", data__path=path, data__prompt_key="question",
+               data__answer_marker="####", data__eval_size=0)  # fmt: skip
+    task = build_task(exp.data, seed=exp.seed)
+    where: list[str] = []
+    lengths, every_row = measure_prompts(task, WordTokenizer(), where=where)
+    assert len(where) == len(lengths) == 3
+    room = 8192 - exp.rollout.sampling.max_new_tokens
+    derived, info = prompt_lengths(exp, lengths, every_row, context=8192, where=where)
+    assert derived.data.max_prompt_tokens == derived.rollout.max_prefill_length == room
+    assert (info.limit, info.capped, info.context, info.too_long) == (room, 16384, 8192, 1)
+    assert len(info.longer_rows) == 1 and info.longer_rows[0].endswith("train.jsonl:3")
+    assert "capped from 16384 at the model's context (max_seq_len 8192" in info.describe()
+    assert "1 of 3 prompts measured are longer" in caplog.text and "train.jsonl:3" in caplog.text
+    # A random-init model's context is sized to the limit: not capped, and said.
+    derived, info = prompt_lengths(exp, lengths, every_row, context=None, where=where)
+    assert (info.limit, info.capped) == (16384, 0)
+    assert "random-init model's context is sized to it" in info.describe()
+    # A limit the user set is kept as today (the model check after the load has the say).
+    exp = _exp(data__task="file", data__path=path, data__max_prompt_tokens=12000)
+    kept, info = prompt_lengths(exp, lengths, every_row, context=8192, where=where)
+    assert (info.limit, info.capped, info.too_long) == (12000, 0, 0)

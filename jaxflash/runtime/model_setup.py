@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from jaxflash.models.config.model_config import ModelConfig, reconcile_vocab
 from jaxflash.models.config.presets import get_preset
+from jaxflash.models.formats.hf_config import config_from_hf_dict
 from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
 from jaxflash.models.formats.weights_hf import load_hf
 from jaxflash.models.text.tokenizer import Tokenizer
@@ -44,6 +45,29 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
             template_kwargs=spec.chat_template_kwargs,
         )
     return tokenizer
+
+
+def model_context(spec: ModelSpec) -> int | None:
+    """The model's context (``max_seq_len``) from its files' header, without its weights:
+    the GGUF's ``<arch>.context_length``, config.json's (``config_from_hf_dict``).
+
+    Returns:
+      None for a random-init model (its context is sized to the run's limits in
+      ``load_model``) or when the header cannot be read (``load_model`` then says why).
+    """
+    try:
+        if spec.source == "gguf":
+            import gguf  # noqa: PLC0415  (the GGUF reader maps the file; no tensor is read)
+
+            fields = gguf.GGUFReader(spec.path or smollm2_gguf_path()).fields
+            arch = fields["general.architecture"].contents()
+            return int(fields[f"{arch}.context_length"].contents())
+        if spec.source == "hf":
+            with open(os.path.join(spec.path, "config.json"), encoding="utf-8") as f:
+                return int(config_from_hf_dict(json.load(f)).max_seq_len)
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+    return None
 
 
 def describe_source(spec: ModelSpec) -> str:
@@ -88,7 +112,9 @@ def load_model(
         raise ConfigError(
             f"rollout.max_prefill_length={rollout.max_prefill_length} + "
             f"rollout.max_new_tokens={rollout.sampling.max_new_tokens} = {need_len} exceeds "
-            f"the model's max_seq_len={config.max_seq_len}"
+            f"the model's max_seq_len={config.max_seq_len}: lower rollout.max_new_tokens, "
+            "or set data.max_prompt_tokens (the prompt limit: longer rows fail as "
+            "prompt_too_long; the start-up warning names them)"
         )
     return config, params
 

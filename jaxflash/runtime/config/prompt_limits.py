@@ -7,9 +7,17 @@ measured (``runtime.workloads.task_setup.measure_prompts``):
   prefill buckets are powers of two, so this costs no extra compile), with 25 %
   head-room first for a procedural task, whose later rows were not measured.
 
+A derived limit never asks more of the model than its context: capped at
+``max_seq_len - rollout.max_new_tokens`` (``context``, read from the model's files
+before its weights load), so one over-long row fails as ``prompt_too_long`` instead of
+stopping the run (a 9,035-token row once derived 16384 and the run was refused for a
+context of 8192, naming fields the user never set). A random-init model's context is
+itself sized to the limit (``model_setup.load_model``): nothing to cap, and the
+start-up line says so.
+
 A limit the user set is checked against the same measurement: if every prompt
 measured is longer, the run stops with an error naming both fields; if some
-are, it says how many will fail as ``prompt_too_long``.
+are, it says how many will fail as ``prompt_too_long`` (and which rows, when known).
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ class PromptLengths:
       shortest, longest: their lengths (0 when none rendered).
       limit: ``data.max_prompt_tokens`` in force; derived: whether it was derived here.
       too_long: measured prompts longer than ``limit``.
+      context: the model's ``max_seq_len`` the derived limit was capped by (0: not
+        known before the load: a random-init model, whose context is sized to fit).
+      capped: the derived limit before the cap (0: not capped).
+      longer_rows: where the first prompts longer than ``limit`` are ("file:line").
     """
 
     measured: int
@@ -45,25 +57,43 @@ class PromptLengths:
     limit: int
     derived: bool
     too_long: int
+    context: int = 0
+    capped: int = 0
+    longer_rows: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One console line."""
         rows = "every row" if self.every_row else f"{self.measured} rows"
         how = "derived from" if self.derived else "checked against"
-        return (
+        line = (
             f"prompt length limit {self.limit} tokens (data.max_prompt_tokens, {how} "
             f"{rows}: {self.shortest}-{self.longest} tokens)"
         )
+        if self.capped:
+            line += (
+                f", capped from {self.capped} at the model's context (max_seq_len "
+                f"{self.context} - rollout.max_new_tokens): {self.too_long} longer "
+                + ("prompt fails" if self.too_long == 1 else "prompts fail")
+                + " as prompt_too_long"
+            )
+        elif self.derived and not self.context:
+            line += "; the random-init model's context is sized to it + rollout.max_new_tokens"
+        return line
 
 
 def prompt_lengths(
-    exp: ExperimentConfig, lengths: list[int], every_row: bool, failures: Sequence[str] = ()
-) -> tuple[ExperimentConfig, PromptLengths]:
+    exp: ExperimentConfig, lengths: list[int], every_row: bool, failures: Sequence[str] = (),
+    *, context: int | None = None, where: Sequence[str] = (),
+) -> tuple[ExperimentConfig, PromptLengths]:  # fmt: skip
     """The experiment with its prompt limits set (derived where 0), and what was measured.
 
     Args:
       failures: why rows could not be rendered (``measure_prompts``): the first is
         quoted when no row could be.
+      context: the model's ``max_seq_len`` (``model_setup.model_context``); a derived
+        limit is capped at ``context - rollout.max_new_tokens``. None: not known
+        before the load (a random-init model, sized to the limit).
+      where: each measured prompt's row ("file:line"), parallel to ``lengths``.
 
     Raises:
       ConfigError: no prompt could be rendered (every row malformed), or
@@ -76,10 +106,15 @@ def prompt_lengths(
     if not lengths:  # every row malformed: nothing could ever be trained
         first = f"; {len(failures)} rows failed, the first: {failures[0]}" if failures else ""
         raise ConfigError(f"data.task={d.task!r}: no prompt could be rendered from the data{first}")
+    capped = 0
     if derived:
         want = max(lengths) * (1.0 if every_row else PROCEDURAL_HEADROOM)
         limit = max(MIN_PROMPT_TOKENS, 1 << (math.ceil(want) - 1).bit_length())
+        room = (context or 0) - r.sampling.max_new_tokens  # what the model's context allows
+        if context and limit > room >= 1:  # one outlier row must not stop the run
+            capped, limit = limit, room
     too_long = sum(n > limit for n in lengths)
+    longer = [w for n, w in zip(lengths, where, strict=True) if n > limit] if where else []
     info = PromptLengths(
         measured=len(lengths),
         every_row=every_row,
@@ -88,23 +123,36 @@ def prompt_lengths(
         limit=limit,
         derived=derived,
         too_long=too_long,
+        context=int(context or 0) if derived else 0,
+        capped=capped,
+        longer_rows=tuple(longer[:5]),
     )
+    rows = f" (rows {', '.join(info.longer_rows)}{', ...' if len(longer) > 5 else ''})"
+    rows = rows if longer else ""
     if lengths and too_long == len(lengths):
         raise ConfigError(
             f"every prompt of data.task={d.task!r} measured ({info.measured} prompts of "
             f"{info.shortest}-{info.longest} tokens with the chat template) is longer than "
             f"the limit of {limit} tokens (data.max_prompt_tokens={d.max_prompt_tokens}, "
-            f"rollout.max_prefill_length={r.max_prefill_length}; 0 follows the other): "
-            f"raise both to at least {info.longest}, or set both to 0 to derive them from "
-            "the data"
+            f"rollout.max_prefill_length={r.max_prefill_length}; 0 follows the other"
+            + (
+                f"; derived, then capped at the model's context {context} - "
+                f"rollout.max_new_tokens={r.sampling.max_new_tokens}"
+                if capped
+                else ""
+            )
+            + f"){rows}: raise both to at least {info.longest}, or set both to 0 to derive "
+            "them from the data"
         )
     if too_long:
         log.warning(
-            "%d of %d prompts measured are longer than data.max_prompt_tokens=%d and will "
-            "fail as prompt_too_long (longest %d tokens)",
+            "%d of %d prompts measured are longer than data.max_prompt_tokens=%d%s and will "
+            "fail as prompt_too_long (longest %d tokens)%s",
             too_long,
             len(lengths),
             limit,
+            " (derived, capped at the model's context)" if capped else "",
             info.longest,
+            rows,
         )
     return exp.with_prompt_lengths(limit), info

@@ -56,11 +56,14 @@ def measure_prompts(
     *,
     on_row: Callable[[int, int], None] | None = None,
     failures: list[str] | None = None,
+    where: list[str] | None = None,
 ) -> tuple[list[int], bool]:
     """Rendered lengths of the task's prompts (malformed rows skipped), and whether
     every row was measured. ``on_row(done, total)`` reports progress (rows of a
     procedural task are generated as they are measured); ``failures``, when given,
-    receives the reason of every row that could not be rendered."""
+    receives the reason of every row that could not be rendered; ``where``, when given,
+    where each measured prompt is, parallel to the lengths ("file:line" for a file's
+    row, else "row <i>" in measuring order: the held-out rows first)."""
     rows, total, every_row = _rows_to_measure(task)
     source = PromptSource([], tokenizer, max_prompt_tokens=_UNLIMITED)
     lengths = []
@@ -70,6 +73,10 @@ def measure_prompts(
         prompt = source.render(i, row)
         if not isinstance(prompt, PromptFailure):
             lengths.append(len(prompt.prompt_tokens))
+            if where is not None:
+                meta = prompt.meta or {}
+                at = f"{meta['source']}:{meta['line']}" if "line" in meta else f"row {i}"
+                where.append(at)
         elif failures is not None:
             failures.append(prompt.reason)
         if on_row is not None:

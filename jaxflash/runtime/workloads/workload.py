@@ -27,7 +27,7 @@ from jaxflash.runtime.clock import Clock
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.config.prompt_limits import PromptLengths, prompt_lengths
 from jaxflash.runtime.console import Console
-from jaxflash.runtime.model_setup import load_tokenizer, make_reward
+from jaxflash.runtime.model_setup import load_tokenizer, make_reward, model_context
 from jaxflash.runtime.rollout.settings import WorkloadRollout
 from jaxflash.runtime.workloads.evaluation import Generate
 from jaxflash.runtime.workloads.learner_batch import LearnerBatch
@@ -148,10 +148,14 @@ def _task_workload(
         lambda: f"{measured['rows']}/{measured['of']} rows rendered with the chat template",
     ):
         failures: list[str] = []
+        where: list[str] = []  # each prompt's row, to name the ones too long
         lengths, every_row = measure_prompts(
-            task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n), failures=failures
-        )
-    exp, info = prompt_lengths(exp, lengths, every_row, failures)
+            task, tokenizer, on_row=lambda i, n: measured.update(rows=i, of=n), failures=failures,
+            where=where,
+        )  # fmt: skip
+    # A derived limit is capped at what the model's context leaves (its files' header).
+    context = model_context(exp.model)
+    exp, info = prompt_lengths(exp, lengths, every_row, failures, context=context, where=where)
     workload = TaskWorkload(
         task=task, reward=reward, tokenizer=tokenizer, lengths=info, data=exp.data,
         reward_spec=exp.reward, rollout=exp.rollout, eval=exp.eval, advantage=exp.advantage,
