@@ -257,7 +257,8 @@ def main(argv: list[str]) -> None:
 
         # Read after the run's shutdown: a second Ctrl-C may have cut a checkpoint
         # write short, and the message says the step a resume really starts from.
-        line = interrupted_message(_WORKDIR.value) if _WORKDIR.value else "interrupted"
+        total = int(config.total_steps)  # a finished run: a rerun does not resume it
+        line = interrupted_message(_WORKDIR.value, total) if _WORKDIR.value else "interrupted"
         print(f"\n{line}", file=sys.stderr)
         sys.exit(130)
     finally:

@@ -58,3 +58,9 @@ def test_the_exit_line_names_the_step_a_resume_starts_from(tmp_path):
         f"interrupted: run the same command again to resume {work} from step 4, its last "
         "complete checkpoint"
     )
+    assert interrupted_message(work, total_steps=5).startswith("interrupted: run the same")
+    # Issue 31: a Ctrl-C during the final evaluation of a finished run promised a resume
+    # "from step 4", and the rerun only said the run is finished, never evaluating it.
+    line = interrupted_message(work, total_steps=4)
+    assert line.startswith(f"interrupted: {work} is finished (its last step, 4, is saved)")
+    assert "not scored" in line and "resume" not in line

@@ -107,12 +107,15 @@ class DeferredInterrupt:
         )
 
 
-def interrupted_message(workdir: str) -> str:
+def interrupted_message(workdir: str, total_steps: int | None = None) -> str:
     """The launcher's last line after a Ctrl-C: where running the command again starts.
 
     Read from ``<workdir>/checkpoints`` as the interrupted run left it: the newest
     complete checkpoint is where a resume starts; a later step whose write never
-    committed (a second Ctrl-C during the write) is named as abandoned.
+    committed (a second Ctrl-C during the write) is named as abandoned. A run whose last
+    step (``total_steps``) is saved is finished: running the command again only says so,
+    and does not score an evaluation the Ctrl-C stopped (issue 31: the line promised a
+    resume "from step 1" of a 1-step run whose final evaluation was never scored).
     """
     complete, unfinished = steps_on_disk(os.path.join(workdir, "checkpoints"))
     last = complete[-1] if complete else None
@@ -126,6 +129,12 @@ def interrupted_message(workdir: str) -> str:
         return (
             f"interrupted: {lost}{workdir} has no complete checkpoint: running the same "
             "command again starts it from the beginning"
+        )
+    if total_steps is not None and last >= total_steps:
+        return (
+            f"interrupted: {lost}{workdir} is finished (its last step, {last}, is saved); "
+            "an evaluation the Ctrl-C stopped was not scored, and running the same command "
+            "again will not score it: it only says the run is finished"
         )
     return (
         f"interrupted: {lost}run the same command again to resume {workdir} from step "
