@@ -67,6 +67,11 @@ def _lstsq(
     return [float(c) for c in coef], float(np.sqrt(np.mean(r[keep] ** 2)))
 
 
+def _engine_sections(exp) -> dict:
+    """What ``model_setup.make_engine`` reads of an experiment."""
+    return {"rollout": exp.rollout, "env": exp.env, "lora": exp.learner.lora}
+
+
 class Setup:
     """The run's model, tokenizer, prompts, learner and engines, built once."""
 
@@ -96,10 +101,11 @@ class Setup:
         self.prompts = [p for p in source.take(400) if isinstance(p, Prompt)]
         self.sync_place, self.async_place = carve(self.sync_exp.mesh), carve(self.async_exp.mesh)
         self.sync_engine = make_engine(
-            self.sync_exp, self.model_config, self.sync_place.generation[0], self.tokenizer
-        )
+            self.model_config, self.sync_place.generation[0], self.tokenizer,
+            **_engine_sections(self.sync_exp),
+        )  # fmt: skip
         self.async_engines = [
-            make_engine(self.async_exp, self.model_config, m, self.tokenizer)
+            make_engine(self.model_config, m, self.tokenizer, **_engine_sections(self.async_exp))
             for m in self.async_place.generation
         ]
         mesh = self.sync_place.learner

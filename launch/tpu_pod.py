@@ -147,7 +147,7 @@ def _learner(exp, console) -> None:
     import jax
 
     from jaxflash.runtime.fleet.learner_links import LeaderLinks
-    from jaxflash.runtime.fleet.learner_program import follow
+    from jaxflash.runtime.fleet.learner_setup import follow
     from jaxflash.runtime.loop import run
     from jaxflash.sharding.distributed import advertised_host
 

@@ -324,24 +324,24 @@ def describe_model(config: Any, lora: Any = None) -> str:
     )
 
 
-def describe_schedule(exp: Any) -> str:
+def describe_schedule(*, rollout: Any, controller: Any, learner: Any) -> str:
     """One console line: synchronous, or asynchronous with its staleness bound alpha.
 
     Args:
-      exp: the ``ExperimentConfig`` (``rollout.async_ratio``, ``mesh``, ``controller``,
-        ``learner.loss``).
+      rollout, controller, learner: the experiment's sections (``rollout.async_ratio``,
+        ``controller.kind``, ``learner.loss``).
     """
-    alpha = exp.rollout.async_ratio
+    alpha = rollout.async_ratio
     if alpha == 0:
         return (
             "schedule: synchronous (rollout.async_ratio=0): each step trains on samples of "
             "the policy it starts with"
         )
-    adaptive = exp.controller.kind == "adaptive"
+    adaptive = controller.kind == "adaptive"
     bound = f"the adaptive controller sets alpha <= {alpha} each step" if adaptive else ""
     return (
         f"schedule: asynchronous, staleness <= alpha = {alpha} (rollout.async_ratio): "
         "generation keeps decoding on its own slices while the learner trains, and a "
-        f"sample may be up to {alpha} policy versions old (loss {exp.learner.loss})"
+        f"sample may be up to {alpha} policy versions old (loss {learner.loss})"
         + (f"; {bound}" if bound else "")
     )

@@ -157,7 +157,7 @@ def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
             f"and mesh.num_generation_slices (with mesh.colocated=False) to use the rest)"
         )
     batch = r.prompts_per_step * r.group_size
-    econf = engine_config(exp)
+    econf = engine_config(rollout=exp.rollout, env=exp.env)
     plan = plan_programs(
         model, exp.learner, econf,
         learner_mesh=lmesh, learner_rules=LEARNER_RULES,

@@ -134,7 +134,10 @@ class RLLoop:
             self.fleet = make_fleet(exp, model, placement, tokenizer, workdir, servers)
         with console.phase("publishing the weights to the generation engines"):
             self.fleet.start(learner, self.version)  # fleet.pool: what the rollout routes to
-        self.control = RunControl(exp, placement, meta.extra)  # replay, controller, elastic
+        self.control = RunControl(  # replay, controller, elastic
+            replay=exp.replay, controller=exp.controller, rollout=exp.rollout, mesh=exp.mesh,
+            seed=exp.seed, placement=placement, extra=meta.extra,
+        )  # fmt: skip
         # The rollout restores its own books (ledger, cursor, counters) from ``meta``; the
         # workload gives it its side (prompts scored by its reward pool, or episodes).
         self.scheduler = make_scheduler(

@@ -1,4 +1,4 @@
-"""Building the pieces a run needs from its ExperimentConfig: tokenizer, model, reward,
+"""Building the pieces a run needs from its config sections: tokenizer, model, reward,
 engine (the task: ``runtime.workloads.task_setup``)."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from jaxflash.rewards.base import REWARD_FNS, combined
 from jaxflash.rewards.code_reward import CodeReward
 from jaxflash.runtime.config.experiment import (
     ConfigError,
-    ExperimentConfig,
     ModelSpec,
     RewardSpec,
 )
@@ -196,8 +195,14 @@ def make_reward(spec: RewardSpec) -> Any:
     return combined(weights)
 
 
-def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, tokenizer: Any):
+def make_engine(
+    model_config: ModelConfig, mesh: Mesh, tokenizer: Any, *, rollout: Any, env: Any, lora: Any
+):
     """The rollout engine of one generation mesh (sampling static per engine).
+
+    Args:
+      rollout, env: the experiment's sections (``engine_config``).
+      lora: ``learner.lora`` (None: the engine serves full params).
 
     ``tokenizer`` is not used: the engine takes none (only JetStream's serving adapter,
     ``generation.jetstream``, does); the parameter goes once ``fleet.fleets`` stops
@@ -207,14 +212,14 @@ def make_engine(exp: ExperimentConfig, model_config: ModelConfig, mesh: Mesh, to
       (LlamaEngine, generator param shardings on ``mesh`` for ``sync.publish``).
     """
     del tokenizer
-    return build_engine(model_config, engine_config(exp), mesh, lora=exp.learner.lora)
+    return build_engine(model_config, engine_config(rollout=rollout, env=env), mesh, lora=lora)
 
 
-def lora_base_source(exp: ExperimentConfig) -> dict[str, Any]:
+def lora_base_source(*, model: ModelSpec, seed: int) -> dict[str, Any]:
     """Where a LoRA run's frozen base comes from, as JSON: what a generation program
-    needs to build the same base itself (``stored_lora_base``) instead of receiving it."""
-    m = exp.model
-    return {"source": m.source, "path": m.path, "seed": int(exp.seed)}
+    needs to build the same base itself (``stored_lora_base``) instead of receiving it.
+    ``model``, ``seed``: the experiment's ``model`` section and seed."""
+    return {"source": model.source, "path": model.path, "seed": int(seed)}
 
 
 def stored_lora_base(model_config: ModelConfig, source: dict[str, Any], lora: Any) -> Any:
@@ -224,7 +229,7 @@ def stored_lora_base(model_config: ModelConfig, source: dict[str, Any], lora: An
     learner's; callers compare ``tree_digest``s).
 
     Args:
-      source: ``lora_base_source(exp)``.
+      source: ``lora_base_source(model=exp.model, seed=exp.seed)``.
       lora: the run's ``LoraConfig``.
     """
     import jax
@@ -241,26 +246,31 @@ def stored_lora_base(model_config: ModelConfig, source: dict[str, Any], lora: An
     return jax.jit(lambda p: quantize_base(p, lora))(params)
 
 
-def engine_config(exp: ExperimentConfig):
-    """The ``EngineConfig`` of every rollout engine of ``exp`` (a generation program in
-    another process builds its engine from this, sent as JSON)."""
+def engine_config(*, rollout: RolloutSpec, env: Any):
+    """The ``EngineConfig`` of every rollout engine of a run (a generation program in
+    another process builds its engine from this, sent as JSON).
+
+    Args:
+      rollout, env: the experiment's ``rollout`` and ``env`` sections (an environment's
+        ``max_context_tokens`` bounds every turn).
+    """
     from jaxflash.generation.engine.state import EngineConfig
 
-    sampling = exp.rollout.sampling
-    target = exp.rollout.max_prefill_length + sampling.max_new_tokens
-    if exp.env.name:  # a turn's prompt + its budget never exceed the episode's context
-        target = exp.env.max_context_tokens
+    sampling = rollout.sampling
+    target = rollout.max_prefill_length + sampling.max_new_tokens
+    if env.name:  # a turn's prompt + its budget never exceed the episode's context
+        target = env.max_context_tokens
     return EngineConfig(
-        max_concurrent_decodes=exp.rollout.num_slots,
-        max_prefill_length=exp.rollout.max_prefill_length,
+        max_concurrent_decodes=rollout.num_slots,
+        max_prefill_length=rollout.max_prefill_length,
         max_target_length=target,
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
-        decode_block=exp.rollout.decode_block,
-        kv_cache=exp.rollout.kv_cache,
-        page_size=exp.rollout.page_size,
-        num_pages=exp.rollout.num_pages,
+        decode_block=rollout.decode_block,
+        kv_cache=rollout.kv_cache,
+        page_size=rollout.page_size,
+        num_pages=rollout.num_pages,
     )
 
 

@@ -19,19 +19,22 @@ from jaxflash.learner.state import (
 )
 from jaxflash.metrics.writer import truncate_jsonl
 from jaxflash.models.config.model_config import ModelConfig
-from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
+from jaxflash.runtime.config.experiment import ConfigError
 from jaxflash.sharding.rules import LEARNER_RULES
 
 log = logging.getLogger(__name__)
 
 
 def init_or_restore_learner(
-    exp: ExperimentConfig,
     model_config: ModelConfig,
     imported_params: Any,
     learner_mesh: Mesh,
     workdir: str,
     *,
+    learner: Any,
+    checkpoint: Any,
+    model: Any,
+    seed: int,
     records: bool = True,
 ) -> tuple[TrainState, CheckpointMeta, Checkpointer]:
     """The learner state and its metadata, restored when possible (the rollout restores
@@ -47,23 +50,30 @@ def init_or_restore_learner(
     and rollouts.jsonl alone (the other processes of a multi-process learner:
     process 0 owns them).
 
+    Args:
+      learner, checkpoint, model: the experiment's sections (``exp.learner``, ...;
+        ``model`` names a LoRA base, ``base_record``).
+      seed: the experiment's seed (the fresh state's initialisation).
+
     Returns:
       (state, meta, checkpointer); the caller owns the checkpointer.
     """
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), max_to_keep=exp.checkpoint.max_to_keep
+        os.path.join(workdir, "checkpoints"), max_to_keep=checkpoint.max_to_keep
     )
-    abstract_state = abstract_train_state(model_config, exp.learner, learner_mesh, LEARNER_RULES)
-    lora = exp.learner.lora is not None
+    abstract_state = abstract_train_state(model_config, learner, learner_mesh, LEARNER_RULES)
+    lora = learner.lora is not None
     if lora:  # checkpoints hold the adapters; the base is named, not copied (base_record)
         abstract_state = abstract_state.replace(base=None)
     restored = checkpointer.restore_latest(abstract_state)
     if restored is not None:
         state, meta = restored
         if lora:
-            state = state.replace(
-                base=_rebuild_base(exp, model_config, imported_params, learner_mesh, meta)
-            )
+            base = _rebuild_base(
+                model_config, imported_params, learner_mesh, meta,
+                learner=learner, model=model, seed=seed,
+            )  # fmt: skip
+            state = state.replace(base=base)
         log.info("resumed from step %d (data cursor %d)", meta.step, meta.data_cursor)
         if records:
             truncate_jsonl(os.path.join(workdir, "metrics.jsonl"), "step", meta.step)
@@ -79,41 +89,47 @@ def init_or_restore_learner(
                 "%s has no checkpoint: dropped %d rows of an earlier start", workdir, dropped
             )
     if imported_params is None:
-        state = create_train_state(
-            model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
-        )
+        state = create_train_state(model_config, learner, learner_mesh, LEARNER_RULES, seed=seed)
     else:
         state = from_params(
-            imported_params, model_config, exp.learner, learner_mesh, LEARNER_RULES, seed=exp.seed
+            imported_params, model_config, learner, learner_mesh, LEARNER_RULES, seed=seed
         )
     return state, CheckpointMeta(step=0), checkpointer
 
 
-def base_record(exp: ExperimentConfig, base: Any) -> dict[str, Any]:
+def base_record(base: Any, *, model: Any, lora: Any) -> dict[str, Any]:
     """What a LoRA checkpoint says about its frozen base instead of holding it: the
     weights' source and the SHA-256 digest of the stored base (None with several
-    processes, where no process sees the whole base)."""
+    processes, where no process sees the whole base).
+
+    Args:
+      base: the frozen base (``TrainState.base``).
+      model, lora: the experiment's ``model`` section and ``learner.lora``.
+    """
     import jax  # noqa: PLC0415
 
     from jaxflash.sync.transfer_digest import tree_digest  # noqa: PLC0415
 
-    m = exp.model
+    m = model
     digest = tree_digest(base) if jax.process_count() == 1 else None
     return {
         "source": m.source,
         "path": m.path,
         "preset": m.preset if m.source == "random" else "",
-        "base_dtype": exp.learner.lora.base_dtype,
+        "base_dtype": lora.base_dtype,
         "digest": digest,
     }
 
 
 def _rebuild_base(
-    exp: ExperimentConfig,
     model_config: ModelConfig,
     imported_params: Any,
     mesh: Mesh,
     meta: CheckpointMeta,
+    *,
+    learner: Any,
+    model: Any,
+    seed: int,
 ) -> Any:
     """The LoRA base of a resumed run, rebuilt from its source and checked against the
     digest the checkpoint recorded.
@@ -122,13 +138,11 @@ def _rebuild_base(
       ValueError: the rebuilt base's digest differs (the weights at model.* changed).
     """
     if imported_params is None:
-        fresh = create_train_state(model_config, exp.learner, mesh, LEARNER_RULES, seed=exp.seed)
+        fresh = create_train_state(model_config, learner, mesh, LEARNER_RULES, seed=seed)
     else:
-        fresh = from_params(
-            imported_params, model_config, exp.learner, mesh, LEARNER_RULES, seed=exp.seed
-        )
+        fresh = from_params(imported_params, model_config, learner, mesh, LEARNER_RULES, seed=seed)
     saved = meta.extra.get("lora_base", {})
-    now = base_record(exp, fresh.base)
+    now = base_record(fresh.base, model=model, lora=learner.lora)
     if saved.get("digest") and now["digest"] and saved["digest"] != now["digest"]:
         raise ValueError(
             f"resume: the LoRA checkpoint was trained on base {saved} but model.* now gives "

@@ -186,8 +186,9 @@ class ElasticPool:
 
 
 def make_elastic(
-    exp: Any,
     *,
+    controller: Any,
+    mesh: Any,
     learner: LearnerProgram,
     fleet: Any,
     placement: Placement,
@@ -197,19 +198,20 @@ def make_elastic(
     """The run's ElasticPool (None unless ``controller.elastic``), on the split in force.
 
     Args:
-      exp: the ``ExperimentConfig`` (``runtime.elastic_spec.check_elastic`` passed).
+      controller, mesh: the experiment's ``controller`` and ``mesh`` sections
+        (``runtime.elastic_spec.check_elastic`` passed).
       learner, fleet, placement: as ``ElasticPool``.
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start).
       learner_devices: the decision in force's learner size (the replay cycle's;
         on resume the checkpointed split, moved to here before the first step).
     """
-    if not exp.controller.elastic:
+    if not controller.elastic:
         return None
     pool = ElasticPool(
         learner=learner,
         fleet=fleet,
         placement=placement,
-        learner_shape=exp.mesh.learner,
+        learner_shape=mesh.learner,
         state=extra.get("elastic"),
     )
     if learner_devices is not None and learner_devices != pool.learner_devices:

@@ -198,21 +198,24 @@ class ReplayCycle:
         return {"buffer": self.buffer.state_dict()}
 
 
-def make_replay_cycle(exp: Any, *, extra: dict[str, Any]) -> ReplayCycle | None:
+def make_replay_cycle(
+    *, replay: Any, controller: Any, rollout: Any, seed: int, extra: dict[str, Any]
+) -> ReplayCycle | None:
     """The run's ReplayCycle, or None when the config has no replay cycle.
 
     Args:
-      exp: the ``ExperimentConfig``.
+      replay, controller, rollout: the experiment's sections (``exp.replay``, ...).
+      seed: the experiment's seed (the buffer's sampling).
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start): its
         "replay" entry restores the buffer.
     """
-    if not replay_active(exp.replay, exp.controller):
+    if not replay_active(replay, controller):
         return None
     return ReplayCycle(
-        exp.replay,
-        exp.controller,
-        batch_prompts=exp.rollout.prompts_per_step,
-        group_size=exp.rollout.group_size,
-        seed=exp.seed,
+        replay,
+        controller,
+        batch_prompts=rollout.prompts_per_step,
+        group_size=rollout.group_size,
+        seed=seed,
         state=extra.get("replay"),
     )

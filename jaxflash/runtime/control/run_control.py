@@ -32,17 +32,31 @@ class RunControl:
     """The replay cycle, the step controller and the elastic pool of one run.
 
     Args:
-      exp: the ``ExperimentConfig``.
+      replay, controller, rollout, mesh: the experiment's sections (``exp.replay``, ...).
+      seed: the experiment's seed (the replay buffer's sampling).
       placement: the run's placement (the role split at the start).
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start): a resumed run
         continues the checkpoint's buffer, decision and elastic counts.
     """
 
-    def __init__(self, exp: Any, placement: Placement, extra: dict[str, Any]):
-        self._exp, self._placement, self._extra = exp, placement, extra
-        self.cycle = make_replay_cycle(exp, extra=extra)
+    def __init__(
+        self,
+        *,
+        replay: Any,
+        controller: Any,
+        rollout: Any,
+        mesh: Any,
+        seed: int,
+        placement: Placement,
+        extra: dict[str, Any],
+    ):
+        self._controller, self._rollout, self._mesh = controller, rollout, mesh
+        self._placement, self._extra = placement, extra
+        sections = dict(replay=replay, controller=controller, rollout=rollout)
+        self.cycle = make_replay_cycle(**sections, seed=seed, extra=extra)
         self.steps = make_step_control(
-            exp,
+            **sections,
+            mesh=mesh,
             learner_devices=int(placement.learner.devices.size),
             generation_devices=sum(int(m.devices.size) for m in placement.generation),
             extra=extra,
@@ -54,12 +68,12 @@ class RunControl:
     @property
     def fresh_prompts(self) -> int:
         """Fresh groups per learner batch in force (B without a step controller)."""
-        return self.steps.fresh_prompts if self.steps else self._exp.rollout.prompts_per_step
+        return self.steps.fresh_prompts if self.steps else self._rollout.prompts_per_step
 
     @property
     def async_ratio(self) -> int:
         """alpha in force (``rollout.async_ratio`` without a step controller)."""
-        return self.steps.decision.async_ratio if self.steps else self._exp.rollout.async_ratio
+        return self.steps.decision.async_ratio if self.steps else self._rollout.async_ratio
 
     def attach(self, *, learner: Any, fleet: Any, scheduler: Any) -> None:
         """Build the elastic pool (``controller.elastic``) over the run's learner and fleet
@@ -68,7 +82,8 @@ class RunControl:
         self._scheduler = scheduler
         d = self.steps.decision if self.steps else None
         self.elastic = make_elastic(
-            self._exp, learner=learner, fleet=fleet, placement=self._placement, extra=self._extra,
+            controller=self._controller, mesh=self._mesh, learner=learner, fleet=fleet,
+            placement=self._placement, extra=self._extra,
             learner_devices=d.learner_devices if d else None,
         )  # fmt: skip
 
@@ -117,7 +132,7 @@ class RunControl:
         generated, pending = progress
         plan = self.after_step(StepReport.measure(  # None without a step controller
             next_version=next_version, samples_generated=generated,
-            queue_samples=pending * self._exp.rollout.group_size, step_s=step_s,
+            queue_samples=pending * self._rollout.group_size, step_s=step_s,
             train_s=train_s, staleness=staleness, learner_metrics=learner_metrics,
         ))  # fmt: skip
         if plan is not None:  # in force from the next step

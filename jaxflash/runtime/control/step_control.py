@@ -256,32 +256,39 @@ class StepControl:
 
 
 def make_step_control(
-    exp: Any, *, learner_devices: int, generation_devices: int, extra: dict[str, Any]
+    *,
+    replay: Any,
+    controller: Any,
+    rollout: Any,
+    mesh: Any,
+    learner_devices: int,
+    generation_devices: int,
+    extra: dict[str, Any],
 ) -> StepControl | None:
     """The run's StepControl (None when the config has no replay cycle and no controller).
 
     Args:
-      exp: the ``ExperimentConfig``.
+      replay, controller, rollout, mesh: the experiment's sections (``exp.replay``, ...).
       learner_devices, generation_devices: the placement's role split.
       extra: the checkpoint metadata's ``extra`` ({} on a fresh start): its "replay"
         entry restores the decision and the controller, "counters" the generation count.
     """
-    if not replay_active(exp.replay, exp.controller):
+    if not replay_active(replay, controller):
         return None
     floors = None
-    if exp.controller.elastic:  # one slice at a time, within the elastic pool's floors
-        min_learner, slice_size = elastic_floors(exp.mesh)
+    if controller.elastic:  # one slice at a time, within the elastic pool's floors
+        min_learner, slice_size = elastic_floors(mesh)
         floors = {
             "device_quantum": slice_size,
             "min_learner_devices": min_learner,
             "min_generation_devices": slice_size,
         }
     return StepControl(
-        exp.replay,
-        exp.controller,
-        batch_prompts=exp.rollout.prompts_per_step,
-        group_size=exp.rollout.group_size,
-        async_ratio=exp.rollout.async_ratio,
+        replay,
+        controller,
+        batch_prompts=rollout.prompts_per_step,
+        group_size=rollout.group_size,
+        async_ratio=rollout.async_ratio,
         learner_devices=learner_devices,
         generation_devices=generation_devices,
         state=extra.get("replay"),

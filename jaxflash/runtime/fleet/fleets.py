@@ -128,7 +128,10 @@ class ThreadFleet:
         tokenizer: Any,
         servers: ServerSettings,
     ):
-        self._engine_for = LayoutCache(lambda mesh: make_engine(exp, model_config, mesh, tokenizer))
+        engine = {"rollout": exp.rollout, "env": exp.env, "lora": exp.learner.lora}
+        self._engine_for = LayoutCache(
+            lambda mesh: make_engine(model_config, mesh, tokenizer, **engine)
+        )
         self._lora = exp.learner.lora is not None
         self._stop_ids, self._partial = tokenizer.stop_ids, exp.rollout.partial_rollout
         self._settings = servers
@@ -275,7 +278,7 @@ class ProcessFleet:
         self._exp, self._settings = exp, servers
         config = {
             "model_config": dataclasses.asdict(model_config),
-            "engine": dataclasses.asdict(engine_config(exp)),
+            "engine": dataclasses.asdict(engine_config(rollout=exp.rollout, env=exp.env)),
             "mesh": {k: int(v) for k, v in m.generation.items()},
             "partial_rollout": exp.rollout.partial_rollout,
             "stop_ids": sorted(int(i) for i in stop_ids),
@@ -288,7 +291,7 @@ class ProcessFleet:
         }
         if exp.learner.lora is not None:  # programs build the base; only adapters move
             lora = {"config": dataclasses.asdict(exp.learner.lora)}
-            config["lora"] = {**lora, "source": lora_base_source(exp)}
+            config["lora"] = {**lora, "source": lora_base_source(model=exp.model, seed=exp.seed)}
         devices = math.prod(int(v) for v in m.generation.values())
         names = [f"gen{i}" for i in range(m.num_generation_slices)]
         if m.generation_addresses:
@@ -389,7 +392,8 @@ class ProcessFleet:
         for server in self._servers:
             if not server.started:
                 server.start()
-        return ProgramGenerate(self._servers, engine_config(self._exp), EVAL_TIMEOUT_S)
+        econf = engine_config(rollout=self._exp.rollout, env=self._exp.env)
+        return ProgramGenerate(self._servers, econf, EVAL_TIMEOUT_S)
 
     def close(self) -> None:
         """Shut the programs down unless servers own them (the scheduler stops those)."""

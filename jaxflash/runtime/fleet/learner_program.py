@@ -9,7 +9,7 @@ offer them through this process's ``WeightSender``), ``save`` (a checkpoint) and
 With one process each call runs here. With several (``jax.distributed``;
 ``jax.process_count() > 1``), process 0 runs the controller and posts each call
 to the others through ``LeaderLinks`` *before* running it; the others run
-``follow``, which applies the same calls in the same order, so every process
+``learner_setup.follow``, which applies the same calls in the same order, so every process
 issues the same collectives (the train step, the staging reshard, Orbax's save)
 and holds the same state.
 
@@ -39,9 +39,8 @@ from jaxflash.checkpoint.checkpointer import CheckpointMeta
 from jaxflash.learner.state import state_shardings
 from jaxflash.learner.step import make_train_step
 from jaxflash.models.config.model_config import ModelConfig
-from jaxflash.runtime.config.experiment import ExperimentConfig
-from jaxflash.runtime.fleet.learner_links import FollowerLink, LeaderLinks
-from jaxflash.runtime.resume import base_record, finished_step, init_or_restore_learner
+from jaxflash.runtime.fleet.learner_links import LeaderLinks
+from jaxflash.runtime.resume import base_record, init_or_restore_learner
 from jaxflash.sharding.rules import LEARNER_RULES
 from jaxflash.sync.reshard import LayoutCache, ReshardReport, reshard
 from jaxflash.sync.transfer_layout import TreeLayout, stage_for_layout
@@ -77,44 +76,48 @@ class LearnerProgram:
     """The learner state and its operations, the same on every learner process.
 
     Args:
-      exp, model_config, imported_params, mesh, workdir: as
+      model_config, imported_params, mesh, workdir: as
         ``runtime.resume.init_or_restore_learner`` (restores the latest checkpoint).
+      learner, checkpoint, model, seed: the experiment's sections and seed, as
+        ``init_or_restore_learner`` (``learner`` also builds the train step).
       sender: this process's ``WeightSender`` (generation programs pull from it),
         or None when generation runs in this process (threads).
       links: ``LeaderLinks`` on process 0 of a multi-process learner (None otherwise).
-      leader: False on the other processes (``follow``): nothing is posted and the
+      leader: False on the other processes (``learner_setup.follow``): nothing is posted and the
         metrics and run records are process 0's business.
     """
 
     def __init__(
         self,
-        exp: ExperimentConfig,
         model_config: ModelConfig,
         imported_params: Any,
         mesh: Mesh,
         workdir: str,
         *,
+        learner: Any,
+        checkpoint: Any,
+        model: Any,
+        seed: int,
         sender: WeightSender | None = None,
         links: LeaderLinks | None = None,
         leader: bool = True,
     ):
         self._links = links
         self._leader = leader
-        if links is not None:
-            links.post("setup", max_prompt_tokens=int(exp.data.max_prompt_tokens))
         self.state, self.meta, self.checkpointer = init_or_restore_learner(
-            exp, model_config, imported_params, mesh, workdir, records=leader
-        )
+            model_config, imported_params, mesh, workdir,
+            learner=learner, checkpoint=checkpoint, model=model, seed=seed, records=leader,
+        )  # fmt: skip
         # Per learner mesh: the jitted step and the state's shardings, built once per
         # device layout (an elastic move back to a layout reuses its compiled step).
         self._per_mesh = LayoutCache(
             lambda m: (
-                make_train_step(model_config, exp.learner, m, LEARNER_RULES),
-                state_shardings(model_config, exp.learner, m, LEARNER_RULES),
+                make_train_step(model_config, learner, m, LEARNER_RULES),
+                state_shardings(model_config, learner, m, LEARNER_RULES),
             )
         )
         self.mesh = mesh
-        self._exp = exp
+        self._model, self._lora = model, learner.lora  # what ``base_record`` names
         self._base_record: dict[str, Any] | None = None  # LoRA: named in checkpoints
         self._train_step, self._shardings = self._per_mesh(mesh)
         self._pump = None if sender is None else SenderPump(sender)
@@ -146,7 +149,7 @@ class LearnerProgram:
         """LoRA: the base's source and SHA-256 digest (``resume.base_record``; what
         checkpoints and generation programs are checked against); None without LoRA."""
         if self.state.base is not None and self._base_record is None:
-            self._base_record = base_record(self._exp, self.state.base)
+            self._base_record = base_record(self.state.base, model=self._model, lora=self._lora)
         return self._base_record
 
     @property
@@ -289,50 +292,3 @@ class LearnerProgram:
         os.write(2, b"\nSIGTERM: saving the last trained step, then stopping (again: at once)\n")
         self._sigterm = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process
-
-
-def follow(exp: ExperimentConfig, workdir: str, *, host: str = "127.0.0.1") -> int:
-    """A learner process other than 0: run process 0's learner commands until it closes.
-
-    Builds the same learner (after process 0 says which prompt length it derived)
-    and applies every posted command. Returns 0 when process 0 closed (or
-    exited before the learner was built: a finished run or a config error there).
-
-    Raises:
-      ConnectionError: process 0 vanished mid-run.
-    """
-    from jaxflash.runtime.fleet.placement import carve  # noqa: PLC0415
-    from jaxflash.runtime.model_setup import load_model, load_tokenizer  # noqa: PLC0415
-
-    sender = WeightSender(host=host) if exp.mesh.generation_processes else None
-    link = FollowerLink(sender_address="" if sender is None else sender.address)
-    try:
-        header, _ = link.next()
-        if header["op"] == "finished_step":  # process 0 checks whether the run is done
-            finished_step(workdir, exp.total_steps)  # (opening the checkpoints is collective)
-            header, _ = link.next()
-        if header["op"] == "exit":
-            return 0
-        if header["op"] != "setup":
-            raise ValueError(f"expected the setup command first, got {header['op']!r}")
-        exp = exp.with_prompt_lengths(int(header["max_prompt_tokens"]))
-        tokenizer = load_tokenizer(exp.model)
-        model_config, imported = load_model(exp.model, exp.rollout, tokenizer)
-        placement = carve(exp.mesh)
-        program = LearnerProgram(
-            exp, model_config, imported, placement.learner, workdir, sender=sender, leader=False
-        )
-        del imported
-        while True:
-            header, arrays = link.next()
-            if header["op"] == "exit":
-                program.close()
-                return 0
-            if not program.apply(header.pop("op"), header, arrays):
-                try:  # closed: wait for process 0 to say exit (or to go away)
-                    link.next()
-                except ConnectionError:
-                    pass
-                return 0
-    finally:
-        link.close()
