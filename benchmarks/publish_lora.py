@@ -19,7 +19,7 @@ moves the frozen base once):
 The program paths run sender and receiver in this one process (each its own fake
 CPU device, the bytes crossing loopback sockets through the transfer wire exactly
 as between two programs), so they leave out the gRPC Update call and process
-scheduling; ``tests/test_gen_processes.py`` runs the real programs. Bytes are what
+scheduling; ``tests/runtime/fleet/test_gen_processes.py`` runs the real programs. Bytes are what
 each publish moved (``AdapterPublisher.last_bytes``, ``WeightReceiver.stats``).
 Prints the load average: on a shared 2-core machine seconds are indicative only.
 """

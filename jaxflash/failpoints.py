@@ -5,7 +5,7 @@
 kills the process with a real ``SIGKILL`` (no ``finally``, no ``atexit``, no flush
 of anything not yet written) the 2nd time it reaches ``checkpoint_commit``; run
 the same command again without the variable and the job must resume as if the
-kill never happened (``tests/test_kill_campaign.py`` does that at 20+ seeded
+kill never happened (``tests/runtime/test_kill_campaign.py`` does that at 20+ seeded
 points). The idea is etcd's gofail and TiKV's fail-rs: the fault happens at an
 exact place in the code, not at a moment a poller happened to see.
 

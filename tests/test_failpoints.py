@@ -1,7 +1,7 @@
 """Failpoints (``jaxflash.failpoints``): a real SIGKILL at the n-th arrival, nothing else.
 
 Each kill runs in a child process (the kill is real); the kill campaign
-(tests/test_kill_campaign.py) drives the points inside the job itself.
+(tests/runtime/test_kill_campaign.py) drives the points inside the job itself.
 """
 
 import json

@@ -1,6 +1,6 @@
 """Staleness gate and policy clock (rl_pitfalls.md, "Asynchrony").
 
-"Restart means restart" is tested where samples restart: tests/test_partial_rollout.py
+"Restart means restart" is tested where samples restart: tests/runtime/test_partial_rollout.py
 (SlotBatcher's in-flight policies) and tests/learner/test_learner.py (off-policy tokens)."""
 
 import threading

@@ -1,6 +1,6 @@
 """``python -m jaxflash.report``: figures chosen by what the runs wrote, several runs on
 one figure, a benchmark results JSON, errors naming the input. Synthetic run files
-(fast); the report of a real run is checked in tests/test_rlvr.py (async smoke)."""
+(fast); the report of a real run is checked in tests/runtime/test_rlvr.py (async smoke)."""
 
 import json
 import os

@@ -132,8 +132,8 @@ _PRESETS = {
         rope_original_max_len=8192,
         max_seq_len=8192,
     ),
-    # google/gemma-3-270m: equals load_gguf of the PyPI Q4_K_M file (tests/models/test_gemma3_gguf.py)
-    # up to max_seq_len (context 32768).
+    # google/gemma-3-270m: equals load_gguf of the PyPI Q4_K_M file
+    # (tests/models/test_gemma3_gguf.py) up to max_seq_len (context 32768).
     "gemma3_270m": dict(
         vocab_size=262144,
         d_model=640,

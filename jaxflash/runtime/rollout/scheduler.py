@@ -20,7 +20,7 @@ A simulator drives the same object without threads under a
 ``VirtualClock`` (``runtime.clock``).
 
 Driving it without threads (a discrete-event simulator; see
-tests/test_scheduler_parts.py for a complete driver)::
+tests/runtime/rollout/test_scheduler_parts.py for a complete driver)::
 
     clock, inbox = VirtualClock(), Inbox()
     servers = [SimServer(on_finished=inbox.generated, clock=clock) for _ in range(n)]

@@ -29,7 +29,7 @@ from jaxflash.runtime import loop as rlvr
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.console import Console
 from jaxflash.runtime.fleet import rpc_wire
-from tests.test_rlvr import _undocumented
+from tests.runtime.test_rlvr import _undocumented
 
 
 def _rows(path):

@@ -10,7 +10,7 @@
   the counters, regenerates the prompts that were in flight and trains none twice.
 * SIGTERM (one learner process) stops a run in its rollout wait or its evaluation,
   with the last trained step saved (the launcher's end-to-end case:
-  tests/test_preemption_procs.py); so does a first Ctrl-C, and a step it lands in
+  tests/runtime/test_preemption_procs.py); so does a first Ctrl-C, and a step it lands in
   after the update is saved too.
 * Empty batches: truncation=mask with every sample truncated runs to the end in
   both placements, each step skipped and counted.
@@ -31,9 +31,10 @@ from jaxflash.runtime.console import Console
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.interrupt import interrupted_message
 from jaxflash.types import NothingTrainedError
+from tests.paths import TESTS
 from tests.report_fixtures import check_report_pngs
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "sync_golden_smoke.json")
+GOLDEN = os.path.join(TESTS, "data", "sync_golden_smoke.json")
 
 
 def _rows(path):

@@ -179,7 +179,7 @@ def test_agentic_startup_refuses_such_a_template_in_one_line_naming_the_model(ch
     from configs import agentic_smoke  # noqa: PLC0415
     from jaxflash.runtime.config.experiment import ConfigError  # noqa: PLC0415
     from jaxflash.runtime.workloads.agentic import EpisodeRollout  # noqa: PLC0415
-    from tests.test_agentic_run import _exp  # noqa: PLC0415
+    from tests.runtime.workloads.test_agentic_run import _exp  # noqa: PLC0415
 
     exp = _exp(agentic_smoke)  # a random-init "tiny" model
     tok = Tokenizer.from_hf_dir(checkpoints["qwen3"]).with_chat_template(NUMBERED)

@@ -1,6 +1,6 @@
 """The controller's decision is put in force at the next step: StepControl.after_step's plan
 -> RolloutScheduler.reconfigure, as runtime.loop does after every step. Synthetic rate
-measurements, the real scheduler under a VirtualClock (tests/test_scheduler_parts.py)."""
+measurements, the real scheduler under a VirtualClock (tests/fake_servers.py)."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ from jaxflash.runtime.control.replay_cycle import ReplayCycle
 from jaxflash.runtime.control.step_control import StepControl, StepReport
 from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
-from tests.test_scheduler_parts import _virtual_scheduler, drive
+from tests.fake_servers import _virtual_scheduler, drive
 
 B, G = 8, 2  # rollout.prompts_per_step, group_size
 

@@ -25,8 +25,8 @@ import time
 import pytest
 
 from tests.kill_campaign import wait_gone
+from tests.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 HANG_S = 120  # far above a clean Ctrl-C (seconds); below it, the job is hung
 

@@ -29,7 +29,7 @@ from jaxflash.runtime import loop as rlvr
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.gen_server import GenerationServer
 from jaxflash.runtime.fleet.learner_program import LearnerProgram
-from tests.test_rlvr import _undocumented
+from tests.runtime.test_rlvr import _undocumented
 
 ENDS = ("trained", "filtered", "stale", "failed")
 

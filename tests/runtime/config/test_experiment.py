@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.paths import REPO
+
+sys.path.insert(0, REPO)
 
 from configs import rlvr_smollm2_arith, smoke  # noqa: E402
 from jaxflash.metrics.writer import MetricsWriter  # noqa: E402
@@ -132,7 +134,7 @@ def test_group_filter_settings_become_the_filter_the_loop_builds():
 
 def test_launcher_refuses_async_ratio_on_the_colocated_config(tmp_path):
     """Done-when of issue 6: the launcher fails at start, naming mesh.colocated."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = REPO
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [

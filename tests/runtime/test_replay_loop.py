@@ -9,7 +9,7 @@
   the next step's rho, and every metric is in the README's table.
 * Resume: a run stopped after step 2 and resumed trains steps 3-4 on the same batches
   as an uninterrupted run (the buffer and its sampler's RNG come from the checkpoint).
-* rho = 0 is today's loop: tests/test_rlvr.py's golden test runs unchanged.
+* rho = 0 is today's loop: tests/runtime/test_rlvr.py's golden test runs unchanged.
 """
 
 import json
@@ -22,7 +22,7 @@ from jaxflash.replay.controller import AdaptiveController, ControllerInputs, Dec
 from jaxflash.replay.dual_cycle import fresh_groups_needed
 from jaxflash.runtime import loop as rlvr
 from jaxflash.runtime.config.experiment import ExperimentConfig
-from tests.test_rlvr import _undocumented
+from tests.runtime.test_rlvr import _undocumented
 
 
 def _rows(path):

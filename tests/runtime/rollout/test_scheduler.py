@@ -3,11 +3,10 @@
 The fake server "generates" a sample a few milliseconds after it is submitted,
 stamping the version it holds; the fake reward scores sample i with reward i, so
 every group has variance unless a test says otherwise. (The thread-free parts and
-a virtual-clock run: tests/test_scheduler_parts.py.)
+a virtual-clock run: tests/runtime/rollout/test_scheduler_parts.py.)
 """
 
 import concurrent.futures
-import threading
 import time
 
 import numpy as np
@@ -24,86 +23,11 @@ from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
 from jaxflash.types import (
     FailureReason,
-    FinishReason,
     Prompt,
     PromptOutcome,
-    Sample,
     SamplingParams,
 )
-
-
-class FakeServer:
-    """Finishes each request after ``delay_s``; ``dead`` servers never finish anything."""
-
-    partial_rollout = "continue"
-
-    def __init__(self, on_finished, *, delay_s=0.005, dead=False, hang=()):
-        self.version, self.delay_s, self.dead, self.hang = 0, delay_s, dead, set(hang)
-        self.on_finished = on_finished
-        self.error = None  # set it to kill the server: check/submit raise, nothing finishes
-        self.submitted, self.aborted = [], []
-        self._lock = threading.Lock()
-        self._queue = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def start(self):
-        pass
-
-    def stop(self, timeout_s=60.0):
-        self._stop.set()
-        return []
-
-    def stats(self):
-        return {"version": self.version}
-
-    def check(self):
-        if self.error:
-            raise RuntimeError(f"server loop failed: {self.error}")
-
-    def submit(self, request):
-        self.check()
-        with self._lock:
-            self.submitted.append((request.prompt_id, request.sample_index))
-            self._queue.append((time.monotonic() + self.delay_s, request, self.version))
-
-    def abort_prompt(self, prompt_id):
-        with self._lock:
-            n = len(self._queue)
-            self._queue = [q for q in self._queue if q[1].prompt_id != prompt_id]
-            self.aborted.append(prompt_id)
-            return n - len(self._queue)
-
-    def update_weights(self, params, version):
-        assert version > self.version
-        self.version = version
-
-    def _loop(self):
-        while not self._stop.is_set():
-            time.sleep(0.002)
-            if self.dead or self.error:
-                continue
-            now, done = time.monotonic(), []
-            with self._lock:
-                for q in list(self._queue):
-                    key = (q[1].prompt_id, q[1].sample_index)
-                    if q[0] <= now and key not in self.hang:
-                        self._queue.remove(q)
-                        done.append(q)
-            for _, req, version in done:
-                self.on_finished(
-                    Sample(
-                        prompt_id=req.prompt_id,
-                        sample_index=req.sample_index,
-                        prompt_tokens=np.asarray(req.prompt_tokens, np.int32),
-                        response_tokens=np.array([5, 0], np.int32),
-                        behaviour_logprobs=np.zeros(2, np.float32),
-                        token_versions=np.array([version, version], np.int32),
-                        start_version=version,
-                        finish_reason=FinishReason.EOS,
-                    )
-                )
+from tests.fake_servers import FakeServer
 
 
 class FakeSource:

@@ -14,8 +14,7 @@ import pytest
 from configs import rlvr_smollm2_arith, smoke
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.console import Console, EvalStatus, GenerationStatus, duration, step_line
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO
 
 
 def _wait_for(predicate, timeout_s=10.0):

@@ -6,7 +6,7 @@
   later takes requests; the prompt books add up and nothing is trained twice.
 * Config: every combination the live pool cannot carry out is refused before
   anything loads, naming the fields.
-* The live loop on 8 fake devices (tests/test_elastic_run.py).
+* The live loop on 8 fake devices (tests/runtime/control/test_elastic_run.py).
 """
 
 import collections
@@ -22,7 +22,7 @@ from jaxflash.runtime.control.controller_setup import fixed_decisions
 from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import RetiredServer, ServersChanged
 from jaxflash.types import PromptOutcome
-from tests.test_scheduler_parts import VirtualServer, _virtual_scheduler, drive
+from tests.fake_servers import VirtualServer, _virtual_scheduler, drive
 
 
 def _books_add_up(m):

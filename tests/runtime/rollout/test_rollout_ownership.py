@@ -13,7 +13,9 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROLLOUT = pathlib.Path(__file__).resolve().parents[1] / "jaxflash" / "runtime" / "rollout"
+from tests.paths import REPO
+
+ROLLOUT = pathlib.Path(REPO) / "jaxflash" / "runtime" / "rollout"
 
 
 def foreign_writes(source: str, filename: str = "<string>") -> list[str]:

@@ -12,9 +12,8 @@ import pytest
 from configs import agentic_frozenlake, agentic_smoke
 from jaxflash.runtime.config.experiment import ConfigError, ExperimentConfig
 from jaxflash.runtime.rollout.episode_groups import EPISODE_ENDS
-from tests.test_rlvr import _undocumented
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO
+from tests.runtime.test_rlvr import _undocumented
 
 
 def _exp(config, **overrides):
