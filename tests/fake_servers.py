@@ -200,7 +200,7 @@ def drive(sched, clock, servers, learner_version, *, real_timeout_s=60.0):
         if batch is not None:
             return batch
         if (
-            ThreadFree(sched).parts.dispatcher.num_scoring
+            ThreadFree(sched).parts.dispatcher.watch.stats()["samples_scoring"]
             or not ThreadFree(sched).parts.dispatcher.inbox.empty()
         ):
             ThreadFree(sched).parts.dispatcher.inbox.wait(RealClock(), 0.05)

@@ -4,7 +4,8 @@
   ``runtime/config/``) read the whole ``ExperimentConfig``; the rest take sections.
 * The fleet tells the rollout what changed in one call: ``runtime/fleet/`` imports
   nothing of the rollout but the server pool's messages and its metric names.
-* The faces the loop sees are small: ``Workload`` and ``Rollout`` have at most 8 members.
+* The faces are small: ``Workload``, ``Rollout`` and ``Dispatch`` have at most 8
+  members, and the dispatchers offer no other public methods.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from jaxflash.runtime.rollout.dispatch import Dispatcher
+from jaxflash.runtime.rollout.episode_dispatch import EpisodeDispatcher
 from jaxflash.runtime.rollout.scheduler import Rollout
+from jaxflash.runtime.rollout.settings import Dispatch
 from jaxflash.runtime.workloads.workload import Workload
 from tests.paths import REPO
 
@@ -79,3 +83,11 @@ def _members(protocol: type) -> set[str]:
 def test_the_loops_faces_are_small():
     assert len(_members(Workload)) <= 8, sorted(_members(Workload))
     assert len(_members(Rollout)) <= 8, sorted(_members(Rollout))
+
+
+def test_the_dispatch_face_is_small_and_the_dispatchers_keep_to_it():
+    face = _members(Dispatch)
+    assert len(face) <= 8, sorted(face)
+    for impl in (Dispatcher, EpisodeDispatcher):
+        public = {n for n, v in vars(impl).items() if not n.startswith("_") and callable(v)}
+        assert public <= face, (impl.__name__, sorted(public - face))

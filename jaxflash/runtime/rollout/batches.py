@@ -176,8 +176,7 @@ class BatchAssembler:
         regen = d.regenerate and self.admission.is_active(d.prompt_id)
         outcome = "regenerated" if regen else str(d.outcome)
         rows = [self._row(s, outcome, d.reason, v, d.failure) for s in d.samples]
-        self.dispatcher.abort_prompt(d.prompt_id)  # e.g. siblings of a failed sample
-        self.dispatcher.forget(d.prompt_id)
+        self.dispatcher.end_prompt(d.prompt_id, abort=True)  # e.g. siblings of a failed sample
         self.counters[f"samples_dropped_{d.reason}"] += len(d.samples)
         if regen:
             self.counters["prompts_regenerated_stale"] += 1
@@ -234,8 +233,7 @@ class BatchAssembler:
         regen = self.stale_policy == "regenerate"
         for pid in doomed:
             self.counters["samples_aborted_surplus"] += flying[pid].running
-            self.dispatcher.abort_prompt(pid)
-            self.dispatcher.forget(pid, scoring=True)  # late scores are discarded
+            self.dispatcher.end_prompt(pid, abort=True, scoring=True)  # late scores discarded
             d = self.buffer.discard(pid, PromptOutcome.STALE, "surplus_stale", regenerate=regen)
             if d is not None:
                 self.counters["samples_dropped_surplus_stale"] += len(d.samples)
@@ -263,5 +261,5 @@ class BatchAssembler:
         """New weights are published: the prompts handed out since return their capacity."""
         for pid in self.taken:
             self.admission.release_at_publish(pid)
-            self.dispatcher.forget(pid)
+            self.dispatcher.end_prompt(pid)
         self.taken = []

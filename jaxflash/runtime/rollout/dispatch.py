@@ -34,6 +34,7 @@ from jaxflash.runtime.rollout.scoring import (
 from jaxflash.runtime.rollout.settings import (
     DispatchFactory,
     DispatchParts,
+    DispatchWatch,
     InFlight,
     RolloutSettings,
 )
@@ -102,6 +103,7 @@ class Dispatcher:
         # Reward scoring spans (submit, scored) in clock seconds, for the run's timeline.
         self._scoring_since: dict[tuple[int, int], float] = {}
         self.score_spans: list[tuple[float, float]] = []
+        self.watch = DispatchWatch(self._stats, self._counts, self._take_score_spans)
 
     # ------------------------------------------------------------------ one step
 
@@ -137,20 +139,8 @@ class Dispatcher:
             if self.prompt_replication:
                 server = -1
 
-    def abort_prompt(self, prompt_id: int) -> None:
-        """Abort a prompt's outstanding samples on every server holding one (counted)."""
-        self.router.abort_prompt(prompt_id)
-
     # ------------------------------------------------------------------ for the batch side
     # (the servers' events -- versions, deaths, retirements -- go to ``router`` itself)
-
-    @property
-    def num_outstanding(self) -> int:
-        return len(self.router.table)
-
-    @property
-    def num_scoring(self) -> int:
-        return len(self.scoring)
 
     def next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline."""
@@ -162,20 +152,24 @@ class Dispatcher:
         r = self.router
         return {p: InFlight(r.outstanding(p), r.start_estimate(p)) for p in r.in_flight()}
 
-    def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
+    def end_prompt(self, prompt_id: int, *, abort: bool = False, scoring: bool = False) -> None:
         """Drop a prompt's start record (trained, dropped or regenerated); with
-        ``scoring``, also its samples awaiting a reward (their scores come back late)."""
+        ``abort``, first abort its outstanding samples on every server holding one
+        (counted); with ``scoring``, also its samples awaiting a reward (their scores
+        come back late)."""
+        if abort:
+            self.router.abort_prompt(prompt_id)
         self.router.table.forget(prompt_id)
         if scoring:
             for key in [k for k in self.scoring if k[0] == prompt_id]:
                 del self.scoring[key]
                 self._scoring_since.pop(key, None)
 
-    def stats(self) -> dict[str, Any]:
+    def _stats(self) -> dict[str, Any]:
         """Instantaneous queue state for metrics.jsonl."""
-        return {"samples_outstanding": self.num_outstanding, "samples_scoring": self.num_scoring}
+        return {"samples_outstanding": len(self.router.table), "samples_scoring": len(self.scoring)}
 
-    def counts(self) -> dict[str, int]:
+    def _counts(self) -> dict[str, int]:
         """What it and its router counted since it was built."""
         out = collections.Counter(self.router.counts())
         out.update(self.counters)
@@ -190,7 +184,7 @@ class Dispatcher:
             seed=self.seed,
         )
 
-    def take_score_spans(self) -> list[tuple[float, float]]:
+    def _take_score_spans(self) -> list[tuple[float, float]]:
         """(submitted, scored) clock times of the rewards scored since the last call."""
         spans, self.score_spans = self.score_spans, []
         return spans

@@ -60,6 +60,7 @@ from jaxflash.runtime.rollout.routing import RequestRouter
 from jaxflash.runtime.rollout.settings import (
     DispatchFactory,
     DispatchParts,
+    DispatchWatch,
     InFlight,
     RolloutSettings,
 )
@@ -130,6 +131,7 @@ class EpisodeDispatcher:
         )
         self.calls = EnvCalls(self.inbox, self.clock, runner=episodes.runner)
         self.groups: dict[int, EpisodeGroup] = {}
+        self.watch = DispatchWatch(self._stats, self._counts, lambda: [])  # envs score
         # Episodes running at the checkpoint this run resumes from were lost with it.
         restored = parts.restored
         lost = restored.get("episodes_started", 0) - sum(restored.get(k, 0) for k in EPISODE_ENDS)
@@ -181,18 +183,7 @@ class EpisodeDispatcher:
         for _ in range(self.G + self.settings.redundancy):
             self._start_episode(group)
 
-    def abort_prompt(self, prompt_id: int) -> None:
-        """Stop a group: its turns on servers and its running episodes (counted)."""
-        self.router.abort_prompt(prompt_id)
-        group = self.groups.pop(prompt_id, None)
-        if group is not None:
-            group.cancel(self.calls, self.counters, "episodes_aborted")
-
     # ------------------------------------------------------------------ for the batch side
-
-    @property
-    def num_outstanding(self) -> int:
-        return len(self.router.table)
 
     def next_deadline(self) -> float | None:
         """Earliest turn or environment-call deadline (None when nothing is pending)."""
@@ -209,29 +200,32 @@ class EpisodeDispatcher:
             if g.runs
         }
 
-    def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
-        """The group was trained, dropped or is regenerated: drop what is left of it."""
+    def end_prompt(self, prompt_id: int, *, abort: bool = False, scoring: bool = False) -> None:
+        """The group was trained, dropped or is regenerated: drop what is left of it;
+        with ``abort``, first stop its turns on servers and its running episodes
+        (counted)."""
         del scoring  # episodes are scored by their environment, nothing waits on a reward
+        if abort:
+            self.router.abort_prompt(prompt_id)
+            group = self.groups.pop(prompt_id, None)
+            if group is not None:
+                group.cancel(self.calls, self.counters, "episodes_aborted")
         self.router.table.forget(prompt_id)
         group = self.groups.get(prompt_id)
         if group is not None and not group.runs:
             del self.groups[prompt_id]
 
-    def take_score_spans(self) -> list[tuple[float, float]]:
-        """None: the environments score episodes (no reward pool spans)."""
-        return []
-
-    def counts(self) -> dict[str, int]:
+    def _counts(self) -> dict[str, int]:
         """What it, its router and its environment calls counted since it was built."""
         out = collections.Counter(self.counters)
         out.update(self.router.counts())
         out.update(self.calls.counts())
         return dict(out)
 
-    def stats(self) -> dict[str, Any]:
+    def _stats(self) -> dict[str, Any]:
         """Instantaneous state for metrics.jsonl."""
         return {
-            "samples_outstanding": self.num_outstanding,
+            "samples_outstanding": len(self.router.table),
             "samples_scoring": 0,
             "episodes_running": sum(len(g.runs) for g in self.groups.values()),
             "env_calls_pending": len(self.calls),

@@ -181,7 +181,7 @@ class RolloutScheduler:
         """Every counter of the run: the checkpoint's plus each part's since (a copy)."""
         with self._lock:
             out = collections.Counter(self._restored)
-            for part in (self._counters, self._dispatcher.counts(), self._assembler.counts()):
+            for part in (self._counters, self._dispatcher.watch.counts(), self._assembler.counts()):
                 out.update(part)
             return out
 
@@ -357,7 +357,7 @@ class RolloutScheduler:
             self._thread.join(timeout=10)
         with self._lock:
             for pid in self._dispatcher.in_flight():
-                self._dispatcher.abort_prompt(pid)
+                self._dispatcher.end_prompt(pid, abort=True)
         self._pool.stop()
 
     def _pump(self) -> None:
@@ -392,7 +392,7 @@ class RolloutScheduler:
                 sched_batch_prompts=self._assembler.B,
                 sched_async_ratio=self._assembler.alpha,
                 sched_prompts_capacity=self._admission.capacity,
-                **self._dispatcher.stats(),
+                **self._dispatcher.watch.stats(),
                 **{f"buffer_{k}": v for k, v in self._buffer.counts().items()},
                 **self._ledger.metrics(),
             )
@@ -434,7 +434,7 @@ class RolloutScheduler:
         seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
         server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
         with self._lock:
-            spans = self._dispatcher.take_score_spans()
+            spans = self._dispatcher.watch.take_score_spans()
             return {"gen": self._pool.take_busy_spans(), "reward": spans}
 
     def _server_stats(self) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ learns which, so an RLVR run never imports ``jaxflash.envs``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from jaxflash.data.prompts import PromptFailure
@@ -177,6 +177,21 @@ class InFlight(NamedTuple):
     start_version: float
 
 
+class DispatchWatch(NamedTuple):
+    """What a dispatcher reports (``Dispatch.watch``), read by the scheduler's metrics.
+
+    Attributes:
+      stats: () -> instantaneous state for metrics.jsonl (samples outstanding, scoring).
+      counts: () -> what it counted since it was built (added to the restored counters).
+      take_score_spans: () -> (submitted, scored) clock times of rewards scored since
+        the last call (the timeline's reward spans; none for episodes).
+    """
+
+    stats: Callable[[], dict[str, Any]]
+    counts: Callable[[], dict[str, int]]
+    take_score_spans: Callable[[], list[tuple[float, float]]]
+
+
 class Dispatch(Protocol):
     """How admitted prompts are played (``Dispatcher``: G samples scored by a reward
     pool; ``EpisodeDispatcher``: G episodes); what the scheduler and
@@ -185,9 +200,11 @@ class Dispatch(Protocol):
     Attributes:
       router: its ``RequestRouter``, where the servers' events go directly: versions
         (``publish``, ``version``), deaths, retirements, the first request's time.
+      watch: what it reports (``DispatchWatch``: stats, counts, score spans).
     """
 
     router: RequestRouter
+    watch: DispatchWatch
 
     def poll(self) -> int:
         """Handle reports, deaths and deadlines, then admit; events handled."""
@@ -198,26 +215,16 @@ class Dispatch(Protocol):
     def dispatch_prompt(self, prompt: Prompt) -> None:
         """Start (or start again) ``prompt`` (admitted: ``admission.admit_all``)."""
 
-    def abort_prompt(self, prompt_id: int) -> None:
-        """Stop everything of ``prompt_id`` that is in flight (counted)."""
-
-    def forget(self, prompt_id: int, *, scoring: bool = False) -> None:
-        """Drop what is kept of ``prompt_id`` (trained, dropped or regenerated)."""
+    def end_prompt(self, prompt_id: int, *, abort: bool = False, scoring: bool = False) -> None:
+        """Drop what is kept of ``prompt_id`` (trained, dropped or regenerated); with
+        ``abort``, first stop everything of it that is in flight (counted); with
+        ``scoring``, also its samples awaiting a reward (late scores are discarded)."""
 
     def in_flight(self) -> dict[int, InFlight]:
         """Prompts with something running, by id (sorted)."""
 
     def next_deadline(self) -> float | None:
         """Clock time of the next deadline (None when nothing is pending)."""
-
-    def take_score_spans(self) -> list[tuple[float, float]]:
-        """(submitted, scored) clock times of rewards scored since the last call."""
-
-    def stats(self) -> dict[str, Any]:
-        """Instantaneous state for metrics.jsonl."""
-
-    def counts(self) -> dict[str, int]:
-        """What it counted since it was built (added to the restored counters)."""
 
 
 class DispatchFactory(Protocol):

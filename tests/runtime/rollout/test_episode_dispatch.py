@@ -123,7 +123,7 @@ def _setup(
 
 def _books_add_up(sched):
     c = sched.watch.counters
-    running = ThreadFree(sched).parts.dispatcher.stats()["episodes_running"]
+    running = ThreadFree(sched).parts.dispatcher.watch.stats()["episodes_running"]
     assert c["episodes_started"] == sum(c[k] for k in EPISODE_ENDS) + running, dict(c)
     ThreadFree(sched).parts.ledger.check()
 
@@ -278,7 +278,7 @@ def test_counters_add_up_across_a_restart_and_nothing_is_trained_twice():
     sched, clock, server, env_time, _ = _setup(**kw)
     first = run_steps(sched, clock, [server], env_time, steps=2, train_s=3.0)
     ledger_state, counters, cursor, _ = ThreadFree(sched).snapshot()
-    running = ThreadFree(sched).parts.dispatcher.stats()["episodes_running"]
+    running = ThreadFree(sched).parts.dispatcher.watch.stats()["episodes_running"]
     assert running > 0 and ThreadFree(sched).parts.ledger.open_ids  # something was in flight
     open_ids = sorted(ThreadFree(sched).parts.ledger.open_ids)
 

@@ -432,7 +432,7 @@ def test_counters_are_the_checkpoints_plus_what_each_part_counted():
     assert c["samples_generated"] == 12 and c["samples_scored"] == 12  # 10 restored + 2
     assert c["prompts_trained"] == 3 and c["prompts_regenerated_on_resume"] == 0
     assert (
-        ThreadFree(sched).parts.dispatcher.counts()["samples_generated"] == 2
+        ThreadFree(sched).parts.dispatcher.watch.counts()["samples_generated"] == 2
     )  # the router's own, via its owner
     assert ThreadFree(sched).snapshot().counters == {k: c[k] for k in sorted(c)}
 
