@@ -27,7 +27,7 @@ from jaxflash.types import (
     PromptOutcome,
     SamplingParams,
 )
-from tests.fake_servers import FakeServer
+from tests.fake_servers import FakeServer, Tok
 
 
 class FakeSource:
@@ -56,19 +56,6 @@ class FakeRewards:
         f = concurrent.futures.Future()
         f.set_result(Scored(RewardResult(score=1.0 if int(pid) in self.flat else float(idx))))
         return f
-
-
-class Tok:
-    eos_id = 0
-    stop_ids = frozenset({0})
-
-    def decode(self, ids):
-        return " ".join(map(str, ids))
-
-    def response_text(self, ids):  # up to the first stop id, like models.Tokenizer
-        ids = [int(i) for i in ids]
-        cut = next((k for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
-        return self.decode(ids[:cut])
 
 
 def _servers(*specs):
