@@ -274,16 +274,16 @@ class _SigtermOnVersion(GenerationServer):
     after weights of version ``AT`` were published to it (α = 0: step AT + 1's first
     request; the server applies them later, in its own thread)."""
 
-    AT, armed, sent = 1, False, False
+    AT, SIGNAL, armed, sent = 1, signal.SIGTERM, False, False
 
     def update_weights(self, params, version):
         super().update_weights(params, version)
-        _SigtermOnVersion.armed |= version >= self.AT
+        type(self).armed |= version >= self.AT
 
     def submit(self, request):
-        if _SigtermOnVersion.armed and not _SigtermOnVersion.sent:
-            _SigtermOnVersion.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
+        if type(self).armed and not type(self).sent:
+            type(self).sent = True
+            os.kill(os.getpid(), self.SIGNAL)
         super().submit(request)
 
 
@@ -332,20 +332,10 @@ def test_sigterm_during_evaluation_skips_it_and_saves_the_step(tmp_path):
     assert "preempted (SIGTERM): saved step 1" in out.getvalue()
 
 
-class _SigintOnVersion(GenerationServer):
+class _SigintOnVersion(_SigtermOnVersion):
     """``_SigtermOnVersion`` with a Ctrl-C (SIGINT): sent at step AT + 1's first request."""
 
-    AT, armed, sent = 1, False, False
-
-    def update_weights(self, params, version):
-        super().update_weights(params, version)
-        _SigintOnVersion.armed |= version >= self.AT
-
-    def submit(self, request):
-        if _SigintOnVersion.armed and not _SigintOnVersion.sent:
-            _SigintOnVersion.sent = True
-            os.kill(os.getpid(), signal.SIGINT)
-        super().submit(request)
+    SIGNAL, armed, sent = signal.SIGINT, False, False
 
 
 @pytest.mark.timeout(600)
