@@ -8,18 +8,38 @@
 Built from thread-free parts, each with its own tests: ``OutstandingTable``,
 ``Admission``, ``ServerPool``, a dispatcher (``rollout.settings.Dispatch``, built by
 the workload's factory), ``BatchAssembler``. Each part owns its state (the others
-call its methods) and its counters (``counts()``; ``books.counters()`` adds them to the
+call its methods) and its counters (``counts()``; ``watch.counters`` here adds them to the
 checkpoint's). Their work is reachable without threads (``ThreadFree``: ``poll``,
 ``try_batch``, ``mark_trained``; and ``servers_changed``); the scheduler adds only the pump
 thread that calls ``poll`` in a loop and the blocking ``next_batch``.
 
 Faces: the loop sees ``Rollout`` (``start``, ``next_batch``, ``end_step``, ``close``,
-``watch``: ``rollout.watch.RolloutWatch``, ``books``: ``rollout.books.Books``), the fleet
-a ``ServerListener`` (``servers_changed``), the step controller ``reconfigure``; a
-discrete-event simulator and the tests drive ``ThreadFree(scheduler)`` under a
-``VirtualClock`` (``runtime.clock``): poll, try the batch, else advance the clock to the
-next server completion or ``next_deadline()`` (``tests/fake_servers.py``'s ``drive`` is a
-complete driver; ``runtime.simulate`` another).
+``watch``, ``books``), the fleet a ``ServerListener`` (``servers_changed``), the step
+controller ``reconfigure``; the simulator and the tests drive ``ThreadFree(scheduler)``.
+A simulator drives the same object without threads under a
+``VirtualClock`` (``runtime.clock``).
+
+Driving it without threads (a discrete-event simulator; see
+tests/runtime/rollout/test_scheduler_parts.py for a complete driver)::
+
+    clock, inbox = VirtualClock(), Inbox()
+    servers = [SimServer(on_finished=inbox.generated, clock=clock) for _ in range(n)]
+    books = RolloutBooks(source=source, ledger=PromptLedger(), buffer=GroupBuffer(G))
+    settings = RolloutSettings(batch_prompts=B, group_size=G, async_ratio=α, ...)
+    sched = RolloutScheduler(
+        servers, inbox, books, settings, prompt_dispatch(scorer, tokenizer), clock=clock
+    )
+    steps = ThreadFree(sched)
+    while v < steps:
+        steps.poll()
+        batch = steps.try_batch(v)
+        if batch is None:  # jump to the next event; servers deliver what is due
+            clock.advance_to(min(next server completion, steps.next_deadline()))
+            continue
+        clock.advance(learner time)
+        steps.mark_trained(batch.groups)
+        v += 1
+        sched.servers_changed(ServersChanged(version=v, weights=[None] * n))
 
 With α = 0 (capacity B, release at publish) the next prompts start at the new
 version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
@@ -36,6 +56,7 @@ server calls back, so the two can never deadlock.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -43,9 +64,9 @@ from typing import Any, NamedTuple, Protocol
 
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock, RealClock
+from jaxflash.runtime.rollout import server_metrics as gen_metrics
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
-from jaxflash.runtime.rollout.books import Books, BooksSnapshot
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.server_pool import (
     GenerationServerProtocol,
@@ -60,7 +81,6 @@ from jaxflash.runtime.rollout.settings import (
     RolloutBooks,
     RolloutSettings,
 )
-from jaxflash.runtime.rollout.watch import RolloutWatch
 from jaxflash.types import PromptOutcome
 
 __all__ = [
@@ -72,6 +92,22 @@ __all__ = [
     "RolloutSettings",
     "ThreadFree",
 ]
+
+
+class BooksSnapshot(NamedTuple):
+    """What ``RolloutScheduler.snapshot`` takes under one lock (a checkpoint's books).
+
+    Attributes:
+      ledger: ``PromptLedger.state_dict()`` (its in-flight prompts are generated again).
+      counters: the scheduler's prompts_* / samples_* counters.
+      cursor: the data source's cursor.
+      buffer: ``GroupBuffer.state_dict()`` (the buffer_* counters).
+    """
+
+    ledger: dict[str, Any]
+    counters: dict[str, int]
+    cursor: int
+    buffer: dict[str, int]
 
 
 class RolloutScheduler:
@@ -109,6 +145,10 @@ class RolloutScheduler:
         self._ledger, self._buffer, self._source = books.ledger, books.buffer, books.source
         self._truncation = settings.truncation
         self._clock = clock or RealClock()
+        # Counters: the checkpoint's, plus what each part counted since (``counts``).
+        self._restored: dict[str, int] = {k: int(v) for k, v in books.counters.items()}
+        self._counters: collections.Counter = collections.Counter()  # the scheduler's own
+        self._counters["prompts_regenerated_on_resume"] += len(books.resume_prompts)
         self._pool = servers if isinstance(servers, ServerPool) else ServerPool(servers)
         self._admission = Admission(
             books.source,
@@ -123,7 +163,7 @@ class RolloutScheduler:
             ledger=self._ledger,
             buffer=self._buffer,
             clock=self._clock,
-            restored={k: int(v) for k, v in books.counters.items()},
+            restored=dict(self._restored),
         )
         self._dispatcher = dispatch(parts, settings)
         self._assembler = BatchAssembler(
@@ -134,38 +174,28 @@ class RolloutScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # Counters: the checkpoint's, plus what each part counted since (``counts``).
-        self._books = Books(
-            ledger=self._ledger,
-            buffer=self._buffer,
-            source=self._source,
-            restored=books.counters,
-            parts=(self._dispatcher.watch.counts, self._assembler.counts),
-            lock=self._lock,
-        )
-        self._books.count("prompts_regenerated_on_resume", n=len(books.resume_prompts))
-        self._watch = RolloutWatch(
-            books=self._books,
-            pool=self._pool,
-            dispatcher=self._dispatcher,
-            admission=self._admission,
-            assembler=self._assembler,
-            buffer=self._buffer,
-            ledger=self._ledger,
-            lock=self._lock,
-        )
+        self._servers_seen: list[dict[str, Any]] = []  # server stats at the last step
+        self._step_books: BooksSnapshot | None = None  # at the last ``end_step``
+
+    def _all_counters(self) -> collections.Counter:
+        """Every counter of the run: the checkpoint's plus each part's since (a copy)."""
+        with self._lock:
+            out = collections.Counter(self._restored)
+            for part in (self._counters, self._dispatcher.watch.counts(), self._assembler.counts()):
+                out.update(part)
+            return out
 
     # ------------------------------------------------------------------ the other faces
 
     @property
     def watch(self) -> RolloutWatch:
         """What observers read while it runs (console, step times, the simulator)."""
-        return self._watch
+        return RolloutWatch(self)
 
     @property
-    def books(self) -> Books:
+    def books(self) -> RolloutBooksView:
         """The prompt books: the last step's (a checkpoint), outcomes, prompts open."""
-        return self._books
+        return RolloutBooksView(self)
 
     # ------------------------------------------------------------------ thread-free parts
 
@@ -282,7 +312,7 @@ class RolloutScheduler:
         self._pool.start()
         self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
         self._thread.start()
-        self._watch.mark_start()  # what the first step's generation metrics count from
+        self._servers_seen = self._server_stats()  # what _server_metrics counts from
 
     def next_batch(
         self,
@@ -316,8 +346,7 @@ class RolloutScheduler:
                 if left <= 0:
                     raise TimeoutError(
                         f"next_batch: {self._assembler.groups_so_far}/{self._assembler.B} groups "
-                        f"after {timeout_s}s at learner version {learner_version}: "
-                        f"{self._watch.stats()}"
+                        f"after {timeout_s}s at learner version {learner_version}: {self._stats()}"
                     )
                 self._clock.wait(self._changed, min(left, 0.5))
 
@@ -343,6 +372,32 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ books
 
+    def _snapshot(self) -> BooksSnapshot:
+        """The books, consistent with each other, for a checkpoint."""
+        with self._lock:
+            counts = {k: int(v) for k, v in sorted(self._all_counters().items())}
+            return BooksSnapshot(
+                self._ledger.state_dict(),
+                counts,
+                int(self._source.cursor),
+                self._buffer.state_dict(),
+            )
+
+    def _stats(self) -> dict[str, Any]:
+        """Counters plus instantaneous queue state, for metrics.jsonl."""
+        with self._lock:
+            out = {k: int(v) for k, v in sorted(self._all_counters().items())}
+            out.update(
+                prompts_active=len(self._admission),
+                sched_batch_prompts=self._assembler.B,
+                sched_async_ratio=self._assembler.alpha,
+                sched_prompts_capacity=self._admission.capacity,
+                **self._dispatcher.watch.stats(),
+                **{f"buffer_{k}": v for k, v in self._buffer.counts().items()},
+                **self._ledger.metrics(),
+            )
+            return out
+
     def end_step(
         self, groups: Sequence[Group], version: int, tracker: Any, *, skipped: str | None = None
     ) -> tuple[int, int]:
@@ -362,22 +417,46 @@ class RolloutScheduler:
           step controller's view of supply and queue (``control.step_control.StepReport``).
         """
         if skipped is not None:
-            self._books.count("steps_skipped", f"steps_skipped_{skipped}")
+            with self._lock:
+                self._counters.update(("steps_skipped", f"steps_skipped_{skipped}"))
         self._mark_trained(groups)
-        self._books.close_step()
-        tracker.report("rollout", self._watch.stats())
+        self._step_books = self._snapshot()
+        tracker.report("rollout", self._stats())
         tracker.report("outcomes", {"prompt_outcomes": self._ledger.outcomes})
         with self._lock:  # supply and queue, before the servers' metrics (as they were)
-            generated = int(self._books.counters().get("samples_generated", 0))
+            generated = int(self._all_counters().get("samples_generated", 0))
             progress = generated, int(self._buffer.counts()["pending"])
-        tracker.report("generation", self._watch.step_metrics(version))
+        tracker.report("generation", self._server_metrics(version))
         return progress
+
+    def _take_timeline_spans(self) -> dict[str, Any]:
+        """Busy spans per server and reward-scoring spans since the last call (clock
+        seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
+        server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
+        with self._lock:
+            spans = self._dispatcher.watch.take_score_spans()
+            return {"gen": self._pool.take_busy_spans(), "reward": spans}
+
+    def _server_stats(self) -> list[dict[str, Any]]:
+        """Each server's cumulative ``stats()`` ({} once dead)."""
+        return self._pool.stats()
+
+    def _server_metrics(self, version: int) -> dict[str, Any]:
+        """The servers' generation metrics since the last call (since ``start`` at the
+        first): ``rollout.server_metrics.server_metrics`` of the step at ``version``."""
+        now = self._server_stats()
+        before, self._servers_seen = self._servers_seen, now
+        return gen_metrics.server_metrics(before, now, version)
 
     def _next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline (None if
         nothing is out): the next event a discrete-event driver must ``poll`` at."""
         with self._lock:
             return self._dispatcher.next_deadline()
+
+    def _first_request_at(self) -> float | None:
+        """Clock time of the first sample sent to a server (None before)."""
+        return self._dispatcher.router.first_request_at
 
 
 class Rollout(Protocol):
@@ -409,8 +488,70 @@ class Rollout(Protocol):
         """Counters, stats and spans for observers."""
 
     @property
-    def books(self) -> Books:
+    def books(self) -> RolloutBooksView:
         """The prompt books."""
+
+
+class RolloutWatch:
+    """What observers read of a running rollout (each call takes the scheduler's lock).
+
+    ``stats()``: counters plus queue state (metrics.jsonl's ``rollout`` section);
+    ``counters``: every counter of the run (the checkpoint's plus each part's since; a
+    copy); ``server_stats()``: each server's cumulative ``stats()`` ({} once dead);
+    ``take_timeline_spans()``: busy spans per server and reward-scoring spans since the last
+    call (clock seconds, for ``timeline.jsonl``: {"gen": [[(t0, t1), ...] per server],
+    "reward": [(t0, t1), ...]}); ``first_request_at``: clock time of the first sample sent
+    to a server (None before).
+    """
+
+    def __init__(self, scheduler: RolloutScheduler) -> None:
+        self._s = scheduler
+
+    def stats(self) -> dict[str, Any]:
+        return self._s._stats()
+
+    @property
+    def counters(self) -> collections.Counter:
+        return self._s._all_counters()
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        return self._s._server_stats()
+
+    def take_timeline_spans(self) -> dict[str, Any]:
+        return self._s._take_timeline_spans()
+
+    @property
+    def first_request_at(self) -> float | None:
+        return self._s._first_request_at()
+
+
+class RolloutBooksView:
+    """The rollout's prompt books, read by the step hooks and the loop.
+
+    ``step_books``: the ``BooksSnapshot`` taken at the last ``end_step`` (what a checkpoint
+    of that step saves; None before); ``outcomes``: the ledger's outcome -> reason -> count
+    (live); ``open_ids``: prompts admitted and not closed (at start: the checkpoint's in
+    flight, generated again); ``ledger_metrics()``: the ledger's prompts_* figures.
+    """
+
+    def __init__(self, scheduler: RolloutScheduler) -> None:
+        self._s = scheduler
+
+    @property
+    def step_books(self) -> BooksSnapshot | None:
+        return self._s._step_books
+
+    @property
+    def outcomes(self) -> dict[str, Any]:
+        return self._s._ledger.outcomes
+
+    @property
+    def open_ids(self) -> Any:
+        return self._s._ledger.open_ids
+
+    def ledger_metrics(self) -> dict[str, Any]:
+        with self._s._lock:
+            return self._s._ledger.metrics()
 
 
 class ThreadFree:
@@ -444,7 +585,7 @@ class ThreadFree:
         return self._s._next_deadline()
 
     def snapshot(self) -> BooksSnapshot:
-        return self._s._books.snapshot()
+        return self._s._snapshot()
 
     @property
     def parts(self) -> ThreadFreeParts:
