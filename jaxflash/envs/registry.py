@@ -8,12 +8,14 @@ from typing import Any
 from jaxflash.envs.base import EnvConfig, TextEnv
 from jaxflash.envs.frozenlake import FrozenLakeConfig, FrozenLakeEnv
 from jaxflash.envs.latency import LatencyConfig, LatencyEnv
+from jaxflash.envs.scienceworld import ScienceWorldConfig, ScienceWorldEnv
 from jaxflash.envs.sokoban import SokobanConfig, SokobanEnv
 from jaxflash.envs.tool_env import ToolUseConfig, ToolUseEnv
 
 ENVIRONMENTS: dict[str, tuple[type[EnvConfig], type]] = {
     "frozenlake": (FrozenLakeConfig, FrozenLakeEnv),
     "sokoban": (SokobanConfig, SokobanEnv),
+    "scienceworld": (ScienceWorldConfig, ScienceWorldEnv),
     "tool_use": (ToolUseConfig, ToolUseEnv),
 }
 
