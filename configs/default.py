@@ -115,7 +115,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rollout.filter_min_std = placeholder(float)  # drop below
     # ROLL Flash (arXiv 2510.11345), async_ratio > 0 only:
     c.rollout.partial_rollout = "continue"  # continue | recompute | restart on a weight update
-    c.rollout.stale_policy = "drop"  # drop | regenerate a group older than alpha allows
+    c.rollout.stale_policy = (
+        "drop"  # drop | regenerate a group older than alpha allows | pace (none is)
+    )
     c.rollout.sample_deadline_s = 600.0  # a sample not back by then is aborted and retried
     c.rollout.max_retries = 1  # retries of a timed-out sample before its prompt fails
 

@@ -169,7 +169,9 @@ METRICS: tuple[tuple[str, str], ...] = (
             "`samples_failed`, `samples_rerouted`, `samples_requeued` (off a server "
             "retired by an elastic move), `samples_late`, `samples_dropped_<reason>`, "
             "`server_failures`, `server_recoveries` (a generation process back after a "
-            "restart), `prompts_regenerated_stale`, `prompts_regenerated_on_resume`"
+            "restart), `prompts_regenerated_stale`, `prompts_regenerated_on_resume`, "
+            "`samples_trained_overshoot` (`stale_policy='pace'`: trained older than α, "
+            "e.g. after α was lowered; never dropped)"
         ),
         "scheduler counters since the run began (kept across resumes)",
     ),
@@ -178,7 +180,7 @@ METRICS: tuple[tuple[str, str], ...] = (
             "`buffer_produced`, `buffer_returned`, `buffer_dropped`, "
             "`buffer_dropped_<reason>`, `buffer_pending`, "
             "`buffer_samples_late_discarded`, `buffer_staleness_fresh`, "
-            "`buffer_staleness_stale`, `buffer_staleness_anomaly`"
+            "`buffer_staleness_stale`, `buffer_staleness_anomaly`, `buffer_staleness_overshoot`"
         ),
         (
             "the group buffer: produced = returned + dropped + pending; cumulative over a"

@@ -17,7 +17,11 @@ reason the caller gives `discard` (e.g. "surplus_stale": a prompt aborted in fli
 With policy="regenerate", stale groups are still reported in `dropped` (reason
 "stale", `regenerate=True`): the caller resubmits the prompt instead of closing it,
 and the regenerated samples (start version = the new version) form a new group,
-counted as produced again.
+counted as produced again. With policy="pace" no group is dropped for staleness:
+the caller paces admission and batches so none exceeds α
+(``runtime.rollout.pacing``), and a group that still does is returned and counted
+(``staleness_overshoot``); its ``accept`` hook may keep a complete group for a later
+call (its batch slot is held for a group that is due sooner).
 
 Stale and failed groups are removed eagerly on every `take`, also beyond the batch
 edge; the filters run only on groups about to be returned (they are deterministic,
@@ -35,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import numpy as np
@@ -44,7 +48,8 @@ from jaxflash.replay.groups import DroppedGroup, Group, GroupFilter
 from jaxflash.replay.staleness import StalenessCounts, Verdict, classify, start_version_of
 from jaxflash.types import FailureReason, FinishReason, PolicyVersion, PromptOutcome, Sample
 
-StalePolicy = Literal["drop", "regenerate"]
+StalePolicy = Literal["drop", "regenerate", "pace"]
+STALE_POLICIES = ("drop", "regenerate", "pace")
 
 
 @dataclasses.dataclass
@@ -87,6 +92,7 @@ class GroupBuffer:
         self._dropped: dict[str, int] = {}
         self._late_discarded = 0
         self._staleness = StalenessCounts()
+        self._overshoot = 0  # groups returned older than α (policy "pace")
         if state:
             self._restore(dict(state))
 
@@ -103,6 +109,7 @@ class GroupBuffer:
                 "returned": self._returned,
                 "samples_late_discarded": self._late_discarded,
                 **{f"staleness_{k}": v for k, v in dataclasses.asdict(self._staleness).items()},
+                "staleness_overshoot": self._overshoot,
                 **{f"dropped_{k}": v for k, v in sorted(self._dropped.items())},
             }
 
@@ -113,6 +120,7 @@ class GroupBuffer:
         self._staleness = StalenessCounts(
             **{k: int(state.pop(f"staleness_{k}")) for k in ("fresh", "stale", "anomaly")}
         )
+        self._overshoot = int(state.pop("staleness_overshoot", 0))  # absent before "pace"
         self._dropped = {k.removeprefix("dropped_"): int(v) for k, v in state.items()}
         if any(not k.startswith("dropped_") for k in state) or self._produced != (
             self._returned + sum(self._dropped.values())
@@ -214,6 +222,7 @@ class GroupBuffer:
         learner_version: PolicyVersion,
         async_ratio: int,
         policy: StalePolicy = "drop",
+        accept: Callable[[int, int], bool] | None = None,
     ) -> tuple[list[Group], list[DroppedGroup]]:
         """Up to `batch_groups` complete fresh groups, oldest first, plus what was dropped.
 
@@ -223,8 +232,13 @@ class GroupBuffer:
             must not decrease between calls.
           async_ratio: alpha >= 0; a group is fresh iff 0 <= learner_version -
             start_version <= alpha.
-          policy: "drop" (stale groups are closed as STALE) or "regenerate"
-            (reported with regenerate=True for resubmission).
+          policy: "drop" (stale groups are closed as STALE), "regenerate"
+            (reported with regenerate=True for resubmission) or "pace" (returned
+            like fresh ones and counted ``staleness_overshoot``: nothing is dropped
+            for staleness).
+          accept: ``(prompt_id, start_version) -> bool``, asked for each complete
+            group that passed the filters, in order, before it is returned: False
+            keeps it pending for a later call (``runtime.rollout.pacing.Pacer``).
 
         Returns:
           (groups, dropped): groups sorted by (start_version, prompt_id), at most
@@ -242,8 +256,8 @@ class GroupBuffer:
         for name, v in (("learner_version", learner_version), ("async_ratio", async_ratio)):
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if policy not in ("drop", "regenerate"):
-            raise ValueError(f"policy must be 'drop' or 'regenerate', got {policy!r}")
+        if policy not in STALE_POLICIES:
+            raise ValueError(f"policy must be one of {STALE_POLICIES}, got {policy!r}")
         with self._lock:
             if self._last_learner_version is not None and (
                 learner_version < self._last_learner_version
@@ -270,7 +284,8 @@ class GroupBuffer:
             groups: list[Group] = []
             for start, pid in sorted(complete):
                 verdict = classify(start, learner_version, async_ratio)
-                if verdict is not Verdict.FRESH:
+                overshoot = policy == "pace" and verdict is Verdict.STALE
+                if verdict is not Verdict.FRESH and not overshoot:
                     self._staleness = self._staleness.plus(verdict)
                     what = "anomaly: newer than the learner" if verdict is Verdict.ANOMALY else ""
                     detail = (
@@ -292,14 +307,20 @@ class GroupBuffer:
                     continue
                 if len(groups) == batch_groups:
                     continue  # fresh but past the batch edge: keep for the next call
-                pend = self._pending.pop(pid)
-                self._staleness = self._staleness.plus(Verdict.FRESH)
+                pend = self._pending[pid]
                 group = Group(
                     prompt_id=pid,
                     start_version=start,
                     samples=tuple(pend.samples[i] for i in range(self.group_size)),
                 )
                 reason = self.group_filter.reason(group.rewards_g) if self.group_filter else None
+                if reason is None and accept is not None and not accept(pid, int(start)):
+                    continue  # held: the caller keeps its slot for a group due sooner
+                del self._pending[pid]
+                if overshoot:
+                    self._overshoot += 1
+                else:
+                    self._staleness = self._staleness.plus(Verdict.FRESH)
                 if reason is not None:
                     detail = f"rewards {group.rewards_g.tolist()}"
                     dropped.append(self._drop(pid, pend, PromptOutcome.FILTERED, reason, detail))
@@ -408,7 +429,8 @@ class GroupBuffer:
         """Counters; produced == returned + dropped + pending always holds.
 
         Keys: produced, returned, dropped, pending, dropped_<reason> for each reason
-        seen, samples_late_discarded, staleness_fresh/_stale/_anomaly.
+        seen, samples_late_discarded, staleness_fresh/_stale/_anomaly/_overshoot
+        (overshoot: groups returned older than α under policy "pace").
         """
         with self._lock:
             out = {
@@ -420,6 +442,7 @@ class GroupBuffer:
                 "staleness_fresh": self._staleness.fresh,
                 "staleness_stale": self._staleness.stale,
                 "staleness_anomaly": self._staleness.anomaly,
+                "staleness_overshoot": self._overshoot,
             }
             out.update({f"dropped_{k}": v for k, v in sorted(self._dropped.items())})
             return out

@@ -64,6 +64,7 @@ def test_batch_edge_keeps_the_remainder_and_returns_it_first():
         "staleness_fresh": 13,
         "staleness_stale": 0,
         "staleness_anomaly": 0,
+        "staleness_overshoot": 0,
     }
 
 
@@ -190,6 +191,32 @@ def test_regenerate_policy_reports_stale_groups_for_resubmission():
     assert groups[0].start_version == 5
     c = buf.counts()
     assert (c["produced"], c["returned"], c["dropped"]) == (2, 1, 1)
+
+
+def test_pace_policy_returns_an_overshooting_group_counted_and_accept_holds_groups():
+    """policy="pace" drops nothing for staleness: a group older than α is returned and
+    counted (``staleness_overshoot``, kept in the state_dict); ``accept`` False keeps a
+    complete group pending, in start order."""
+    buf = GroupBuffer(G)
+    _add_group(buf, 1, start=2)
+    _add_group(buf, 2, start=4)
+    asked = []
+
+    def hold_2(pid, start):
+        asked.append((pid, start))
+        return pid != 2
+
+    groups, dropped = buf.take(4, learner_version=5, async_ratio=1, policy="pace", accept=hold_2)
+    assert [g.prompt_id for g in groups] == [1] and dropped == [] and asked == [(1, 2), (2, 4)]
+    c = buf.counts()
+    assert (c["staleness_overshoot"], c["staleness_fresh"], c["pending"]) == (1, 0, 1)
+    groups, _ = buf.take(4, learner_version=5, async_ratio=1, policy="pace")
+    assert [g.prompt_id for g in groups] == [2] and buf.counts()["staleness_fresh"] == 1
+    state = buf.state_dict()
+    assert state["staleness_overshoot"] == 1 and _balanced(buf)
+    assert GroupBuffer(G, state=state).counts()["staleness_overshoot"] == 1
+    old = {k: v for k, v in state.items() if k != "staleness_overshoot"}  # before "pace"
+    assert GroupBuffer(G, state=old).counts()["staleness_overshoot"] == 0
 
 
 def test_group_newer_than_learner_is_stale_and_an_anomaly():

@@ -36,7 +36,10 @@ class RolloutSpec:
     filter_min_std: float | None = None  # drop groups with reward std below
     # In-flight samples at a weight update; only with async_ratio > 0 (disjoint slices).
     partial_rollout: str = "continue"  # continue | recompute | restart
-    stale_policy: str = "drop"  # drop | regenerate a sample older than alpha allows (alpha > 0)
+    # A group older than alpha allows (alpha > 0): "drop" it, "regenerate" it, or "pace":
+    # admit and train earliest-deadline-first so none exceeds alpha and none is
+    # discarded -- the learner waits for a due straggler instead (runtime.rollout.pacing).
+    stale_policy: str = "drop"
     sample_deadline_s: float = 600.0  # a sample not back by then is aborted and retried
     max_retries: int = 1  # retries of a timed-out sample before its prompt fails
     # Agentic (env.name set): extra episodes per group; the first group_size to finish
@@ -75,8 +78,8 @@ class RolloutSpec:
             f"got {self.partial_rollout!r}",
         )
         check(
-            self.stale_policy in ("drop", "regenerate"),
-            f"rollout.stale_policy must be drop | regenerate, got {self.stale_policy!r}",
+            self.stale_policy in ("drop", "regenerate", "pace"),
+            f"rollout.stale_policy must be drop | regenerate | pace, got {self.stale_policy!r}",
         )
         check(
             self.sample_deadline_s > 0,

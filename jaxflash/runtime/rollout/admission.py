@@ -7,7 +7,9 @@ dropped before) are published, so with α = 0 the next prompts start at the new
 version -- the synchronous loop. Dynamic sampling (DAPO, arXiv 2503.14476) frees a
 filtered prompt's capacity at once so a replacement starts now, up to a refill
 budget per learner step, so that a run whose every group is filtered cannot read
-its whole dataset in one step. Prompts to regenerate (surplus ones aborted as
+its whole dataset in one step. With ``stale_policy="pace"`` a ``Pacer``
+(``rollout.pacing``) also gates each admission on every prompt meeting its
+training deadline, and learns each one's. Prompts to regenerate (surplus ones aborted as
 stale, in-flight ones of a resumed run) re-enter here.
 
 Thread-free: the scheduler serialises access.
@@ -35,13 +37,21 @@ class Admission:
         returns at once (0 = never: everything waits for the next release).
       resume: prompts in flight at a checkpoint, admitted first (already taken
         from the source and open in the ledger).
+      pacer: ``rollout.pacing.Pacer`` (``stale_policy="pace"``): admits only while it
+        ``admits()``, told of each admission (``admitted``); None = capacity only.
 
     Raises:
       ValueError: capacity < 1 or refill_budget < 0.
     """
 
     def __init__(
-        self, source: Any, *, capacity: int, refill_budget: int = 0, resume: Iterable[Item] = ()
+        self,
+        source: Any,
+        *,
+        capacity: int,
+        refill_budget: int = 0,
+        resume: Iterable[Item] = (),
+        pacer: Any = None,
     ) -> None:
         _check(capacity, refill_budget)
         self.source = source
@@ -54,6 +64,7 @@ class Admission:
         self._regenerate_at_release: list[int] = []
         self._exhausted = False
         self._halted = False  # no more admissions (e.g. no generation server left)
+        self.pacer = pacer
 
     # -- the owner's controls ---------------------------------------------------
 
@@ -88,6 +99,8 @@ class Admission:
         """A prompt could be admitted now (capacity free and a prompt available)."""
         if self._halted or len(self._active) >= self.capacity:
             return False
+        if self.pacer is not None and not self.pacer.admits():
+            return False
         return bool(self._requeue) or not self._exhausted
 
     def next(self) -> tuple[Item, bool] | None:
@@ -108,6 +121,8 @@ class Admission:
                 return None
             item, from_source = items[0], True
         self._active[item.prompt_id] = item
+        if self.pacer is not None:
+            self.pacer.admitted(item.prompt_id)
         return item, from_source
 
     # -- looking up -------------------------------------------------------------

@@ -7,6 +7,12 @@ here: closed in the ledger with its outcome and reason (a failure with its
 ``FailureReason``), or generated again (``stale_policy="regenerate"``); each
 sample gets its rollouts.jsonl row either way.
 
+With ``stale_policy="pace"`` nothing is dropped for staleness: a ``Pacer``
+(``rollout.pacing``) decides which complete groups join the batch
+(earliest deadline first; the batch waits for a due group still being
+generated), a group that still exceeds α is trained and counted
+(``samples_trained_overshoot``), and no surplus is aborted.
+
 Surplus aborted once a batch is full (ROLL Flash, arXiv 2510.11345 §5.1): every
 in-flight prompt whose group would start below v + 1 − α -- stale at the next
 step -- is aborted at once instead of finishing only to be dropped.
@@ -25,6 +31,7 @@ from jaxflash.replay.group_buffer import GroupBuffer
 from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.rollout.admission import Admission, admit_all
 from jaxflash.runtime.rollout.ledger import PromptLedger
+from jaxflash.runtime.rollout.pacing import Pacer
 from jaxflash.runtime.rollout.rows import rollout_row
 from jaxflash.runtime.rollout.settings import Dispatch, RolloutSettings
 from jaxflash.types import FailureReason, PromptOutcome
@@ -65,9 +72,10 @@ class BatchAssembler:
         ``truncation`` (decides the rows' ``loss_masked``) and ``refill_dropped`` (a
         dropped prompt's capacity returns at once: dynamic sampling). B and α move
         with ``reconfigure``.
+      pacer: the ``Pacer`` of ``stale_policy="pace"`` (None otherwise).
 
     Counts (``counts``): samples_dropped_<reason>, samples_aborted_surplus,
-    prompts_regenerated_stale.
+    prompts_regenerated_stale, samples_trained_overshoot.
     """
 
     def __init__(
@@ -77,7 +85,9 @@ class BatchAssembler:
         buffer: GroupBuffer,
         ledger: PromptLedger,
         settings: RolloutSettings,
+        pacer: Pacer | None = None,
     ) -> None:
+        self.pacer = pacer
         self.dispatcher, self.admission, self.buffer, self.ledger = (
             dispatcher,
             admission,
@@ -134,17 +144,13 @@ class BatchAssembler:
         """
         v = learner_version
         self._forming = True
-        got, gone = self.buffer.take(self.B - len(self._groups), v, self.alpha, self.stale_policy)
-        self._groups += got
-        for g in got:  # a group whose every sample is masked trains nothing: filtered
-            kind = ("filtered", ALL_TRUNCATED) if self.truncation.masks_all(g.samples) else None
-            self._rows += [self._row(s, *(kind or ("trained", "trained")), v) for s in g.samples]
-        for d in gone:
-            self._dropped.append(d)
-            self._rows += self._resolve_dropped(d, v)
-        self.taken += [g.prompt_id for g in got]
+        if self.pacer is not None:
+            self.pacer.begin(v)
+        while self._take_some(v) and self.pacer is not None and len(self._groups) < self.B:
+            pass  # a group taken may let one held before it in start order join now
         if len(self._groups) == self.B:
-            self._abort_surplus(v)
+            if self.pacer is None:
+                self._abort_surplus(v)  # paced: nothing in flight is doomed
             self._admit()  # capacity freed by surplus drops: replacements start
         elif self._admit() or not self.dispatcher.idle() or self.buffer.num_complete():
             return None
@@ -156,7 +162,27 @@ class BatchAssembler:
             rows=self._rows,
         )
         self._forming, self._groups, self._dropped, self._rows = False, [], [], []
+        if self.pacer is not None:
+            self.pacer.batch_done(v)
         return batch
+
+    def _take_some(self, v: int) -> int:
+        """One ``GroupBuffer.take`` into the forming batch; the groups it added."""
+        accept = self.pacer.accept if self.pacer is not None else None
+        got, gone = self.buffer.take(
+            self.B - len(self._groups), v, self.alpha, self.stale_policy, accept=accept
+        )
+        self._groups += got
+        for g in got:  # a group whose every sample is masked trains nothing: filtered
+            kind = ("filtered", ALL_TRUNCATED) if self.truncation.masks_all(g.samples) else None
+            self._rows += [self._row(s, *(kind or ("trained", "trained")), v) for s in g.samples]
+            if v - g.start_version > self.alpha:  # only under "pace": trained, counted
+                self.counters["samples_trained_overshoot"] += len(g.samples)
+        for d in gone:
+            self._dropped.append(d)
+            self._rows += self._resolve_dropped(d, v)
+        self.taken += [g.prompt_id for g in got]
+        return len(got)
 
     def _row(
         self, s: Any, outcome: str, reason: str, v: int, failure: FailureReason | None = None
@@ -173,6 +199,8 @@ class BatchAssembler:
 
     def _resolve_dropped(self, d: DroppedGroup, v: int) -> list[dict[str, Any]]:
         """Close a dropped group in the ledger, or resubmit it (regenerate); its rows."""
+        if self.pacer is not None:
+            self.pacer.closed(d.prompt_id)  # needs no batch slot (or a new deadline)
         regen = d.regenerate and self.admission.is_active(d.prompt_id)
         outcome = "regenerated" if regen else str(d.outcome)
         rows = [self._row(s, outcome, d.reason, v, d.failure) for s in d.samples]

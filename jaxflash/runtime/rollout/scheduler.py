@@ -68,6 +68,7 @@ from jaxflash.runtime.rollout import server_metrics as gen_metrics
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
 from jaxflash.runtime.rollout.inbox import Inbox
+from jaxflash.runtime.rollout.pacing import Pacer
 from jaxflash.runtime.rollout.server_pool import (
     GenerationServerProtocol,
     ServerPool,
@@ -150,11 +151,13 @@ class RolloutScheduler:
         self._counters: collections.Counter = collections.Counter()  # the scheduler's own
         self._counters["prompts_regenerated_on_resume"] += len(books.resume_prompts)
         self._pool = servers if isinstance(servers, ServerPool) else ServerPool(servers)
+        self._pacer = Pacer.of(settings)  # None unless stale_policy="pace"
         self._admission = Admission(
             books.source,
             capacity=settings.capacity,
             refill_budget=settings.refill_budget,
             resume=books.resume_prompts,
+            pacer=self._pacer,
         )
         parts = DispatchParts(
             pool=self._pool,
@@ -167,7 +170,7 @@ class RolloutScheduler:
         )
         self._dispatcher = dispatch(parts, settings)
         self._assembler = BatchAssembler(
-            self._dispatcher, self._admission, self._buffer, self._ledger, settings
+            self._dispatcher, self._admission, self._buffer, self._ledger, settings, self._pacer
         )
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -243,6 +246,8 @@ class RolloutScheduler:
             )
         with self._changed:
             self._assembler.reconfigure(batch_prompts=batch_prompts, async_ratio=async_ratio)
+            if self._pacer is not None:
+                self._pacer.reconfigure(batch_prompts=batch_prompts, async_ratio=async_ratio)
             refill = batch_prompts if self._settings.refill_dropped else 0
             self._admission.resize(capacity=prompts_in_flight, refill_budget=refill)
             self._changed.notify_all()
@@ -301,6 +306,8 @@ class RolloutScheduler:
             if self._pool.update(i, params, version) is Submitted.DIED:
                 self._dispatcher.router.server_died(i)
         self._dispatcher.router.publish(version)
+        if self._pacer is not None:
+            self._pacer.published(version)
         self._assembler.release()
         for prompt in self._admission.release():  # surplus prompts, fresh at this version
             self._dispatcher.dispatch_prompt(prompt)

@@ -27,7 +27,7 @@ from jaxflash.runtime.rollout.scoring import TruncationPolicy
 from jaxflash.runtime.rollout.server_pool import ServerPool
 from jaxflash.types import Prompt, SamplingParams
 
-STALE_POLICIES = ("drop", "regenerate")
+STALE_POLICIES = ("drop", "regenerate", "pace")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,8 @@ class RolloutSettings:
       async_ratio: α >= 0: a group may be at most α versions older than the learner.
       sampling, seed: of every request (the sampling RNG is keyed per sample).
       policy_version: the version the servers hold at the start.
-      stale_policy: "drop" | "regenerate" (a group too stale to train).
+      stale_policy: "drop" | "regenerate" a group too stale to train, or "pace" admission
+        and batches so none is (``rollout.pacing``; nothing discarded for staleness).
       sample_deadline_s, max_retries: per-request deadline (seconds, queue time on
         the server included) and retries before the prompt fails.
       truncation: what a truncated response gets.
@@ -76,7 +77,9 @@ class RolloutSettings:
                 f"{self.batch_prompts}, {self.group_size}, {self.async_ratio}"
             )
         if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"stale_policy must be drop | regenerate, got {self.stale_policy!r}")
+            raise ValueError(
+                f"stale_policy must be drop | regenerate | pace, got {self.stale_policy!r}"
+            )
 
     @classmethod
     def from_spec(

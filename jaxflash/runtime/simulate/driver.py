@@ -214,7 +214,9 @@ def simulate(
     training: list[Any] = []  # the groups of the step being trained
     snapshots: dict[int, tuple[float, list[dict[str, Any]]]] = {}
     version, changed, events = 0, True, 0
-    snapshots[0] = (clock.now(), [s.stats() for s in servers])
+    admission = ThreadFree(sched).parts.admission
+    starved = 0.0  # slot-seconds with nothing to run while admission was refused
+    snapshots[0] = (clock.now(), [s.stats() for s in servers], starved)
     while version < config.steps:
         if ThreadFree(sched).poll():
             changed = True
@@ -238,14 +240,17 @@ def simulate(
             raise RuntimeError(
                 f"simulation stuck at version {version}, t={clock.now():.3f}: {sched.watch.stats()}"
             )
+        before, blocked = clock.now(), not admission.can_admit()
         now = clock.advance_to(max(clock.now(), min(due)))
+        if blocked:
+            starved += (now - before) * sum(s.starved_slots for s in servers)
         events += 1
         if events > max_events:
             raise RuntimeError(f"simulation exceeded {max_events} events at version {version}")
         phase = learner.advance()
         if phase == "train":
             ThreadFree(sched).mark_trained(training)
-            snapshots[version + 1] = (now, [s.stats() for s in servers])
+            snapshots[version + 1] = (now, [s.stats() for s in servers], starved)
             sync_s = learner.due() - now
             if sync_s > 0 and (colocated or costs.sync.stalls_generation):
                 for s in servers:
@@ -258,7 +263,21 @@ def simulate(
             if t is not None and t <= now:  # others: next round, after the scheduler saw this
                 s.deliver_due()
         scorer.deliver_due()
-    return summarize(config, records, snapshots, learner, servers, sched, ledger)
+    taken = range(books.source.cursor)  # every prompt admitted: what was started
+    started = [(p, i) for p in taken for i in range(G)]
+    return summarize(
+        config,
+        records,
+        snapshots,
+        learner,
+        servers,
+        sched,
+        ledger,
+        started=(
+            tuple(workload.response_len(*k) for k in started),
+            tuple(workload.reward(*k) for k in started),
+        ),
+    )
 
 
 def _pids(batch: Any) -> list[int]:
@@ -279,6 +298,7 @@ def _record(
         for s in g.samples:
             key = (int(s.prompt_id), int(s.sample_index))
             record.lengths.append(workload.response_len(*key))
+            record.rewards.append(workload.reward(*key))
             record.staleness.append(version - int(start_version_of(s)))
             record.gen_s.append(gen_log.pop(key, 0.0))
     record.trained = len(record.lengths)

@@ -28,6 +28,7 @@ class StepRecord:
     replayed: int = 0
     tokens: int = 0  # tokens the step computed (learner cost model)
     lengths: list[int] = dataclasses.field(default_factory=list)  # response tokens, fresh
+    rewards: list[float] = dataclasses.field(default_factory=list)  # of the same samples
     staleness: list[int] = dataclasses.field(default_factory=list)
     gen_s: list[float] = dataclasses.field(default_factory=list)  # in-slot seconds, fresh
     groups: list[int] = dataclasses.field(default_factory=list)  # prompt ids trained

@@ -32,11 +32,18 @@ class SimResult:
       staleness_mean, staleness_max: of the trained samples (versions).
       learner_idle, gen_idle: fraction of the window the learner waited for a
         batch / the average server had no live slot.
+      admission_idle: slot-seconds with nothing to run or queued while admission was
+        refused (capacity or ``stale_policy="pace"``) / (K x window): how much the
+        staleness bound stalls generation.
       train_s_per_sample: learner train seconds per trained sample.
       len_mean, len_max: response tokens of the trained samples.
       mu_gen_s, l_gen_s: mean / longest in-slot seconds of the trained samples.
       bound_s_per_sample: μ_gen/K + L_gen/Q.
       outcomes: the ledger's prompt outcomes; counters: the scheduler's.
+      lengths_trained, rewards_trained: response tokens and reward of every sample
+        trained (all steps, warm-up included); lengths_started, rewards_started: of
+        every sample of every prompt admitted (what the policy was asked for,
+        trained or not): the reference a staleness policy's bias is read against.
       trace: per step (taken_at, train_end, sync_end, prompt ids): for determinism.
     """
 
@@ -56,9 +63,14 @@ class SimResult:
     l_gen_s: float
     bound_s_per_sample: float
     replayed_samples: int
+    admission_idle: float
     outcomes: dict[str, dict[str, int]]
     counters: dict[str, int]
     trace: tuple[tuple[float, float, float, tuple[int, ...]], ...]
+    lengths_trained: tuple[int, ...] = ()
+    rewards_trained: tuple[float, ...] = ()
+    lengths_started: tuple[int, ...] = ()
+    rewards_started: tuple[float, ...] = ()
 
     @property
     def s_per_sample(self) -> float:
@@ -93,15 +105,21 @@ def summarize(
     servers: list,
     sched: Any,
     ledger: Any,
+    *,
+    started: tuple[tuple[int, ...], tuple[float, ...]] = ((), ()),
 ) -> SimResult:
-    """Builds the SimResult of a finished ``driver.simulate`` run."""
+    """Builds the SimResult of a finished ``driver.simulate`` run.
+
+    ``snapshots``: version -> (clock, server stats, starved slot-seconds so far);
+    ``started``: (lengths, rewards) of every sample of every prompt admitted.
+    """
     w = config.warmup_steps
     measured = records[w:]
     start = records[w - 1].train_end if w else (sched.watch.first_request_at or 0.0)
     end = records[-1].train_end
     window = max(end - start, 1e-12)
-    t0, s0 = snapshots[w]
-    t1, s1 = snapshots[config.steps]
+    t0, s0, starved0 = snapshots[w]
+    t1, s1, starved1 = snapshots[config.steps]
     live = sum(b["live_slot_s"] - a["live_slot_s"] for a, b in zip(s0, s1, strict=True))
     busy = sum(b["busy_s"] - a["busy_s"] for a, b in zip(s0, s1, strict=True))
     trained = sum(r.trained for r in measured)
@@ -131,7 +149,12 @@ def summarize(
             mu, longest, slots=config.slots, samples=N, async_ratio=config.async_ratio
         ),
         replayed_samples=sum(r.replayed for r in measured),
+        admission_idle=(starved1 - starved0) / (config.slots * window),
         outcomes={k: dict(v) for k, v in ledger.outcomes.items()},
         counters={k: int(v) for k, v in sorted(sched.watch.counters.items())},
         trace=tuple((r.taken_at, r.train_end, r.sync_end, tuple(r.groups)) for r in records),
+        lengths_trained=tuple(n for r in records for n in r.lengths),
+        rewards_trained=tuple(x for r in records for x in r.rewards),
+        lengths_started=started[0],
+        rewards_started=started[1],
     )

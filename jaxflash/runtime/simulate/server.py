@@ -194,6 +194,11 @@ class SimServer:
         self._dirty = True
 
     @property
+    def starved_slots(self) -> int:
+        """Slots with nothing to run and nothing queued (idle for want of admissions)."""
+        return max(0, self.K - len(self._running) - len(self._queue))
+
+    @property
     def busy(self) -> bool:
         """Some slot is live (what contention counts)."""
         return self._seg is not None

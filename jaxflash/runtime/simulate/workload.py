@@ -150,6 +150,9 @@ class SimWorkload:
       prompt_tokens: prompt lengths, cycled by prompt id.
       prompt_sigma: σ_p of the per-prompt length scale exp(σ_p·z_p) (0 = iid).
       pass_alpha, pass_beta: Beta(a, b) of each prompt's pass rate.
+      pass_length_power: k >= 0: a prompt's pass rate is divided by its length scale
+        to the power k (clipped to [0, 1]): long prompts are hard ones (0 = rate and
+        length independent). The staleness study's assumption, not a measurement.
       seed: of every draw.
       episode: optional function returning a sample's turns (default: one turn).
     """
@@ -160,6 +163,7 @@ class SimWorkload:
     prompt_sigma: float = 0.0
     pass_alpha: float = 1.0
     pass_beta: float = 1.0
+    pass_length_power: float = 0.0
     seed: int = 0
     episode: EpisodeFn | None = None
     # Draws made so far, by prompt and by (prompt, sample): each is drawn once.
@@ -176,10 +180,16 @@ class SimWorkload:
                 f"SimWorkload needs max_tokens >= 1 and prompt_tokens >= 1, got "
                 f"{self.max_tokens}, {self.prompt_tokens}"
             )
-        if self.prompt_sigma < 0 or self.pass_alpha <= 0 or self.pass_beta <= 0:
+        if (
+            self.prompt_sigma < 0
+            or self.pass_alpha <= 0
+            or self.pass_beta <= 0
+            or self.pass_length_power < 0
+        ):
             raise ValueError(
-                "SimWorkload needs prompt_sigma >= 0 and pass_alpha, pass_beta > 0, got "
-                f"{self.prompt_sigma}, {self.pass_alpha}, {self.pass_beta}"
+                "SimWorkload needs prompt_sigma, pass_length_power >= 0 and pass_alpha, "
+                f"pass_beta > 0, got {self.prompt_sigma}, {self.pass_length_power}, "
+                f"{self.pass_alpha}, {self.pass_beta}"
             )
 
     def _rng(self, stream: int, *key: int) -> random.Random:
@@ -196,7 +206,9 @@ class SimWorkload:
         if got is None:
             rng = self._rng(1, prompt_id)
             z, rate = rng.gauss(0.0, 1.0), rng.betavariate(self.pass_alpha, self.pass_beta)
-            got = self._prompts[prompt_id] = (math.exp(self.prompt_sigma * z), float(rate))
+            scale = math.exp(self.prompt_sigma * z)
+            rate = min(1.0, rate / scale**self.pass_length_power)
+            got = self._prompts[prompt_id] = (scale, float(rate))
         return got
 
     def prompt_scale(self, prompt_id: int) -> float:

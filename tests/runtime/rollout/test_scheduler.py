@@ -119,7 +119,7 @@ def test_at_most_alpha_plus_one_batches_in_flight():
     assert sched.watch.counters["samples_aborted"] == 12  # surplus aborted at shutdown, counted
 
 
-@pytest.mark.parametrize("policy", ["drop", "regenerate"])
+@pytest.mark.parametrize("policy", ["drop", "regenerate", "pace"])
 def test_stale_groups_dropped_or_regenerated(policy):
     inbox, servers = _servers({})
     sched, ledger = _scheduler((inbox, servers), B=1, G=2, alpha=1, stale_policy=policy)
@@ -137,6 +137,14 @@ def test_stale_groups_dropped_or_regenerated(policy):
             sched.servers_changed(ServersChanged(version=3, weights=[None]))
             batch = sched.next_batch(3, timeout_s=10)
             assert [g.prompt_id for g in batch.groups] == [2]
+        elif policy == "pace":
+            # Two versions passed with no batch taken (the bound cannot hold by
+            # construction then): the oldest group is trained anyway, its overshoot
+            # counted; nothing is dropped.
+            assert [g.prompt_id for g in batch.groups] == [0] and batch.dropped == []
+            assert {s.start_version for s in batch.groups[0].samples} == {0}
+            assert sched.watch.counters["samples_trained_overshoot"] == 2
+            assert ledger.count(PromptOutcome.STALE) == 0
         else:
             assert [g.prompt_id for g in batch.groups] == [0]
             assert {s.start_version for s in batch.groups[0].samples} == {2}

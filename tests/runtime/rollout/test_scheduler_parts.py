@@ -398,7 +398,9 @@ def test_group_filters_apply_with_a_refill_budget_of_b_per_step():
 def test_settings_and_dispatch_factories_refuse_bad_input_naming_it():
     with pytest.raises(ValueError, match="need batch_prompts >= 1, group_size >= 1, async_ratio"):
         RolloutSettings(batch_prompts=0, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0)
-    with pytest.raises(ValueError, match=r"stale_policy must be drop \| regenerate, got 'keep'"):
+    with pytest.raises(
+        ValueError, match=r"stale_policy must be drop \| regenerate \| pace, got 'keep'"
+    ):
         RolloutSettings(
             batch_prompts=1, group_size=2, async_ratio=0, sampling=SAMPLING, seed=0,
             stale_policy="keep",
