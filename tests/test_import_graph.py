@@ -153,6 +153,7 @@ RUNTIME_FLOORS = {
     "rollout": 2,
     "model_setup": 3,
     "resume": 3,
+    "agents": 3,
     "fleet": 4,
     "workloads": 4,
     "control": 5,

@@ -136,7 +136,8 @@ class StepResult(NamedTuple):
       truncated: the environment cut the episode short (its own step limit).
       info: free-form; keys read by jaxflash: ``invalid_action`` (bool),
         ``success`` (bool, on the last step), ``role`` (chat role of the
-        observation message, default ``"user"``).
+        observation message, default ``"user"``), ``turn_rewards`` (on a terminating
+        step: the rewards of the episode's earlier turns, in order; an agent's).
     """
 
     observation: str

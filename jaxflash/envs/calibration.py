@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxflash.envs.base import TextEnv
-from jaxflash.envs.chat import TurnRenderer
+from jaxflash.envs.chat import TurnRenderer, renderer_for
 from jaxflash.envs.driver import GenerateBatch, run_episodes
 from jaxflash.envs.episode import Episode, EpisodeEnd, Trajectory
 from jaxflash.types import SamplingParams
@@ -97,7 +97,7 @@ def calibrate_success(
         envs = [make_env() for _ in chunk]
         episodes = [
             Episode(
-                renderer,
+                renderer_for(env, renderer),
                 env.config,
                 prompt_id=s,
                 episode_index=i,

@@ -130,14 +130,23 @@ class TurnRenderer:
     def _delta(self, history: list[dict[str, str]], content: str, role: str) -> str:
         """Text after SENTINEL in ``[system?, *history, assistant SENTINEL, (role, content)]``
         rendered with the generation prompt."""
-        messages = [*self._head, *history, {"role": "assistant", "content": _SENTINEL}]
-        messages.append({"role": role, "content": content})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self._delta_of(history, [{"role": role, "content": content}])
+
+    def _delta_of(
+        self, history: list[dict[str, Any]], new: Sequence[dict[str, Any]], **template_kwargs: Any
+    ) -> str:
+        """Text after SENTINEL in ``[system?, *history, assistant SENTINEL, *new]`` rendered
+        with the generation prompt (and ``template_kwargs``, e.g. ``tools``)."""
+        messages = [*self._head, *history, {"role": "assistant", "content": _SENTINEL}, *new]
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_kwargs
+        )
         at = text.find(_SENTINEL)
         if at < 0:
+            roles = [m.get("role") for m in new]
             raise ValueError(
-                f"TurnRenderer: the chat template drops an assistant turn's content once a "
-                f"{role!r} message follows"
+                f"TurnRenderer: the chat template drops an assistant turn's content once "
+                f"{roles} messages follow"
             )
         return text[at + len(_SENTINEL) :]
 
@@ -191,18 +200,61 @@ class TurnRenderer:
         Raises:
           ValueError: as ``message_delta_text``.
         """
-        text = self.message_delta_text(content, role)
+        return self._after_turn(self.message_delta_text(content, role), ended_with_eot)
+
+    def between_turns_messages(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        ended_with_eot: bool,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """``between_turns`` for several new messages at once (tool results, then a user
+        message), rendered together as the template groups them (Qwen puts consecutive
+        tool results in one user turn).
+
+        Args:
+          messages: the new chat messages (OpenAI shape; the template reads them).
+          ended_with_eot: as ``between_turns``.
+          **template_kwargs: extra template variables (``tools``).
+
+        Raises:
+          ValueError: as ``between_turns``.
+        """
+        history = [{"role": "user", "content": "U"}]
+        return self._after_turn(
+            self._delta_of(history, messages, **template_kwargs), ended_with_eot
+        )
+
+    def _after_turn(self, text: str, ended_with_eot: bool) -> list[int]:
+        """Tokens of a delta, less the end-of-turn text a turn ended with eot_id holds."""
         if ended_with_eot:  # the sampled end-of-turn token is already in the context
             if not text.startswith(self._eot_text):
                 raise ValueError(
-                    f"TurnRenderer: the chat template closes an assistant turn before a "
-                    f"{role!r} message with {text[:40]!r}, not with {self._eot_text!r}"
+                    f"TurnRenderer: the chat template closes an assistant turn before the "
+                    f"next message with {text[:40]!r}, not with {self._eot_text!r}"
                 )
             text = text[len(self._eot_text) :]
         return self.encode_fragment(text)
+
+    def turn_sampling(self, sampling: Any) -> Any:
+        """The sampling parameters of the next turn (here the run's, unchanged; a
+        session renderer narrows them to what its agent asked, ``envs.agent_turns``)."""
+        return sampling
+
+    def observe_turn(self, sample: Any) -> None:
+        """Told every sampled turn before the environment steps (nothing to do here)."""
 
     def response_text(self, response_ids: Sequence[int]) -> str:
         """The text of one turn up to (not including) its first stop id: what the env parses."""
         ids = [int(i) for i in response_ids]
         cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
         return self.tokenizer.decode(ids[:cut])
+
+
+def renderer_for(env: Any, default: TurnRenderer) -> Any:
+    """The renderer of an episode played in ``env``: ``env.turn_renderer(default)`` when
+    the environment renders its own turns (an agent session: its messages, tools and
+    sampling come from the agent's requests), else ``default``."""
+    own = getattr(env, "turn_renderer", None)
+    return default if own is None else own(default)

@@ -258,13 +258,15 @@ class Episode:
         self._expect("policy", "next_request")
         context = self.context()
         budget = min(self.limits.max_tokens_per_turn, self.max_context_tokens - len(context))
+        # An agent session narrows it to the request's max_tokens (envs.agent_turns).
+        sampling = self.renderer.turn_sampling(dataclasses.replace(sampling, max_new_tokens=budget))
         return GenerationRequest(
             prompt_id=self.prompt_id,
             sample_index=turn_sample_index(
                 self.episode_index, self.num_turns, self.limits.max_turns
             ),
             prompt_tokens=context,
-            sampling=dataclasses.replace(sampling, max_new_tokens=budget),
+            sampling=sampling,
             seed=seed,
         )
 
@@ -295,6 +297,7 @@ class Episode:
             )
         if not np.array_equal(np.asarray(sample.prompt_tokens), self.context()):
             raise ValueError(f"{tag}: the sample's prompt is not this episode's context")
+        self.renderer.observe_turn(sample)
         action_text = self.renderer.response_text(tokens)
         self._turns.append(
             TurnRecord(
@@ -329,6 +332,10 @@ class Episode:
         )
         role = str(info.get("role", "user"))
         self._messages.append({"role": role, "content": obs})
+        earlier = info.get("turn_rewards")  # an agent scores its turns when it returns
+        if terminated and earlier is not None:
+            for i, r in enumerate(list(earlier)[: len(self._turns) - 1]):
+                self._turns[i] = dataclasses.replace(self._turns[i], reward=float(r))
         if terminated:
             return self._finish(EpisodeEnd.TERMINATED)
         if truncated:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxflash.envs.agent_contract import AgentConfig
 from jaxflash.envs.base import EnvConfig, TextEnv
 from jaxflash.envs.frozenlake import FrozenLakeConfig, FrozenLakeEnv
 from jaxflash.envs.latency import LatencyConfig, LatencyEnv
@@ -12,7 +13,19 @@ from jaxflash.envs.scienceworld import ScienceWorldConfig, ScienceWorldEnv
 from jaxflash.envs.sokoban import SokobanConfig, SokobanEnv
 from jaxflash.envs.tool_env import ToolUseConfig, ToolUseEnv
 
+
+class _AgentSessions:
+    """``agent`` episodes are sessions of the run's endpoint (``runtime.agents``)."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        raise TypeError(
+            "env 'agent' is played through the run's endpoint: "
+            "jaxflash.runtime.agents.host.AgentHost(config).make_env()"
+        )
+
+
 ENVIRONMENTS: dict[str, tuple[type[EnvConfig], type]] = {
+    "agent": (AgentConfig, _AgentSessions),
     "frozenlake": (FrozenLakeConfig, FrozenLakeEnv),
     "sokoban": (SokobanConfig, SokobanEnv),
     "scienceworld": (ScienceWorldConfig, ScienceWorldEnv),

@@ -113,6 +113,10 @@ class EnvSpec:
             self.latency()
         except ValueError as e:
             raise ConfigError(f"env.latency_* / env.straggler_*: {e}") from None
+        check(
+            self.name != "agent" or self.latency() is None,
+            "env.latency_* / env.straggler_* with env.name='agent': an agent's latency is its own",
+        )
 
     def env_options(self, split: str = "train") -> dict[str, Any]:
         """The environment's config fields for ``split``."""

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxflash.envs.base import EnvConfig, TextEnv
-from jaxflash.envs.chat import TurnRenderer
+from jaxflash.envs.chat import TurnRenderer, renderer_for
 from jaxflash.envs.episode import Episode
 from jaxflash.runtime.rollout.env_calls import EnvCalls, Runner, close_env, thread_runner
 from jaxflash.types import Prompt
@@ -111,8 +111,9 @@ class EpisodeGroup:
         """A fresh episode of the group (next launch index, the group's env seed, a
         fresh environment), registered as running; its launch index and run."""
         index, self.next_index = self.next_index, self.next_index + 1
+        env = settings.make_env()
         episode = Episode(
-            settings.renderer,
+            renderer_for(env, settings.renderer),
             settings.limits,
             prompt_id=self.prompt.prompt_id,
             episode_index=index,
@@ -120,7 +121,7 @@ class EpisodeGroup:
             start_version=start_version,
             max_context_tokens=settings.max_context_tokens,
         )
-        run = self.runs[index] = EpisodeRun(episode, settings.make_env())
+        run = self.runs[index] = EpisodeRun(episode, env)
         return index, run
 
     def cancel(self, calls: EnvCalls, counters: collections.Counter, counter: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxflash.envs.calibration import calibrate_success
-from jaxflash.envs.chat import TurnRenderer
+from jaxflash.envs.chat import TurnRenderer, renderer_for
 from jaxflash.envs.registry import env_config, make_env
 from jaxflash.envs.training import sample_token_advantages
 from jaxflash.learner.episode_batching import pack_episode_batch
@@ -51,6 +51,8 @@ from jaxflash.types import Prompt, Sample
 
 FIRST_PROMPTS_MEASURED = 16
 """Seeds of each split whose first prompt is rendered at start to check it fits."""
+AGENT_FIRST_PROMPTS = 2
+"""The same for an agent (each is a session whose agent runs to its first request)."""
 
 
 class EnvGroupSource:
@@ -118,9 +120,15 @@ class EpisodeRollout:
             raise ConfigError(f"model {describe_source(model)}: {e}") from None
         self._latency = spec.latency()
         self._instances = itertools.count()
-        self.make_eval_env: Callable[[], Any] = functools.partial(
-            make_env, spec.name, **spec.env_options("eval")
-        )
+        self.agents = None  # env.name="agent": the endpoint and its sessions
+        if spec.name == "agent":
+            from jaxflash.runtime.agents.host import AgentHost  # noqa: PLC0415
+
+            try:
+                self.agents = AgentHost(self.limits)
+            except ValueError as e:  # AgentContractError too: names env.options.<field>
+                raise ConfigError(f"env.name='agent': {e}") from None
+        self.make_eval_env: Callable[[], Any] = self._env_maker("eval")
         self.first_prompt_lengths = self._measure_first_prompts()
         self.held_out = EpisodeHeldOut(
             make_eval_env=self.make_eval_env, renderer=self.renderer, seeds=spec.eval_seeds,
@@ -133,27 +141,36 @@ class EpisodeRollout:
         """A fresh train-split environment; with ``env.latency_*`` each instance draws its
         own latencies (seeded by the instance number), so the episodes of a group (one
         map) straggle independently -- what redundancy is for."""
+        if self.agents is not None:
+            return self.agents.make_env("train")
         k = next(self._instances)
         latency = self._latency and dataclasses.replace(self._latency, seed=k)
         return make_env(self.spec.name, latency=latency, **self.spec.env_options("train"))
 
+    def _env_maker(self, split: str) -> Callable[[], Any]:
+        """A fresh environment of ``split`` per call (an agent session with an agent)."""
+        if self.agents is not None:
+            return functools.partial(self.agents.make_env, split)
+        return functools.partial(make_env, self.spec.name, **self.spec.env_options(split))
+
     def _measure_first_prompts(self) -> list[int]:
         lengths = []
-        for make in (
-            functools.partial(make_env, self.spec.name, **self.spec.env_options(split))
-            for split in ("train", "eval")
-        ):
+        # An agent's first prompt needs its first request: a few sessions suffice.
+        seeds = range(AGENT_FIRST_PROMPTS if self.agents else FIRST_PROMPTS_MEASURED)
+        for split in ("train", "eval"):
             try:  # a tool environment whose sandbox cannot start says why here
-                env = make()
+                envs = [self._env_maker(split)() for _ in seeds]
             except RuntimeError as e:
                 raise ConfigError(f"env.name={self.spec.name!r}: {e}") from None
             try:
-                for seed in range(FIRST_PROMPTS_MEASURED):
-                    lengths.append(len(self.renderer.first_prompt(env.reset(seed))))
+                for seed, env in zip(seeds, envs, strict=True):
+                    renderer = renderer_for(env, self.renderer)
+                    lengths.append(len(renderer.first_prompt(env.reset(seed))))
             except Exception as e:
                 raise ConfigError(f"env.name={self.spec.name!r}: reset failed: {e!r}") from None
             finally:
-                close_env(env, collections.Counter())
+                for env in envs:
+                    close_env(env, collections.Counter())
         room = self.spec.max_context_tokens - max(lengths)
         if room < 2:
             raise ConfigError(
@@ -228,7 +245,10 @@ class EpisodeRollout:
     def report(self, batch: Any, tracker: Any) -> None:
         """The step's ``episodes`` section (``episode_metrics``): turns, environment
         time, success over the trained episodes, and the stale-dropped ones' bias."""
-        tracker.report("episodes", episode_metrics(batch.groups, batch.dropped))
+        metrics = episode_metrics(batch.groups, batch.dropped)
+        if self.agents is not None:  # the endpoint's sessions, since the run began
+            metrics = {**metrics, **self.agents.counts()}
+        tracker.report("episodes", metrics)
 
     def learner_batch(
         self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int
@@ -261,7 +281,9 @@ class EpisodeRollout:
         return LearnerBatch(batch, samples, scalar)
 
     def close(self) -> None:
-        """Nothing to stop: the environment manager closes its environments."""
+        """The agent endpoint stops (the environment manager closes the environments)."""
+        if self.agents is not None:
+            self.agents.close()
 
 
 class EpisodeHeldOut:

@@ -1,0 +1,1 @@
+"""Examples written against jaxflash's public contracts (importable from the repo root)."""

@@ -1,0 +1,1 @@
+"""Agents written against the stock ``openai`` client (``jaxflash.envs.agent_contract``)."""

@@ -1,0 +1,101 @@
+"""Agents for the endpoint tests, named ``tests.runtime.agents.scripted_agents:<fn>``.
+
+Each is written against the stock ``openai`` client, as a user's agent would be.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+
+from jaxflash.envs.agent_contract import AgentResult
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+        },
+    }
+]
+
+SEEN: dict[str, list] = {}
+"""session_id -> the replies the agent saw (choices[0] as dicts), for assertions."""
+
+
+def tasks(seed: int, split: str) -> dict:
+    return {"question": f"task {seed} of {split}", "seed": seed}
+
+
+def two_turns(client: openai.OpenAI, task) -> AgentResult:
+    """Two requests (the second echoes the first reply and adds a tool result); reward
+    = the seed, so sessions that mixed would show."""
+    messages = [{"role": "user", "content": task.data["question"]}]
+    seen = SEEN.setdefault(task.session_id, [])
+    for turn in range(2):
+        reply = client.chat.completions.create(
+            model=task.model, messages=messages, tools=TOOLS, max_tokens=16, logprobs=True
+        )
+        seen.append(reply.choices[0].model_dump())
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": "c0", "content": f"out {turn}"})
+    return AgentResult(reward=float(task.data["seed"]), metrics={"turns": 2.0})
+
+
+async def two_turns_async(client: openai.AsyncOpenAI, task) -> float:
+    messages = [{"role": "user", "content": task.data["question"]}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model=task.model, messages=messages)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "again"})
+    return 0.5
+
+
+def edits_echo(client: openai.OpenAI, task) -> float:
+    """Echoes an edited assistant message: counted, the recorded ids are kept."""
+    messages = [{"role": "user", "content": task.data["question"]}]
+    client.chat.completions.create(model=task.model, messages=messages)
+    messages.append({"role": "assistant", "content": "an edit the model never sampled"})
+    messages.append({"role": "user", "content": "go on"})
+    client.chat.completions.create(model=task.model, messages=messages)
+    return 1.0
+
+
+def raises(client: openai.OpenAI, task) -> float:
+    client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "hi"}])
+    raise RuntimeError("the agent's own bug")
+
+
+def hangs(client: openai.OpenAI, task) -> float:
+    client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "hi"}])
+    time.sleep(3600)
+    return 0.0
+
+
+def malformed(client: openai.OpenAI, task) -> float:
+    """A request with a bad role: the client raises BadRequestError (OpenAI's body)."""
+    try:
+        client.chat.completions.create(
+            model=task.model, messages=[{"role": "wizard", "content": "hi"}]
+        )
+    except openai.BadRequestError as e:
+        SEEN.setdefault("malformed", []).append(e.body)
+        raise
+    return 0.0
+
+
+def rewrites_history(client: openai.OpenAI, task) -> float:
+    client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "a"}])
+    client.chat.completions.create(
+        model=task.model,
+        messages=[{"role": "user", "content": "b"}, {"role": "user", "content": "c"}],
+    )
+    return 0.0
+
+
+def bad_return(client: openai.OpenAI, task) -> str:
+    client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "a"}])
+    return "not a reward"
