@@ -99,3 +99,29 @@ def rewrites_history(client: openai.OpenAI, task) -> float:
 def bad_return(client: openai.OpenAI, task) -> str:
     client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "a"}])
     return "not a reward"
+
+
+CALLS = {"n": 0}
+
+
+def two_turns_flaky(client: openai.OpenAI, task) -> float:
+    """``two_turns`` with a pause between turns (so sessions span weight updates), and a
+    fault by call number: every 5th raises, every 7th sends a malformed request, every
+    11th hangs (past step_timeout_s)."""
+    CALLS["n"] += 1
+    n = CALLS["n"]
+    if n % 5 == 0:
+        raise RuntimeError("flaky agent")
+    if n % 7 == 0:
+        client.chat.completions.create(model=task.model, messages=[{"role": "x"}])
+    if n % 11 == 0:
+        time.sleep(3600)
+    messages = [{"role": "user", "content": task.data["question"]}]
+    seen = SEEN.setdefault(task.session_id, [])
+    for turn in range(2):
+        reply = client.chat.completions.create(model=task.model, messages=messages)
+        seen.append(reply.choices[0].model_dump())
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"turn {turn} done"})
+        time.sleep(0.5)
+    return float(task.seed % 2)
