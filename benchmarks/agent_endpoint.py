@@ -96,10 +96,13 @@ def main() -> None:
         def generate(requests):
             return [
                 Sample(
-                    prompt_id=r.prompt_id, sample_index=r.sample_index,
-                    prompt_tokens=r.prompt_tokens, response_tokens=reply,
+                    prompt_id=r.prompt_id,
+                    sample_index=r.sample_index,
+                    prompt_tokens=r.prompt_tokens,
+                    response_tokens=reply,
                     behaviour_logprobs=np.zeros(reply.shape, np.float32),
-                    token_versions=np.zeros(reply.shape, np.int32), start_version=0,
+                    token_versions=np.zeros(reply.shape, np.int32),
+                    start_version=0,
                     finish_reason=FinishReason.EOS,
                 )  # fmt: skip
                 for r in requests
@@ -122,8 +125,9 @@ def main() -> None:
         )  # fmt: skip
 
         def generate(requests):
-            out = run_requests(engine, params, list(requests), policy_version=0,
-                               stop_ids=frozenset())  # fmt: skip  (every turn: full budget)
+            out = run_requests(
+                engine, params, list(requests), policy_version=0, stop_ids=frozenset()
+            )  # fmt: skip  (every turn: full budget)
             return out
 
     limits = EnvConfig(max_turns=args.turns, max_tokens_per_turn=args.tokens, step_timeout_s=60.0)
@@ -137,8 +141,15 @@ def main() -> None:
     def play(kind: str, k: int) -> tuple[float, int]:
         envs = [FixedEnv(limits) if kind == "in-process" else host.make_env() for _ in range(k)]
         episodes = [
-            Episode(renderer_for(env, renderer), env.config, prompt_id=i, episode_index=0,
-                    env_seed=i, start_version=0, max_context_tokens=context)  # fmt: skip
+            Episode(
+                renderer_for(env, renderer),
+                env.config,
+                prompt_id=i,
+                episode_index=0,
+                env_seed=i,
+                start_version=0,
+                max_context_tokens=context,
+            )  # fmt: skip
             for i, env in enumerate(envs)
         ]
         start = time.perf_counter()
