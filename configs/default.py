@@ -162,6 +162,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.advantage = "grpo"  # see jaxflash.algorithms.advantages
     # Mixture-of-experts models only: weight of the router's load-balancing loss (0: off).
     c.learner.router_aux_loss_coef = 0.0
+    # Mixture-of-experts models only: router replay (R3): the learner's forward uses the
+    # experts the engine routed each token to, gate weights from the live router.
+    c.learner.router_replay = False
     c.learner.kl_coef = 0.0  # k3 KL to the initial policy; 0 = off
     c.learner.entropy_coef = 0.0
     # Low-rank adapters over a frozen base (docs/LORA.md): rank 0 = full fine-tuning.

@@ -168,6 +168,13 @@ class Sample:
         every response token was sampled (single-turn). Where it is 0,
         ``behaviour_logprobs`` is 0.0 and ``token_versions`` holds the sample's
         start version (so staleness, the oldest stamp, is unchanged by it).
+      routed_experts: mixture-of-experts engines only: int16 [T_prompt + T_resp, L, k],
+        the top-k experts each layer's router chose for each token when the engine
+        fed it (prompt tokens at prefill, response token i at the decode step that
+        sampled token i + 1); -1 rows for tokens it never fed (the last response
+        token) or fed without recording. Partial rollout ("continue") keeps earlier
+        tokens' routes; "recompute" takes the re-prefill's. What the learner replays
+        under ``LearnerConfig.router_replay``. None: no routes (a dense model).
     """
 
     prompt_id: int
@@ -182,6 +189,7 @@ class Sample:
     reward_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     response_text: str = ""
     response_mask: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     @property
     def truncated(self) -> bool:
@@ -215,6 +223,9 @@ class TrainBatch:
         row, 1, 2, ... (0 on a packed row's padding); positions restart at 0 per
         sequence. ``pack_batch`` writes 1 everywhere (one sequence per row),
         ``learner.packing.pack_rows`` packs rows. None also means one per row.
+      routed_experts_btlk: int16 [B, T, L, k]: the experts the engine routed input
+        token t of each row to, per layer (``Sample.routed_experts``; -1: none
+        recorded, route live). None: no routes (dense model, or a sample without).
     """
 
     input_ids_bt: Any
@@ -226,3 +237,4 @@ class TrainBatch:
     token_versions_bt: Any
     cycle_bt: Any = None
     segment_ids_bt: Any = None
+    routed_experts_btlk: Any = None

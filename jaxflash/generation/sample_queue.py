@@ -36,6 +36,9 @@ class RunningSample:
       tokens, logps, versions: sampled token ids, their behaviour logprobs and the
         policy version each was sampled under, in order.
       admitted: admission order (paged: the newest is preempted first).
+      routes: MoE engines: int16 [n, L, k] routes of the first n tokens of prompt +
+        response the engine fed (``record_routes``); None before the first fill or
+        for a dense model.
     """
 
     request: GenerationRequest
@@ -44,6 +47,7 @@ class RunningSample:
     logps: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     admitted: int = 0
+    routes: np.ndarray | None = None
 
     @property
     def key(self) -> RequestKey:
@@ -63,6 +67,20 @@ class RunningSample:
             return FinishReason.LENGTH
         return None
 
+    def record_routes(self, routes_xlk: np.ndarray) -> None:
+        """Routes of prompt + response tokens from the first one not recorded yet on:
+        ``routes_xlk`` int16 [n, L, k] covers tokens 0..n-1 (a prefill of prompt +
+        prefix) or, as one row [1, L, k] after what is recorded, the token a decode step
+        fed. A token keeps the route it was first fed with (a recompute's re-prefill
+        only adds the rows past them)."""
+        routes_xlk = np.asarray(routes_xlk, np.int16)
+        if self.routes is None:
+            self.routes = routes_xlk
+        elif len(routes_xlk) == 1:
+            self.routes = np.concatenate([self.routes, routes_xlk])
+        elif len(routes_xlk) > len(self.routes):
+            self.routes = np.concatenate([self.routes, routes_xlk[len(self.routes) :]])
+
     def to_sample(self, reason: FinishReason, version: PolicyVersion) -> Sample:
         """The finished (or aborted) sample; ``version`` is its start version if it never
         started (an abort while queued)."""
@@ -76,7 +94,18 @@ class RunningSample:
             token_versions=np.asarray(self.versions, np.int32),
             start_version=version if self.start_version is None else self.start_version,
             finish_reason=reason,
+            routed_experts=self._routed_experts(),
         )
+
+    def _routed_experts(self) -> np.ndarray | None:
+        """int16 [T_prompt + T_resp, L, k]: the routes, -1 on tokens never fed."""
+        if self.routes is None:
+            return None
+        total = len(self.request.prompt_tokens) + len(self.tokens)
+        out = np.full((total, *self.routes.shape[1:]), -1, np.int16)
+        n = min(total, len(self.routes))
+        out[:n] = self.routes[:n]
+        return out
 
 
 class SampleQueue:

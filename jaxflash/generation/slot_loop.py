@@ -266,6 +266,8 @@ class SlotBatcher:
                 stop_ids=sorted(self.stop_ids),
                 page_table=self._pages.table,
             )
+            mc = self.engine.model_config
+            lk = (mc.n_layers, mc.n_experts_per_token)
             for i in range(block.steps):
                 self.stats.steps += 1
                 self.stats.slot_steps += len(self._slots)
@@ -280,6 +282,8 @@ class SlotBatcher:
                         reason = FinishReason.LENGTH
                     else:
                         token, logp = block.tokens_nb[i, slot], block.logps_nb[i, slot]
+                        if block.routes_nbx is not None:  # the token this step fed
+                            run.record_routes(block.routes_nbx[i, slot].reshape(1, *lk))
                         reason = self._append(run, int(token), float(logp))
                     if reason is not None:
                         self._release(slot)
@@ -346,6 +350,10 @@ class SlotBatcher:
             self._state, tokens, logps = self.engine.start_samples(
                 self._state, starts, self._pages.table
             )
+            if self.engine.model_config.is_moe:  # prompt (+ prefix) routes of each sample
+                routes = self.engine.prefill_routes(prefills)
+                for (_, run), r in zip(placed, routes, strict=True):
+                    run.record_routes(r)
             for (slot, run), token, logp in zip(placed, tokens, logps, strict=True):
                 self._slots[slot] = run
                 self.stats.fills += 1

@@ -34,6 +34,10 @@ TRAIN_BATCH_FIELDS = (
 )
 # dtypes of the device batch (types.TrainBatch): ids, positions, versions, the
 # cycle label and segment ids are int32; masks / advantages / logprobs float32.
+ROUTES_FIELD = "routed_experts_btlk"
+"""The optional TrainBatch field of MoE routes, int16 [B, T, L, k] (-1: none recorded):
+not in ``TRAIN_BATCH_FIELDS`` (its shape is not [B, T]); each helper here moves it
+with its row (``split_micro_batches``, ``packing.pack_rows``, ``device_batch``)."""
 INT_FIELDS = frozenset(
     {"input_ids_bt", "positions_bt", "target_ids_bt", "token_versions_bt", "cycle_bt",
      "segment_ids_bt"}
@@ -89,14 +93,16 @@ def pack_batch(
 
     Returns:
       TrainBatch of numpy arrays [B, T] (dtypes as in ``types.TrainBatch``);
-      B = num_sequences or len(samples).
+      B = num_sequences or len(samples). ``routed_experts_btlk`` is set (int16
+      [B, T, L, k], -1 where nothing was recorded) when any sample has routes.
 
     Raises:
       ValueError: empty input, mismatched lengths, a sample with an empty
         response, per-token arrays whose length differs from the response, a
         response_mask that is not 0/1 of the response's length, non-finite
-        advantages, a sequence longer than ``max_len`` (names the sample), or a
-      ``cycle_b`` that is not 0/1 per sample.
+        advantages, a sequence longer than ``max_len`` (names the sample), a
+      ``cycle_b`` that is not 0/1 per sample, or routes that are not
+      [T_prompt + T_resp, L, k] alike across samples.
     """
     if len(samples) == 0:
         raise ValueError("pack_batch: samples is empty")
@@ -159,6 +165,7 @@ def pack_batch(
         blogp[b, span] = np.where(keep, np.asarray(s.behaviour_logprobs, np.float32), 0.0)
         versions[b, span] = np.where(keep, np.asarray(s.token_versions, np.int32), -1)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()
+    routes = _routes(samples, lengths, B, T)
     cycle_bt = np.zeros((B, T), np.int32)
     cycle_bt[: len(samples)] = cycle.astype(np.int32)[:, None]
     return TrainBatch(
@@ -171,7 +178,29 @@ def pack_batch(
         token_versions_bt=versions,
         cycle_bt=cycle_bt,
         segment_ids_bt=np.ones((B, T), np.int32),  # one sequence per row
+        routed_experts_btlk=routes,
     )
+
+
+def _routes(samples: Sequence[Sample], lengths: list[int], B: int, T: int) -> np.ndarray | None:
+    """int16 [B, T, L, k] of the samples' ``routed_experts`` (-1 elsewhere), or None
+    when no sample has routes."""
+    have = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not have:
+        return None
+    lk = np.shape(have[0])[1:]
+    out = np.full((B, T, *lk), -1, np.int16)
+    for b, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        if s.routed_experts is None:
+            continue
+        r = np.asarray(s.routed_experts)
+        if r.shape != (n, *lk):
+            raise ValueError(
+                f"pack_batch: sample (prompt_id={s.prompt_id}, sample_index={s.sample_index}) "
+                f"routed_experts has shape {r.shape}, expected {(n, *lk)}"
+            )
+        out[b, :n] = r
+    return out
 
 
 def _response_mask(sample: Sample, length: int, tag: str) -> np.ndarray:
@@ -226,7 +255,17 @@ def split_micro_batches(batch: TrainBatch, micro_batch_size: int) -> TrainBatch:
                 pad = np.broadcast_to(np.arange(T, dtype=x.dtype), (extra, T))
             x = np.concatenate([x, pad])
         out[name] = x.reshape(M, micro_batch_size, T)
-    return TrainBatch(**out)
+    routes = batch.routed_experts_btlk
+    if routes is not None:
+        routes = np.asarray(routes)
+        if routes.shape[:2] != (B, T):
+            raise ValueError(
+                f"split_micro_batches: {ROUTES_FIELD} has shape {routes.shape}, expected "
+                f"{(B, T)} + (L, k)"
+            )
+        pad = np.full((extra, *routes.shape[1:]), -1, routes.dtype)
+        routes = np.concatenate([routes, pad]).reshape(M, micro_batch_size, *routes.shape[1:])
+    return TrainBatch(**out, routed_experts_btlk=routes)
 
 
 def batch_counts(batch: TrainBatch) -> tuple[int, int]:

@@ -109,6 +109,15 @@ class LearnerConfig:
         checkpoint's own ``ModelConfig.router_aux_loss_coef`` is not applied). With
         more than one micro-batch it costs one extra forward pass per step (the
         batch's expert loads, so the loss stays micro-batch invariant).
+      router_replay: router replay (R3, arXiv 2510.11370) for mixture-of-experts
+        models: the forward sends each token to the experts the engine routed it to
+        (``Sample.routed_experts``, carried as ``TrainBatch.routed_experts_btlk``),
+        weighted by the live router's probabilities of those experts (renormalised
+        as ``ModelConfig.norm_topk_prob`` says), so the router keeps its gradient;
+        tokens without a recorded route route live. False (default): the learner
+        routes every token itself. Either way a batch with routes reports
+        ``router_mismatch_frac``. Needs a model with experts; samples from the slot
+        loop's engine carry routes (JetStream's serving path records none).
       lora: low-rank adapters over a frozen base (``models.adapters.lora.LoraConfig``;
         docs/LORA.md): only the adapters train, hold optimizer state and are published; the KL
         reference is the base without adapters. None: full fine-tuning.
@@ -145,6 +154,7 @@ class LearnerConfig:
     replay_loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replay_ratio_against: str = "behaviour"
     router_aux_loss_coef: float = 0.0
+    router_replay: bool = False
     lora: LoraConfig | None = None
     packing: bool = False
     pack_length: int = 0
@@ -215,6 +225,10 @@ class LearnerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"LearnerConfig.{name} must be finite and >= 0, got {value}")
+        if not isinstance(self.router_replay, bool):
+            raise ValueError(
+                f"LearnerConfig.router_replay must be a bool, got {self.router_replay!r}"
+            )
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(
                 f"LearnerConfig.sampling must be a SamplingParams, got {type(self.sampling)}"

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxflash.learner.batching import TRAIN_BATCH_FIELDS, split_micro_batches
+from jaxflash.learner.batching import ROUTES_FIELD, TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.packing import pack_rows
 from jaxflash.models.caches import attention
@@ -61,6 +61,14 @@ def to_device_batch(
     for k, v in arrays.items():
         if np.shape(v) != shape:
             raise ValueError(f"train batch field {k} has shape {np.shape(v)}, expected {shape}")
+    routes = batch.routed_experts_btlk  # MoE routes [M, b, T, L, k]: only when recorded
+    if routes is not None:
+        if np.shape(routes)[:3] != shape or np.ndim(routes) != 5:
+            raise ValueError(
+                f"train batch field {ROUTES_FIELD} has shape {np.shape(routes)}, expected "
+                f"{shape} + (L, k)"
+            )
+        arrays[ROUTES_FIELD] = routes
     return jax.device_put(arrays, sharding)
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash.learner.batching import TRAIN_BATCH_FIELDS
+from jaxflash.learner.batching import ROUTES_FIELD, TRAIN_BATCH_FIELDS
 from jaxflash.types import TrainBatch
 
 # Losses whose per-token terms read only their own token (no sum over a row).
@@ -113,13 +113,13 @@ def pack_rows(
         free[r] -= need[i]
     n_rows = max(len(free), min_rows)
     out = {}
-    for name in TRAIN_BATCH_FIELDS:
+    for name in (*TRAIN_BATCH_FIELDS, ROUTES_FIELD):
         src = getattr(batch, name)
-        if name == "segment_ids_bt":
+        if name == "segment_ids_bt" or (name == ROUTES_FIELD and src is None):
             continue
         src = np.zeros(mask.shape, np.int32) if src is None else np.asarray(src)
-        fill = -1 if name == "token_versions_bt" else 0
-        dst = np.full((n_rows, length), fill, src.dtype)
+        fill = -1 if name in ("token_versions_bt", ROUTES_FIELD) else 0
+        dst = np.full((n_rows, length, *src.shape[2:]), fill, src.dtype)
         for i in np.flatnonzero(row >= 0):
             dst[row[i], offset[i] : offset[i] + need[i]] = src[i, : need[i]]
         out[name] = dst

@@ -10,12 +10,14 @@ engine sampled from; ``models.decoder.logprobs``), shared by the train step's lo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxflash.learner.batching import ROUTES_FIELD
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.device_batch import (
     DeviceBatch,
@@ -29,9 +31,10 @@ from jaxflash.learner.state import param_shardings
 from jaxflash.models.adapters import lora as lora_lib
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.models.decoder.logprobs import target_logprobs
+from jaxflash.models.decoder.moe import route_mismatch
 from jaxflash.models.decoder.transformer import (
     forward,
-    forward_with_router_logits,
+    forward_routed,
     lora_model_layout,
     unembed,
 )
@@ -39,27 +42,67 @@ from jaxflash.sharding.rules import Rules
 from jaxflash.types import TrainBatch
 
 
+class Routing(NamedTuple):
+    """A MoE forward's routing, as the loss and the step metrics read it.
+
+    Attributes:
+      logits_lbte: float32 [L, b, T, E] router logits (the load-balancing loss).
+      mismatch_bt: float32 [b, T] layers whose live top-k expert set differs from the
+        engine's recorded one (``moe.route_mismatch``); 0 without recorded routes.
+      compared_bt: float32 [b, T] layers with a recorded route to compare.
+    """
+
+    logits_lbte: jax.Array
+    mismatch_bt: jax.Array
+    compared_bt: jax.Array
+
+
 def policy_logprobs(
     params: Any, mb: DeviceBatch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False, router=False
 ):
     """One micro-batch's forward pass scored under the sampling distribution.
 
+    A MoE model's forward replays the batch's recorded routes under
+    ``lc.router_replay`` (``models.decoder.transformer.forward_routed``).
+
     Args:
       params: the whole model's params (under LoRA: merged with the base).
-      mb: TrainBatch fields [b, T] (``segment_ids_bt`` read under ``learner.packing``).
+      mb: TrainBatch fields [b, T] (``segment_ids_bt`` read under ``learner.packing``;
+        ``routed_experts_btlk`` [b, T, L, k] where the engine recorded routes).
       full_vocab: also return the tempered full-vocabulary log-prob of each target
-        (what KL terms use); router: also return the router logits.
+        (what KL terms use); router: also return the routing (a MoE model).
 
     Returns:
-      (logp_bt, entropy_bt[, full_logp_bt], router logits float32 [L, b, T, E] or
-      None), float32 [b, T] each (``models.decoder.logprobs.target_logprobs``).
+      (logp_bt, entropy_bt[, full_logp_bt], ``Routing`` or None), float32 [b, T] each
+      (``models.decoder.logprobs.target_logprobs``). The routing comes with
+      ``router`` or recorded routes, else None.
+
+    Raises:
+      ValueError: ``lc.router_replay`` for a dense model or a batch without routes.
     """
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
     seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
-    if router:
-        h_btd, router_lbte = forward_with_router_logits(params, mc, ids_bt, pos_bt, **seg)
+    recorded = mb.get(ROUTES_FIELD)
+    if lc.router_replay and (not mc.is_moe or recorded is None):
+        raise ValueError(
+            "LearnerConfig.router_replay needs a model with experts and batches with "
+            f"routes ({ROUTES_FIELD}, from the engine's samples); got n_experts="
+            f"{mc.n_experts}, routes {'present' if recorded is not None else 'absent'}"
+        )
+    routing = None
+    if mc.is_moe and (router or recorded is not None):
+        replay = recorded if lc.router_replay else None
+        h_btd, _, logits_lbte, live_btlk = forward_routed(
+            params, mc, ids_bt, pos_bt, replay_btlk=replay, **seg
+        )
+        if recorded is None:
+            zeros = jnp.zeros(ids_bt.shape, jnp.float32)
+            routing = Routing(logits_lbte, zeros, zeros)
+        else:
+            mismatch_btl, compared_btl = route_mismatch(live_btlk, recorded)
+            routing = Routing(logits_lbte, mismatch_btl.sum(-1), compared_btl.sum(-1))
     else:
-        (h_btd, _), router_lbte = forward(params, mc, ids_bt, pos_bt, **seg), None
+        h_btd, _ = forward(params, mc, ids_bt, pos_bt, **seg)
     return *target_logprobs(
         h_btd,
         unembed(params, mc),
@@ -70,7 +113,7 @@ def policy_logprobs(
         chunk=lc.logprob_chunk,
         valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
         full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
-    ), router_lbte
+    ), routing
 
 
 def make_logprob_fn(

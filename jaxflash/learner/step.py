@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
 from jaxflash.algorithms.kl import kl_k3
 from jaxflash.learner import cycles
+from jaxflash.learner.batching import ROUTES_FIELD
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.device_batch import DeviceBatch, batch_sharding, device_batch, mesh_context
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
@@ -71,7 +72,7 @@ def _batch_expert_load(params: Any, batch: DeviceBatch, mc: ModelConfig, lc: Lea
     forward pass per micro-batch, no gradient)."""
 
     def one(mb):
-        router_lbte = policy_logprobs(params, mb, mc, lc, router=True)[-1]
+        router_lbte = policy_logprobs(params, mb, mc, lc, router=True)[-1].logits_lbte
         return expert_load(router_lbte, mb["loss_mask_bt"] > 0, mc.n_experts_per_token)
 
     return jnp.sum(jax.lax.map(one, batch), axis=0)
@@ -102,6 +103,8 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             f"LearnerConfig.router_aux_loss_coef={lc.router_aux_loss_coef} needs a model "
             "with experts (ModelConfig.n_experts > 0)"
         )
+    if lc.router_replay and not mc.is_moe:
+        raise ValueError("LearnerConfig.router_replay needs a model with experts (n_experts > 0)")
     policy_term = cycles.make_policy_term(lc)
 
     def agg(x_bt, mask_bt, n_tok, n_seq):
@@ -122,7 +125,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         if base is not None:  # LoRA: the base stays out of the differentiated argument
             ref_params = base  # the KL reference: the base without adapters (no copy)
             params = lora_lib.merge(base, params)
-        logp_bt, ent_bt, *full_bt, router_lbte = policy_logprobs(
+        logp_bt, ent_bt, *full_bt, routing = policy_logprobs(
             params, mb, mc, lc, full_vocab=lc.uses_reference, router=use_router
         )
         mu_bt = mb["behaviour_logp_bt"]
@@ -143,7 +146,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         router_aux = {}
         if use_router:  # this micro-batch's share of the whole batch's loss
             aux_loss = load_balancing_loss(
-                router_lbte,
+                routing.logits_lbte,
                 valid_bt,
                 mc.n_experts_per_token,
                 load_e=expert_load_e,
@@ -169,6 +172,11 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             **{f"{k}_sum": m[k] * n for k in _MEAN_METRICS if k in m},
             **router_aux,
         }
+        if ROUTES_FIELD in mb:  # engine vs learner routing, (token, layer) decisions
+            aux["router_mismatch_sum"] = routing.mismatch_bt.sum()
+            aux["router_compared_sum"] = routing.compared_bt.sum()
+            aux["router_mismatch_current_sum"] = jnp.where(current_bt, routing.mismatch_bt, 0).sum()
+            aux["router_compared_current_sum"] = jnp.where(current_bt, routing.compared_bt, 0).sum()
         if lc.dual_cycle:  # per-cycle loss metrics and ratio stats, from this forward pass
             aux.update(cycles.loss_aux(m))
             aux.update(cycles.importance_sums(logp_bt, mu_bt, mask_bt, cycle_bt))
@@ -261,6 +269,13 @@ def make_grad_fn(
         }
         if "router_aux_loss" in aux:  # the sum of micro-batch shares: the batch's value
             metrics["router_aux_loss"] = aux["router_aux_loss"]
+        if "router_mismatch_sum" in aux:
+            for suffix, name in (
+                ("", "router_mismatch_frac"),
+                ("_current", "router_mismatch_on_policy_frac"),
+            ):
+                compared = aux[f"router_compared{suffix}_sum"]
+                metrics[name] = aux[f"router_mismatch{suffix}_sum"] / jnp.maximum(compared, 1.0)
         if learner_config.dual_cycle:
             metrics.update(cycles.loss_metrics(aux))
             metrics.update(cycles.importance_metrics(aux))
@@ -304,7 +319,12 @@ def make_train_step(
       (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
       logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences;
       with ``router_aux_loss_coef`` > 0 also router_aux_loss (the unweighted
-      load-balancing loss of the batch);
+      load-balancing loss of the batch); for a MoE batch with the engine's routes
+      also router_mismatch_frac (share of (token, layer) routing decisions whose
+      top-k expert set differs between the engine's record and the learner's live
+      router, over every token with a recorded route, prompt included) and
+      router_mismatch_on_policy_frac (over loss tokens sampled by this version);
+      under ``router_replay`` it counts what replay overrode;
       with ``replay_loss`` also, per cycle c in fresh / replay, c_ratio_mean / _max /
       _min, c_ess_token, c_ess_seq, c_ratio_tokens, c_sequences (importance ratios
       pi_theta / mu, ``learner.cycles.importance_metrics``) and c_pg_<name> (each

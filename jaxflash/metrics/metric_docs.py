@@ -60,6 +60,17 @@ METRICS: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
+        "`router_mismatch_frac`, `router_mismatch_on_policy_frac`",
+        (
+            "mixture-of-experts runs: the share of (token, layer) routing decisions whose "
+            "top-k expert set differs between the engine's record (`Sample.routed_experts`)"
+            " and the learner's live router, over every token with a recorded route "
+            "(prompt included), and over the loss tokens sampled by the current version; "
+            "under `learner.router_replay` (R3) the forward uses the engine's experts, so "
+            "this counts what replay overrode (gate weights still come from the live router)"
+        ),
+    ),
+    (
         "`logprob_gap_off_policy_max`, `on_policy_tokens`",
         (
             "the same over tokens of older versions (policy change + rounding; 0 if "
@@ -236,34 +247,6 @@ METRICS: tuple[tuple[str, str], ...] = (
             "stopped: stale, failed) + aborted_on_resume (in flight at the checkpoint "
             "resumed from) + running; restarted = episodes started in place of a failed "
             "one"
-        ),
-    ),
-    (
-        (
-            "`agent_sessions_started`, `agent_sessions_returned`, `agent_sessions_failed`, "
-            "`agent_sessions_failed_raised`, `agent_sessions_failed_bad_return`, "
-            "`agent_sessions_failed_no_request`, `agent_sessions_failed_malformed`, "
-            "`agent_sessions_failed_history_rewritten`, `agent_sessions_failed_timeout`, "
-            "`agent_sessions_closed`, `agent_sessions_running`, `agent_http_requests`"
-        ),
-        (
-            "env.name='agent' (docs/AGENTS.md), since the run began: sessions started = "
-            "returned (the agent gave a reward) + failed (the sum of the reasons) + closed "
-            "(ended by the run first: spare, stale, full context, start-up check, evaluation)"
-            " + running; chat requests the endpoint answered"
-        ),
-    ),
-    (
-        (
-            "`agent_echo_mismatch`, `agent_retokenized_differently`, `agent_tool_calls`, "
-            "`agent_tool_call_parse_errors`, `agent_sampling_overridden`"
-        ),
-        (
-            "env.name='agent', over ended sessions: echoed assistant messages that differ "
-            "from the reply (recorded ids kept), echoes whose template rendering tokenises "
-            "differently from the sampled ids (sampled ids kept), tool calls parsed, "
-            "<tool_call> blocks that did not parse, requests whose temperature/top_p were "
-            "replaced by the run's"
         ),
     ),
     (

@@ -126,6 +126,9 @@ def freeze_sample(sample: Sample) -> Sample:
         response_mask=None
         if sample.response_mask is None
         else _frozen(sample.response_mask, np.float32),
+        routed_experts=None
+        if sample.routed_experts is None
+        else _frozen(sample.routed_experts, np.int16),
         reward_info=info,
     )
 
@@ -169,7 +172,8 @@ def pack_entries(entries: Sequence[ReplayEntry]) -> tuple[dict[str, np.ndarray],
         mask), advantage (0 = per-sequence)); concatenations ``prompt_tokens``,
         ``response_tokens``, ``token_versions`` (int32), ``behaviour_logprobs``,
         ``response_mask``, ``advantage_tokens`` (float32) and ``advantage_scalar``
-        float32 [n].
+        float32 [n]; with MoE routes also ``routed_experts`` int16 [sum of routed
+        tokens, L, k] and ``routed_tokens`` int64 [n] (0: the sample has none).
       meta: per entry {"reward_info", "text"} (``reward_info`` is already plain JSON:
         ``freeze_sample`` made it so at ingestion).
     """
@@ -190,8 +194,12 @@ def pack_entries(entries: Sequence[ReplayEntry]) -> tuple[dict[str, np.ndarray],
         )
     }
     meta = []
+    routes, routed = [], np.zeros(n, np.int64)
     for i, e in enumerate(entries):
         s = e.sample
+        if s.routed_experts is not None:
+            routes.append(np.asarray(s.routed_experts, np.int16))
+            routed[i] = len(s.routed_experts)
         scalars[i] = (
             e.uid,
             s.prompt_id,
@@ -225,6 +233,8 @@ def pack_entries(entries: Sequence[ReplayEntry]) -> tuple[dict[str, np.ndarray],
         for k, v in parts.items()
     }
     arrays.update(scalars=scalars, lengths=lengths, reward=reward, advantage_scalar=adv_scalar)
+    if routes:  # only a MoE run's buffer has them (older checkpoints lack the keys)
+        arrays.update(routed_experts=np.concatenate(routes), routed_tokens=routed)
     return arrays, meta
 
 
@@ -242,6 +252,7 @@ def unpack_entries(arrays: dict[str, np.ndarray], meta: list[dict]) -> list[Repl
         cursor[name] = start + length
         return arrays[name][start : start + length]
 
+    routed = arrays.get("routed_tokens", np.zeros(len(scalars), np.int64))
     out = []
     for i in range(len(scalars)):
         uid, pid, sidx, start_v, ingest_v, replays, sample_start, finish = (
@@ -261,6 +272,7 @@ def unpack_entries(arrays: dict[str, np.ndarray], meta: list[dict]) -> list[Repl
             reward_info=meta[i]["reward_info"],
             response_text=meta[i]["text"],
             response_mask=take("response_mask", m_len) if m_len else None,
+            routed_experts=take("routed_experts", int(routed[i])) if routed[i] else None,
         )
         advantage = take("advantage_tokens", a_len) if a_len else arrays["advantage_scalar"][i]
         out.append(

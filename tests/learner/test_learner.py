@@ -191,7 +191,7 @@ def world():
 
 
 def _copy(batch):
-    return TrainBatch(**{k: np.array(v) for k, v in vars(batch).items()})
+    return TrainBatch(**{k: None if v is None else np.array(v) for k, v in vars(batch).items()})
 
 
 def test_state_is_born_sharded(world):
@@ -224,7 +224,7 @@ def test_micro_batch_split_gives_same_loss_and_grads(world):
     version = jnp.int32(0)
     out = []
     for b in (whole, halves):
-        fields = {k: jnp.asarray(v) for k, v in vars(b).items()}
+        fields = {k: jnp.asarray(v) for k, v in vars(b).items() if v is not None}
         out.append(grad_fn(host_params, host_params, fields, version))
     (loss1, g1, m1), (loss2, g2, m2) = out
     assert float(m1["clip_frac"]) > 0  # the clipped branch is exercised
@@ -305,7 +305,7 @@ def test_proximal_ratio_weights_by_behaviour_ratio(world):
     )
     b = split_micro_batches(batch, 2)
     b.behaviour_logp_bt = (b.behaviour_logp_bt - np.log(2.0) * b.loss_mask_bt).astype(np.float32)
-    fields = {k: jnp.asarray(v) for k, v in vars(b).items()}
+    fields = {k: jnp.asarray(v) for k, v in vars(b).items() if v is not None}
     loss, grads, m = jax.jit(make_grad_fn(MODEL, lc))(host_params, None, fields, jnp.int32(0))
     np.testing.assert_allclose(float(loss), -0.5, rtol=1e-5)
     np.testing.assert_allclose(float(m["ratio_max"]), 1.0, rtol=1e-6)

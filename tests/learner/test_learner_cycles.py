@@ -66,7 +66,9 @@ def _labelled(batch, cycle_b=CYCLE_B, shift=LN2):
 
 
 def _grad(lc, params, batch):
-    fields = {k: jnp.asarray(v) for k, v in vars(split_micro_batches(batch, 2)).items()}
+    fields = {
+        k: jnp.asarray(v) for k, v in vars(split_micro_batches(batch, 2)).items() if v is not None
+    }
     loss, grads, m = jax.jit(make_grad_fn(MODEL, lc))(params, None, fields, jnp.int32(0))
     return float(loss), grads, jax.device_get(m)
 

@@ -107,9 +107,12 @@ def stop_array(stop_ids: Sequence[int]) -> np.ndarray:
 
 
 def block_result(out_nb3: np.ndarray, live_n: np.ndarray, steps_run: int) -> BlockResult:
-    """Unpack ``generate_block``'s (token, logprob bits, emitted) array [n, B, 3]."""
+    """Unpack ``generate_block``'s (token, logprob bits, emitted) array [n, B, 3]
+    (a MoE engine's has the fed token's routes, L * k more columns)."""
     out_nb3 = np.asarray(out_nb3[:steps_run])
+    routes = out_nb3[:, :, 3:].astype(np.int16) if out_nb3.shape[2] > 3 else None
     return BlockResult(
+        routes_nbx=routes,
         tokens_nb=out_nb3[:, :, 0].copy(),
         logps_nb=np.ascontiguousarray(out_nb3[:, :, 1]).view(np.float32),
         emitted_nb=out_nb3[:, :, 2].astype(bool),

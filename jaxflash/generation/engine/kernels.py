@@ -42,7 +42,7 @@ from jaxflash.generation.sampling import sample_key, sample_tokens
 from jaxflash.models.caches.kv_cache import LayerKVCache, init_layer_kv_cache
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.models.decoder.logprobs import logits_from_hidden
-from jaxflash.models.decoder.transformer import forward, unembed, unstack_layers
+from jaxflash.models.decoder.transformer import forward, forward_routed, unembed, unstack_layers
 
 __all__ = [
     "generate_block",
@@ -85,23 +85,35 @@ def prefill(
         for compile-only chips) find them.
 
     Returns:
-      PrefillBatch (caches of N rows and length T, lengths, float32 logits [N, V]).
+      PrefillBatch (caches of N rows and length T, lengths, float32 logits [N, V],
+      a MoE model's routes int16 [N, T, L, k]).
     """
     params = unstack_layers(params)
     n, t = ids_nt.shape
     positions_nt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
     cache = init_layer_kv_cache(model_config, n, t)
-    if dense_max is None or t <= dense_max:
-        h_ntd, cache = forward(params, model_config, ids_nt, positions_nt, cache)
-    else:
-        scope = contextlib.nullcontext() if mesh is None else use_abstract_mesh(mesh.abstract_mesh)
-        with scope:
-            h_ntd, cache = forward(
-                params, model_config, ids_nt, positions_nt, cache, fresh_cache=True
-            )
+    fresh = not (dense_max is None or t <= dense_max)
+    scope = contextlib.nullcontext() if mesh is None else use_abstract_mesh(mesh.abstract_mesh)
+    with scope if fresh else contextlib.nullcontext():
+        h_ntd, cache, routes_ntlk = _forward_routes(
+            params, model_config, ids_nt, positions_nt, cache, fresh_cache=fresh
+        )
     h_nd = jnp.take_along_axis(h_ntd, (true_length_n - 1)[:, None, None], axis=1)[:, 0]
     logits_nv = logits_from_hidden(h_nd, unembed(params, model_config)).astype(jnp.float32)
-    return PrefillBatch(cache=cache, true_length_n=true_length_n, logits_nv=logits_nv)
+    return PrefillBatch(
+        cache=cache, true_length_n=true_length_n, logits_nv=logits_nv, routes_ntlk=routes_ntlk
+    )
+
+
+def _forward_routes(params, mc: ModelConfig, ids_bt, pos_bt, cache, fresh_cache=False):
+    """``forward`` plus, for a MoE model, the live top-k experts int16 [B, T, L, k]
+    (None for a dense one): what a sample's ``routed_experts`` records."""
+    if not mc.is_moe:
+        return *forward(params, mc, ids_bt, pos_bt, cache, fresh_cache=fresh_cache), None
+    h, cache, _, routes_btlk = forward_routed(
+        params, mc, ids_bt, pos_bt, cache, fresh_cache=fresh_cache
+    )
+    return h, cache, routes_btlk.astype(jnp.int16)
 
 
 def _sample(logits_bv, keys_b2, mc: ModelConfig, ec: EngineConfig):
@@ -214,9 +226,10 @@ def next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
     """Feed every slot's last token at its position; sample the next one.
 
     Returns:
-      (the cache with that token's k/v written, token_b int32 [B], logp_b float32 [B]).
+      (the cache with that token's k/v written, token_b int32 [B], logp_b float32 [B],
+      a MoE model's routes of the fed token int16 [B, L, k] or None).
     """
-    h_b1d, cache = forward(
+    h_b1d, cache, routes_b1lk = _forward_routes(
         params, mc, state.next_token_b[:, None], state.pos_b[:, None], state.cache
     )
     logits_bv = logits_from_hidden(h_b1d[:, 0], unembed(params, mc))
@@ -224,7 +237,7 @@ def next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
         state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
     )
     token_b, logp_b = _sample(logits_bv, keys_b2, mc, ec)
-    return cache, token_b, logp_b
+    return cache, token_b, logp_b, None if routes_b1lk is None else routes_b1lk[:, 0]
 
 
 def generate_block(
@@ -256,8 +269,9 @@ def generate_block(
       steps: static maximum number of steps.
 
     Returns:
-      (state, out_nb3 int32 [steps, B, 3] = (token, logprob bits, emitted),
-      live_n int32 [steps] live slots at the start of each step, steps run int32 []).
+      (state, out_nb3 int32 [steps, B, 3] = (token, logprob bits, emitted) — a MoE
+      model's [steps, B, 3 + L * k], the fed token's routes after them —, live_n
+      int32 [steps] live slots at the start of each step, steps run int32 []).
     """
     params = unstack_layers(params)
     mc, ec = model_config, engine_config
@@ -270,7 +284,7 @@ def generate_block(
 
     def body(carry):
         i, st, live_b, out_nb3, live_n = carry
-        cache, token_b, logp_b = next_tokens(params, st, mc, ec)
+        cache, token_b, logp_b, routes_blk = next_tokens(params, st, mc, ec)
         room_b = room(st, ec)
         emit_b = live_b & room_b
         step_b = emit_b.astype(jnp.int32)
@@ -289,6 +303,8 @@ def generate_block(
             [token_b, jax.lax.bitcast_convert_type(logp_b.astype(jnp.float32), jnp.int32), step_b],
             axis=1,
         )
+        if routes_blk is not None:
+            row_b3 = jnp.concatenate([row_b3, routes_blk.reshape(batch, -1).astype(jnp.int32)], 1)
         out_nb3 = jax.lax.dynamic_update_index_in_dim(out_nb3, row_b3, i, axis=0)
         live_n = live_n.at[i].set(jnp.sum(live_b.astype(jnp.int32)))
         return i + 1, st, live_b & ~done_b, out_nb3, live_n
@@ -297,7 +313,10 @@ def generate_block(
         jnp.zeros((), jnp.int32),
         state,
         live_b,
-        jnp.zeros((steps, batch, 3), jnp.int32),
+        jnp.zeros(
+            (steps, batch, 3 + (mc.n_layers * mc.n_experts_per_token if mc.is_moe else 0)),
+            jnp.int32,
+        ),
         jnp.zeros((steps,), jnp.int32),
     )
     n, state, _, out_nb3, live_n = jax.lax.while_loop(cond, body, init)

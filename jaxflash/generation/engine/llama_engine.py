@@ -50,6 +50,7 @@ from jaxflash.generation.engine.state import (
     BlockResult,
     DecodeState,
     EngineConfig,
+    PromptPrefill,
     SampleStart,
     state_shardings,
 )
@@ -192,6 +193,27 @@ class LlamaEngine:
             tokens[members] = token_g[: len(members)]
             logps[members] = logp_g[: len(members)]
         return decode_state, tokens, logps
+
+    def prefill_routes(self, prefills: Sequence[PromptPrefill]) -> list[np.ndarray]:
+        """A MoE engine's routes of each prefilled sequence, in one host copy.
+
+        Args:
+          prefills: ``PromptPrefill`` results (of this engine's prefills).
+
+        Returns:
+          int16 [P, L, k] per prefill (P its true length): each layer's top-k experts
+          of each token (``Sample.routed_experts``).
+
+        Raises:
+          ValueError: the engine's model has no experts.
+        """
+        if not self.model_config.is_moe:
+            raise ValueError("prefill_routes: the engine's model has no experts")
+        rows = [p.batch.routes_ntlk[p.row] for p in prefills]
+        return [
+            np.asarray(r[: p.true_length])
+            for r, p in zip(jax.device_get(rows), prefills, strict=True)
+        ]
 
     # ---------------------------------------------------------------- decoding
 

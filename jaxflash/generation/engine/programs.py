@@ -61,7 +61,10 @@ class Programs:
                 ),
             ),
             out_shardings=PrefillBatch(
-                cache=prefill_cache_shardings, true_length_n=rep, logits_nv=rep
+                cache=prefill_cache_shardings,
+                true_length_n=rep,
+                logits_nv=rep,
+                routes_ntlk=rep if mc.is_moe else None,
             ),
         )
 

@@ -190,11 +190,14 @@ class PrefillBatch:
         length hold junk that is overwritten before any query can see it).
       true_length_n: int32 [N] sequence lengths (padding rows repeat row 0).
       logits_nv: float32 [N, V] raw logits at each sequence's last position.
+      routes_ntlk: MoE only: int16 [N, T, L, k] the top-k experts each layer chose
+        for each token (``Sample.routed_experts``); None for a dense model.
     """
 
     cache: LayerKVCache
     true_length_n: jax.Array
     logits_nv: jax.Array
+    routes_ntlk: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +282,9 @@ class BlockResult:
       live_n: int32 [n] slots still decoding at the start of step i.
       steps: n, decode steps run (<= the requested number: the block ends early
         once every slot has stopped).
+      routes_nbx: MoE only: int16 [n, B, L * k] the experts each layer routed the
+        token slot b fed at step i to (the one sampled before step i's token);
+        None for a dense model.
     """
 
     tokens_nb: np.ndarray
@@ -286,6 +292,7 @@ class BlockResult:
     emitted_nb: np.ndarray
     live_n: np.ndarray
     steps: int
+    routes_nbx: np.ndarray | None = None
 
 
 def state_shardings(

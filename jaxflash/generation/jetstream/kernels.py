@@ -84,7 +84,8 @@ def generate(params, state: ServeState, *, model_config: ModelConfig, engine_con
     """
     params = unstack_layers(params)
     st = state.decode
-    cache, token_b, logp_b = engine_kernels.next_tokens(params, st, model_config, engine_config)
+    # JetStream's serving path does not record MoE routes (the slot loop does).
+    cache, token_b, logp_b, _ = engine_kernels.next_tokens(params, st, model_config, engine_config)
     room_b = engine_kernels.room(st, engine_config)
     pending_b = state.pending_b
     advance_b = room_b & ~pending_b

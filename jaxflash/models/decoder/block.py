@@ -81,7 +81,7 @@ def gated_mlp(config: ModelConfig, x_btd, lp):
     )
 
 
-def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site):
+def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site, replay_btk=None):
     """One decoder block.
 
     Args:
@@ -92,10 +92,12 @@ def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site)
         it stores the new k/v and attends.
       site: where the T tokens sit: positions (RoPE, cache writes), the layer's sliding
         flag (window and ``config.rope_local_theta``), packed segments.
+      replay_btk: MoE only: int [B, T, k] recorded experts to replay, -1 where none
+        (``moe.route``); None routes live.
 
     Returns:
-      (h_btd float32 [B, T, D], the updated layer cache, router logits float32
-      [B, T, E] or None for a dense MLP).
+      (h_btd float32 [B, T, D], the updated layer cache, (router logits float32
+      [B, T, E], live top-k experts int32 [B, T, k]) or None for a dense MLP).
     """
     cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
     adapted = lora.adapted_weights(lp)
@@ -132,17 +134,19 @@ def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site)
         attn_btd = rms_norm(attn_btd, lp["post_attn_norm_ld"], eps, off)
     h_btd = h_btd + attn_btd
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], eps, off).astype(cd)
-    router_bte = None
+    router = None
     if config.is_moe:  # routed experts replace the dense MLP (models.decoder.moe)
-        mlp_btd, router_bte = moe_mlp(
+        mlp_btd, *router = moe_mlp(
             x_btd,
             *(w(n) for n in ("w_router_lde", "w_gate_ledf", "w_up_ledf", "w_down_lefd")),
             top_k=config.n_experts_per_token,
             norm_topk_prob=config.norm_topk_prob,
+            replay_btk=replay_btk,
         )
+        router = tuple(router)
     else:
         mlp_btd = gated_mlp(config, x_btd, lp)
     if config.sandwich_norm:
         mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
     h_btd = h_btd + mlp_btd
-    return h_btd, cache, router_bte
+    return h_btd, cache, router

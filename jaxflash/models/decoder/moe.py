@@ -4,7 +4,8 @@ Per token x (a row of the normed residual stream), with E experts of SwiGLU widt
 
     p = softmax(x W_router)                      (float32, over E)
     S = top-k indices of p,  w_e = p_e for e in S (divided by sum_S p when
-                                                  ``norm_topk_prob``)
+                                                  ``norm_topk_prob``: computed
+                                                  as softmax over S's logits)
     y = sum_{e in S} w_e · SwiGLU_e(x)
 
 as transformers' ``Qwen3MoeSparseMoeBlock`` computes it (softmax in float32, top-k
@@ -34,26 +35,52 @@ IMPLS = ("ragged", "dense")
 
 
 def route(
-    x_nd: jax.Array, w_router_de: jax.Array, *, top_k: int, norm_topk_prob: bool
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Router logits, top-k weights and experts of each token.
+    x_nd: jax.Array,
+    w_router_de: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    replay_nk: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Router logits, top-k weights and experts of each token, optionally replayed.
+
+    The k experts S are the top-k of p = softmax(logits); their weights are p_S, or
+    with ``norm_topk_prob`` p_S / sum(p_S) computed as softmax(logits_S) — the same
+    value, but read from the k logits alone, so logits of experts outside S change
+    no bit of it.
+
+    Router replay (R3, "rollout routing replay", arXiv 2510.11370): with ``replay_nk``,
+    a token whose row holds k recorded experts (all >= 0) takes S from it instead of
+    its own top-k and weights them by the formula above on the *live* logits, so the
+    router keeps its gradient; a row with a -1 (no route recorded) routes live.
+    Replaying the live top-k changes no bit.
 
     Args:
       x_nd: [N, D] normed hidden states, compute dtype.
       w_router_de: [D, E] router matrix, compute dtype.
       top_k: k experts per token (static).
       norm_topk_prob: renormalise the k kept probabilities to sum to 1.
+      replay_nk: optional int [N, k] recorded experts (-1: none recorded).
 
     Returns:
-      (logits_ne float32 [N, E], weights_nk float32 [N, k], experts_nk int32 [N, k]);
-      experts in decreasing probability (ties: lower index first).
+      (logits_ne float32 [N, E], weights_nk float32 [N, k], experts_nk int32 [N, k]
+      the experts used, live_nk int32 [N, k] the live top-k); live experts in
+      decreasing probability (ties: lower index first).
     """
     logits_ne = jnp.einsum("nd,de->ne", x_nd, w_router_de, preferred_element_type=jnp.float32)
     probs_ne = jax.nn.softmax(logits_ne, axis=-1)
-    weights_nk, experts_nk = jax.lax.top_k(probs_ne, top_k)
+    _, live_nk = jax.lax.top_k(probs_ne, top_k)
+    live_nk = live_nk.astype(jnp.int32)
+    experts_nk = live_nk
+    if replay_nk is not None:
+        replay_nk = replay_nk.astype(jnp.int32)
+        use_n = jnp.all(replay_nk >= 0, axis=-1, keepdims=True)
+        experts_nk = jnp.where(use_n, replay_nk, live_nk)
     if norm_topk_prob:
-        weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
-    return logits_ne, weights_nk, experts_nk.astype(jnp.int32)
+        weights_nk = jax.nn.softmax(jnp.take_along_axis(logits_ne, experts_nk, axis=-1), axis=-1)
+    else:
+        weights_nk = jnp.take_along_axis(probs_ne, experts_nk, axis=-1)
+    return logits_ne, weights_nk, experts_nk, live_nk
 
 
 def experts_ragged(
@@ -122,7 +149,8 @@ def moe_mlp(
     top_k: int,
     norm_topk_prob: bool,
     impl: str = "ragged",
-) -> tuple[jax.Array, jax.Array]:
+    replay_btk: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The MoE block of one layer (Qwen3-MoE's sparse MLP).
 
     Args:
@@ -132,9 +160,11 @@ def moe_mlp(
       top_k, norm_topk_prob: routing (``ModelConfig.n_experts_per_token``,
         ``norm_topk_prob``), static.
       impl: "ragged" (grouped matmul, what the model runs) or "dense" (reference).
+      replay_btk: optional int [B, T, k] recorded experts to replay (``route``).
 
     Returns:
-      (y_btd float32 [B, T, D], router logits float32 [B, T, E]).
+      (y_btd float32 [B, T, D], router logits float32 [B, T, E], the live top-k
+      experts int32 [B, T, k] — what the router chose, replayed or not).
 
     Raises:
       ValueError: an unknown ``impl``.
@@ -143,12 +173,36 @@ def moe_mlp(
         raise ValueError(f"moe_mlp: impl must be one of {IMPLS}, got {impl!r}")
     b, t, d = x_btd.shape
     x_nd = x_btd.reshape(b * t, d)
-    logits_ne, weights_nk, experts_nk = route(
-        x_nd, w_router_de, top_k=top_k, norm_topk_prob=norm_topk_prob
+    replay_nk = None if replay_btk is None else replay_btk.reshape(b * t, top_k)
+    logits_ne, weights_nk, experts_nk, live_nk = route(
+        x_nd, w_router_de, top_k=top_k, norm_topk_prob=norm_topk_prob, replay_nk=replay_nk
     )
     experts = experts_ragged if impl == "ragged" else experts_dense
     y_nd = experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd)
-    return y_nd.reshape(b, t, d), logits_ne.reshape(b, t, -1)
+    return y_nd.reshape(b, t, d), logits_ne.reshape(b, t, -1), live_nk.reshape(b, t, top_k)
+
+
+def route_mismatch(live_btlk: jax.Array, recorded_btlk: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(token, layer) routing decisions whose expert sets differ, and those compared.
+
+    A decision is compared where a route was recorded (no -1 in its k entries); it
+    differs when the two k-sets differ (order inside the set, which only changes
+    the order of the k-term sum, is not counted).
+
+    Args:
+      live_btlk: int [..., k] experts one side chose.
+      recorded_btlk: int [..., k] the other side's (-1: not recorded).
+
+    Returns:
+      (differing float32 [...], compared float32 [...]), 0/1 each.
+    """
+    compared = jnp.all(recorded_btlk >= 0, axis=-1)
+    same = jnp.all(
+        jnp.sort(live_btlk.astype(jnp.int32), axis=-1)
+        == jnp.sort(recorded_btlk.astype(jnp.int32), axis=-1),
+        axis=-1,
+    )
+    return (compared & ~same).astype(jnp.float32), compared.astype(jnp.float32)
 
 
 # ------------------------------------------------------- load-balancing loss

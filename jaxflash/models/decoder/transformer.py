@@ -296,8 +296,7 @@ def forward_with_router_logits(
 
     Args:
       params, config, input_ids_bt, positions_bt, segment_ids_bt: as in ``forward``;
-        ``config`` must
-        have experts (``n_experts > 0``).
+        ``config`` must have experts (``n_experts > 0``).
 
     Returns:
       (h_btd float32 [B, T, D], router logits float32 [L, B, T, E]) — what the
@@ -308,16 +307,74 @@ def forward_with_router_logits(
     """
     if not config.is_moe:
         raise ValueError("forward_with_router_logits: the config has no experts (n_experts=0)")
-    h_btd, _, router_lbte = _forward(
+    h_btd, _, router = _forward(
         params, config, input_ids_bt, positions_bt, None, True, segment_ids_bt
     )
-    return h_btd, router_lbte
+    return h_btd, router[0]
+
+
+def forward_routed(
+    params: Params,
+    config: ModelConfig,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    kv_cache: ModelCache | None = None,
+    *,
+    replay_btlk: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    fresh_cache: bool = False,
+) -> tuple[jax.Array, ModelCache | None, jax.Array, jax.Array]:
+    """``forward`` of a MoE model that returns every layer's routing, and can replay one
+    (R3, arXiv 2510.11370: recorded experts, gate weights from the live router,
+    ``moe.route``; replaying the live routes changes no bit).
+
+    Args:
+      params, config, input_ids_bt, positions_bt, kv_cache, segment_ids_bt,
+        fresh_cache: as in ``forward``; ``config`` must have experts.
+      replay_btlk: optional int [B, T, L, k] experts to replay (-1: route live).
+
+    Returns:
+      (h_btd float32 [B, T, D], updated cache or None, router logits float32
+      [L, B, T, E], the live top-k experts int32 [B, T, L, k] — the engine records
+      these as a sample's routes).
+
+    Raises:
+      ValueError: a dense config, a ``replay_btlk`` that is not [B, T, L, k], or the
+        errors of ``forward``.
+    """
+    if not config.is_moe:
+        raise ValueError("forward_routed: the config has no experts (n_experts=0)")
+    want = (*input_ids_bt.shape, config.n_layers, config.n_experts_per_token)
+    if replay_btlk is not None and tuple(replay_btlk.shape) != want:
+        raise ValueError(f"forward_routed: replay_btlk {replay_btlk.shape} must be {want}")
+    replay_lbtk = None if replay_btlk is None else jnp.moveaxis(replay_btlk, 2, 0)
+    h_btd, cache, (logits_lbte, live_lbtk) = _forward(
+        params,
+        config,
+        input_ids_bt,
+        positions_bt,
+        kv_cache,
+        True,
+        segment_ids_bt,
+        fresh_cache,
+        replay_lbtk,
+    )
+    return h_btd, cache, logits_lbte, jnp.moveaxis(live_lbtk, 0, 2)
 
 
 def _forward(
-    params, config, input_ids_bt, positions_bt, kv_cache, collect_router, segments, fresh=False
+    params,
+    config,
+    input_ids_bt,
+    positions_bt,
+    kv_cache,
+    collect_router,
+    segments,
+    fresh=False,
+    replay_lbtk=None,
 ):
-    """``forward``, plus the stacked router logits [L, B, T, E] when ``collect_router``."""
+    """``forward``, plus the stacked (router logits [L, B, T, E], live experts
+    [L, B, T, k]) when ``collect_router``; ``replay_lbtk``: experts to replay."""
     if input_ids_bt.shape != positions_bt.shape or input_ids_bt.ndim != 2:
         raise ValueError(
             f"forward: input_ids_bt {input_ids_bt.shape} and positions_bt "
@@ -354,10 +411,10 @@ def _forward(
         """The (rematerialised) layer; ``sliding`` static, or None: read from xs[2]."""
 
         def body(h_btd, xs):
-            lp, cache = xs[:2]
-            site = Site(positions_bt, xs[2] if sliding is None else sliding, segments)
-            h_btd, cache, router_bte = decoder_layer(config, h_btd, lp, cache, site)
-            return h_btd, (cache, router_bte if collect_router else None)
+            lp, cache, sliding_flag, replay_btk = xs
+            site = Site(positions_bt, sliding_flag if sliding is None else sliding, segments)
+            h_btd, cache, router = decoder_layer(config, h_btd, lp, cache, site, replay_btk)
+            return h_btd, (cache, router if collect_router else None)
 
         if not config.remat:
             return body
@@ -369,21 +426,23 @@ def _forward(
         # residual adds into one at the end that keeps every layer's f32 [B, T, D] MLP output
         # alive (Qwen2.5-1.5B, T = 2048, v5e: 1.01 vs 0.08 GiB; benchmarks/prefill_memory.py).
         new_caches, routers = [], []
-        for lp, cache, sliding in zip(params["layers"], layer_caches, sliding_l, strict=True):
-            h_btd, (cache, router_bte) = bodies[sliding](h_btd, (lp, cache))
+        for i, (lp, cache, sliding) in enumerate(
+            zip(params["layers"], layer_caches, sliding_l, strict=True)
+        ):
+            replay_btk = None if replay_lbtk is None else replay_lbtk[i]
+            h_btd, (cache, router) = bodies[sliding](h_btd, (lp, cache, None, replay_btk))
             if fresh:
                 h_btd = jax.lax.optimization_barrier(h_btd)
             new_caches.append(cache)
-            routers.append(router_bte)
+            routers.append(router)
         new_caches = tuple(new_caches)
-        router_lbte = jnp.stack(routers) if collect_router else None
+        router_lbte = jax.tree.map(lambda *xs: jnp.stack(xs), *routers) if collect_router else None
     else:
-        if config.mixed_layers:  # the per-layer sliding flag rides the scan
-            xs = (params["layers"], layer_caches, jnp.asarray(sliding_l))
-            h_btd, (new_caches, router_lbte) = jax.lax.scan(layer_fn(None), h_btd, xs)
-        else:
-            xs = (params["layers"], layer_caches)
-            h_btd, (new_caches, router_lbte) = jax.lax.scan(layer_fn(sliding_l[0]), h_btd, xs)
+        # the per-layer sliding flag rides the scan with mixed layers
+        flags = jnp.asarray(sliding_l) if config.mixed_layers else None
+        xs = (params["layers"], layer_caches, flags, replay_lbtk)
+        body = layer_fn(None if config.mixed_layers else sliding_l[0])
+        h_btd, (new_caches, router_lbte) = jax.lax.scan(body, h_btd, xs)
     cache = None if kv_cache is None else kv_cache.with_layers(new_caches)
     h_btd = rms_norm(h_btd, params["final_norm_d"], config.rms_norm_eps, config.norm_offset)
     return h_btd, cache, router_lbte

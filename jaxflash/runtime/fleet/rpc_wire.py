@@ -29,7 +29,7 @@ import numpy as np
 from jaxflash.types import FinishReason, GenerationRequest, Sample, SamplingParams
 
 _MAGIC = b"JFR1"
-_DTYPES = ("int32", "int64", "float32", "float64", "uint8", "uint32", "bool", "bfloat16")
+_DTYPES = ("int16", "int32", "int64", "float32", "float64", "uint8", "uint32", "bool", "bfloat16")
 
 SERVICE = "jaxflash.GenerationProgram"
 """gRPC service name of a generation program (methods in ``METHODS``)."""
@@ -169,10 +169,13 @@ def decode_request(message: bytes) -> GenerationRequest:
 
 
 _SAMPLE_ARRAYS = ("prompt_tokens", "response_tokens", "behaviour_logprobs", "token_versions")
+# Sent when set: a multi-turn sample's mask, a MoE engine's routes (int16 [T, L, k]).
+_OPTIONAL_ARRAYS = ("response_mask", "routed_experts")
 
 
 def sample_message(sample: Sample) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A finished sample as (header, arrays) (bit-exact: logprobs travel as raw float32)."""
+    """A finished sample as (header, arrays) (bit-exact: logprobs travel as raw float32,
+    a MoE sample's routes as its int16 array)."""
     header = {
         "type": "sample",
         "prompt_id": int(sample.prompt_id),
@@ -181,8 +184,9 @@ def sample_message(sample: Sample) -> tuple[dict[str, Any], dict[str, np.ndarray
         "finish_reason": str(sample.finish_reason),
     }
     arrays = {name: np.asarray(getattr(sample, name)) for name in _SAMPLE_ARRAYS}
-    if sample.response_mask is not None:
-        arrays["response_mask"] = np.asarray(sample.response_mask)
+    for name in _OPTIONAL_ARRAYS:
+        if getattr(sample, name) is not None:
+            arrays[name] = np.asarray(getattr(sample, name))
     return header, arrays
 
 
@@ -198,7 +202,7 @@ def sample_from_message(header: Mapping[str, Any], arrays: Mapping[str, np.ndarr
             sample_index=int(header["sample_index"]),
             start_version=int(header["start_version"]),
             finish_reason=FinishReason(header["finish_reason"]),
-            response_mask=arrays.get("response_mask"),
+            **{name: arrays.get(name) for name in _OPTIONAL_ARRAYS},
             **{name: arrays[name] for name in _SAMPLE_ARRAYS},
         )
     except (KeyError, ValueError) as err:
