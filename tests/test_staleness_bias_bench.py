@@ -1,0 +1,37 @@
+"""benchmarks/staleness_bias.py --sim --quick: every policy runs in the simulator and
+the rows say what the study reads (pace drops nothing; the stats are of real samples)."""
+
+import importlib.util
+import json
+import os
+
+_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
+_spec = importlib.util.spec_from_file_location(
+    "bench_staleness_bias", os.path.join(_DIR, "staleness_bias.py")
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_quick_sim_grid_rows(tmp_path, capsys):
+    out = tmp_path / "bias.json"
+    assert bench.main(["--sim", "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["drop", "regenerate", "pace"]
+    by = {r["policy"]: r for r in rows}
+    assert by["pace"]["prompts_stale"] == 0 and by["pace"]["prompts_regenerated"] == 0
+    assert by["drop"]["prompts_stale"] > 0 and by["regenerate"]["prompts_regenerated"] > 0
+    for r in rows:
+        t, s = r["trained"], r["started"]
+        assert 0 < t["n"] <= s["n"] and t["len_p50"] <= t["len_p99"]
+        assert 0.0 <= r["admission_idle"] <= 1.0 and r["samples_per_s"] > 0
+    assert by["drop"]["long_share"] < by["pace"]["long_share"]  # drop starves the long tail
+    assert capsys.readouterr().out.count("\n| 1 |") == 3
+
+
+def test_long_share_and_stats():
+    assert bench.long_share(list(range(100)), list(range(100))) == 1.0
+    assert bench.long_share(list(range(100)), list(range(50))) == 0.0
+    st = bench.length_reward_stats([1, 2, 3], [0.0, 1.0, 1.0])
+    assert st["len_mean"] == 2.0 and abs(st["reward_mean"] - 2 / 3) < 1e-12
+    assert bench.length_reward_stats([], []) == {"n": 0}
