@@ -231,4 +231,3 @@ class AgentConfig(EnvConfig):
             self.require(field, value.count(":") == 1 and all(value.split(":")), "'pkg.mod:fn'")
         self.require("split", self.split in ("train", "eval"), "'train' or 'eval'")
         self.require("port", 0 <= self.port < 65536, "an int in [0, 65535]")
-

@@ -251,6 +251,34 @@ METRICS: tuple[tuple[str, str], ...] = (
     ),
     (
         (
+            "`agent_sessions_started`, `agent_sessions_returned`, `agent_sessions_failed`, "
+            "`agent_sessions_failed_raised`, `agent_sessions_failed_bad_return`, "
+            "`agent_sessions_failed_no_request`, `agent_sessions_failed_malformed`, "
+            "`agent_sessions_failed_history_rewritten`, `agent_sessions_failed_timeout`, "
+            "`agent_sessions_closed`, `agent_sessions_running`, `agent_http_requests`"
+        ),
+        (
+            "env.name='agent' (docs/AGENTS.md), since the run began: sessions started = "
+            "returned (the agent gave a reward) + failed (the sum of the reasons) + closed "
+            "(ended by the run first: spare, stale, full context, start-up check, evaluation)"
+            " + running; chat requests the endpoint answered"
+        ),
+    ),
+    (
+        (
+            "`agent_echo_mismatch`, `agent_retokenized_differently`, `agent_tool_calls`, "
+            "`agent_tool_call_parse_errors`, `agent_sampling_overridden`"
+        ),
+        (
+            "env.name='agent', over ended sessions: echoed assistant messages that differ "
+            "from the reply (recorded ids kept), echoes whose template rendering tokenises "
+            "differently from the sampled ids (sampled ids kept), tool calls parsed, "
+            "<tool_call> blocks that did not parse, requests whose temperature/top_p were "
+            "replaced by the run's"
+        ),
+    ),
+    (
+        (
             "`turns_generated`, `env_calls`, `env_calls_pending`, `env_calls_abandoned`, "
             "`env_close_errors`"
         ),

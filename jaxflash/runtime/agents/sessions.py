@@ -39,6 +39,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -143,11 +144,12 @@ class SessionTable:
         self._counters.update({f"agent_sessions_failed_{r}": 0 for r in FAILURES})
         self._counters.update({n: 0 for n in ("agent_sessions_closed", *TURN_COUNTERS)})
         self._ids = itertools.count()
+        self._prefix = secrets.token_hex(3)  # ids unique across the tables of a process
 
     def open(self) -> AgentSession:
         """A new registered session."""
         with self._lock:
-            session = AgentSession(f"s{next(self._ids)}")
+            session = AgentSession(f"s{self._prefix}-{next(self._ids)}")
             self._sessions[session.session_id] = session
             self._counters["agent_sessions_started"] += 1
         return session

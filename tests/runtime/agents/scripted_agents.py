@@ -5,6 +5,8 @@ Each is written against the stock ``openai`` client, as a user's agent would be.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import openai
@@ -99,3 +101,41 @@ def rewrites_history(client: openai.OpenAI, task) -> float:
 def bad_return(client: openai.OpenAI, task) -> str:
     client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "a"}])
     return "not a reward"
+
+
+CALLS = {"n": 0}
+
+
+def two_turns_flaky(client: openai.OpenAI, task) -> float:
+    """``two_turns`` with faults by call number (every 5th raises, every 7th sends a
+    malformed request). Tasks 2 and 3 (admitted at version 0, alpha 1) wait after their
+    first turn until step 1 is written to ``$AGENT_TEST_WORKDIR/metrics.jsonl`` (after the
+    publish): their second turn runs under version 1."""
+    CALLS["n"] += 1
+    n = CALLS["n"]
+    if n % 5 == 0:
+        raise RuntimeError("flaky agent")
+    if n % 7 == 0:
+        client.chat.completions.create(model=task.model, messages=[{"role": "x"}])
+    messages = [{"role": "user", "content": task.data["question"]}]
+    seen = SEEN.setdefault(task.session_id, [])
+    for turn in range(2):
+        reply = client.chat.completions.create(model=task.model, messages=messages)
+        seen.append(reply.choices[0].model_dump())
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"turn {turn} done"})
+        if turn == 0 and task.seed in (2, 3):
+            _wait_for_step_1()
+    return float(task.seed % 2)
+
+
+def _wait_for_step_1(timeout_s: float = 40.0) -> None:
+    path = os.path.join(os.environ["AGENT_TEST_WORKDIR"], "metrics.jsonl")
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if os.path.exists(path) and any(
+            json.loads(line).get("step", 0) >= 1 for line in open(path) if line.strip()
+        ):
+            time.sleep(0.3)  # the row is written after the publish
+            return
+        time.sleep(0.2)

@@ -104,6 +104,7 @@ def test_multi_turn_sessions_train_on_exactly_the_sampled_ids(tok, renderer):
     are exactly the ids sampled, with their logprobs and versions; turn 2's prompt is
     turn 1's prompt + sampled ids + the rendered delta; replies carry the ids; the
     rewards (= seed) did not mix."""
+    scripted_agents.SEEN.clear()
     host = _host("two_turns")
     engine = ScriptedEngine(tok, [CALL, "done {pid}"])
     try:
@@ -128,7 +129,7 @@ def test_multi_turn_sessions_train_on_exactly_the_sampled_ids(tok, renderer):
         assert f"task {traj.prompt_id} of train" in tok.decode(first.tolist())
         assert "<tools>" in tok.decode(first.tolist())  # ChatML has no tools: Hermes preamble
         assert traj.turn_rewards.tolist() == [0.0, float(traj.prompt_id)]
-    replies = {sid: seen for sid, seen in scripted_agents.SEEN.items() if sid.startswith("s")}
+    replies = dict(scripted_agents.SEEN)
     assert len(replies) == 2
     for seen in replies.values():
         call = seen[0]["message"]["tool_calls"][0]
