@@ -1,6 +1,6 @@
 """MoE engine-vs-learner consistency with and without router replay (R3), on CPU.
 
-    python benchmarks/router_replay.py                        # the docs/RESULTS.md rows
+    python benchmarks/router_replay.py                        # docs/model_families.md's rows
     python benchmarks/router_replay.py --dtype float32 --experts 8 --top-k 2
 
 A random-init Qwen3-MoE-shaped decoder (``tiny_moe`` widened: ``--layers`` layers,
