@@ -41,6 +41,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # With generation_processes: "host:port,..." of generation programs already
     # running (a pod's generation hosts); "" = start them here as local processes.
     c.mesh.generation_addresses = ""
+    # Hosts (processes) of each generation program: a slice over several hosts is one
+    # multi-controller JAX program (docs/MULTIHOST.md); local programs start that many.
+    c.mesh.generation_hosts = 1
     c.mesh.weight_transfer = "transfer"  # generation programs pull by: transfer | stream
     c.mesh.generation_digests = False  # log a SHA-256 of each weight install (tests)
 

@@ -1,4 +1,4 @@
-"""GRPO on Llama-3.1-8B with 32k-token samples, sized for a v5p-128 slice (64 chips).
+"""GRPO on Llama-3.1-8B with 32k-token samples, sized for 64 v5p chips (a v5p-128's worth).
 
 The 8B preset a user starts from on TPU v5p (95 GB HBM per chip): asynchronous
 (alpha = 2) on disjoint slices, bf16 compute over fp32 master weights, splash
@@ -15,9 +15,23 @@ positions) is one override:
     python launch/tpu_pod.py --config configs/tpu_llama3p1_8b_v5p.py --dry_run --topology v5p-128 \
         --config.rollout.max_new_tokens=7168
 
-Run it on a v5p-128 with the real weights and a file of math problems:
+Run it as five JAX programs (docs/MULTIHOST.md; the learner and each engine are
+their own multi-controller program, the layout of
+``configs/tpu_llama3p1_8b_v5p.topology.json``: a v5p-64 learner slice and four v5p-16
+generation slices, each engine one program over its slice's 2 hosts). On every
+worker of each generation slice:
 
-    python launch/tpu_pod.py --config configs/tpu_llama3p1_8b_v5p.py --workdir runs/l8 \
+    python launch/gcloud.py --topology configs/tpu_llama3p1_8b_v5p.topology.json \
+        --zone us-east5-a -- .venv/bin/python launch/tpu_pod.py \
+        --config configs/tpu_llama3p1_8b_v5p.py --port 8500
+
+(the learner's line of that fan-out is replaced by the next command), then on every
+worker of the learner slice, with the address of worker 0 of each generation slice:
+
+    python launch/gcloud.py --tpu rl-learner-v5p-64 --zone us-east5-a -- \
+        .venv/bin/python launch/tpu_pod.py --config configs/tpu_llama3p1_8b_v5p.py \
+        --workdir gs://my-bucket/l8 \
+        --config.mesh.generation_addresses=G0:8500,G1:8500,G2:8500,G3:8500 \
         --config.model.source=hf --config.model.path=/path/to/Llama-3.1-8B-Instruct \
         --config.data.task=math_file --config.data.path=/path/to/dapo_math.jsonl
 
@@ -28,7 +42,9 @@ Shapes (what the dry run compiles; docs/TPU.md "Presets a user starts from"):
   worst case of a 256 x 8,192-token budget with long tails (``learner.packing``: the
   step trains the real tokens in rows of 32,768), micro-batches of 32 (one row per
   chip), ``model.remat_policy="full"``.
-- generation: chips 32-63 as 4 engines of tensor=8 (8 v5p chips each), each 256 slots
+- generation: chips 32-63 as 4 engines of tensor=8 (8 v5p chips each: two 4-chip hosts,
+  so each engine is one generation program over 2 hosts, ``mesh.generation_hosts``),
+  each 256 slots
   of up to 32,768 positions and a page pool of 65,536 pages x 32 = 2,097,152 tokens
   (a quarter of its slots' dense reservation), split over the 8 KV heads (32 GiB a
   chip); attention is the TPU kernel ``ragged_paged_attention`` (``paged_attention=
@@ -64,6 +80,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.learner = ml_collections.ConfigDict({"fsdp": 32, "tensor": 1})
     c.mesh.generation = ml_collections.ConfigDict({"tensor": 8})  # 8 KV heads: 8-way pool
     c.mesh.num_generation_slices = 4  # chips 32-63
+    # Each engine its own JAX program over its slice's 2 hosts (4 v5p chips a host):
+    # process 0 serves the controller, the other follows (runtime.fleet.gen_hosts).
+    c.mesh.generation_processes = True
+    c.mesh.generation_hosts = 2
 
     c.model.source = "random"  # hf + model.path for a real checkpoint (see above)
     c.model.preset = "llama3p1_8b"

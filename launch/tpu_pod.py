@@ -114,8 +114,9 @@ def _role() -> str:
 
 def _devices(config, role: str) -> int:
     """Fake CPU devices of this process (ignored by TPU/GPU platforms)."""
-    if role == "generation":  # one generation slice's mesh
-        return math.prod(int(v) for v in config.mesh.generation.values())
+    if role == "generation":  # this host's part of one generation slice's mesh
+        hosts = int(config.mesh.get("generation_hosts", 1))
+        return math.prod(int(v) for v in config.mesh.generation.values()) // max(hosts, 1)
     n = int(config.mesh.num_cpu_devices)
     if _DRY_RUN.value:  # the placement's devices (runtime.placement.carve)
         n_l, n_g = (math.prod(int(v) for v in m.values())
@@ -129,17 +130,12 @@ def _serve_generation() -> None:
     """This host is a generation program: serve the controller over gRPC until told to stop."""
     import jax
 
-    from jaxflash.runtime.fleet.gen_program import serve
+    from jaxflash.runtime.fleet.gen_hosts import run_process
     from jaxflash.sharding.distributed import advertised_host
 
-    if jax.process_count() > 1:
-        print(
-            "config error: a generation program spans one host for now (this one has "
-            f"{jax.process_count()} processes); give each generation slice one host",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    sys.exit(serve(host=advertised_host(), port=_PORT.value))
+    # Over several hosts (a slice's workers): process 0 serves, the others follow it.
+    hosts = jax.process_count() > 1
+    sys.exit(run_process(host=advertised_host(), port=_PORT.value, hosts=hosts))
 
 
 def _learner(exp, console) -> None:

@@ -144,7 +144,9 @@ def dry_run_report(exp: ExperimentConfig, topology: str | None = None) -> str:
     if spec.generation_processes:  # generation programs: slices after the learner here
         import dataclasses  # noqa: PLC0415
 
-        spec = dataclasses.replace(spec, generation_processes=False)
+        spec = dataclasses.replace(
+            spec, generation_processes=False, generation_addresses=(), generation_hosts=1
+        )
     try:
         placement = carve(spec, devices)
     except ValueError as err:

@@ -309,6 +309,7 @@ class ExperimentConfig:
                 num_generation_slices=int(mesh.get("num_generation_slices", 1)),
                 generation_processes=bool(mesh.get("generation_processes", False)),
                 generation_addresses=_addresses(mesh.get("generation_addresses", ())),
+                generation_hosts=int(mesh.get("generation_hosts", 1)),
                 weight_transfer=str(mesh.get("weight_transfer", "transfer")),
                 generation_digests=bool(mesh.get("generation_digests", False)),
             ),

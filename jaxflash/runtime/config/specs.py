@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -66,6 +67,12 @@ class MeshSpec:
         generation hosts by ``launch/tpu_pod.py``). Empty: this controller
         starts ``num_generation_slices`` local processes (CPU; tests, a laptop)
         and restarts any that dies.
+      generation_hosts: hosts (processes) of each generation program: a slice
+        larger than one host (e.g. a v5p engine of tensor = 8: two 4-chip hosts)
+        is one multi-controller JAX program whose process 0 speaks for it
+        (``runtime.fleet.gen_hosts``). Local programs (no addresses) start that
+        many processes on loopback, ``prod(generation) / generation_hosts``
+        devices each. Needs generation_processes.
       weight_transfer: how generation programs pull weights: "transfer"
         (``jax.experimental.transfer``) or "stream" (host-staged, per shard).
       generation_digests: generation programs log a SHA-256 of every installed
@@ -79,6 +86,7 @@ class MeshSpec:
     num_generation_slices: int = 1
     generation_processes: bool = False
     generation_addresses: tuple[str, ...] = ()
+    generation_hosts: int = 1
     weight_transfer: str = "transfer"
     generation_digests: bool = False
 
@@ -93,6 +101,7 @@ class MeshSpec:
                 f"mesh.{name}={getattr(self, name)!r}"
                 for name, default in (
                     ("generation_addresses", ()),
+                    ("generation_hosts", 1),
                     ("weight_transfer", "transfer"),
                     ("generation_digests", False),
                 )
@@ -121,6 +130,12 @@ class MeshSpec:
                     bool(host) and bool(sep) and port.isdigit(),
                     f"mesh.generation_addresses: {address!r} is not host:port",
                 )
+        n_gen = math.prod(int(v) for v in self.generation.values())
+        check(
+            self.generation_hosts >= 1 and n_gen % self.generation_hosts == 0,
+            f"mesh.generation_hosts={self.generation_hosts} must be >= 1 and divide the "
+            f"{n_gen} devices of mesh.generation {dict(self.generation)}",
+        )
         check(
             self.num_generation_slices >= 1,
             f"mesh.num_generation_slices must be >= 1, got {self.num_generation_slices}",

@@ -299,7 +299,12 @@ class ProcessFleet:
             endpoints = [FixedProgram(n, a) for n, a in pairs]
         else:
             endpoints = [
-                LocalProgram(n, devices=devices, log_path=os.path.join(self._dir, f"{n}.log"))
+                LocalProgram(
+                    n,
+                    devices=devices,
+                    log_path=os.path.join(self._dir, f"{n}.log"),
+                    processes=m.generation_hosts,
+                )  # fmt: skip
                 for n in names
             ]
         for e in endpoints:

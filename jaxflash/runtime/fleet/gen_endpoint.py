@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,46 +48,76 @@ class ProgramUnavailableError(ConnectionError):
 
 
 class LocalProgram:
-    """A generation program started by this controller as a child process.
+    """A generation program started by this controller as child processes.
 
     Args:
       name: for the log file and errors.
-      devices: fake CPU devices of the child (its generation mesh's size).
-      log_path: the child's stdout + stderr (its "listening" line is read from here).
+      devices: fake CPU devices of the program (its generation mesh's size).
+      log_path: process 0's stdout + stderr (its "listening" line is read from
+        here); process i > 0 logs to ``<log_path>.host<i>``.
       host: interface it listens on.
+      processes: hosts of the program: with more than one, one ``jax.distributed``
+        job of that many processes on loopback (``devices / processes`` each, a
+        fresh coordinator port per launch), as a multi-host slice would run it.
     """
 
     restartable = True
 
-    def __init__(self, name: str, *, devices: int, log_path: str, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        name: str,
+        *,
+        devices: int,
+        log_path: str,
+        host: str = "127.0.0.1",
+        processes: int = 1,
+    ):
+        if processes < 1 or devices % processes:
+            raise ValueError(
+                f"generation program {name}: {devices} devices do not split over {processes} hosts"
+            )
         self.name, self.devices, self.log_path, self.host = name, int(devices), log_path, host
-        self._proc: subprocess.Popen | None = None
+        self.processes = int(processes)
+        self._procs: list[subprocess.Popen] = []
         self._offset = 0  # where this incarnation's lines start in the log
 
     def launch(self) -> None:
-        """Start the child (non-blocking; ``address`` waits for it to listen)."""
+        """Start the children (non-blocking; ``address`` waits for process 0 to listen)."""
         env = {k: v for k, v in os.environ.items() if k not in _LEARNER_ENV}
         flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-        flags.append(f"--xla_force_host_platform_device_count={self.devices}")
+        flags.append(f"--xla_force_host_platform_device_count={self.devices // self.processes}")
         env["XLA_FLAGS"] = " ".join(flags)
         # The checkout that holds this jaxflash (not a directory level counted from here).
         root = os.path.dirname(os.path.dirname(os.path.abspath(jaxflash.__file__)))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        if self.processes > 1:
+            env.update(JAX_COORDINATOR_ADDRESS=f"{self.host}:{_free_port(self.host)}",
+                       JAX_NUM_PROCESSES=str(self.processes))  # fmt: skip
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
         self._offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
-        with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxflash.runtime.fleet.gen_program", "--host", self.host,
-                 "--port", "0", "--parent_pid", str(os.getpid())],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground
-                # group) reaches the controller only, which shuts the program down.
-                process_group=0,
-            )  # fmt: skip
+        self._procs = []
+        for i in range(self.processes):
+            if self.processes > 1:
+                env["JAX_PROCESS_ID"] = str(i)
+            path = self.log_path if i == 0 else f"{self.log_path}.host{i}"
+            with open(path, "ab") as log:
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "jaxflash.runtime.fleet.gen_program", "--host",
+                     self.host, "--port", "0", "--parent_pid", str(os.getpid())],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground
+                    # group) reaches the controller only, which shuts the program down.
+                    process_group=0,
+                ))  # fmt: skip
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        return self._procs[0] if self._procs else None
 
     @property
     def pid(self) -> int | None:
+        """Process 0's pid (the one that speaks for the program)."""
         return None if self._proc is None else self._proc.pid
 
     def address(self, timeout_s: float) -> str:
@@ -119,14 +150,23 @@ class LocalProgram:
             return []
 
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Every process of the program runs (a dead host is a dead program)."""
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
     def kill(self) -> None:
-        """SIGKILL the child (if running) and reap it."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-        if self._proc is not None:
-            self._proc.wait(30)
+        """SIGKILL every process of the program (those running) and reap them."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self._procs:
+            p.wait(30)
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (the coordinator of a multi-host program binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class FixedProgram:

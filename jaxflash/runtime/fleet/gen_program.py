@@ -13,6 +13,8 @@ process's devices. The controller talks to it through ``RemoteGenerationServer``
 
 prints one JSON line ``{"event": "listening", "address": "host:port", "pid": ...}``
 and serves until ``Shutdown`` (or its parent process dies, with ``--parent_pid``).
+Over several hosts (``JAX_COORDINATOR_ADDRESS`` & co. set, or ``launch/tpu_pod.py``
+on a slice's workers) process 0 serves and the others follow it (``gen_hosts``).
 
 Calls (each reply carries an ``rpc_wire.Status``):
 
@@ -51,6 +53,7 @@ from typing import Any
 import grpc
 
 from jaxflash.runtime.fleet import rpc_wire
+from jaxflash.runtime.fleet.gen_hosts import check_host_shards, paired
 from jaxflash.runtime.fleet.rpc_wire import Status, WeightOffer, reply
 
 HEARTBEAT_S = 0.5
@@ -64,10 +67,15 @@ class GenerationProgram:
       host: interface of this program's jax transfer server (the receiving end
         of weight pulls).
       heartbeat_s: seconds between heartbeat events.
+
+    Over several hosts (``jax.distributed``), this runs in process 0 and drives the
+    others through ``attach``'s ``gen_hosts.ProgramHosts``: they build the same engine,
+    pull their own shards of every version, and replay the server's loop.
     """
 
     def __init__(self, *, host: str = "127.0.0.1", heartbeat_s: float = HEARTBEAT_S):
         self._host = host
+        self._hosts: Any = None  # gen_hosts.ProgramHosts over several hosts (``attach``)
         self._heartbeat_s = float(heartbeat_s)
         self._cond = threading.Condition()
         # Guarded by _cond:
@@ -78,15 +86,23 @@ class GenerationProgram:
         self._subscriber = 0
         self._counts: collections.Counter = collections.Counter()
         # Set once by configure (under _cond), read-only afterwards:
-        self._engine: Any = None
-        self._receiver: Any = None
-        self._layout_json: dict[str, Any] | None = None
+        self._built: Any = None  # gen_hosts.Built: engine, receiver, layout, LoRA base
         self._server: Any = None  # GenerationServer, built at the first install
-        self._base: Any = None  # LoRA: the frozen base on the engine mesh (built here)
-        self._base_digest: str | None = None
         self._events: queue.Queue = queue.Queue()
         self.stopped = threading.Event()
         self._puller = threading.Thread(target=self._pull_loop, name="gen-puller", daemon=True)
+
+    def attach(self, hosts: Any) -> None:
+        """The program's other hosts (``gen_hosts.ProgramHosts``), before any call."""
+        self._hosts = hosts
+
+    def host_lost(self, why: str) -> None:
+        """Another host died: the program is dead. Say so on the event stream, then exit
+        (the controller restarts the whole program; its collectives would hang)."""
+        with self._cond:
+            self._fatal = why
+            self._cond.notify_all()
+        threading.Timer(2.0, os._exit, args=(1,)).start()
 
     # ------------------------------------------------------------ the calls
 
@@ -115,49 +131,21 @@ class GenerationProgram:
             return self._configured()
 
     def _configured(self) -> bytes:
-        return reply(
-            Status.OK, layout=self._layout_json, pid=os.getpid(), base_digest=self._base_digest
-        )
+        b = self._built
+        return reply(Status.OK, layout=b.layout_json, pid=os.getpid(), base_digest=b.base_digest)
 
     def _build(self, config: dict[str, Any]) -> None:
-        import jax  # noqa: PLC0415  (jax is imported once the program has its devices)
+        from jaxflash.runtime.fleet.gen_hosts import build_program  # noqa: PLC0415
 
-        from jaxflash.generation.engine.state import EngineConfig  # noqa: PLC0415
-        from jaxflash.models.adapters import lora as lora_lib  # noqa: PLC0415
-        from jaxflash.models.config.model_config import ModelConfig  # noqa: PLC0415
-        from jaxflash.models.decoder.transformer import abstract_params  # noqa: PLC0415
-        from jaxflash.runtime.model_setup import build_engine, stored_lora_base  # noqa: PLC0415
-        from jaxflash.sharding.mesh import make_mesh  # noqa: PLC0415
-        from jaxflash.sync.transfer_digest import tree_digest  # noqa: PLC0415
-        from jaxflash.sync.transfer_receiver import WeightReceiver  # noqa: PLC0415
-
-        model_config = ModelConfig(**config["model_config"])
-        axes = {k: int(v) for k, v in config["mesh"].items()}
-        n = 1
-        for size in axes.values():
-            n *= size
-        if n > jax.device_count():
-            raise ValueError(f"mesh {axes} needs {n} devices; there are {jax.device_count()}")
-        mesh = make_mesh(jax.devices()[:n], axes)
-        lora = None if "lora" not in config else lora_lib.LoraConfig(**config["lora"]["config"])
-        engine, shardings = build_engine(
-            model_config, EngineConfig(**config["engine"]), mesh, lora=lora
-        )
-        # Under LoRA the pulled tree is the adapters (what the learner trains); the
-        # base is built from its source here, once, and kept across every install.
-        shapes = abstract_params(model_config)
-        if lora is not None:
-            shapes = lora_lib.adapter_layout(model_config, lora)[0]
-            base = stored_lora_base(model_config, config["lora"]["source"], lora)
-            self._base_digest = tree_digest(base)
-            self._base = engine.place_base(base)
-            del base
-        template = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
-        )
-        self._engine = engine
-        self._receiver = WeightReceiver(template, host=self._host)
-        self._layout_json = self._receiver.layout.to_json()
+        if self._hosts is not None:  # the other hosts build theirs meanwhile
+            self._hosts.post("configure", config=config)
+        built = build_program(config, self._host)
+        if self._hosts is not None:
+            failed = {i: r["error"] for i, r in self._hosts.gather("configured").items()
+                      if not r["ok"]}  # fmt: skip
+            if failed:
+                raise ValueError(f"generation hosts refused the configuration: {failed}")
+        self._built = built
 
     def update(self, header: dict[str, Any]) -> bytes:
         """Pull ``header["offer"]``; with ``wait``, reply only once it is installed.
@@ -224,12 +212,10 @@ class GenerationProgram:
             return reply(Status.DOWN, error=repr(err))
         with self._cond:
             counts = dict(self._counts)
-        receiver = self._receiver.stats
-        return reply(
-            Status.OK,
-            stats=stats,
-            program={**counts, "pull_bytes": receiver.bytes, "pid": os.getpid()},
-        )
+        receiver = self._built.receiver.stats
+        hosts = {} if self._hosts is None else self._hosts.pids  # the other hosts' pids
+        program = {**counts, "pull_bytes": receiver.bytes, "pid": os.getpid(), "host_pids": hosts}
+        return reply(Status.OK, stats=stats, program=program)
 
     def shutdown(self, header: dict[str, Any]) -> bytes:
         del header
@@ -318,15 +304,25 @@ class GenerationProgram:
         transfer = cfg["transfer"]
         self._events.put(({"type": "pulling", "version": offer.version}, {}))
         t0 = time.perf_counter()
+        hosts, replies, shards = self._hosts, None, None
+        if hosts is not None:  # every host pulls its own shards, at the same time
+            hosts.post("pull", offer=offer.to_json())
         try:
-            current = self._receiver.pull(
-                list(offer.senders),
-                method=transfer["method"],
-                chunk_bytes=int(transfer["chunk_bytes"]),
-                timeout_s=float(transfer["timeout_s"]),
-                version=offer.version,
-            )
+            current = self._built.receiver.current
+            if current is None or current.version != offer.version:  # (a retry after a
+                current = self._built.receiver.pull(  # host failed: this one has it already)
+                    paired(offer.senders, 0),
+                    method=transfer["method"],
+                    chunk_bytes=int(transfer["chunk_bytes"]),
+                    timeout_s=float(transfer["timeout_s"]),
+                    version=offer.version,
+                )
+            if hosts is not None:  # every host has it (and the blocks they share agree)
+                replies = hosts.gather("pulled")
+                shards = check_host_shards(current.params, replies, bool(cfg["digests"]))
         except TransferError as err:
+            if hosts is not None and replies is None:
+                hosts.gather("pulled")  # theirs, to keep replies in step (retried anyway)
             with self._cond:
                 self._counts[f"pull_failed_{err.kind.value}"] += 1
                 # VERSION: the learner moved on; a newer Update follows at once. Others
@@ -339,27 +335,33 @@ class GenerationProgram:
             return
         seconds = time.perf_counter() - t0
         params = current.params  # the model, or under LoRA the adapters over our base
-        if self._base is not None:
-            params = self._engine.with_adapters(self._base, params)
+        if self._built.base is not None:
+            params = self._built.engine.with_adapters(self._built.base, params)
         if self._server is None:
+            if hosts is not None:  # the batcher's set-up runs engine programs: all hosts
+                hosts.post("start", version=current.version)
             server = GenerationServer(
                 str(cfg["name"]),
-                self._engine,
+                self._built.engine,
                 params,
                 policy_version=current.version,
                 stop_ids=[int(i) for i in cfg["stop_ids"]],
                 partial_rollout=str(cfg["partial_rollout"]),
                 on_finished=self._on_finished,
+                mirror=None if hosts is None else hosts.mirror,
             )
             server.start()
             with self._cond:
                 self._server = server
         else:
             self._server.update_weights(params, current.version)
+        pulled = self._built.receiver.stats.bytes
         event = {"type": "installed", "version": current.version, "seconds": seconds,
-                 "method": transfer["method"], "bytes": self._receiver.stats.bytes}  # fmt: skip
-        if cfg.get("digests"):
+                 "method": transfer["method"], "bytes": pulled}  # fmt: skip
+        if cfg.get("digests") and hosts is None:
             event["digest"] = tree_digest(current.params)
+        elif cfg.get("digests"):
+            event["shard_digests"] = shards
         with self._cond:
             self._installed = current.version
             self._cond.notify_all()  # an Update waiting for this version replies now
@@ -400,7 +402,12 @@ _CONFIG_KEYS = (
 
 
 def serve(
-    *, host: str = "127.0.0.1", port: int = 0, parent_pid: int | None = None, out: Any = None
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    parent_pid: int | None = None,
+    out: Any = None,
+    hosts: bool = False,
 ) -> int:
     """Run a generation program until ``Shutdown`` (or its parent dies); returns 0.
 
@@ -411,8 +418,14 @@ def serve(
       parent_pid: exit when this process is no longer the parent (a controller
         that was killed leaves no generation process behind).
       out: where the "listening" JSON line goes (default stdout).
+      hosts: this is process 0 of a program over several hosts (``jax.distributed``
+        is up): wait for the others to connect (``gen_hosts.ProgramHosts``) first.
     """
     program = GenerationProgram(host=host)
+    if hosts:
+        from jaxflash.runtime.fleet.gen_hosts import ProgramHosts  # noqa: PLC0415
+
+        program.attach(ProgramHosts(host=host, on_lost=program.host_lost))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=rpc_wire.GRPC_OPTIONS)
     server.add_generic_rpc_handlers([program.handler()])
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -423,6 +436,8 @@ def serve(
         if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(3)  # orphaned: the controller is gone (SIGKILL leaves no clean-up)
     server.stop(grace=2).wait()
+    if program._hosts is not None:
+        program._hosts.close()
     return 0
 
 
@@ -432,7 +447,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--parent_pid", type=int, default=None)
     args = ap.parse_args()
-    sys.exit(serve(host=args.host, port=args.port, parent_pid=args.parent_pid))
+    from jaxflash.runtime.fleet.gen_hosts import run_process  # noqa: PLC0415
+    from jaxflash.sharding.distributed import DistributedKind, initialize_from_env  # noqa: PLC0415
+
+    hosts = initialize_from_env().kind is not DistributedKind.SINGLE  # several hosts
+    sys.exit(run_process(host=args.host, port=args.port, parent_pid=args.parent_pid, hosts=hosts))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ class GenerationServer:
         sample on a queue): the server does not decode while it runs. If it
         raises, the server stops with that error.
       clock: time source of the busy/idle accounting (default: real time).
+      mirror: called from the server thread with each wake-up's inbox commands and
+        the weights version it installs (or None), before they are applied: a
+        generation program over several hosts posts them to its other processes,
+        which replay them on their own batchers (``runtime.fleet.gen_hosts``) so
+        every process runs the same engine programs in the same order.
 
     Raises:
       ValueError: unknown partial_rollout; both or neither of stop_ids / eos_id.
@@ -83,6 +88,7 @@ class GenerationServer:
         partial_rollout: str,
         on_finished: Callable[[Sample], None],
         clock: Clock | None = None,
+        mirror: Callable[[list[tuple[str, Any]], PolicyVersion | None], None] | None = None,
     ):
         if partial_rollout not in IN_FLIGHT_POLICIES:
             raise ValueError(
@@ -94,6 +100,7 @@ class GenerationServer:
         self.partial_rollout = partial_rollout
         self._on_finished = on_finished
         self._clock = clock or RealClock()
+        self._mirror = mirror
         self._batcher = SlotBatcher(
             engine, params, policy_version=policy_version, stop_ids=stop_ids, eos_id=eos_id
         )
@@ -332,8 +339,11 @@ class GenerationServer:
                     weights, self._pending_weights = self._pending_weights, None
                 self._counts["wakeups"] += 1
                 start = self._clock.now()
-                self._apply(commands, weights)
-                finished = self._batcher.step() if not self._batcher.idle else []
+                if self._mirror is not None:
+                    self._mirror(commands, None if weights is None else weights[1])
+                finished = run_commands(self._batcher, commands, weights, self.partial_rollout)
+                if weights is not None:
+                    self._counts["weight_updates"] += 1
                 self._deliver(finished)
                 end = self._clock.now()
                 self._busy_s += end - start
@@ -362,20 +372,6 @@ class GenerationServer:
             self._busy_spans.clear()
             return spans
 
-    def _apply(self, commands: list[tuple[str, Any]], weights) -> None:
-        """Inbox commands in arrival order, then the latest weights."""
-        for kind, payload in commands:
-            if kind == "submit":
-                self._batcher.add(payload)
-            else:  # abort: keys already taken out of _outstanding by abort_prompt
-                for key in payload:
-                    if key in self._batcher:
-                        self._batcher.abort(key)
-        if weights is not None:
-            params, version = weights
-            self._batcher.set_params(params, version, in_flight=self.partial_rollout)
-            self._counts["weight_updates"] += 1
-
     def _abort_queued(self, key: RequestKey) -> bool:
         """Under the lock: an abort of ``key`` waits in the inbox."""
         return any(kind == "abort" and key in keys for kind, keys in self._inbox)
@@ -391,3 +387,28 @@ class GenerationServer:
                 self._outstanding.discard(key)
                 self._counts["delivered"] += 1
             self._on_finished(sample)
+
+
+def run_commands(
+    batcher: SlotBatcher,
+    commands: list[tuple[str, Any]],
+    weights: tuple[Any, PolicyVersion] | None,
+    partial_rollout: str,
+) -> list[Sample]:
+    """One wake-up of a server's loop: inbox commands in arrival order, then the latest
+    weights, then a decode step unless idle; returns the samples that finished.
+
+    Deterministic in its inputs and the engine's outputs, so the processes of a
+    generation program over several hosts replay it in step (``runtime.fleet.gen_hosts``).
+    """
+    for kind, payload in commands:
+        if kind == "submit":
+            batcher.add(payload)
+        else:  # abort: keys already taken out of _outstanding by abort_prompt
+            for key in payload:
+                if key in batcher:
+                    batcher.abort(key)
+    if weights is not None:
+        params, version = weights
+        batcher.set_params(params, version, in_flight=partial_rollout)
+    return batcher.step() if not batcher.idle else []

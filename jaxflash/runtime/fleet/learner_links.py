@@ -18,7 +18,9 @@ answer with a hello carrying their own ``WeightSender`` address.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import threading
 from typing import Any
 
 import numpy as np
@@ -60,7 +62,10 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 class LeaderLinks:
-    """Process 0's end: a connection to every other learner process.
+    """Process 0's end: a connection to every other process of its program.
+
+    Used by a multi-process learner and by a generation program over several hosts
+    (``runtime.fleet.gen_hosts``); ``post`` is thread-safe.
 
     Args:
       host: interface to listen on (reachable from the other learner hosts).
@@ -77,6 +82,8 @@ class LeaderLinks:
         self._listener.settimeout(timeout_s)
         _broadcast_address(f"{host}:{self._listener.getsockname()[1]}")
         self._socks: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()  # one message at a time on each connection
+        self.follower_pids: dict[int, int] = {}  # process index -> its pid (diagnostics)
         senders: dict[int, str] = {}
         try:
             while len(self._socks) < jax.process_count() - 1:
@@ -85,6 +92,7 @@ class LeaderLinks:
                 hello, _ = _recv(sock)
                 self._socks[int(hello["process"])] = sock
                 senders[int(hello["process"])] = str(hello["sender"])
+                self.follower_pids[int(hello["process"])] = int(hello.get("pid", 0))
         except (OSError, TransferError) as err:
             raise ConnectionError(
                 f"only {len(self._socks)} of {jax.process_count() - 1} learner processes "
@@ -102,11 +110,30 @@ class LeaderLinks:
             without it: its collectives would hang).
         """
         message = rpc_wire.encode({"op": op, **fields}, arrays)
-        for i, sock in sorted(self._socks.items()):
-            try:
-                _send(sock, message)
-            except TransferError as err:
-                raise ConnectionError(f"learner process {i} is gone: {err}") from err
+        with self._lock:
+            for i, sock in sorted(self._socks.items()):
+                try:
+                    _send(sock, message)
+                except TransferError as err:
+                    raise ConnectionError(f"process {i} of the program is gone: {err}") from err
+
+    @property
+    def followers(self) -> tuple[int, ...]:
+        """The other processes' indices, in order."""
+        return tuple(sorted(self._socks))
+
+    def read(self, process: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The next message follower ``process`` sent back (``FollowerLink.send``; blocks).
+
+        One reader per follower at a time.
+
+        Raises:
+          ConnectionError: that process is gone.
+        """
+        try:
+            return _recv(self._socks[process])
+        except TransferError as err:
+            raise ConnectionError(f"process {process} of the program is gone: {err}") from err
 
     def close(self) -> None:
         """Tell the followers to exit (if not told yet) and close the connections."""
@@ -142,7 +169,8 @@ class FollowerLink:
         address = _broadcast_address("")
         self._sock = connect(address, timeout_s)
         self._sock.settimeout(None)  # commands come when the controller has them
-        hello = {"process": jax.process_index(), "sender": sender_address}
+        hello = {"process": jax.process_index(), "sender": sender_address, "pid": os.getpid()}
+        self._lock = threading.Lock()  # replies may come from several threads
         _send(self._sock, rpc_wire.encode(hello))
 
     def next(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -155,6 +183,19 @@ class FollowerLink:
             return _recv(self._sock)
         except TransferError as err:
             raise ConnectionError(f"learner process 0 is gone: {err}") from err
+
+    def send(self, op: str, arrays: dict[str, np.ndarray] | None = None, **fields: Any) -> None:
+        """Send one message back to process 0 (``LeaderLinks.read``); thread-safe.
+
+        Raises:
+          ConnectionError: process 0 is gone.
+        """
+        message = rpc_wire.encode({"op": op, **fields}, arrays)
+        with self._lock:
+            try:
+                _send(self._sock, message)
+            except TransferError as err:
+                raise ConnectionError(f"process 0 of the program is gone: {err}") from err
 
     def close(self) -> None:
         self._sock.close()

@@ -24,6 +24,7 @@ step's end; a second SIGTERM ends the process at once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -83,6 +84,10 @@ class LearnerProgram:
       sender: this process's ``WeightSender`` (generation programs pull from it),
         or None when generation runs in this process (threads).
       links: ``LeaderLinks`` on process 0 of a multi-process learner (None otherwise).
+      block_digests: log the SHA-256 of every block this process offers, per version
+        (``<workdir>/generation/learner_blocks.p<process>.jsonl``; keys as
+        ``gen_hosts.shard_digests``): what each generation host's installed blocks
+        are checked against, bit for bit (tests; costs a host copy per offer).
       leader: False on the other processes (``learner_setup.follow``): nothing is posted and the
         metrics and run records are process 0's business.
     """
@@ -101,8 +106,14 @@ class LearnerProgram:
         sender: WeightSender | None = None,
         links: LeaderLinks | None = None,
         leader: bool = True,
+        block_digests: bool = False,
     ):
         self._links = links
+        self._digest_log = (
+            os.path.join(workdir, "generation", f"learner_blocks.p{jax.process_index()}.jsonl")
+            if block_digests
+            else None
+        )
         self._leader = leader
         self.state, self.meta, self.checkpointer = init_or_restore_learner(
             model_config, imported_params, mesh, workdir,
@@ -215,6 +226,13 @@ class LearnerProgram:
         self._post("offer", layout=layout.to_json())
         staged = stage_for_layout(self.state.params, layout)
         self._pump.sender.offer(staged, self.step)
+        if self._digest_log is not None:
+            from jaxflash.runtime.fleet.gen_hosts import shard_digests  # noqa: PLC0415
+
+            os.makedirs(os.path.dirname(self._digest_log), exist_ok=True)
+            line = {"version": self.step, "blocks": shard_digests(staged)}
+            with open(self._digest_log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
         return self.senders
 
     def preempted(self, step: int) -> bool:

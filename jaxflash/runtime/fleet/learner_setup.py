@@ -72,6 +72,7 @@ def _sections(exp: ExperimentConfig) -> dict[str, Any]:
         "checkpoint": exp.checkpoint,
         "model": exp.model,
         "seed": exp.seed,
+        "block_digests": exp.mesh.generation_processes and exp.mesh.generation_digests,
     }
 
 
