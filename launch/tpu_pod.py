@@ -130,7 +130,7 @@ def _serve_generation() -> None:
     """This host is a generation program: serve the controller over gRPC until told to stop."""
     import jax
 
-    from jaxflash.runtime.fleet.gen_hosts import run_process
+    from jaxflash.runtime.fleet.gen_program import run_process
     from jaxflash.sharding.distributed import advertised_host
 
     # Over several hosts (a slice's workers): process 0 serves, the others follow it.

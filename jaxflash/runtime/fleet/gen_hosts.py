@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -274,6 +272,16 @@ class ProgramHosts:
             out[i] = header
         return out
 
+    def check_configured(self) -> None:
+        """Every other host built the configuration process 0 posted.
+
+        Raises:
+          ValueError: a host refused it (its reason, by process index).
+        """
+        failed = {i: r["error"] for i, r in self.gather("configured").items() if not r["ok"]}
+        if failed:
+            raise ValueError(f"generation hosts refused the configuration: {failed}")
+
     def post(self, op: str, arrays: dict[str, np.ndarray] | None = None, **fields: Any) -> None:
         self._links.post(op, arrays, **fields)
 
@@ -384,25 +392,3 @@ def follow(*, host: str = "127.0.0.1") -> int:
         return 1
     finally:
         link.close()
-
-
-def run_process(
-    *, host: str = "127.0.0.1", port: int = 0, parent_pid: int | None = None, hosts: bool = False
-) -> int:
-    """This process's part of a generation program: all of it (``gen_program.serve``),
-    or with ``hosts`` (``jax.distributed`` is up) process 0's ``serve`` or another
-    host's ``follow``, then leave at once: JAX's exit-time barrier would wait for
-    hosts that are gone. Returns the exit code (one process only)."""
-    from jaxflash.runtime.fleet.gen_program import serve  # noqa: PLC0415
-
-    if not hosts:
-        return serve(host=host, port=port, parent_pid=parent_pid)
-    import jax  # noqa: PLC0415
-
-    if jax.process_index() == 0:
-        code = serve(host=host, port=port, parent_pid=parent_pid, hosts=True)
-    else:
-        code = follow(host=host)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -53,7 +53,13 @@ from typing import Any
 import grpc
 
 from jaxflash.runtime.fleet import rpc_wire
-from jaxflash.runtime.fleet.gen_hosts import check_host_shards, paired
+from jaxflash.runtime.fleet.gen_hosts import (
+    ProgramHosts,
+    build_program,
+    check_host_shards,
+    follow,
+    paired,
+)
 from jaxflash.runtime.fleet.rpc_wire import Status, WeightOffer, reply
 
 HEARTBEAT_S = 0.5
@@ -135,17 +141,11 @@ class GenerationProgram:
         return reply(Status.OK, layout=b.layout_json, pid=os.getpid(), base_digest=b.base_digest)
 
     def _build(self, config: dict[str, Any]) -> None:
-        from jaxflash.runtime.fleet.gen_hosts import build_program  # noqa: PLC0415
-
         if self._hosts is not None:  # the other hosts build theirs meanwhile
             self._hosts.post("configure", config=config)
-        built = build_program(config, self._host)
+        self._built = build_program(config, self._host)
         if self._hosts is not None:
-            failed = {i: r["error"] for i, r in self._hosts.gather("configured").items()
-                      if not r["ok"]}  # fmt: skip
-            if failed:
-                raise ValueError(f"generation hosts refused the configuration: {failed}")
-        self._built = built
+            self._hosts.check_configured()
 
     def update(self, header: dict[str, Any]) -> bytes:
         """Pull ``header["offer"]``; with ``wait``, reply only once it is installed.
@@ -423,8 +423,6 @@ def serve(
     """
     program = GenerationProgram(host=host)
     if hosts:
-        from jaxflash.runtime.fleet.gen_hosts import ProgramHosts  # noqa: PLC0415
-
         program.attach(ProgramHosts(host=host, on_lost=program.host_lost))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=rpc_wire.GRPC_OPTIONS)
     server.add_generic_rpc_handlers([program.handler()])
@@ -439,6 +437,26 @@ def serve(
     if program._hosts is not None:
         program._hosts.close()
     return 0
+
+
+def run_process(
+    *, host: str = "127.0.0.1", port: int = 0, parent_pid: int | None = None, hosts: bool = False
+) -> int:
+    """This process's part of a generation program: all of it (``gen_program.serve``),
+    or with ``hosts`` (``jax.distributed`` is up) process 0's ``serve`` or another
+    host's ``follow``, then leave at once: JAX's exit-time barrier would wait for
+    hosts that are gone. Returns the exit code (one process only)."""
+    if not hosts:
+        return serve(host=host, port=port, parent_pid=parent_pid)
+    import jax  # noqa: PLC0415
+
+    if jax.process_index() == 0:
+        code = serve(host=host, port=port, parent_pid=parent_pid, hosts=True)
+    else:
+        code = follow(host=host)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:
