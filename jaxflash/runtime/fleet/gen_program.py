@@ -465,7 +465,6 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--parent_pid", type=int, default=None)
     args = ap.parse_args()
-    from jaxflash.runtime.fleet.gen_hosts import run_process  # noqa: PLC0415
     from jaxflash.sharding.distributed import DistributedKind, initialize_from_env  # noqa: PLC0415
 
     hosts = initialize_from_env().kind is not DistributedKind.SINGLE  # several hosts
