@@ -34,6 +34,7 @@ SERIAL_FILES = frozenset(
         "test_chaos_soak.py",
         "test_distributed.py",
         "test_gemma3_gguf.py",
+        "test_gen_hosts_procs.py",
         "test_gen_processes.py",
         "test_gen_server.py",
         "test_kill_campaign.py",
