@@ -3,6 +3,7 @@
     python benchmarks/agentic_async.py            # ~1 min on 2 CPU cores
     python benchmarks/agentic_async.py --quick    # seconds
     python benchmarks/agentic_async.py --real     # wall time, threads, ~3-4 min
+    python benchmarks/agentic_async.py --env scienceworld   # real simulator steps, wall time
 
 The real ``RolloutScheduler`` and environment manager (``runtime.rollout.episode_dispatch``)
 play real FrozenLake maps (4x4, up to ``--turns`` turns), each step wrapped in
@@ -36,6 +37,16 @@ simulated server on its own thread (10 ms a token), 4 groups x 4 episodes (+1);
 its last two columns are the same workload's ratios in virtual time (what the
 threads, the GIL and the shared cores cost is the difference).
 
+``--env scienceworld`` (wall time, always ``--real``'s threads): the environment is
+the real ScienceWorld simulator (``envs.scienceworld``, the default task subset's
+train variations), so its latency is the simulator's own (a JVM call, no drawn
+latency; the μ and σ of a step are measured and printed); the policy is scripted
+(one of a few valid and invalid-in-context actions, a pure function of the request,
+the same in every mode). The JVMs (one per episode in flight) are started before
+the first mode and reused by every mode (``envs.scienceworld_sim``), so no mode
+pays JVM start-up. Modes (a)-(c) as above, in one run, 2 groups x 4 episodes (+1)
+a step.
+
 Printed: trained episodes per (virtual) second for each mode, the ratios to (a),
 episodes aborted by redundancy, and the load average (only this script's own run
 time depends on the machine). ROLL Flash reports 2.46x from environment-level
@@ -57,6 +68,7 @@ from jaxflash.envs.chat import TurnRenderer  # noqa: E402
 from jaxflash.envs.frozenlake import ACTION_NAMES  # noqa: E402
 from jaxflash.envs.latency import LatencyConfig, LatencyEnv  # noqa: E402
 from jaxflash.envs.registry import env_config, make_env  # noqa: E402
+from jaxflash.envs.scienceworld_sim import default_pool  # noqa: E402
 from jaxflash.models.formats.weights_gguf import smollm2_gguf_path  # noqa: E402
 from jaxflash.models.text.tokenizer import Tokenizer  # noqa: E402
 from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
@@ -104,6 +116,42 @@ class ThreadedTurnServer(VirtualTurnServer):
                 self.deliver_due()
 
 
+# The scripted ScienceWorld policy: moves, looks and one action it does not know.
+SW_ACTIONS = (
+    "look around",
+    "teleport to kitchen",
+    "go to outside",
+    "open door to greenhouse",
+    "inventory",
+    "look at door",
+    "dance wildly",
+)
+
+
+class TimedEnv:
+    """Records how long each ``step`` of the wrapped environment takes (seconds)."""
+
+    def __init__(self, env, times: list) -> None:
+        self.env, self._times = env, times
+
+    @property
+    def config(self):
+        return self.env.config
+
+    def reset(self, seed: int) -> str:
+        return self.env.reset(seed)
+
+    def step(self, action_text: str):
+        t0 = time.monotonic()
+        try:
+            return self.env.step(action_text)
+        finally:
+            self._times.append(time.monotonic() - t0)
+
+    def close(self) -> None:
+        self.env.close()
+
+
 class ThreadBarrier:
     """A runner: each environment call on its own thread; the outcomes are held until
     no call is running, then delivered together (lockstep environment steps)."""
@@ -130,15 +178,22 @@ class ThreadBarrier:
 def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, alpha=0, real=False):
     """One mode: (trained episodes, seconds, counters) over the steady-state window
     (steps ``warmup + 1 .. steps``: α = 1 starts with 2B groups in flight); virtual
-    seconds, or wall seconds with ``real`` (threads, real sleeps)."""
+    seconds, or wall seconds with ``real`` (threads, real sleeps). With ``--env
+    scienceworld`` the counters also hold ``step_times`` (seconds of every step)."""
     clock = RealClock() if real else VirtualClock()
     inbox = Inbox()
     env_time = None if real else VirtualEnvTime(clock, barrier=barrier)
-    opts = dict(size=4, max_turns=args.turns, max_tokens_per_turn=24, step_timeout_s=1e9)
+    sw = args.env == "scienceworld"
+    if sw:
+        opts = dict(max_turns=args.turns, max_tokens_per_turn=24, step_timeout_s=120.0)
+    else:
+        opts = dict(size=4, max_turns=args.turns, max_tokens_per_turn=24, step_timeout_s=1e9)
     per_group = args.group_size + redundancy
-    made = [0]
+    made, step_times = [0], []
 
     def factory():
+        if sw:
+            return TimedEnv(make_env("scienceworld", **opts), step_times)
         k, made[0] = made[0], made[0] + 1
         group, episode = divmod(k, per_group)  # groups start their episodes in order
         latency = LatencyConfig(
@@ -153,6 +208,8 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
 
     def reply(request):  # a fixed, valid but aimless policy: the same in every mode
         n = request.prompt_id * 31 + request.sample_index * 7 + len(request.prompt_tokens)
+        if sw:
+            return tok.encode(SW_ACTIONS[n % len(SW_ACTIONS)])
         return tok.encode(f"<answer>{ACTION_NAMES[n % 4]}</answer>")
 
     server = (ThreadedTurnServer if real else VirtualTurnServer)(
@@ -167,7 +224,7 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
     settings = EpisodeSettings(
         make_env=factory,
         renderer=TurnRenderer(tok),
-        limits=env_config("frozenlake", **opts),
+        limits=env_config(args.env, **opts),
         max_context_tokens=4096,
         redundancy=redundancy,
         runner=(ThreadBarrier() if barrier else thread_runner) if real else env_time,
@@ -200,12 +257,19 @@ def run_mode(args, tok, *, std_ratio, barrier, redundancy, straggler_prob=0.0, a
         ready, window = [r.ready_at for r in runs], [r.batch for r in runs[args.warmup :]]
     # Steady state: the steps after the warm-up ones, from the batch before them.
     episodes = sum(len(g.samples) for b in window for g in b.groups)
-    return episodes, ready[-1] - ready[args.warmup - 1], dict(sched.watch.counters)
+    counters = dict(sched.watch.counters, step_times=step_times)
+    return episodes, ready[-1] - ready[args.warmup - 1], counters
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2 steps of 4 groups")
+    p.add_argument(
+        "--env",
+        default="frozenlake",
+        choices=("frozenlake", "scienceworld"),
+        help="scienceworld: the real simulator's latency, wall time (module docstring)",
+    )
     p.add_argument("--groups", type=int, default=8, help="B: groups (maps) per step")
     p.add_argument("--group-size", type=int, default=8, help="G: episodes kept per group")
     p.add_argument("--redundancy", type=int, default=2, help="r: extra episodes per group")
@@ -229,6 +293,9 @@ def main() -> None:
         args.groups, args.steps, args.warmup = 4, 3, 1
     t0 = time.monotonic()
     tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    if args.env == "scienceworld":
+        scienceworld_main(args, tok, t0)
+        return
     print(
         f"FrozenLake 4x4, {args.groups} groups x {args.group_size} episodes a step, "
         f"<= {args.turns} turns, {args.steps} steps (rates over the last "
@@ -287,6 +354,48 @@ def main() -> None:
             f"{more[0]:>14.2f}x {more[1]:>13.2f}x"
         )
     print(f"ran in {time.monotonic() - t0:.1f} s; load average (1, 5, 15 min): {os.getloadavg()}")
+
+
+def scienceworld_main(args, tok, t0: float) -> None:
+    """Modes (a)-(c) on the real ScienceWorld simulator, wall time (module docstring)."""
+    args.real = True
+    args.groups, args.group_size, args.redundancy = 2, 4, 1
+    args.steps, args.warmup, args.decode_ms = 4, 1, 10.0
+    # Start the JVMs every mode will reuse: one per episode in flight (+ redundancy).
+    pool = default_pool()
+    sims = [pool.acquire() for _ in range(args.groups * (args.group_size + args.redundancy))]
+    for sim in sims:
+        pool.release(sim)
+    print(
+        f"ScienceWorld (default tasks, train variations), {args.groups} groups x "
+        f"{args.group_size} episodes a step (+{args.redundancy} redundant), <= {args.turns} "
+        f"turns, {args.steps} steps (rates over the last {args.steps - args.warmup}); scripted "
+        f"policy, simulated generation {args.decode_ms:g} ms a token; {len(sims)} JVMs started "
+        f"in {time.monotonic() - t0:.1f} s"
+    )
+    head = (
+        f"{'mode':<34} {'episodes/s':>10} {'vs sync':>8} {'step μ s':>8} {'step σ s':>8} "
+        f"{'steps':>6} {'aborted':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    base = None
+    modes = [("(a) sync: batch barrier", True, 0), ("(b) env-async", False, 0)]
+    modes.append((f"(c) env-async + redundancy r={args.redundancy}", False, args.redundancy))
+    for name, barrier, r in modes:
+        n, secs, c = run_mode(args, tok, std_ratio=0.0, barrier=barrier, redundancy=r, real=True)
+        rate = n / secs
+        base = base or rate
+        times = c["step_times"]
+        mean = sum(times) / len(times)
+        std = (sum((x - mean) ** 2 for x in times) / max(len(times) - 1, 1)) ** 0.5
+        print(
+            f"{name:<34} {rate:>10.3f} {rate / base:>7.2f}x {mean:>8.3f} {std:>8.3f} "
+            f"{len(times):>6} {c.get('episodes_aborted_redundant', 0):>7}"
+        )
+    print(f"pool: {dict(pool.counters)}")
+    print(f"ran in {time.monotonic() - t0:.1f} s; load average (1, 5, 15 min): {os.getloadavg()}")
+    pool.close()
 
 
 if __name__ == "__main__":

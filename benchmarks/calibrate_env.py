@@ -1,13 +1,18 @@
-"""Base success rate of SmolLM2-135M-Instruct on a text environment's held-out seeds (mean@n).
+"""Base success rate of SmolLM2-135M-Instruct (or Gemma 3 270M) on a text environment's
+held-out seeds (mean@n).
 
     python benchmarks/calibrate_env.py --env frozenlake --seeds 50 --n 4 \
         --options '{"size": 3, "p_frozen": 0.8, "max_turns": 6}'
+    python benchmarks/calibrate_env.py --env scienceworld --model gemma3 ...
 
 Plays every held-out seed (the environment's ``split="eval"``) ``n`` times at the
 training temperature with the real engine (``envs.calibration.calibrate_success``:
 lockstep rounds of ``--batch`` episodes) and prints the success rate as the mean
 over seeds of each seed's success share, with its standard error over seeds, plus
-the invalid-action rate and turns per episode. Used to pick an environment
+the invalid-action rate and turns per episode; for an environment that reports a
+score (ScienceWorld's ``info["score"]``, 0-100), also the mean final score (clipped
+at 0) with its standard error over seeds. ``--model gemma3`` plays Gemma 3 270M
+with ``configs/agentic_scienceworld.GEMMA3_TEMPLATE`` (a base model). Used to pick an environment
 setting whose base success lies between about 10 % and 60 % (room for RL to
 show, and a learning signal in most groups).
 """
@@ -20,6 +25,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", default="frozenlake")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3"))
     ap.add_argument("--options", default="{}", help="JSON fields of the environment's config")
     ap.add_argument("--seeds", type=int, default=50, help="held-out seeds 0..seeds-1")
     ap.add_argument("--n", type=int, default=4, help="episodes per seed")
@@ -52,15 +60,23 @@ def main() -> None:
     from jaxflash.generation.engine.llama_engine import LlamaEngine
     from jaxflash.generation.engine.state import EngineConfig
     from jaxflash.generation.slot_loop import run_requests
-    from jaxflash.models.formats.weights_gguf import load_gguf, smollm2_gguf_path
+    from jaxflash.models.formats.weights_gguf import gemma3_gguf_path, load_gguf, smollm2_gguf_path
     from jaxflash.models.text.tokenizer import Tokenizer
     from jaxflash.types import SamplingParams
 
     options = {**json.loads(args.options), "split": "eval"}
     limits = env_config(args.env, **options)
-    path = smollm2_gguf_path()
+    if args.model == "gemma3":
+        from configs.agentic_scienceworld import GEMMA3_TEMPLATE, STOP_IDS
+
+        path = gemma3_gguf_path()
+        tokenizer = Tokenizer.from_gguf(path).with_chat_template(
+            GEMMA3_TEMPLATE, extra_stops=[("model.extra_stop_ids", STOP_IDS)]
+        )
+    else:
+        path = smollm2_gguf_path()
+        tokenizer = Tokenizer.from_gguf(path)
     config, params = load_gguf(path)
-    tokenizer = Tokenizer.from_gguf(path)
     renderer = TurnRenderer(tokenizer)
     sampling = SamplingParams(
         temperature=args.temperature, max_new_tokens=limits.max_tokens_per_turn
@@ -81,8 +97,11 @@ def main() -> None:
         )
 
     dump = open(args.dump, "w") if args.dump else None  # noqa: SIM115 (closed below)
+    scores: dict[int, list[float]] = {}  # seed -> final scores of its counted episodes
 
     def on_trajectory(traj) -> None:
+        if str(traj.end) != "env_failure" and traj.turns and "score" in traj.turns[-1].info:
+            scores.setdefault(traj.env_seed, []).append(max(traj.turns[-1].info["score"], 0))
         record = {
             "seed": traj.env_seed,
             "episode": traj.episode_index,
@@ -133,8 +152,13 @@ def main() -> None:
         f"env {args.env} {options} ({limits}); {args.seeds} held-out seeds x n={args.n}, "
         f"T={args.temperature}"
     )
+    if scores:
+        per_seed = np.array([np.mean(v) for v in scores.values()])
+        stderr = per_seed.std(ddof=1) / np.sqrt(len(per_seed)) if len(per_seed) > 1 else np.nan
+        print(f"final score mean@{args.n} = {per_seed.mean():.1f} +- {stderr:.1f} (of 100)")
     print(
-        f"success mean@{args.n} = {res.success_mean:.3f} +- {res.success_stderr:.3f} "
+        f"model {args.model}; success mean@{args.n} = {res.success_mean:.3f} +- "
+        f"{res.success_stderr:.3f} "
         f"(stderr over {len(res.seeds)} seeds); invalid-action rate "
         f"{res.invalid_action_rate:.3f}; turns/episode {res.mean_turns:.2f}; env failures "
         f"{res.env_failures}; {elapsed:.0f} s (load average {os.getloadavg()[0]:.1f})"

@@ -33,6 +33,7 @@ def test_configs_convert(module):
         "smoke",
         "smoke_async",
         "agentic_frozenlake",
+        "agentic_scienceworld",
         "replay_smoke",
         "elastic_smoke",
     ],
