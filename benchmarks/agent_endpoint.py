@@ -114,7 +114,7 @@ def main() -> None:
         from jaxflash.models.config.presets import get_preset  # noqa: PLC0415
         from jaxflash.models.decoder.transformer import init_params  # noqa: PLC0415
 
-        config = get_preset("tiny", vocab_size=tok.vocab_size)
+        config = get_preset("tiny", vocab_size=tok.vocab_size, max_seq_len=context)
         params = init_params(config, seed=0)
         engine = LlamaEngine(
             config,
