@@ -1,0 +1,50 @@
+"""benchmarks/e2e_vs_tunix.py: its rates leave out the same steps for every system, and
+its tiny mode runs jaxflash's side end to end and says tunix was skipped (CI never
+installs tunix)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from e2e_report import run_rates, steady_steps  # noqa: E402
+
+
+def _step(step, wall, cpu, samples=8, tokens=80):
+    return {"step": step, "wall_s": wall, "cpu_s": cpu, "samples": samples, "tokens": tokens,
+            "sections": {"update": wall / 2}}  # fmt: skip
+
+
+def test_steady_steps_drop_compile_and_evaluation_steps():
+    steps = [_step(k, 10.0 * k, 5.0 * k) for k in range(1, 8)]
+    # eval every 3 steps: after steps 3 and 6 -> the intervals of steps 4 and 7 hold one
+    assert [s["step"] for s in steady_steps(steps, 3)] == [2, 3, 5, 6]
+
+
+def test_run_rates_are_samples_over_summed_step_times():
+    run = {"per_step": [_step(1, 99.0, 99.0), _step(2, 4.0, 8.0), _step(3, 6.0, 12.0)]}
+    r = run_rates(run, eval_every=10)
+    assert r["steps"] == [2, 3]
+    assert r["samples_per_s"] == 16 / 10.0
+    assert r["samples_per_cpu_s"] == 16 / 20.0
+    assert r["tokens_per_sample"] == 10.0
+    assert r["sections"] == {"update": 2.5}
+    assert r["first_step_s"] == 99.0
+
+
+def test_tiny_mode_runs_jaxflash_and_skips_tunix(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "e2e_vs_tunix.py"), "--tiny",
+           "--seeds", "0", "--cache", str(tmp_path), "--tunix_venv", str(tmp_path / "none"),
+           "--out", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tunix: skipped" in proc.stdout
+    import json
+
+    report = json.load(open(tmp_path / "out.json"))["report"]
+    rates = report["systems"]["jaxflash"]["rates"][0]
+    assert rates["steps"] == [2, 3] and rates["samples_per_s"] > 0
+    assert "jaxflash trained the driver's prompt rows: ['yes']" in proc.stdout
