@@ -140,11 +140,17 @@ def _prepare(w: dict) -> dict:
 
     stops = sorted(tok.stop_ids)
     eos = tok.eos_id if tok.eos_id in stops else stops[0]
+    train, held_out = render(rows, "t"), render(task.eval_rows, "e")
+    # tunix finds prompt padding by id: the pad must occur in no prompt (SmolLM2's chat
+    # template holds <|im_end|>, its eos) and be no stop id. The lowest such id (0,
+    # <|endoftext|> for SmolLM2) is only used as padding.
+    used = {i for r in train + held_out for i in r["ids"]} | set(stops)
+    pad = next(i for i in range(config.vocab_size) if i not in used)
     return {
-        "train": render(rows, "t"),
-        "eval": render(task.eval_rows, "e"),
+        "train": train,
+        "eval": held_out,
         "eos_ids": [eos] + [s for s in stops if s != eos],
-        "pad_id": next(s for s in stops if s != eos) if len(stops) > 1 else eos,
+        "pad_id": pad,
         "tokenizer_json": os.path.join(out, "tokenizer.json"),
         "shape": {
             "n_layers": config.n_layers,
