@@ -179,6 +179,7 @@ def run(w: dict) -> dict:
     reward = MathAnswerReward()
     answers = {r["key"]: r["answer"] for r in train + held_out}
     scored = {"samples": 0, "correct": 0.0, "tokens": 0}
+    examples: list = []
 
     def math_reward(prompts, completions, **_):
         out = [
@@ -200,6 +201,11 @@ def run(w: dict) -> dict:
     def counting_generate(*args, **kwargs):
         out = real_generate(*args, **kwargs)
         scored["tokens"] += sum(len(t) for t in out.tokens)
+        if not examples:  # the first step's first responses, to read next to jaxflash's
+            examples.extend(
+                [str(t), [int(i) for i in ids]]
+                for t, ids in zip(out.text[:4], out.tokens[:4], strict=True)
+            )
         return out
 
     cluster.generate = counting_generate
@@ -256,6 +262,7 @@ def run(w: dict) -> dict:
         "per_step": per_step,
         "curve": curve,
         "train_accuracy": scored["correct"] / max(scored["samples"], 1),
+        "examples": examples,
     }
 
 
