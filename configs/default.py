@@ -46,6 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.generation_hosts = 1
     c.mesh.weight_transfer = "transfer"  # generation programs pull by: transfer | stream
     c.mesh.generation_digests = False  # log a SHA-256 of each weight install (tests)
+    c.mesh.delta_publish = False  # send only changed engine-side weights (docs/PERF.md)
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "gguf"  # gguf | hf | random

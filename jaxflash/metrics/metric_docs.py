@@ -142,6 +142,15 @@ METRICS: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
+        "`publish_changed_frac`, `publish_full_fallbacks`",
+        (
+            "thread engines under delta publish (the default for full fine-tuning): the"
+            " fraction of engine-side (bf16) weight elements whose bits changed since the"
+            " previous version; full-tree publishes so far to a slot that held weights"
+            " (missed a version, drifted, or a delta refused by its digest)"
+        ),
+    ),
+    (
         "`step_time_s`, `trained_at_s`, `policy_version`",
         (
             "the step's wall time; seconds from the run's first generation request to the"

@@ -75,8 +75,13 @@ def time_metrics(
         batch. trained_at_s: since the first request of the run (a resumed run's goes
         on from its checkpoint).
       learner_metrics: the update's (its "tokens" trained).
-      sync: the publish (``fleet.WeightSync``: copy_s, handover_s, bytes).
+      sync: the publish (``fleet.WeightSync``: copy_s, handover_s, bytes, and under
+        delta publish changed_frac, full_fallbacks).
     """
+    delta = {}
+    if getattr(sync, "changed_frac", None) is not None:
+        delta = {"publish_changed_frac": sync.changed_frac,
+                 "publish_full_fallbacks": sync.full_fallbacks}  # fmt: skip
     return {
         "train_time_s": train_s,
         "train_tokens_per_s": learner_metrics.get("tokens", 0.0) / max(train_s, 1e-9),
@@ -87,6 +92,7 @@ def time_metrics(
         "learner_wait_s": wait_s,
         "learner_idle_frac": wait_s / max(step_s, 1e-9),
         "step_time_s": step_s,
+        **delta,
     }
 
 

@@ -134,6 +134,12 @@ class WeightReceiver:
         """The installed weights and their version (never a partial transfer)."""
         return self._current
 
+    def release(self) -> None:
+        """Drop the installed arrays, keep their version (a caller that keeps its own
+        copy, e.g. ``transfer_delta.DeltaPuller``; later pulls still need a newer one)."""
+        if self._current is not None:
+            self._current = VersionedParams(params=None, version=self._current.version)
+
     def pull(
         self,
         senders: Sequence[str],
@@ -174,7 +180,7 @@ class WeightReceiver:
         start = time.perf_counter()
         try:
             try:
-                version, plan, remotes = self._plan(list(senders), timeout_s, version)
+                version, plan, remotes = self.plan(list(senders), timeout_s, version)
             except (KeyError, TypeError) as err:  # a describe reply missing its fields
                 raise TransferError(TransferErrorKind.PROTOCOL, f"bad offer: {err!r}") from err
             fetch = (
@@ -210,10 +216,16 @@ class WeightReceiver:
             send_message(sock, {"type": "describe"})
             return expect(recv_message(sock), "offer")
 
-    def _plan(
+    def plan(
         self, senders: list[str], timeout_s: float, expected: int | None
     ) -> tuple[int, dict[str, list[_Item]], dict[str, tuple[str | None, int]]]:
-        """(version, items per sender, (jax transfer address, bulk transports) per sender)."""
+        """(version, items per sender, (jax transfer address, bulk transports) per sender):
+        every distinct block this process needs, from a sender process holding it whole
+        (``pull``'s steps 1-3; ``transfer_delta.pull_delta`` asks the same senders).
+
+        Raises:
+          TransferError: VERSION, LAYOUT_MISMATCH, PROTOCOL, CONNECTION (module docstring).
+        """
         offers = [self._describe(a, timeout_s) for a in senders]
         versions = {int(o["version"]) for o in offers}
         if len(versions) != 1:

@@ -7,6 +7,8 @@ and answers receivers over a small control socket (``transfer_wire`` frames):
 - ``describe``: the offer's version, its TreeLayout (JSON) and which blocks this
   process holds (a multi-process learner has one sender per process, each
   holding its addressable shards), plus the jax transfer server's address;
+- ``delta``: the same blocks as deltas over the previous version's, when the offer
+  came with its engine-side view (``offer(..., engine=)``; ``transfer_delta``);
 - ``fetch``: a list of (leaf path, block) the receiver wants from this process,
   stamped with the version it expects. Everything is checked before any byte
   moves (version, leaf, block held whole, dtype); then either the shards are
@@ -36,7 +38,8 @@ import numpy as np
 
 from jaxflash import failpoints
 from jaxflash.sync.publish import check_version
-from jaxflash.sync.transfer_layout import Index, TreeLayout, layout_of, normalize_index
+from jaxflash.sync.transfer_delta import SenderDeltas, held_blocks
+from jaxflash.sync.transfer_layout import Index, TreeLayout, layout_of
 from jaxflash.sync.transfer_wire import (
     TransferError,
     TransferErrorKind,
@@ -126,6 +129,7 @@ class WeightSender:
             )
         self._uuids = itertools.count(1)
         self._offer: _Offer | None = None
+        self.deltas = SenderDeltas()  # the offers' engine-side blocks (``delta`` requests)
         self.stats = SenderStats()
 
     @property
@@ -143,7 +147,7 @@ class WeightSender:
         """Version of the current offer, None before the first ``offer``."""
         return None if self._offer is None else self._offer.version
 
-    def offer(self, params: Any, version: PolicyVersion) -> TreeLayout:
+    def offer(self, params: Any, version: PolicyVersion, *, engine: Any = None) -> TreeLayout:
         """Make ``params`` the tree receivers get, replacing the previous offer.
 
         Args:
@@ -152,6 +156,9 @@ class WeightSender:
             sender keeps references until the next offer: pass buffers nobody
             donates or deletes (``stage_for_layout`` always returns fresh ones).
           version: policy version to stamp; must exceed the previous offer's.
+          engine: ``params`` as the engine keeps them (same layout, the engine's
+            dtypes); with it, receivers holding the previous version may ask for
+            deltas (``transfer_delta``). Without it they pull the full tree.
 
         Returns:
           The offer's TreeLayout (what ``describe`` sends).
@@ -162,16 +169,9 @@ class WeightSender:
         """
         check_version(version, self.version)
         layout = layout_of(params)
-        held: dict[str, dict[Index, jax.Array]] = {}
-        flat, _ = jax.tree_util.tree_flatten_with_path(params)
-        me = jax.process_index()
-        for (kp, x), leaf in zip(flat, layout.leaves, strict=True):
-            blocks: dict[Index, jax.Array] = {}
-            for shard in x.addressable_shards:
-                if shard.device.process_index == me:
-                    # Replicas hold equal blocks; keep the first one of each.
-                    blocks.setdefault(normalize_index(shard.index, leaf.shape), shard.data)
-            held[jax.tree_util.keystr(kp)] = blocks
+        held = held_blocks(params)
+        if engine is not None:  # first: a delta request never sees a newer offer's base
+            self.deltas.advance(engine, version)
         self._offer = _Offer(version=int(version), layout=layout, held=held)
         return layout
 
@@ -206,6 +206,8 @@ class WeightSender:
                 self._describe(conn)
             elif header["type"] == "fetch":
                 self._fetch(conn, header)
+            elif header["type"] == "delta":
+                self.deltas.serve(conn, header, self._require_offer().version)
             else:
                 raise TransferError(
                     TransferErrorKind.PROTOCOL, f"unknown request {header['type']!r}"

@@ -29,6 +29,8 @@ class TransferErrorKind(enum.Enum):
     UNSUPPORTED = "unsupported"  # e.g. the sender runs no jax transfer server
     CONNECTION = "connection"  # peer unreachable, vanished or timed out mid-transfer
     PROTOCOL = "protocol"  # a malformed or unexpected message
+    STALE_BASE = "stale_base"  # a delta refused: the receiver does not hold its base
+    DIGEST = "digest"  # a delta's result differs from the sender's tensor
 
 
 class TransferError(RuntimeError):

@@ -50,9 +50,11 @@ class EngineWeights:
         one_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
         unstacked = {**stacked, "layers": (one_layer["layers"],) * model_config.n_layers}
         # What set_params / load_params accept: the model's tree, layers stacked or not,
-        # or the engine's own (placed: matmul weights maybe in the compute dtype).
+        # or the engine's own (placed: matmul weights maybe in the compute dtype), or the
+        # model's stacked tree already in the engine's dtypes (a delta publish's copy).
         self._signatures = {
             "stacked": leaf_signatures(stacked),
+            "stacked_engine": leaf_signatures(as_engine_dtypes(stacked, model_config, lora)),
             "unstacked": leaf_signatures(unstacked),
             "engine": leaf_signatures(as_engine_dtypes(unstacked, model_config, lora)),
         }
@@ -137,6 +139,8 @@ class EngineWeights:
         offered = leaf_signatures(params)
         if kind == "unstacked" and offered == self._signatures["engine"]:
             return  # already in the engine's layout (placed)
+        if kind == "stacked" and offered == self._signatures["stacked_engine"]:
+            return  # stacked, already in the engine's dtypes (``sync.delta_publish``)
         check_same_leaves(
             offered, self._signatures[kind], sender="new params", receiver="engine's model"
         )

@@ -312,6 +312,7 @@ class ExperimentConfig:
                 generation_hosts=int(mesh.get("generation_hosts", 1)),
                 weight_transfer=str(mesh.get("weight_transfer", "transfer")),
                 generation_digests=bool(mesh.get("generation_digests", False)),
+                delta_publish=bool(mesh.get("delta_publish", False)),
             ),
             model=ModelSpec(**model),
             data=DataSpec(**data),

@@ -77,6 +77,10 @@ class MeshSpec:
         (``jax.experimental.transfer``) or "stream" (host-staged, per shard).
       generation_digests: generation programs log a SHA-256 of every installed
         weight tree (costs a host copy of the weights per update; for tests).
+      delta_publish: thread engines (full fine-tuning) get only the engine-side
+        weights whose bits changed since their version, checked by digest
+        (``sync.delta_publish``; generation programs still pull the full tree). Off
+        by default: exact, but slower than the full copy on CPU (docs/PERF.md).
     """
 
     num_cpu_devices: int = 1
@@ -89,6 +93,7 @@ class MeshSpec:
     generation_hosts: int = 1
     weight_transfer: str = "transfer"
     generation_digests: bool = False
+    delta_publish: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "generation_addresses", tuple(self.generation_addresses))

@@ -4,7 +4,9 @@ One RL loop (``runtime.loop``) drives either kind through the same calls:
 
 - ``ThreadFleet``: one ``LlamaEngine`` per generation mesh carved from this
   program's devices, a ``GenerationServer`` thread each; ``publish`` copies the
-  learner's params device to device onto every generation mesh (``sync.publish``).
+  learner's params device to device onto every generation mesh (with ``delta``, only
+  the engine-side (bf16) weights that changed since the slot's version,
+  ``sync.delta_publish``: bit-identical to a full copy; off by default, docs/PERF.md).
 - ``ProcessFleet`` (``mesh.generation_processes=True``): one generation program
   per slice (``runtime.fleet.gen_program``: local child processes, or programs already
   running at ``mesh.generation_addresses``), a ``RemoteGenerationServer`` each;
@@ -35,6 +37,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxflash.generation.engine.params import as_engine_dtypes
 from jaxflash.models.adapters.lora import tree_bytes
 from jaxflash.runtime.config.experiment import ExperimentConfig
 from jaxflash.runtime.fleet.eval_generation import EngineGenerate, ProgramGenerate
@@ -50,6 +53,7 @@ from jaxflash.runtime.fleet.remote_server import (
 from jaxflash.runtime.fleet.rpc_wire import WeightOffer
 from jaxflash.runtime.model_setup import engine_config, lora_base_source, make_engine
 from jaxflash.runtime.rollout.server_pool import ServerListener, ServerPool, ServersChanged
+from jaxflash.sync.delta_publish import DeltaPublisher, DeltaSink
 from jaxflash.sync.publish import AdapterPublisher, Publisher
 from jaxflash.sync.reshard import LayoutCache
 from jaxflash.sync.transfer_digest import tree_digest
@@ -84,12 +88,16 @@ class WeightSync:
       copy_s: seconds until every server held the weights (D2D copies, or pulls).
       handover_s: seconds the rollout took to hand them over and release capacity
         (``ServersApplied.seconds``).
-      bytes: bytes moved, all servers together (the adapters only under LoRA).
+      bytes: bytes moved, all servers together (the adapters only under LoRA; under
+        delta publish the deltas, or the full engine-side tree of a slot that fell back).
+      changed_frac, full_fallbacks: thread delta publish (``DeltaStats.sync_fields``).
     """
 
     copy_s: float
     handover_s: float
     bytes: int
+    changed_frac: float | None = None
+    full_fallbacks: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,12 +111,14 @@ class Resized:
 
 @dataclasses.dataclass
 class _Slot:
-    """A generation slot: engine, its param shardings, its publisher, the params it holds."""
+    """A generation slot: engine, its param shardings, its publisher, the params it holds
+    (and, under delta publish, what it reports to the fleet's ``DeltaPublisher``)."""
 
     engine: Any
     shardings: Any
     publisher: Publisher | AdapterPublisher
     params: Any = None
+    sink: DeltaSink | None = None
 
 
 class ThreadFleet:
@@ -118,6 +128,11 @@ class ThreadFleet:
     ``resize`` is gone, one added takes the pool's next index). Engines are built
     once per device layout (``sync.reshard.LayoutCache``): a slice that returns to
     devices it held before reuses its engine and compiled programs.
+
+    With ``delta`` (full fine-tuning; off by default: on CPU it is slower than the full
+    copy, docs/PERF.md "Delta publish") a publish sends deltas
+    (``sync.delta_publish.DeltaPublisher``: one source, a sink per slot; a new slot takes
+    the full tree); otherwise the whole learner tree, which the engine then casts.
     """
 
     def __init__(
@@ -127,12 +142,18 @@ class ThreadFleet:
         placement: Placement,
         tokenizer: Any,
         servers: ServerSettings,
+        *,
+        delta: bool = False,
     ):
         engine = {"rollout": exp.rollout, "env": exp.env, "lora": exp.learner.lora}
         self._engine_for = LayoutCache(
             lambda mesh: make_engine(model_config, mesh, tokenizer, **engine)
         )
         self._lora = exp.learner.lora is not None
+        # Exact: the engine-side values are the cast place_params would do (bit-equal).
+        self._delta = None
+        if delta and not self._lora:
+            self._delta = DeltaPublisher(lambda p: as_engine_dtypes(p, model_config))
         self._stop_ids, self._partial = tokenizer.stop_ids, exp.rollout.partial_rollout
         self._settings = servers
         self._slots = {i: self._slot(mesh) for i, mesh in enumerate(placement.generation)}
@@ -144,11 +165,21 @@ class ThreadFleet:
         engine, shardings = self._engine_for(mesh)
         # LoRA: the base goes to the slot once, then only the adapters move.
         publisher = AdapterPublisher(engine, shardings) if self._lora else Publisher()
-        return _Slot(engine, shardings, publisher)
+        return _Slot(engine, shardings, publisher, sink=DeltaSink() if self._delta else None)
+
+    @property
+    def delta_stats(self) -> Any:
+        """``sync.delta_publish.DeltaStats`` of this fleet's publishes (None: delta off)."""
+        return None if self._delta is None else self._delta.stats
 
     def _push(self, slot: _Slot, learner: LearnerProgram, version: int) -> None:
         pub = slot.publisher
-        if isinstance(pub, AdapterPublisher):
+        if self._delta is not None:
+            if self._delta.source.version != version:  # once per version, every slot
+                self._delta.advance(learner.params, version)
+            slot.params = self._delta.publish(slot.sink, slot.shardings, version)
+            self.last_publish_bytes += self._delta.stats.last_bytes
+        elif isinstance(pub, AdapterPublisher):
             slot.params = pub.publish(learner.params, learner.base, version).params
             self.last_publish_bytes += pub.last_bytes
         else:
@@ -196,7 +227,10 @@ class ThreadFleet:
         copy_s = clock.now() - t0
         held = [self._slots[i].params if i in self._slots else None for i in range(len(self.pool))]
         done = self._listener.servers_changed(ServersChanged(version=version, weights=held))
-        return WeightSync(copy_s=copy_s, handover_s=done.seconds, bytes=self.last_publish_bytes)
+        delta = {} if self._delta is None else self._delta.stats.sync_fields()
+        return WeightSync(
+            copy_s=copy_s, handover_s=done.seconds, bytes=self.last_publish_bytes, **delta
+        )
 
     def resize(
         self,
@@ -240,6 +274,10 @@ class ThreadFleet:
 
 class ProcessFleet:
     """Generation servers as separate JAX programs, reached over gRPC.
+
+    Programs pull the full tree at every version (``mesh.delta_publish`` applies to
+    thread engines only so far; ``sync.transfer_delta`` is the programs' delta path,
+    not yet wired here, docs/PERF.md "Delta publish").
 
     Starting: every local program is launched first (their imports overlap),
     then each is connected and configured; all must report the same weight
@@ -418,4 +456,5 @@ def make_fleet(
     """The fleet ``exp.mesh`` asks for (its engines built, or its programs configured)."""
     if exp.mesh.generation_processes:
         return ProcessFleet(exp, model_config, tokenizer.stop_ids, workdir, servers)
-    return ThreadFleet(exp, model_config, placement, tokenizer, servers)
+    delta = exp.mesh.delta_publish
+    return ThreadFleet(exp, model_config, placement, tokenizer, servers, delta=delta)
