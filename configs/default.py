@@ -59,6 +59,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Learner attention: auto (splash on TPU, cuDNN on GPU, blockwise on CPU) | dense |
     # blockwise | dot_product | splash (jaxflash/models/caches/attention.py).
     c.model.attention = "auto"
+    # Exact mode: the engine's and the learner's logprobs of the same weights are bitwise
+    # equal, whatever the batch (slower; docs/CONSISTENCY.md). Dense models only.
+    c.model.exact_numerics = False
     c.model.chat_template = ""  # a Jinja template replacing the tokenizer's ("" keeps it)
     c.model.extra_stop_ids = ()  # token ids that also end a response
     # Variables every chat-template render gets, as JSON: '{"enable_thinking": false}' (Qwen3)

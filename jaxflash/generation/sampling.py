@@ -91,10 +91,28 @@ def sample_tokens(
         top_p=top_p,
         valid_vocab_size=valid_vocab_size,
     )
+    return draw_tokens(logq_bv, keys_b2, greedy=greedy, logits_bv=logits_bv)
+
+
+def draw_tokens(
+    logq_bv: jax.Array, keys_b2: jax.Array, *, greedy: bool, logits_bv: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row from log q [B, V] (``processed_log_softmax``'s output).
+
+    Args:
+      logq_bv: float32 [B, V] log q, NEG_INF outside the kept set.
+      keys_b2: uint32 [B, 2] one raw PRNG key per row; ignored when greedy.
+      greedy: static; the argmax of ``logits_bv`` (else of log q) over the kept ids.
+      logits_bv: float [B, V] raw logits (greedy's order), or None.
+
+    Returns:
+      (token_b int32 [B], logp_b float32 [B]) with logp_b = log q(token_b).
+    """
     if greedy:
         # argmax of the raw logits over the kept (hence valid) ids; the max is always
         # kept, and argmax_first takes the first index among equal maxima like jnp.argmax.
-        kept_bv = jnp.where(logq_bv > NEG_INF / 2, logits_bv.astype(jnp.float32), -jnp.inf)
+        order_bv = logq_bv if logits_bv is None else logits_bv
+        kept_bv = jnp.where(logq_bv > NEG_INF / 2, order_bv.astype(jnp.float32), -jnp.inf)
         token_b = argmax_first(kept_bv)
     else:
         # Exactly ``jax.random.categorical(key_b, logq_bv[b])`` per row (Gumbel-max:

@@ -113,6 +113,7 @@ def policy_logprobs(
         chunk=lc.logprob_chunk,
         valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
         full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
+        exact=mc.exact_numerics,  # the engine's row blocks (models.caches.exact)
     ), routing
 
 

@@ -26,7 +26,10 @@ tokens, computed in the forward passes of this step, i.e. under the params
 *before* the update. For tokens sampled by the current version it measures
 engine/learner numerical agreement (should be float rounding);
 ``logprob_gap_max_current`` restricts it to those tokens and
-``logprob_gap_max_off_policy`` to the others (sampled by older versions).
+``logprob_gap_max_off_policy`` to the others (sampled by older versions). On the
+current version's tokens the step also reports their mean gap, the k3 estimate of
+KL(μ‖π), the correlation of the two probabilities and the sampling-set misses
+(``algorithms.consistency``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflash.algorithms.aggregation import aggregate, batch_normalizers
+from jaxflash.algorithms.consistency import consistency_metrics, consistency_sums
 from jaxflash.algorithms.kl import kl_k3
 from jaxflash.learner import cycles
 from jaxflash.learner.batching import ROUTES_FIELD
@@ -166,6 +170,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             "logprob_gap_max_current": jnp.max(jnp.where(current_bt, gap_bt, 0.0)),
             "logprob_gap_max_off_policy": jnp.max(jnp.where(current_bt, 0.0, gap_bt)),
             "current_tokens": jnp.sum(current_bt).astype(jnp.float32),
+            **consistency_sums(logp_bt, mu_bt, current_bt),
             "ratio_max": jnp.where(n > 0, m["ratio_max"], -jnp.inf),
             "ratio_min": jnp.where(n > 0, m["ratio_min"], jnp.inf),
             "nonfinite_count": m["nonfinite_count"],
@@ -260,6 +265,7 @@ def make_grad_fn(
             "logprob_gap_max_current": jnp.maximum(aux["logprob_gap_max_current"], 0.0),
             "logprob_gap_max_off_policy": jnp.maximum(aux["logprob_gap_max_off_policy"], 0.0),
             "current_tokens": aux["current_tokens"],
+            **consistency_metrics(aux, aux["current_tokens"]),
             "ratio_max": jnp.where(any_tok, aux["ratio_max"], 0.0),
             "ratio_min": jnp.where(any_tok, aux["ratio_min"], 0.0),
             "nonfinite_count": aux["nonfinite_count"],
@@ -317,7 +323,8 @@ def make_train_step(
       metrics (float32 scalars, replicated): loss, pg_loss, grad_norm (before
       clipping), lr (used for this update), entropy and kl (token means), clip_frac
       (+ _low/_high), ratio_mean/max/min, masked_frac, nonfinite_count,
-      logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences;
+      logprob_gap_max (+ _current, _off_policy, current_tokens), tokens, sequences,
+      and on current-version tokens ``algorithms.consistency.consistency_metrics``;
       with ``router_aux_loss_coef`` > 0 also router_aux_loss (the unweighted
       load-balancing loss of the batch); for a MoE batch with the engine's routes
       also router_mismatch_frac (share of (token, layer) routing decisions whose

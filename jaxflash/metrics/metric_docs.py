@@ -60,6 +60,20 @@ METRICS: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
+        (
+            "`logprob_gap_on_policy_mean`, `kl_k3_on_policy`, `prob_corr_on_policy`, "
+            "`sampling_set_miss_frac_on_policy`"
+        ),
+        (
+            "on the same tokens: mean \\|log π − log μ\\|; the k3 estimate of KL(μ‖π) "
+            "(mean of r − 1 − log r, r = π/μ); the Pearson correlation of the token "
+            "probabilities μ and π (1 when constant); the fraction whose sampled token is "
+            "outside the learner's top-k / top-p set, a lower bound on the fraction whose "
+            "sampling sets differ. All exactly 0 (corr 1) under `model.exact_numerics` "
+            "(docs/CONSISTENCY.md; `jaxflash.algorithms.consistency`)"
+        ),
+    ),
+    (
         "`router_mismatch_frac`, `router_mismatch_on_policy_frac`",
         (
             "mixture-of-experts runs: the share of (token, layer) routing decisions whose "

@@ -61,6 +61,7 @@ def _model(exp: ExperimentConfig, max_seq_len: int) -> tuple[ModelConfig, str]:
         remat_policy=spec.remat_policy,
         logits_chunk=spec.logits_chunk,
         attention=spec.attention,
+        exact_numerics=spec.exact_numerics,
         max_seq_len=max(config.max_seq_len, max_seq_len),
     )
     return config, f"{spec.preset} ({spec.source})"

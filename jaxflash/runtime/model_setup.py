@@ -93,6 +93,7 @@ def load_model(
     overrides = dict(
         compute_dtype=spec.compute_dtype, remat=spec.remat, logits_chunk=spec.logits_chunk,
         attention=spec.attention, remat_policy=spec.remat_policy,
+        exact_numerics=spec.exact_numerics,
     )  # fmt: skip
     need_len = rollout.max_prefill_length + rollout.sampling.max_new_tokens
     try:  # a file the importers refuse (unknown RoPE type, activation, tensor) is input

@@ -38,10 +38,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, use_abstract_mesh
 
 from jaxflash.generation.engine.state import DecodeState, EngineConfig, PrefillBatch
-from jaxflash.generation.sampling import sample_key, sample_tokens
+from jaxflash.generation.sampling import draw_tokens, sample_key, sample_tokens
 from jaxflash.models.caches.kv_cache import LayerKVCache, init_layer_kv_cache
 from jaxflash.models.config.model_config import ModelConfig
-from jaxflash.models.decoder.logprobs import logits_from_hidden
+from jaxflash.models.decoder.logprobs import exact_log_q, exact_logits, logits_from_hidden
 from jaxflash.models.decoder.transformer import forward, forward_routed, unembed, unstack_layers
 
 __all__ = [
@@ -92,14 +92,14 @@ def prefill(
     n, t = ids_nt.shape
     positions_nt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
     cache = init_layer_kv_cache(model_config, n, t)
-    fresh = not (dense_max is None or t <= dense_max)
+    fresh = not (dense_max is None or t <= dense_max or model_config.exact_numerics)
     scope = contextlib.nullcontext() if mesh is None else use_abstract_mesh(mesh.abstract_mesh)
     with scope if fresh else contextlib.nullcontext():
         h_ntd, cache, routes_ntlk = _forward_routes(
             params, model_config, ids_nt, positions_nt, cache, fresh_cache=fresh
         )
     h_nd = jnp.take_along_axis(h_ntd, (true_length_n - 1)[:, None, None], axis=1)[:, 0]
-    logits_nv = logits_from_hidden(h_nd, unembed(params, model_config)).astype(jnp.float32)
+    logits_nv = _logits(h_nd, params, model_config)
     return PrefillBatch(
         cache=cache, true_length_n=true_length_n, logits_nv=logits_nv, routes_ntlk=routes_ntlk
     )
@@ -116,7 +116,23 @@ def _forward_routes(params, mc: ModelConfig, ids_bt, pos_bt, cache, fresh_cache=
     return h, cache, routes_btlk.astype(jnp.int16)
 
 
+def _logits(h_bd, params, mc: ModelConfig):
+    """float32 [B, V] logits (the exact mode's row blocks with ``exact_numerics``)."""
+    if mc.exact_numerics:
+        return exact_logits(h_bd, unembed(params, mc))
+    return logits_from_hidden(h_bd, unembed(params, mc)).astype(jnp.float32)
+
+
 def _sample(logits_bv, keys_b2, mc: ModelConfig, ec: EngineConfig):
+    if mc.exact_numerics:  # log q in the learner's row blocks (models.caches.exact)
+        logq_bv = exact_log_q(
+            logits_bv,
+            temperature=ec.temperature,
+            top_k=ec.top_k,
+            top_p=ec.top_p,
+            valid_vocab_size=mc.valid_vocab_size,
+        )
+        return draw_tokens(logq_bv, keys_b2, greedy=ec.greedy, logits_bv=logits_bv)
     return sample_tokens(
         logits_bv,
         keys_b2,
@@ -232,7 +248,7 @@ def next_tokens(params, state: DecodeState, mc: ModelConfig, ec: EngineConfig):
     h_b1d, cache, routes_b1lk = _forward_routes(
         params, mc, state.next_token_b[:, None], state.pos_b[:, None], state.cache
     )
-    logits_bv = logits_from_hidden(h_b1d[:, 0], unembed(params, mc))
+    logits_bv = _logits(h_b1d[:, 0], params, mc)
     keys_b2 = jax.vmap(sample_key)(
         state.seed_b, state.prompt_id_b, state.sample_index_b, state.token_index_b
     )

@@ -57,6 +57,7 @@ import jax
 from flax import struct
 
 from jaxflash.models.caches.attention import cache_visibility, dense_attention, self_attention
+from jaxflash.models.caches.exact import exact_attention, segment_offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,15 @@ def attend_cached(
 
     Returns:
       [B, T, N, H] in the compute dtype.
+
+    In the exact mode (``config.exact_numerics``) the cache's keys go through
+    ``exact.exact_attention``, the learner's layout and order.
     """
+    if config.exact_numerics:
+        keys_bskh, values_bskh = keys_bksh.transpose(0, 2, 1, 3), values_bkhs.transpose(0, 3, 1, 2)
+        return exact_attention(
+            config, q_btnh, site.positions_bt, keys_bskh, values_bskh, sliding=site.sliding
+        )
     visible_bts = cache_visibility(
         site.positions_bt, keys_bksh.shape[2], site.sliding, config.sliding_window
     )
@@ -176,6 +185,13 @@ class NoCache:
     ``config.attention`` says; positions only set RoPE. A pytree without leaves."""
 
     def attend(self, config, q_btnh, k_btkh, v_btkh, site: Site):
+        if config.exact_numerics:  # keys by position within each (packed) sequence
+            offset_bt = segment_offsets(site.positions_bt)
+            attn_btnh = exact_attention(
+                config, q_btnh, site.positions_bt, k_btkh, v_btkh,
+                offset_bt=offset_bt, sliding=site.sliding,
+            )  # fmt: skip
+            return attn_btnh, self
         attn_btnh = self_attention(
             q_btnh, k_btkh, v_btkh, config, segment_ids_bt=site.segment_ids_bt, sliding=site.sliding
         )
@@ -200,6 +216,9 @@ class FreshPrefill:
     inner: Any
 
     def attend(self, config, q_btnh, k_btkh, v_btkh, site: Site):
-        """(attn_btnh, the updated *inner* cache): a fresh layer is fresh only once."""
+        """(attn_btnh, the updated *inner* cache): a fresh layer is fresh only once.
+        In the exact mode: the inner cache's write-then-attend (one attention order)."""
+        if config.exact_numerics:
+            return self.inner.attend(config, q_btnh, k_btkh, v_btkh, site)
         attn_btnh = self_attention(q_btnh, k_btkh, v_btkh, config, sliding=site.sliding)
         return attn_btnh, self.inner.write(k_btkh, v_btkh, site.positions_bt)

@@ -466,6 +466,11 @@ class PagedLayer:
         when ``pages.kernel`` (``kernel_attention``), else over the gathered dense views
         (``write_and_view``, then ``cache_face.attend_cached``)."""
         if self.pages.kernel:
+            if config.exact_numerics:
+                raise ValueError(
+                    "PagedLayer: ModelConfig.exact_numerics needs the reference paged path; "
+                    "the TPU kernel (EngineConfig.paged_kernel) has its own reduction order"
+                )
             window = config.sliding_window if site.sliding is True else None
             pool_npch, attn_btnh = kernel_attention(
                 self.pool_npch, self.pages, q_btnh, k_btkh, v_btkh, site.positions_bt,

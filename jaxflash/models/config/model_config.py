@@ -97,6 +97,12 @@ class ModelConfig:
         ``d_ff`` is then unused by the model (kept for config.json round trips).
       norm_topk_prob: renormalise the k selected router probabilities to sum to 1
         (HF ``norm_topk_prob``; Qwen3-MoE checkpoints set it).
+      exact_numerics: the exact mode: the engine's prefill and decode and the learner's
+        forward compute each token's logits with the same operations in the same
+        order whatever the batch around it (fixed row blocks, one attention layout
+        and order: ``models.caches.exact``), so behaviour and learner logprobs of the
+        same weights are bitwise equal (docs/CONSISTENCY.md: cost, when to use it).
+        Dense models only; the paged cache's TPU kernel is refused.
       router_aux_loss_coef: the checkpoint's load-balancing loss weight (HF
         ``router_aux_loss_coef``), kept for export; the learner applies
         ``LearnerConfig.router_aux_loss_coef``, not this.
@@ -140,6 +146,7 @@ class ModelConfig:
     moe_d_ff: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
+    exact_numerics: bool = False
 
     def __post_init__(self) -> None:
         # JSON (a generation program's config) brings lists back: keep the config hashable.
@@ -256,6 +263,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.n_experts_per_token={k} must be in [1, n_experts={e}]")
         if e and f < 1:
             raise ValueError(f"ModelConfig.moe_d_ff must be >= 1 with n_experts={e}, got {f}")
+        if e and self.exact_numerics:
+            raise ValueError(
+                "ModelConfig.exact_numerics covers dense models: a routed mixture of experts "
+                f"(n_experts={e}) groups tokens by expert, so a token's MLP depends on its batch"
+            )
         coef = self.router_aux_loss_coef
         if not (isinstance(coef, int | float) and coef >= 0):
             raise ValueError(f"ModelConfig.router_aux_loss_coef must be >= 0, got {coef!r}")

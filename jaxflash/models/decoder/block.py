@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxflash.models.adapters import lora
 from jaxflash.models.caches.cache_face import LayerCache, Site
+from jaxflash.models.caches.exact import row_blocks
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.models.decoder.moe import moe_mlp
 from jaxflash.models.decoder.rope import apply_rope
@@ -98,35 +99,62 @@ def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site,
     Returns:
       (h_btd float32 [B, T, D], the updated layer cache, (router logits float32
       [B, T, E], live top-k experts int32 [B, T, k]) or None for a dense MLP).
+
+    In the exact mode (``config.exact_numerics``, dense models only) the per-token parts
+    before and after attention run on fixed blocks of rows (``caches.exact.row_blocks``),
+    the same ops whatever B and T are.
     """
+    if not config.exact_numerics:
+        q_btnh, k_btkh, v_btkh = _qkv(config, h_btd, lp, site.positions_bt, site.sliding)
+        attn_btnh, cache = cache.attend(config, q_btnh, k_btkh, v_btkh, site)
+        h_btd, router = _after_attention(config, h_btd, attn_btnh, lp, replay_btk)
+        return h_btd, cache, router
+    b, t, d = h_btd.shape  # the exact mode refuses experts: no router, no replay
+    h_m1d = h_btd.reshape(b * t, 1, d)
+    q, k, v = row_blocks(
+        lambda h, p: _qkv(config, h, lp, p, site.sliding), h_m1d, site.positions_bt.reshape(-1, 1)
+    )
+    q_btnh, k_btkh, v_btkh = (x.reshape(b, t, *x.shape[2:]) for x in (q, k, v))
+    attn_btnh, cache = cache.attend(config, q_btnh, k_btkh, v_btkh, site)
+    attn_m1nh = attn_btnh.reshape(b * t, 1, *attn_btnh.shape[2:])
+    h_m1d = row_blocks(lambda h, a: _after_attention(config, h, a, lp)[0], h_m1d, attn_m1nh)
+    return h_m1d.reshape(b, t, d), cache, None
+
+
+def _qkv(config: ModelConfig, h_btd, lp, positions_bt, sliding):
+    """(q_btnh, k_btkh, v_btkh) of the normed residual stream, RoPE applied (k in the
+    compute dtype)."""
     cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
     adapted = lora.adapted_weights(lp)
-
-    def w(name):
-        return lp[name].astype(cd)
-
     x_btd = rms_norm(h_btd, lp["attn_norm_ld"], eps, off).astype(cd)
     q_btnh = _linear("btd,dnh->btnh", x_btd, lp, "w_q_ldnh", adapted, cd)
     k_btkh = _linear("btd,dkh->btkh", x_btd, lp, "w_k_ldkh", adapted, cd)
     v_btkh = _linear("btd,dkh->btkh", x_btd, lp, "w_v_ldkh", adapted, cd)
     if config.qkv_bias:
-        q_btnh, k_btkh, v_btkh = q_btnh + w("b_q_lnh"), k_btkh + w("b_k_lkh"), v_btkh + w("b_v_lkh")
+        q_btnh = q_btnh + lp["b_q_lnh"].astype(cd)
+        k_btkh = k_btkh + lp["b_k_lkh"].astype(cd)
+        v_btkh = v_btkh + lp["b_v_lkh"].astype(cd)
     if config.qk_norm:  # per head, over H, before RoPE (Qwen3, Gemma 3)
         q_btnh = rms_norm(q_btnh, lp["q_norm_lh"], eps, off)
         k_btkh = rms_norm(k_btkh, lp["k_norm_lh"], eps, off)
 
     def rope(x):
         if config.rope_local_theta is None:
-            return apply_rope(x, site.positions_bt, config.rope_theta, config)
+            return apply_rope(x, positions_bt, config.rope_theta, config)
         return _by_layer_type(
-            site.sliding,
-            lambda: apply_rope(x, site.positions_bt, config.rope_local_theta),
-            lambda: apply_rope(x, site.positions_bt, config.rope_theta, config),
+            sliding,
+            lambda: apply_rope(x, positions_bt, config.rope_local_theta),
+            lambda: apply_rope(x, positions_bt, config.rope_theta, config),
         )
 
-    q_btnh = rope(q_btnh)
-    k_btkh = rope(k_btkh).astype(cd)
-    attn_btnh, cache = cache.attend(config, q_btnh, k_btkh, v_btkh, site)
+    return rope(q_btnh), rope(k_btkh).astype(cd), v_btkh
+
+
+def _after_attention(config: ModelConfig, h_btd, attn_btnh, lp, replay_btk=None):
+    """(h_btd after the attention output and the MLP with their residuals, the router's
+    (logits, live experts) or None)."""
+    cd, eps, off = config.jnp_compute_dtype, config.rms_norm_eps, config.norm_offset
+    adapted = lora.adapted_weights(lp)
     attn_btd = _linear(
         "btnh,nhd->btd", attn_btnh, lp, "w_o_lnhd", adapted, cd, preferred_element_type=jnp.float32
     )
@@ -136,9 +164,10 @@ def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site,
     x_btd = rms_norm(h_btd, lp["mlp_norm_ld"], eps, off).astype(cd)
     router = None
     if config.is_moe:  # routed experts replace the dense MLP (models.decoder.moe)
+        names = ("w_router_lde", "w_gate_ledf", "w_up_ledf", "w_down_lefd")
         mlp_btd, *router = moe_mlp(
             x_btd,
-            *(w(n) for n in ("w_router_lde", "w_gate_ledf", "w_up_ledf", "w_down_lefd")),
+            *(lp[n].astype(cd) for n in names),
             top_k=config.n_experts_per_token,
             norm_topk_prob=config.norm_topk_prob,
             replay_btk=replay_btk,
@@ -148,5 +177,4 @@ def decoder_layer(config: ModelConfig, h_btd, lp, cache: LayerCache, site: Site,
         mlp_btd = gated_mlp(config, x_btd, lp)
     if config.sandwich_norm:
         mlp_btd = rms_norm(mlp_btd, lp["post_mlp_norm_ld"], eps, off)
-    h_btd = h_btd + mlp_btd
-    return h_btd, cache, router
+    return h_btd + mlp_btd, router

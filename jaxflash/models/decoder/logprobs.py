@@ -28,6 +28,7 @@ from jaxflash.algorithms.distributions import (
     floor_logprobs,
     processed_log_softmax,
 )
+from jaxflash.models.caches.exact import EXACT_ROWS, row_blocks
 
 
 def logits_from_hidden(h_btd: jax.Array, unembed_dv: jax.Array) -> jax.Array:
@@ -58,6 +59,7 @@ def target_logprobs(
     chunk: int = 256,
     valid_vocab_size: int | None = None,
     full_vocab: bool = False,
+    exact: bool = False,
 ) -> tuple[jax.Array, ...]:
     """log q(target) and entropy of q at every position, chunked over time.
 
@@ -75,6 +77,10 @@ def target_logprobs(
         distribution (``ModelConfig.valid_vocab_size``).
       full_vocab: static; also return ``full_logp_bt`` = log softmax(z / T)[target]
         over the valid ids without top-k / top-p (the distribution KL terms use).
+      exact: static; the exact mode (``ModelConfig.exact_numerics``): the B x T
+        positions are flattened and scored in fixed blocks of ``EXACT_ROWS`` rows
+        (``chunk`` is unused), the blocks the engine's ``exact_logits`` /
+        ``exact_log_q`` use.
 
     Returns:
       (logp_bt, entropy_bt) or, with ``full_vocab``, (logp_bt, entropy_bt,
@@ -104,6 +110,10 @@ def target_logprobs(
         raise ValueError(
             f"target_logprobs: temperature must be a scalar or [B={batch}], got {temp.shape}"
         )
+    if exact:
+        return _exact_target_logprobs(
+            top_k, top_p, valid_vocab_size, full_vocab, h_btd, unembed_dv, target_ids_bt, temp
+        )
     chunk = min(chunk, time)
     n_chunks = -(-time // chunk)
     pad = n_chunks * chunk - time
@@ -121,6 +131,62 @@ def target_logprobs(
 
     outs_nbc = jax.lax.map(one_chunk, (h_nbcd, ids_nbc))
     return tuple(x.transpose(1, 0, 2).reshape(batch, -1)[:, :time] for x in outs_nbc)
+
+
+def _pad_rows(x: jax.Array, value: float = 0.0) -> jax.Array:
+    """``x`` [M, ...] padded with ``value`` rows to a multiple of ``EXACT_ROWS``."""
+    pad = -x.shape[0] % EXACT_ROWS
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+
+def _row_temperature(temp: jax.Array, batch: int, time: int) -> jax.Array:
+    """float32 [B·T, 1, 1] temperature per flattened position (scalar or [B, 1, 1])."""
+    temp_bt = jnp.broadcast_to(jnp.reshape(temp, (-1, 1)), (batch, time))
+    return temp_bt.reshape(-1, 1, 1).astype(jnp.float32)
+
+
+def _exact_target_logprobs(top_k, top_p, valid, full_vocab, h_btd, unembed_dv, ids_bt, temp):
+    """``target_logprobs`` in the exact mode: [B·T] positions in fixed row blocks."""
+    batch, time, d = h_btd.shape
+    m = batch * time
+    h_m1d = _pad_rows(h_btd.reshape(m, 1, d))
+    ids_m1 = _pad_rows(ids_bt.reshape(m, 1))
+    temp_m11 = _pad_rows(_row_temperature(temp, batch, time), 1.0)  # padding: T = 1, no 0/0
+
+    def block(h_r1d, ids_r1, temp_r11):
+        return _chunk_logprobs(top_k, top_p, valid, full_vocab, h_r1d, unembed_dv, ids_r1, temp_r11)
+
+    outs = row_blocks(block, h_m1d, ids_m1, temp_m11)
+    return tuple(x[:m].reshape(batch, time) for x in outs)
+
+
+def exact_logits(h_md: jax.Array, unembed_dv: jax.Array) -> jax.Array:
+    """float32 [M, V] logits of [M, D] hidden states in the exact mode's row blocks
+    (the engine's side of ``target_logprobs(..., exact=True)``)."""
+    m = h_md.shape[0]
+    h_m1d = _pad_rows(h_md[:, None, :])
+    return row_blocks(lambda h: logits_from_hidden(h, unembed_dv), h_m1d)[:m, 0]
+
+
+def exact_log_q(
+    logits_mv: jax.Array,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    valid_vocab_size: int | None = None,
+) -> jax.Array:
+    """float32 [M, V] ``processed_log_softmax`` of ``exact_logits`` in the exact mode's
+    row blocks, as ``target_logprobs(..., exact=True)`` computes it."""
+    m = logits_mv.shape[0]
+    temp_m11 = _pad_rows(jnp.full((m, 1, 1), temperature, jnp.float32), 1.0)
+
+    def block(z_r1v, temp_r11):
+        return processed_log_softmax(
+            z_r1v, temperature=temp_r11, top_k=top_k, top_p=top_p, valid_vocab_size=valid_vocab_size
+        )
+
+    return row_blocks(block, _pad_rows(logits_mv[:, None, :]), temp_m11)[:m, 0]
 
 
 def _gather(logq_bcv: jax.Array, ids_bc: jax.Array) -> jax.Array:

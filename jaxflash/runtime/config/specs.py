@@ -181,6 +181,8 @@ class ModelSpec:
     remat_policy: str = "dots"
     logits_chunk: int = 64
     attention: str = "auto"  # ModelConfig.attention, checked there (this module imports no jax)
+    # ModelConfig.exact_numerics: engine and learner logprobs bitwise equal (docs/CONSISTENCY.md)
+    exact_numerics: bool = False
     chat_template: str = ""
     extra_stop_ids: tuple[int, ...] = ()
     chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -222,6 +224,10 @@ class ModelSpec:
         check(
             self.compute_dtype in ("float32", "bfloat16"),
             f"model.compute_dtype must be float32 | bfloat16, got {self.compute_dtype!r}",
+        )
+        check(
+            isinstance(self.exact_numerics, bool),
+            f"model.exact_numerics must be true | false, got {self.exact_numerics!r}",
         )
         check(
             self.remat_policy in ("dots", "full"),
