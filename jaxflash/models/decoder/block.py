@@ -35,6 +35,18 @@ def rms_norm(x_btd: jax.Array, w_d: jax.Array, eps: float, offset: float = 0.0) 
     return x * (offset + w if offset else w)
 
 
+def final_norm(params, config: ModelConfig, h_btd: jax.Array) -> jax.Array:
+    """The final RMSNorm of float32 [B, T, D] (fixed row blocks in the exact mode)."""
+
+    def norm(h):
+        return rms_norm(h, params["final_norm_d"], config.rms_norm_eps, config.norm_offset)
+
+    if not config.exact_numerics:
+        return norm(h_btd)
+    b, t, d = h_btd.shape
+    return row_blocks(norm, h_btd.reshape(b * t, d)).reshape(b, t, d)
+
+
 _ACTIVATIONS = {  # ModelConfig.mlp_activation -> the gate's nonlinearity
     "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen, Mistral)
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma)

@@ -39,10 +39,9 @@ from flax import nnx
 
 from jaxflash.models.adapters import lora
 from jaxflash.models.caches.cache_face import ModelCache, NoCache, Site
-from jaxflash.models.caches.exact import row_blocks
 from jaxflash.models.caches.kv_cache import KVCache
 from jaxflash.models.config.model_config import ModelConfig
-from jaxflash.models.decoder.block import decoder_layer, rms_norm
+from jaxflash.models.decoder.block import decoder_layer, final_norm
 from jaxflash.models.decoder.logprobs import logits_from_hidden
 from jaxflash.models.decoder.params import Params, get_params
 
@@ -447,15 +446,3 @@ def _forward(
     cache = None if kv_cache is None else kv_cache.with_layers(new_caches)
     h_btd = final_norm(params, config, h_btd)
     return h_btd, cache, router_lbte
-
-
-def final_norm(params: Params, config: ModelConfig, h_btd: jax.Array) -> jax.Array:
-    """The final RMSNorm of [B, T, D] (fixed row blocks in the exact mode)."""
-
-    def norm(h):
-        return rms_norm(h, params["final_norm_d"], config.rms_norm_eps, config.norm_offset)
-
-    if not config.exact_numerics:
-        return norm(h_btd)
-    b, t, d = h_btd.shape
-    return row_blocks(norm, h_btd.reshape(b * t, d)).reshape(b, t, d)
