@@ -14,6 +14,7 @@ _spec = importlib.util.spec_from_file_location(
     "bench_consistency", os.path.join(_DIR, "consistency.py")
 )
 bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # dataclasses look their module up
 _spec.loader.exec_module(bench)
 
 
