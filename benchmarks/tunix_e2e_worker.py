@@ -180,6 +180,7 @@ def run(w: dict) -> dict:
     answers = {r["key"]: r["answer"] for r in train + held_out}
     scored = {"samples": 0, "correct": 0.0, "tokens": 0}
     examples: list = []
+    calls: list = []
 
     def math_reward(prompts, completions, **_):
         out = [
@@ -201,6 +202,7 @@ def run(w: dict) -> dict:
     def counting_generate(*args, **kwargs):
         out = real_generate(*args, **kwargs)
         scored["tokens"] += sum(len(t) for t in out.tokens)
+        calls.append([len(t) for t in out.tokens])  # every row's length, every call
         if not examples:  # the first step's first responses, to read next to jaxflash's
             examples.extend(
                 [str(t), [int(i) for i in ids]]
@@ -236,7 +238,13 @@ def run(w: dict) -> dict:
                  "sections": timers.snapshot(), "tokens": scored["tokens"]}
             )  # fmt: skip
             rows = train[step * B : (step + 1) * B]
-            yield {"prompts": [r["key"] for r in rows], "answer": [r["answer"] for r in rows]}
+            # numpy arrays, not lists: tunix repeats every leaf G times with
+            # jax.tree.map(np.repeat), and a list's strings would each become a leaf
+            # (4 rows of G copies instead of 4 x G rows).
+            yield {
+                "prompts": np.asarray([r["key"] for r in rows]),
+                "answer": np.asarray([r["answer"] for r in rows]),
+            }
 
     setup_s = time.perf_counter() - t_start
     learner.train(batches())
@@ -263,6 +271,7 @@ def run(w: dict) -> dict:
         "curve": curve,
         "train_accuracy": scored["correct"] / max(scored["samples"], 1),
         "examples": examples,
+        "generate_row_lengths": calls,
     }
 
 
