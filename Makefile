@@ -44,13 +44,13 @@ smoke: $(VENV)/.run-installed
 	$(PY) launch/tpu_pod.py --config configs/smoke.py --workdir runs/smoke $(ARGS)
 
 test: env
-	$(PY) -m ruff check jaxflash launch configs tests benchmarks
-	$(PY) -m ruff format --check jaxflash launch configs tests benchmarks
+	$(PY) -m ruff check jaxflash launch configs tests benchmarks examples
+	$(PY) -m ruff format --check jaxflash launch configs tests benchmarks examples
 	# Two pytest-xdist workers (one file per worker at a time, so a module's compiled
 	# programs are shared by its tests), then the serial files (tests/conftest.py) alone.
 	$(PY) -m pytest -q -ra -n 2 --dist loadfile -m "not serial" tests $(ARGS)
 	$(PY) -m pytest -q -ra -m serial tests $(ARGS)
 
 lint: env
-	$(PY) -m ruff format jaxflash launch configs tests benchmarks
-	$(PY) -m ruff check --fix jaxflash launch configs tests benchmarks
+	$(PY) -m ruff format jaxflash launch configs tests benchmarks examples
+	$(PY) -m ruff check --fix jaxflash launch configs tests benchmarks examples

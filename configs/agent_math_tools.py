@@ -42,12 +42,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     c.env.name = "agent"
     c.env.options = json.dumps(AGENT_OPTIONS)
-    # system + Hermes tool preamble + question (~230 tokens) + 4 x (128 + tool result)
-    c.env.max_context_tokens = 1024
+    # default max_context_tokens (1024) holds system + Hermes tool preamble + question
+    # (~230 tokens) + 4 x (128 + tool result); group_size 4 sessions per task (default).
     c.env.eval_seeds = 8
 
     c.rollout.prompts_per_step = 4  # tasks per learner step
-    c.rollout.group_size = 4  # sessions per task (a GRPO group)
     c.rollout.temperature = 0.7
     c.rollout.num_slots = 16
     c.rollout.truncation = "none"
@@ -57,8 +56,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learner.micro_batch_size = 4
     c.learner.loss_kwargs = ml_collections.ConfigDict({"clip_eps_low": 0.2, "clip_eps_high": 0.28})
 
-    c.total_steps = 10
     c.eval.every = 10
     c.eval.temperature = 0.7
-    c.eval.samples_per_prompt = 1
     return c
