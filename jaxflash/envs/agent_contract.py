@@ -113,8 +113,9 @@ class AgentResult:
       reward: the episode's reward (finite), given to its last model turn.
       turn_rewards: optional, one finite reward per model turn (request) of the
         session, in order; then ``reward`` must equal their sum (the episode return).
-      metrics: optional named numbers, kept in the trajectory's ``reward_info``
-        (``agent_<name>``) and averaged into the step's ``agent`` metrics.
+      metrics: optional named finite numbers, kept in the trained sample's
+        ``reward_info`` as ``agent_metric_<name>`` and averaged over the step's trained
+        episodes into the step record's ``episodes`` section (``agent_metric_<name>``).
     """
 
     reward: float

@@ -71,6 +71,11 @@ def trajectory_to_sample(traj: Trajectory) -> Sample:
             "invalid_actions": traj.invalid_actions,
             "turn_rewards": traj.turn_rewards.tolist(),
             "env_time_s": traj.env_time_s,
+            # an agent's own metrics (AgentResult.metrics, docs/AGENTS.md)
+            **{
+                f"agent_metric_{name}": float(value)
+                for name, value in traj.turns[-1].info.get("agent_metrics", {}).items()
+            },
         },
         response_text=transcript,
         response_mask=traj.loss_mask.astype(np.float32).copy(),

@@ -249,6 +249,13 @@ METRICS: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
+        "`agent_metric_<name>`",
+        (
+            "bring your own agent: the mean, over the step's trained episodes that "
+            "report it, of each metric the agent returned (`AgentResult.metrics`)"
+        ),
+    ),
+    (
         (
             "`stale_dropped_episodes`, `stale_dropped_turns_mean`, "
             "`stale_dropped_success_rate`, `stale_dropped_sampled_tokens_mean`, "

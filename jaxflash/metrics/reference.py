@@ -35,6 +35,7 @@ PLACEHOLDERS: tuple[tuple[str, str], ...] = (
     (r"^gen\d+_", "gen{i}_"),
     (r"^(samples_dropped|buffer_dropped|steps_skipped)_.+$", r"\1_<reason>"),
     (r"^(fresh|replay)_pg_.+$", r"\1_pg_<name>"),
+    (r"^agent_metric_.+$", "agent_metric_<name>"),
 )
 """(regex, replacement): a written key -> the name the table uses for its family."""
 

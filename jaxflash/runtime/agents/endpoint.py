@@ -114,6 +114,11 @@ class AgentEndpoint:
         self._thread.start()
         ready.wait()
         if failure:
+            if isinstance(failure[0], OSError):  # e.g. the port is taken: name the setting
+                raise ValueError(
+                    f"agent endpoint: cannot listen on {self.host}:{self.port} "
+                    f"(env.options.host / env.options.port): {failure[0]}"
+                ) from failure[0]
             raise failure[0]
         return self
 
@@ -142,8 +147,16 @@ class AgentEndpoint:
         self._thread.join(timeout=10)
 
     def base_url(self, session_id: str) -> str:
-        """The OpenAI base URL of session ``session_id``."""
-        return f"http://{self.host}:{self.port}/sessions/{session_id}/v1"
+        """The OpenAI base URL of session ``session_id``.
+
+        A wildcard host (``0.0.0.0``, ``::``: every interface, with ``allow_remote``)
+        is not an address an agent can connect to: the URL names this machine's host
+        name instead.
+        """
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        if ":" in host:  # an IPv6 literal
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/sessions/{session_id}/v1"
 
     # ------------------------------------------------------------------ handlers
 

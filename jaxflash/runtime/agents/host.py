@@ -41,7 +41,8 @@ class AgentHost:
 
     Raises:
       AgentContractError: ``agent`` / ``tasks`` do not resolve (names the option).
-      ValueError: the endpoint's host is not loopback and ``allow_remote`` is False.
+      ValueError: the endpoint's host is not loopback and ``allow_remote`` is False,
+        or it cannot listen there (the port is taken).
     """
 
     def __init__(self, config: AgentConfig, *, api_key: str = "", client_factory=None) -> None:

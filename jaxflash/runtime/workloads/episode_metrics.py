@@ -18,6 +18,7 @@ from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.types import PromptOutcome, Sample
 
 STALE_REASONS = ("stale", "surplus_stale")
+AGENT_METRIC = "agent_metric_"  # reward_info keys of AgentResult.metrics
 
 
 def episode_metrics(groups: Sequence[Group], dropped: Sequence[DroppedGroup]) -> dict[str, Any]:
@@ -51,6 +52,13 @@ def episode_metrics(groups: Sequence[Group], dropped: Sequence[DroppedGroup]) ->
             invalid_action_rate=sum(s.reward_info["invalid_actions"] for s in trained) / turns,
             sampled_tokens_mean=float(np.mean([np.sum(s.response_mask) for s in trained])),
         )
+        # an agent's own metrics: each name's mean over the trained episodes that report it
+        named: dict[str, list[float]] = {}
+        for s in trained:
+            for key, value in s.reward_info.items():
+                if key.startswith(AGENT_METRIC):
+                    named.setdefault(key, []).append(float(value))
+        out.update({key: float(np.mean(values)) for key, values in sorted(named.items())})
     out["stale_dropped_episodes"] = len(stale)
     if stale:
         out.update(

@@ -15,11 +15,14 @@ from jaxflash.envs.agent_contract import AgentConfig
 from jaxflash.envs.chat import TurnRenderer, renderer_for
 from jaxflash.envs.driver import run_episodes
 from jaxflash.envs.episode import Episode, EpisodeEnd
+from jaxflash.envs.training import trajectory_to_sample
 from jaxflash.models.text.tokenizer import Tokenizer
+from jaxflash.replay.groups import Group
 from jaxflash.runtime.agents.endpoint import AgentEndpoint
 from jaxflash.runtime.agents.host import AgentHost
 from jaxflash.runtime.agents.sessions import FAILURES, SessionTable
 from jaxflash.runtime.model_setup import smollm2_gguf_path
+from jaxflash.runtime.workloads.episode_metrics import episode_metrics
 from jaxflash.types import FinishReason, Sample, SamplingParams
 from tests.runtime.agents import scripted_agents
 
@@ -142,6 +145,11 @@ def test_multi_turn_sessions_train_on_exactly_the_sampled_ids(tok, renderer):
     counts = host.counts()
     assert counts["agent_sessions_returned"] == 2 and counts["agent_tool_calls"] == 2
     assert counts["agent_echo_mismatch"] == counts["agent_retokenized_differently"] == 0
+    # the agent's own metrics (AgentResult.metrics) reach the trained sample and the step
+    samples = tuple(trajectory_to_sample(t) for t in trajs)
+    assert [s.reward_info["agent_metric_turns"] for s in samples] == [2.0, 2.0]
+    group = Group(prompt_id=3, start_version=7, samples=samples)
+    assert episode_metrics([group], [])["agent_metric_turns"] == 2.0
 
 
 def test_a_round_trip_that_retokenises_differently_is_caught_and_the_sampled_ids_kept(
@@ -227,6 +235,13 @@ def test_the_endpoint_needs_the_key_and_refuses_a_non_loopback_address():
                 extra_headers={"X-Jaxflash-Session": "nope"},
             )
         assert info.value.body["code"] == "session_not_found"
+        # a port already taken is a clear error naming the setting, not a traceback
+        taken = AgentEndpoint(table, api_key="k", model_name="m", port=endpoint.port)
+        with pytest.raises(ValueError, match="env.options.port"):
+            taken.start()
     finally:
         endpoint.close()
+    # a wildcard host (allow_remote) hands agents an address they can connect to
+    wildcard = AgentEndpoint(table, api_key="k", model_name="m", host="0.0.0.0", allow_remote=True)
+    assert "0.0.0.0" not in wildcard.base_url("s1")
     assert set(FAILURES) >= {"raised", "timeout", "malformed"}
