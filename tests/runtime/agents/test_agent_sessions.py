@@ -6,6 +6,7 @@ template's format, sessions do not mix, every failure is counted."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import openai
@@ -211,6 +212,11 @@ def test_a_failing_agent_fails_its_episode_and_is_counted(tok, renderer, agent, 
     assert counts[f"agent_sessions_failed_{reason}"] == 1 == counts["agent_sessions_failed"]
     assert counts["agent_sessions_started"] == 1 and counts["agent_sessions_running"] == 0
     if agent == "malformed":
+        # the session fails on the endpoint's side as it answers 400; the agent's thread
+        # records the body it got a moment later
+        deadline = time.monotonic() + 10.0
+        while "malformed" not in scripted_agents.SEEN and time.monotonic() < deadline:
+            time.sleep(0.01)
         (body,) = scripted_agents.SEEN["malformed"]
         assert body["param"] == "messages[0]" and body["type"] == "invalid_request_error"
         assert set(body) == {"message", "type", "param", "code"}
