@@ -18,7 +18,8 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 
-from jaxflash.metrics.metric_docs import METRICS, ROLLOUT_FIELDS
+from jaxflash.metrics.metric_docs import METRICS
+from jaxflash.metrics.rollout_field_docs import ROLLOUT_FIELDS
 
 __all__ = [
     "METRICS",
