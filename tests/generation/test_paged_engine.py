@@ -196,7 +196,7 @@ def test_pool_layout_puts_every_axis_not_splitting_heads_on_pages():
     so tensor splits pages too (data x tensor = 8 slot groups)."""
     import jax
 
-    from jaxflash.models.caches.paged_kv_cache import pool_layout
+    from jaxflash.models.caches.pool_layout import pool_layout
     from jaxflash.sharding.mesh import make_mesh
     from jaxflash.sharding.rules import GENERATOR_RULES
 

@@ -1,7 +1,7 @@
 """A paged engine's configuration on its mesh: slot groups and the attention path.
 
 ``resolve_paged`` is what ``LlamaEngine`` does with ``EngineConfig(kv_cache="paged")``
-when it is built: the pool's split over the mesh (``models.caches.paged_kv_cache.pool_layout``:
+when it is built: the pool's split over the mesh (``models.caches.pool_layout.pool_layout``:
 kv heads over the axes the rules give them, pages and slots over every other axis,
 the G slot groups), the divisibility checks that split needs, and
 ``paged_attention="auto"`` resolved (the TPU kernel where it tiles one chip's heads).
@@ -14,7 +14,8 @@ import dataclasses
 from jax.sharding import Mesh
 
 from jaxflash.generation.engine.state import EngineConfig
-from jaxflash.models.caches.paged_kv_cache import PoolLayout, kernel_supported, pool_layout
+from jaxflash.models.caches.paged_kv_cache import kernel_supported
+from jaxflash.models.caches.pool_layout import PoolLayout, pool_layout
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules
 

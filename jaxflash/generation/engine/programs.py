@@ -23,7 +23,7 @@ from jaxflash.generation.engine.state import (
     empty_decode_state,
 )
 from jaxflash.models.caches.kv_cache import LayerKVCache
-from jaxflash.models.caches.paged_kv_cache import PoolLayout
+from jaxflash.models.caches.pool_layout import PoolLayout
 from jaxflash.models.config.model_config import ModelConfig
 
 
@@ -35,7 +35,7 @@ class Programs:
       state_shardings: DecodeState of NamedShardings (``state_shardings``).
       prefill_cache_shardings: LayerKVCache of NamedShardings for prefill caches.
       replicated: NamedSharding for everything replicated.
-      layout: a paged pool's split over the mesh (``models.caches.paged_kv_cache.pool_layout``).
+      layout: a paged pool's split over the mesh (``models.caches.pool_layout.pool_layout``).
     """
 
     def __init__(

@@ -26,11 +26,10 @@ from jaxflash.models.caches.kv_cache import (
 from jaxflash.models.caches.paged_kv_cache import (
     PagedKVCache,
     PageTable,
-    PoolLayout,
     init_paged_kv_cache,
     pages_per_row,
-    pool_layout,
 )
+from jaxflash.models.caches.pool_layout import PoolLayout, pool_layout
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
 from jaxflash.types import SamplingParams
@@ -83,7 +82,7 @@ class EngineConfig:
         the pure-JAX reference), "reference" or "tpu_kernel"; the engine resolves
         "auto" when it is built.
       page_groups: G, slot groups the pool's pages and the slots split into (set by
-        the engine from its mesh, ``models.caches.paged_kv_cache.pool_layout``: every mesh
+        the engine from its mesh, ``models.caches.pool_layout.pool_layout``: every mesh
         axis that does not split kv heads); slot b takes pages only from group
         b // (B / G)'s N / G pages (``generation.page_pool``). B and N must be
         divisible by G.
@@ -303,7 +302,7 @@ def state_shardings(
     Each layer's cache buffers follow ``rules`` through ``LAYER_K_LOGICAL_AXES`` /
     ``LAYER_V_LOGICAL_AXES`` (e.g. kv heads over "tensor" with ``GENERATOR_RULES``;
     dims that do not divide stay replicated); a paged pool splits by kv head and by
-    slot group (``models.caches.paged_kv_cache.pool_layout``); per-slot vectors, scalars and
+    slot group (``models.caches.pool_layout.pool_layout``); per-slot vectors, scalars and
     the page table are replicated. Without rules everything is replicated. Pass the
     engine's resolved config (``LlamaEngine.config``): the page table's static fields
     follow it.
