@@ -13,8 +13,8 @@ program first (TPU slice metadata, or ``JAX_COORDINATOR_ADDRESS`` /
 ``learner`` (default): the RL loop, in process 0 of the learner program (the
 controller), while its other processes follow process 0's learner commands;
 ``generation``: a generation program serving rollouts over gRPC
-(``runtime.fleet.gen_program``) on ``--port``, reached by a controller whose
-``mesh.generation_addresses`` lists it.
+(``runtime.fleet.gen_program``, its process ``gen_process.run_process``) on ``--port``,
+reached by a controller whose ``mesh.generation_addresses`` lists it.
 
 On CPU the fake device count comes from `config.mesh.num_cpu_devices`, set here
 before jax is imported. On a multi-host TPU/GPU slice (JAX_COORDINATOR_ADDRESS or
@@ -130,7 +130,7 @@ def _serve_generation() -> None:
     """This host is a generation program: serve the controller over gRPC until told to stop."""
     import jax
 
-    from jaxflash.runtime.fleet.gen_program import run_process
+    from jaxflash.runtime.fleet.gen_process import run_process
     from jaxflash.sharding.distributed import advertised_host
 
     # Over several hosts (a slice's workers): process 0 serves, the others follow it.

@@ -14,7 +14,7 @@ HEAVY = ("tensorflow", "seqio", "jetstream")
 
 _PROBE = """
 import json, sys
-import jaxflash.runtime.loop, jaxflash.runtime.fleet.gen_program, jaxflash.generation.slot_loop
+import jaxflash.runtime.loop, jaxflash.runtime.fleet.gen_process, jaxflash.generation.slot_loop
 print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r})))
 """
 

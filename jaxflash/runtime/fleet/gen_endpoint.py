@@ -3,7 +3,7 @@
 Two kinds of endpoint:
 
 - ``LocalProgram``: a child process this controller starts (and restarts) on this
-  machine: ``python -m jaxflash.runtime.fleet.gen_program`` with its own fake CPU
+  machine: ``python -m jaxflash.runtime.fleet.gen_process`` with its own fake CPU
   devices, told to exit if the controller dies (``--parent_pid``). Its stdout and
   stderr go to a log file, which also carries the "listening" line with its port.
 - ``FixedProgram``: a program someone else started (on a pod, the generation
@@ -103,7 +103,7 @@ class LocalProgram:
             path = self.log_path if i == 0 else f"{self.log_path}.host{i}"
             with open(path, "ab") as log:
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "jaxflash.runtime.fleet.gen_program", "--host",
+                    [sys.executable, "-m", "jaxflash.runtime.fleet.gen_process", "--host",
                      self.host, "--port", "0", "--parent_pid", str(os.getpid())],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                     # Its own process group: a terminal's Ctrl-C (SIGINT to the foreground
