@@ -100,6 +100,23 @@ ROLLOUT_METRICS: tuple[tuple[str, str], ...] = (
         ),
     ),
     (
+        (
+            "`admission_holds_capacity`, `admission_holds_pacer`, "
+            "`admission_held_capacity_s`, `admission_held_pacer_s`, "
+            "`slots_idle_held_capacity_s`, `slots_idle_held_pacer_s`, `slots_idle_held_frac`"
+        ),
+        (
+            "generation stalled by the staleness bound, since this process started "
+            "(`jaxflash/runtime/rollout/stalls.py`): times admission went from open to held "
+            "by the (α+1)·B capacity or by the pacer (`stale_policy='pace'` refusing a "
+            "prompt that would push an open one past its deadline; 0 under drop and "
+            "regenerate); seconds held; slot-seconds a decode slot "
+            "(`rollout.num_slots` per live server) had nothing to run or queue meanwhile; "
+            "both idle figures over every slot-second (the runtime's counterpart of the "
+            "simulator's `admission_idle`)"
+        ),
+    ),
+    (
         "`sched_batch_prompts`, `sched_async_ratio`, `sched_prompts_capacity`",
         (
             "the scheduler's settings during the step: fresh groups per batch (B), the "

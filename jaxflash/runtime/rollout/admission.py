@@ -103,6 +103,19 @@ class Admission:
             return False
         return bool(self._requeue) or not self._exhausted
 
+    def held_by(self) -> str | None:
+        """Why nothing is admitted now, if it is the staleness bound: "capacity" ((α+1)·B
+        prompts active) or "pacer" (``Pacer.admits`` is False with capacity free); None
+        when a prompt could be admitted, none is left, or admission is halted (no server).
+        ``rollout.stalls`` times it."""
+        if self._halted or not (self._requeue or not self._exhausted):
+            return None
+        if len(self._active) >= self.capacity:
+            return "capacity"
+        if self.pacer is not None and not self.pacer.admits():
+            return "pacer"
+        return None
+
     def next(self) -> tuple[Item, bool] | None:
         """Admit the next prompt if capacity allows.
 

@@ -28,7 +28,7 @@ handed the prompt at -- the group is trained anyway and the overshoot is counted
 (``GroupBuffer`` ``staleness_overshoot``, ``samples_trained_overshoot``), never
 dropped. The price is paid in waiting: the learner waits for due stragglers and,
 while it does, capacity is not released, so generation slots can sit idle (the
-simulator measures it: ``SimResult.admission_idle``).
+simulator measures it: ``SimResult.admission_idle``; the runtime: ``rollout.stalls``).
 
 Thread-free: the scheduler serialises access.
 """

@@ -82,6 +82,7 @@ from jaxflash.runtime.rollout.settings import (
     RolloutBooks,
     RolloutSettings,
 )
+from jaxflash.runtime.rollout.stalls import AdmissionStalls
 from jaxflash.types import PromptOutcome
 
 __all__ = [
@@ -172,6 +173,7 @@ class RolloutScheduler:
         self._assembler = BatchAssembler(
             self._dispatcher, self._admission, self._buffer, self._ledger, settings, self._pacer
         )
+        self._stalls = AdmissionStalls(settings.slots_per_server)  # generation held back
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -206,8 +208,18 @@ class RolloutScheduler:
         """One pump step (reports, deaths, deadlines, admission); events handled."""
         with self._changed:
             n = self._dispatcher.poll()
+            self._observe_admission()
             self._changed.notify_all()
             return n
+
+    def _observe_admission(self) -> None:
+        """Admission's state from now on, for ``rollout.stalls`` (under the lock)."""
+        self._stalls.observe(
+            self._clock.now(),
+            self._admission.held_by(),
+            servers=len(self._pool.alive),
+            outstanding=len(self._dispatcher.router.table),
+        )
 
     def _try_batch(self, learner_version: int) -> Batch | None:
         """The batch for the step at ``learner_version`` if complete, else None (never blocks).
@@ -219,6 +231,7 @@ class RolloutScheduler:
         """
         with self._changed:
             batch = self._assembler.take(learner_version)
+            self._observe_admission()
             if batch is not None:
                 self._changed.notify_all()
             return batch
@@ -311,6 +324,7 @@ class RolloutScheduler:
         self._assembler.release()
         for prompt in self._admission.release():  # surplus prompts, fresh at this version
             self._dispatcher.dispatch_prompt(prompt)
+        self._observe_admission()
 
     # ------------------------------------------------------------------ threads
 
@@ -400,6 +414,7 @@ class RolloutScheduler:
                 sched_async_ratio=self._assembler.alpha,
                 sched_prompts_capacity=self._admission.capacity,
                 **self._dispatcher.watch.stats(),
+                **self._stalls.stats(),
                 **{f"buffer_{k}": v for k, v in self._buffer.counts().items()},
                 **self._ledger.metrics(),
             )

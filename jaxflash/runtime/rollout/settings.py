@@ -51,6 +51,8 @@ class RolloutSettings:
         its own (ROLL Flash, arXiv 2510.11345 §5.1.2); False keeps them on one.
       batch_timeout_s: how long ``next_batch`` waits for a batch before giving up
         (the workload's, ``WorkloadRollout.batch_timeout_s``).
+      slots_per_server: decode slots per generation server (``rollout.num_slots``), for
+        the idle slot-seconds while admission is held (``rollout.stalls``); 0 = unknown.
 
     Raises:
       ValueError: B < 1, G < 1, α < 0 (naming the three), or an unknown stale_policy.
@@ -69,6 +71,7 @@ class RolloutSettings:
     refill_dropped: bool = False
     prompt_replication: bool = True
     batch_timeout_s: float = 3600.0
+    slots_per_server: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_prompts < 1 or self.group_size < 1 or self.async_ratio < 0:
@@ -110,6 +113,7 @@ class RolloutSettings:
             truncation=TruncationPolicy(mode=spec.truncation, penalty=spec.truncation_penalty),
             refill_dropped=refill_dropped,
             batch_timeout_s=batch_timeout_s,
+            slots_per_server=spec.num_slots,
         )
 
     @property

@@ -197,6 +197,7 @@ def simulate(
         sample_deadline_s=float("inf"),
         refill_dropped=config.group_filter is not None,
         prompt_replication=config.prompt_replication,
+        slots_per_server=config.slots_per_server,
     )
     dispatch = prompt_dispatch(scorer, SimTokenizer())
     sched = RolloutScheduler(servers, inbox, books, settings, dispatch, clock=clock)
