@@ -129,3 +129,46 @@ def test_the_8b_preset_runs_its_engines_as_two_host_programs_and_fans_out():
     for i, line in enumerate(gens):  # every worker of each slice: one 2-host program each
         assert f"rl-gen-v5p-16-{i}" in line and "--worker=all" in line
         assert "JAXFLASH_DISTRIBUTED=tpu" in line and f"JAXFLASH_PROGRAM=gen{i}" in line
+
+
+@pytest.mark.slow
+def test_the_8b_preset_generation_hosts_start_as_the_fan_out_starts_them():
+    """gen0's two hosts as its fan-out line starts them (``launch/tpu_pod.py`` with the
+    preset, ``JAXFLASH_PROGRAM=gen0 JAXFLASH_ROLE=generation``; JAX_COORDINATOR_ADDRESS &
+    co. in place of ``JAXFLASH_DISTRIBUTED=tpu``, CPU): one program -- process 0 prints
+    "listening" only once process 1 joined it -- that a Shutdown stops with exit 0.
+    (The 8B engine itself is built at the learner's Configure: not here.)"""
+    import grpc
+
+    from jaxflash.runtime.fleet import rpc_wire
+    from tests.proc_helpers import free_port
+
+    coord, port = free_port(), free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = []
+    for i in range(2):
+        env = dict(
+            base, JAXFLASH_PROGRAM="gen0", JAXFLASH_ROLE="generation", JAX_PLATFORMS="cpu",
+            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{coord}", JAX_NUM_PROCESSES="2",
+            JAX_PROCESS_ID=str(i), JAXFLASH_HOST="127.0.0.1",
+            PYTHONPATH=REPO + os.pathsep + base.get("PYTHONPATH", ""),
+        )  # fmt: skip
+        command = [sys.executable, os.path.join(REPO, "launch", "tpu_pod.py"),
+                   "--config", "configs/tpu_llama3p1_8b_v5p.py", "--port", str(port)]  # fmt: skip
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        procs.append(subprocess.Popen(command, env=env, cwd=REPO, text=True, **out))
+    try:
+        lines = []
+        while not lines or '"listening"' not in lines[-1]:
+            lines.append(procs[0].stdout.readline())
+            assert lines[-1], f"process 0 ended before listening: {''.join(lines)}"
+        assert json.loads(lines[-1])["address"] == f"127.0.0.1:{port}"
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stub = channel.unary_unary(f"/{rpc_wire.SERVICE}/Shutdown")
+        assert rpc_wire.reply_status(stub(rpc_wire.encode({}), timeout=60))[0].value == "ok"
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
