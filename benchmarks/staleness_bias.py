@@ -4,6 +4,7 @@
     python benchmarks/staleness_bias.py --sim --quick          # plumbing (tests)
     python benchmarks/staleness_bias.py --real --steps 30      # the runtime, tiny model
     python benchmarks/staleness_bias.py --real --smollm2 --steps 4   # SmolLM2-135M
+    python benchmarks/staleness_bias.py --real --compare --workdir DIR  # vs pace's samples
 
 Part of the staleness study (docs/STALENESS.md, "Length bias of the staleness
 policy"). Dropping a group older than α starves slow rollouts -- the long ones
@@ -13,7 +14,8 @@ against those of *every sample started* (every sample of every prompt admitted,
 trained or not: an unbiased draw of what the policy generates, since prompts are
 i.i.d.), with the trained samples/s each policy costs and how much the bound
 stalls generation (``SimResult.admission_idle``: slot-seconds idle while admission
-was refused / slot-seconds).
+was refused / slot-seconds; in real runs the runtime's ``slots_idle_held_*``,
+``jaxflash/runtime/rollout/stalls.py``).
 
 Simulator (``jaxflash.runtime.simulate``: the real ``RolloutScheduler`` -- admission,
 pacer, group buffer, staleness gate, ledger -- against simulated servers under a
@@ -167,7 +169,7 @@ def _row(r: dict, rows: list[dict]) -> str:
     )
 
 
-def _read_real(workdir: str) -> dict:
+def _read_real(workdir: str, slots: int) -> dict:
     """Trained vs every finished sample of one real run, its throughput and counters."""
     from staleness import _jsonl
 
@@ -202,7 +204,70 @@ def _read_real(workdir: str) -> dict:
         "staleness_mean": float(
             np.mean([r["staleness"] for r in trained]) if trained else float("nan")
         ),
+        "stalls": _stalls(metrics, times, slots),
     }
+
+
+STALL_KEYS = ("admission_holds", "admission_held", "slots_idle_held")
+
+
+def _stalls(metrics: list[dict], times: list[float], slots: int) -> dict[str, float]:
+    """The runtime's stall figures (``rollout.stalls``) between the first and the last
+    step's end (the first step's compile left out, as in the rates), and the idle
+    slot-seconds over the window's slot-seconds (``slots`` decode slots in all)."""
+    if len(metrics) < 2:
+        return {}
+    first, last = metrics[0], metrics[-1]
+    out = {
+        k: float(last[k]) - float(first.get(k, 0.0))
+        for k in last
+        if k.startswith(STALL_KEYS) and not k.endswith("_frac")
+    }
+    window = times[-1] - times[0] if len(times) > 1 else 0.0
+    idle = out.get("slots_idle_held_capacity_s", 0.0) + out.get("slots_idle_held_pacer_s", 0.0)
+    out["slots_idle_held_frac"] = idle / (slots * window) if window and slots else float("nan")
+    return out
+
+
+def compare_to_pace(workdir: str, alpha: int) -> list[dict]:
+    """Each policy's trained samples against pace's (frozen policy: pace trains every
+    sample it starts, so its trained set is the reference draw of what the policy
+    generates; drop's aborted samples never finish, so its own "started" set is not
+    known). Reads ``<workdir>/<policy>_a<alpha>/rollouts.jsonl`` of the runs made.
+
+    Returns:
+      one row per policy run found: trained length stats, the reference's, and the
+      long-tail share against the reference (trained samples at or above the
+      reference's p90, over 10 %)."""
+    from staleness import _jsonl
+
+    def trained(policy: str) -> list[dict]:
+        path = os.path.join(workdir, f"{policy}_a{alpha}", "rollouts.jsonl")
+        if not os.path.exists(path):
+            return []
+        return [r for r in _jsonl(path) if r["outcome"] == "trained"]
+
+    ref = [r["response_len"] for r in trained("pace")]
+    if not ref:
+        raise SystemExit(f"--compare: no pace run in {workdir} (run --policies pace first)")
+    cut = np.percentile(ref, 90)
+    ref_tail = float(np.mean(np.asarray(ref) >= cut))
+    rows = []
+    for policy in POLICIES:
+        t = trained(policy)
+        if not t:
+            continue
+        lengths = np.asarray([r["response_len"] for r in t], float)
+        rows.append(
+            {
+                "policy": policy,
+                "trained": length_reward_stats(lengths, [r["reward"] for r in t]),
+                "reference": length_reward_stats(ref, [0.0] * len(ref)),
+                "tail_share_vs_reference": float(np.mean(lengths >= cut) / ref_tail),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def real_runs(args: argparse.Namespace) -> list[dict]:
@@ -250,7 +315,7 @@ def real_runs(args: argparse.Namespace) -> list[dict]:
             "alpha": args.alpha,
             "wall_s": time.monotonic() - t0,
             "load": os.getloadavg(),
-            **_read_real(workdir),
+            **_read_real(workdir, args.slots),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -276,9 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="1: a 2-step run first (compiles)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--smollm2_lr", type=float, default=5e-6, help="learner.lr with --smollm2")
+    ap.add_argument(
+        "--compare", action="store_true", help="--real: the runs in --workdir against pace's"
+    )
     args = ap.parse_args(argv)
     if args.sim == args.real:
         ap.error("pass one of --sim or --real")
+    if args.compare:
+        sys.path.insert(0, HERE)
+        rows = compare_to_pace(args.workdir, args.alpha)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        return 0
     print(f"load average {os.getloadavg()}", flush=True)
     if args.real:
         sys.path.insert(0, HERE)

@@ -35,3 +35,26 @@ def test_long_share_and_stats():
     st = bench.length_reward_stats([1, 2, 3], [0.0, 1.0, 1.0])
     assert st["len_mean"] == 2.0 and abs(st["reward_mean"] - 2 / 3) < 1e-12
     assert bench.length_reward_stats([], []) == {"n": 0}
+
+
+def test_compare_reads_each_policy_against_pace(tmp_path):
+    """--real --compare: pace's trained set is the reference; a run that trains only
+    the short half has no sample in the reference's tail."""
+
+    def write(policy, lengths, outcome="trained"):
+        d = tmp_path / f"{policy}_a1"
+        d.mkdir(exist_ok=True)
+        rows = [{"outcome": outcome, "response_len": n, "reward": 0.0} for n in lengths]
+        with open(d / "rollouts.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    write("pace", range(1, 101))
+    write("drop", range(1, 51))
+    write("drop", range(51, 101), outcome="stale")
+    out = tmp_path / "cmp.json"
+    argv = ["--real", "--compare", "--workdir", str(tmp_path), "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"drop", "pace"} and rows["pace"]["tail_share_vs_reference"] == 1.0
+    assert rows["drop"]["tail_share_vs_reference"] == 0.0
+    assert rows["drop"]["trained"]["len_mean"] == 25.5
