@@ -230,40 +230,64 @@ def _stalls(metrics: list[dict], times: list[float], slots: int) -> dict[str, fl
 
 
 def compare_to_pace(workdir: str, alpha: int) -> list[dict]:
-    """Each policy's trained samples against pace's (frozen policy: pace trains every
-    sample it starts, so its trained set is the reference draw of what the policy
-    generates; drop's aborted samples never finish, so its own "started" set is not
-    known). Reads ``<workdir>/<policy>_a<alpha>/rollouts.jsonl`` of the runs made.
+    """Each policy's trained samples against what it started, with pace's run as the
+    oracle of every sample's length (frozen policy, per-sample sampling keys: a sample
+    (prompt id, index) is the same under every policy -- checked, ``same_as_reference``
+    -- and pace trains every sample it starts). Samples aborted in flight never
+    finish, so a run's own rows cannot say what it started; the prompts it took were
+    ids 0 .. ``prompts_taken`` − 1 (the source's order), and for those pace also
+    trained, pace's lengths are what they were. Reads
+    ``<workdir>/<policy>_a<alpha>/{rollouts,metrics}.jsonl``.
 
     Returns:
-      one row per policy run found: trained length stats, the reference's, and the
-      long-tail share against the reference (trained samples at or above the
-      reference's p90, over 10 %)."""
+      one row per policy run found: over the prompts it took that pace trained, the
+      length stats of its trained samples and of all their samples (``started``),
+      the long-tail share (``long_share``) and how many of its samples matched pace's.
+    """
     from staleness import _jsonl
 
-    def trained(policy: str) -> list[dict]:
-        path = os.path.join(workdir, f"{policy}_a{alpha}", "rollouts.jsonl")
-        if not os.path.exists(path):
-            return []
-        return [r for r in _jsonl(path) if r["outcome"] == "trained"]
+    def run(policy: str) -> tuple[list[dict], int]:
+        d = os.path.join(workdir, f"{policy}_a{alpha}")
+        if not os.path.exists(os.path.join(d, "rollouts.jsonl")):
+            return [], 0
+        metrics = [m for m in _jsonl(os.path.join(d, "metrics.jsonl")) if m.get("step")]
+        taken = int(metrics[-1].get("prompts_taken", 0)) if metrics else 0
+        return _jsonl(os.path.join(d, "rollouts.jsonl")), taken
 
-    ref = [r["response_len"] for r in trained("pace")]
+    ref_rows, _ = run("pace")
+    ref = {(r["prompt_id"], r["sample_index"]): r for r in ref_rows if r["outcome"] == "trained"}
     if not ref:
         raise SystemExit(f"--compare: no pace run in {workdir} (run --policies pace first)")
-    cut = np.percentile(ref, 90)
-    ref_tail = float(np.mean(np.asarray(ref) >= cut))
+    ref_pids = {pid for pid, _ in ref}
     rows = []
     for policy in POLICIES:
-        t = trained(policy)
-        if not t:
+        own, taken = run(policy)
+        if not own:
             continue
-        lengths = np.asarray([r["response_len"] for r in t], float)
+        pids = {pid for pid in ref_pids if pid < taken}
+        started = [r for k, r in ref.items() if k[0] in pids]
+        trained = [r for r in own if r["outcome"] == "trained" and r["prompt_id"] in pids]
+        same = sum(
+            ref.get((r["prompt_id"], r["sample_index"]), {}).get("response_tokens")
+            == r["response_tokens"]
+            for r in own
+        )
         rows.append(
             {
                 "policy": policy,
-                "trained": length_reward_stats(lengths, [r["reward"] for r in t]),
-                "reference": length_reward_stats(ref, [0.0] * len(ref)),
-                "tail_share_vs_reference": float(np.mean(lengths >= cut) / ref_tail),
+                "prompts_compared": len(pids),
+                "trained": length_reward_stats(
+                    [r["response_len"] for r in trained], [r["reward"] for r in trained]
+                ),
+                "started": length_reward_stats(
+                    [r["response_len"] for r in started], [r["reward"] for r in started]
+                ),
+                "long_share": long_share(
+                    [r["response_len"] for r in started], [r["response_len"] for r in trained]
+                )
+                if trained
+                else float("nan"),
+                "same_as_reference": f"{same}/{len(own)}",
             }
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -38,23 +38,30 @@ def test_long_share_and_stats():
 
 
 def test_compare_reads_each_policy_against_pace(tmp_path):
-    """--real --compare: pace's trained set is the reference; a run that trains only
-    the short half has no sample in the reference's tail."""
+    """--real --compare: pace's samples are the oracle of the prompts a run took; a run
+    that trained only the short half of them has no sample in the started tail."""
 
-    def write(policy, lengths, outcome="trained"):
+    def write(policy, lengths, outcome="trained", taken=0):
         d = tmp_path / f"{policy}_a1"
         d.mkdir(exist_ok=True)
-        rows = [{"outcome": outcome, "response_len": n, "reward": 0.0} for n in lengths]
+        rows = [
+            {"outcome": outcome, "response_len": n, "reward": 0.0, "prompt_id": n,
+             "sample_index": 0, "response_tokens": [7] * n}
+            for n in lengths
+        ]  # fmt: skip
         with open(d / "rollouts.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "prompts_taken": taken}))
 
-    write("pace", range(1, 101))
-    write("drop", range(1, 51))
-    write("drop", range(51, 101), outcome="stale")
+    write("pace", range(1, 121), taken=120)
+    write("drop", range(1, 51), taken=100)  # took 1..99 (0 is not in pace's): 99 compared
+    write("drop", range(51, 61), outcome="stale", taken=100)
     out = tmp_path / "cmp.json"
     argv = ["--real", "--compare", "--workdir", str(tmp_path), "--out", str(out)]
     assert bench.main(argv) == 0
     rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"drop", "pace"} and rows["pace"]["tail_share_vs_reference"] == 1.0
-    assert rows["drop"]["tail_share_vs_reference"] == 0.0
+    assert set(rows) == {"drop", "pace"} and rows["pace"]["long_share"] == 1.0
+    assert rows["drop"]["prompts_compared"] == 99 and rows["drop"]["long_share"] == 0.0
     assert rows["drop"]["trained"]["len_mean"] == 25.5
+    assert rows["drop"]["started"]["len_mean"] == 50.0
+    assert rows["drop"]["same_as_reference"] == "60/60"
