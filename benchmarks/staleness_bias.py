@@ -242,7 +242,8 @@ def compare_to_pace(workdir: str, alpha: int) -> list[dict]:
     Returns:
       one row per policy run found: over the prompts it took that pace trained, the
       length stats of its trained samples and of all their samples (``started``),
-      the long-tail share (``long_share``) and how many of its samples matched pace's.
+      the long-tail share (``long_share``), the share at the longest length (the cap,
+      ``capped_frac_*``) and how many of its samples that pace also ran matched pace's.
     """
     from staleness import _jsonl
 
@@ -267,11 +268,12 @@ def compare_to_pace(workdir: str, alpha: int) -> list[dict]:
         pids = {pid for pid in ref_pids if pid < taken}
         started = [r for k, r in ref.items() if k[0] in pids]
         trained = [r for r in own if r["outcome"] == "trained" and r["prompt_id"] in pids]
+        both = [r for r in own if (r["prompt_id"], r["sample_index"]) in ref]
         same = sum(
-            ref.get((r["prompt_id"], r["sample_index"]), {}).get("response_tokens")
-            == r["response_tokens"]
-            for r in own
+            ref[r["prompt_id"], r["sample_index"]]["response_tokens"] == r["response_tokens"]
+            for r in both
         )
+        capped = max(r["response_len"] for r in started) if started else 0
         rows.append(
             {
                 "policy": policy,
@@ -287,7 +289,14 @@ def compare_to_pace(workdir: str, alpha: int) -> list[dict]:
                 )
                 if trained
                 else float("nan"),
-                "same_as_reference": f"{same}/{len(own)}",
+                "same_as_reference": f"{same}/{len(both)}",
+                # at the cap, a group's completion is set by the cap, not the sample
+                "capped_frac_trained": float(
+                    np.mean([r["response_len"] >= capped for r in trained]) if trained else 0
+                ),
+                "capped_frac_started": float(
+                    np.mean([r["response_len"] >= capped for r in started]) if started else 0
+                ),
             }
         )
         print(json.dumps(rows[-1]), flush=True)

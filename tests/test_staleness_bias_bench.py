@@ -65,3 +65,4 @@ def test_compare_reads_each_policy_against_pace(tmp_path):
     assert rows["drop"]["trained"]["len_mean"] == 25.5
     assert rows["drop"]["started"]["len_mean"] == 50.0
     assert rows["drop"]["same_as_reference"] == "60/60"
+    assert rows["drop"]["capped_frac_trained"] == 0.0
