@@ -131,7 +131,7 @@ def main() -> None:
     snd, rcv = _wire_pair()
     rng = np.random.default_rng(0)
     rows: dict[str, list[tuple[float, int]]] = {
-        k: [] for k in ("thread_full", "thread_delta", "prog_full", "prog_delta")
+        k: [] for k in ("thread_full", "thread_delta", "prog_full", "prog_delta", "delta_encode")
     }
     fractions = []
 
@@ -196,7 +196,8 @@ def main() -> None:
         kinds = {}
         if prev_view is not None:
             flat_prev = jax.tree_util.tree_flatten_with_path(prev_view)[0]
-            counts = codec.changed_counts([x for _, x in flat_prev], jax.tree.leaves(new_view))
+            pairs = zip([x for _, x in flat_prev], jax.tree.leaves(new_view), strict=True)
+            counts = [codec.diff(a, b).changed for a, b in pairs]
             for (kp, x), c in zip(flat_prev, counts, strict=True):
                 name = jax.tree_util.keystr(kp).split("'")[-2]
                 k = kinds.setdefault(f"{name} {x.dtype}", [0, 0])
@@ -215,8 +216,8 @@ def main() -> None:
         t0 = time.perf_counter()
         dpub.advance(params, v)  # the engine-side cast, the changed counts, the digests
         deltas, reason = dpub.source.delta_for(sink.state())  # encoded once, for all
-        jax.block_until_ready([d.values for d in deltas or ()])
         encode_s = time.perf_counter() - t0
+        rows["delta_encode"].append((encode_s, sum(d.nbytes for d in deltas or ())))
         t0 = time.perf_counter()
         got = dpub.publish(sink, shardings, v)
         placed = jax.block_until_ready(engine.place_params(got))
@@ -262,11 +263,12 @@ def main() -> None:
         f" {'s/publish median (min-max), steps':>36s} {'version 0 s':>12s}"
     )
     for name, vals in rows.items():
-        later = vals[1:]
+        later = vals[2:] if len(vals) > 3 else vals[1:]  # steady state: compiles done
         times = [t for t, _ in later]
         mb = statistics.median(b for _, b in later) / 1e6
         spread = f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})"
         print(f"{name:22s} {mb:20.2f} {spread:>36s} {vals[0][0]:12.2f}")
+    print("(medians over versions 2.. when --steps >= 3: version 1 compiles the delta programs)")
     print(f"delta stats: {dpub.stats}")
     print("every delta result was bit-equal to the full publish's placed params")
     print(f"load average after: {os.getloadavg()}")

@@ -1,31 +1,33 @@
-"""Weight deltas: only the elements whose bits changed, checked by a digest of the result.
+"""Weight deltas: the XOR of the engine-side bits, zstd-compressed, checked by a digest.
 
 Between consecutive RL steps most engine-side weights are bit-identical (in bfloat16 an
 Adam step of lr 5e-6 moves a weight of magnitude 0.05 by 1e-4 of itself, below half a
 bfloat16 ulp, 2^-9 of it; see docs/PERF.md for the measured fraction). A ``LeafDelta``
 carries, for one tensor (a whole leaf, or one shard of it in a program over several
-hosts), the flat indices whose bit pattern changed (int32) and their new values, or
-the whole tensor when that is smaller ("dense"), plus ``leaf_digest`` of the tensor
-*after* the change. ``apply_leaf`` writes the values into the receiver's copy and
-refuses the result (``DigestMismatchError``) unless its digest equals the sender's:
-a receiver that applied a delta to the wrong base, or got corrupted bytes, never
-installs them.
+hosts), the zstd-compressed XOR of its old and new bit patterns (4-byte words by
+byte plane: a float whose value moved by a few ulps differs only in its low bytes,
+so the high planes are zeros that compress away; the changed bf16 weights of a step
+are sparse, so most of their XOR is zero words), plus
+``leaf_digest`` of the tensor *after* the change (slime ships the same encoding). When
+compression would not make it smaller the new bits go whole (``dense``). ``apply_leaf``
+XORs it into the receiver's copy and refuses the result (``DigestMismatchError``)
+unless its digest equals the sender's: a receiver that applied a delta to the wrong
+base, or got corrupted bytes, never installs them.
 
-``leaf_digest`` runs on the device holding the tensor (a jitted reduction, no host
-copy): two uint32 lanes, each the wrapping sum over elements i of
-``fmix32(bits_i + fmix32(i ^ seed))`` (MurmurHash3's finalizer, a bijection on
-uint32). Integer sums are exact in any order, so the digest does not depend on the
-sharding or the device; changing any one element changes both lanes (a bijection of a
-different input), and independent multi-element changes collide with probability
-about 2^-64. It is a check against accidents (a lost, stale or corrupted delta), not a
-cryptographic signature: the wire between learner and generation hosts is trusted.
+Device work is elementwise programs and per-block reductions, compiled once per shape
+and reused every step: the sender's (``diff``: the XOR, then per block the changed
+count and the new tensor's digest) and the receiver's (base XOR delta, then the
+result's digest). Compression runs on the host (zstandard, level 1).
 
-Encoding is on the device too: ``changed_counts`` counts the changed elements of many
-leaves in one program (one host sync), then ``encode_leaf`` extracts indices and values
-with ``jnp.nonzero(size=cap)``: ``cap`` is the count rounded up to a power of two
-(a bounded number of compiled programs), and the padding repeats index 0 with its
-new value (writing it is harmless). ``to_wire`` / ``from_wire`` give the bytes for a
-socket (``transfer_wire`` frames): the padding is cut there.
+``leaf_digest`` runs where the tensor lives, block by block (one single-device program
+per shard, summed on the host: no program spans devices): two uint32 lanes,
+``sum_i h_i`` and ``sum_i h_i * (2i + 1)`` with ``h_i = fmix32(bits_i ^ (i * K + S))``
+(MurmurHash3's finalizer, a bijection on uint32). Integer sums are exact in any order,
+so the digest does not depend on the sharding or the device; changing any one element
+changes both lanes (``h_i`` changes, and ``2i + 1`` is odd); independent multi-element
+changes collide with probability about 2^-63. It is a check against accidents (a
+lost, stale or corrupted delta), not a cryptographic signature: the wire between
+learner and generation hosts is trusted.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import zstandard
 
-_SEEDS = (0x9E3779B9, 0x7F4A7C15)
-_INDEX_BYTES = 4  # int32 flat indices (a tensor or shard of < 2^31 elements)
+_MUL, _SEED = 0x9E3779B9, 0x7F4A7C15
+ZSTD_LEVEL = 1  # measured: level 1 on byte planes compresses ~2x better than -1, as fast
 
 
 class DigestMismatchError(ValueError):
@@ -55,34 +58,96 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """The flat bit patterns of ``x`` as uint32 (8-byte dtypes: two words an element)."""
-    size = x.dtype.itemsize
+def _words(x: jax.Array) -> jax.Array:
+    """``x``'s bit patterns as unsigned integers of its width (8-byte dtypes: a trailing
+    axis of two uint32 words; bool as uint8)."""
     if x.dtype == jnp.bool_:
-        return x.reshape(-1).astype(jnp.uint32)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+        return x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned)
 
 
-@jax.jit
-def _digest(x: jax.Array) -> jax.Array:
-    b = _bits(x)
-    i = jax.lax.iota(jnp.uint32, b.shape[0])
-    return jnp.stack([jnp.sum(_fmix32(b + _fmix32(i ^ jnp.uint32(s)))) for s in _SEEDS])
+def _word_layout(shape: tuple[int, ...], dtype: Any) -> tuple[Any, tuple[int, ...]]:
+    """(numpy dtype, shape) of ``_words`` of a ``shape`` ``dtype`` tensor."""
+    width = np.dtype(dtype).itemsize
+    if np.dtype(dtype) == np.bool_:
+        return np.dtype(np.uint8), shape
+    if width == 8:
+        return np.dtype(np.uint32), (*shape, 2)
+    return np.dtype({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]), shape
+
+
+def _from_words(w: jax.Array, dtype: Any) -> jax.Array:
+    if dtype == jnp.bool_:
+        return w != 0
+    return jax.lax.bitcast_convert_type(w, dtype)
+
+
+def _digest_of(x: jax.Array, starts: Any = None, full: tuple[int, ...] | None = None) -> jax.Array:
+    """The digest lanes of ``x``, or of ``x`` as the block at ``starts`` (uint32 per
+    axis) of a ``full``-shaped tensor (its elements' flat indices in that tensor)."""
+    w = _words(x)
+    if full is None:
+        i = jax.lax.iota(jnp.uint32, w.size).reshape(w.shape)
+    else:
+        full = (*full, *w.shape[len(full) :])  # 8-byte words: their trailing axis
+        strides = [int(v) % 2**32 for v in np.cumprod((1, *full[::-1]))[-2::-1]]
+        i = jnp.zeros(w.shape, jnp.uint32)
+        for axis, stride in enumerate(strides):
+            at = jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis)
+            start = starts[axis] if axis < starts.shape[0] else jnp.uint32(0)
+            i = i + (at + start) * jnp.uint32(stride)
+    h = _fmix32(w.astype(jnp.uint32) ^ (i * jnp.uint32(_MUL) + jnp.uint32(_SEED)))
+    return jnp.stack([jnp.sum(h), jnp.sum(h * (i * jnp.uint32(2) + jnp.uint32(1)))])
+
+
+@functools.partial(jax.jit, static_argnames="full")
+def _block_parts(block: jax.Array, starts: jax.Array, full: tuple[int, ...]) -> jax.Array:
+    """[count of nonzero words, digest lane 0, lane 1] of one block (single device)."""
+    count = jnp.sum(_words(block) != 0, dtype=jnp.uint32)
+    return jnp.concatenate([count[None], _digest_of(block, starts, full)])
+
+
+def _blocks(x: jax.Array) -> list[tuple[jax.Array, np.ndarray]]:
+    """Each distinct block of ``x`` this process holds, with its start per axis."""
+    out, seen = [], set()
+    for shard in x.addressable_shards:
+        starts = tuple(s.indices(n)[0] for s, n in zip(shard.index, x.shape, strict=True))
+        if starts not in seen:
+            seen.add(starts)
+            out.append((shard.data, np.asarray(starts, np.uint32)))
+    return out
+
+
+def _sum_parts(x: jax.Array) -> list[Any]:
+    """Dispatch ``_block_parts`` on every block of ``x`` (device arrays, summed when
+    read): no program spans devices, so none waits on a rendezvous with programs that
+    other threads run on the same devices (a generation server's, on a colocated mesh)."""
+    full = tuple(int(n) for n in x.shape)
+    return [_block_parts(block, starts, full) for block, starts in _blocks(x)]
+
+
+def _read_parts(parts: list[Any]) -> np.ndarray:
+    total = np.zeros(3, np.uint64)
+    for p in parts:
+        total += np.asarray(p).astype(np.uint64)
+    return total % 2**32
 
 
 def leaf_digest(x: Any) -> tuple[int, int]:
-    """Digest of one tensor's bit pattern (module docstring), computed where it lives.
+    """Digest of one tensor's bit pattern (module docstring), computed where it lives,
+    block by block.
 
     Args:
-      x: a jax.Array (any sharding, fully addressable) or numpy array; any dtype of
-        1, 2, 4 or 8 bytes.
+      x: a jax.Array (any sharding; this process's blocks must cover it) or numpy
+        array; any dtype of 1, 2, 4 or 8 bytes.
 
     Returns:
       Two uint32 lanes as Python ints. Equal for equal bits, shapes being equal; a
       dtype change with the same bits (float32 vs int32) is not seen: compare dtypes too.
     """
-    return tuple(int(v) for v in np.asarray(_digest(x)))
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    return tuple(int(v) for v in _read_parts(_sum_parts(x))[1:])
 
 
 def tree_digest(digests: list[tuple[int, int]]) -> str:
@@ -90,47 +155,75 @@ def tree_digest(digests: list[tuple[int, int]]) -> str:
     return hashlib.sha256(np.asarray(digests, np.uint32).tobytes()).hexdigest()[:32]
 
 
-@jax.jit
-def _counts(prev: list[jax.Array], new: list[jax.Array]) -> jax.Array:
-    pairs = zip(prev, new, strict=True)
-    return jnp.stack([jnp.sum(_bits(a) != _bits(b), dtype=jnp.int32) for a, b in pairs])
+_xor = jax.jit(lambda prev, new: _words(prev) ^ _words(new))  # elementwise: per device
 
 
-def changed_counts(prev: list[Any], new: list[Any]) -> list[int]:
-    """Elements whose bits differ, per leaf (one program per device set).
+@dataclasses.dataclass(frozen=True)
+class Diff:
+    """The sender's side of one tensor's change, still on its devices (``diff``).
+
+    Attributes:
+      xor: old bits XOR new bits (``_words`` of the tensor's shape).
+      count, digest: per-block parts of the XOR's and the new tensor's (device
+        arrays until read: ``changed`` and ``new_digest``).
+      new: the new tensor (sent whole when compression does not pay).
+    """
+
+    xor: Any
+    count: Any
+    digest: Any
+    new: Any
+
+    @property
+    def changed(self) -> int:
+        """Words whose bits changed (elements; 8-byte dtypes count each half)."""
+        return int(_read_parts(self.count)[0])
+
+    @property
+    def new_digest(self) -> tuple[int, int]:
+        """``leaf_digest`` of the new tensor."""
+        return tuple(int(v) for v in _read_parts(self.digest)[1:])
+
+
+def diff(prev: Any, new: Any) -> Diff:
+    """The XOR of ``prev`` and ``new`` (same shape, dtype and devices), the changed
+    count and the new digest, per block and asynchronously (read ``changed`` and
+    ``new_digest`` when needed).
 
     Raises:
-      ValueError: a pair with different shapes or dtypes (names the index).
+      ValueError: different shapes or dtypes (names both).
     """
-    for i, (a, b) in enumerate(zip(prev, new, strict=True)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(
-                f"changed_counts: leaf {i} was {a.shape} {a.dtype}, is {b.shape} {b.dtype}"
-            )
-    # One program per device set (a process's blocks live on different devices).
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(new):
-        groups.setdefault(frozenset(getattr(x, "devices", lambda: ())()), []).append(i)
-    out = [0] * len(new)
-    for idx in groups.values():
-        counts = np.asarray(_counts([prev[i] for i in idx], [new[i] for i in idx]))
-        for i, c in zip(idx, counts, strict=True):
-            out[i] = int(c)
-    return out
+    if tuple(prev.shape) != tuple(new.shape) or prev.dtype != new.dtype:
+        raise ValueError(
+            f"diff: the base is {prev.shape} {prev.dtype}, new {new.shape} {new.dtype}"
+        )
+    xor = _xor(prev, new)
+    return Diff(xor, _sum_parts(xor), _sum_parts(new), new)
 
 
-def bucket(count: int) -> int:
-    """``count`` rounded up to a power of two (>= 256): few compiled programs per leaf
-    shape (each new size compiles the extraction and the write once, about a second
-    per leaf on CPU), at most 2x padding on the device path (the wire cuts it)."""
-    return max(256, 1 << max(0, count - 1).bit_length())
+# Words of 4+ bytes go by byte plane (every element's byte 0, then byte 1, ...): an fp32
+# weight moved by a few ulps differs in its low bytes only, and the zero high planes
+# compress away (SmolLM2's fp32 embedding: 38 % of its size vs 50 % interleaved). A
+# bf16 XOR is mostly zero words already (1 % changed): interleaved compresses as well,
+# and skips two transposes of the tensor on the host.
+_PLANES_FROM = 4
 
 
-@functools.partial(jax.jit, static_argnames="cap")
-def _extract(prev: jax.Array, new: jax.Array, cap: int) -> tuple[jax.Array, jax.Array]:
-    (idx,) = jnp.nonzero(_bits(prev) != _bits(new), size=cap, fill_value=0)
-    idx = idx.astype(jnp.int32)
-    return idx, new.reshape(-1)[idx]
+def _planes(a: np.ndarray) -> np.ndarray:
+    """The bytes zstd compresses: by plane for 4-byte words, else as laid out."""
+    width = a.dtype.itemsize
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return flat if width < _PLANES_FROM else np.ascontiguousarray(flat.reshape(-1, width).T)
+
+
+def _unplanes(planes: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    width = np.dtype(dtype).itemsize
+    if width < _PLANES_FROM:
+        return planes.view(dtype).reshape(shape)
+    out = np.empty((planes.size // width, width), np.uint8)
+    for k, plane in enumerate(planes.reshape(width, -1)):  # 3x faster than a .T copy
+        out[:, k] = plane
+    return out.reshape(-1).view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +232,10 @@ class LeafDelta:
 
     Attributes:
       shape, dtype: the tensor's (the receiver checks its base against them).
-      count: elements whose bits changed (the whole size when ``dense``).
-      dense: ``values`` is the whole new tensor (a delta would not be smaller).
-      indices: int32 [n] flat indices (C order), n >= count (padding repeats index 0);
-        None when dense.
-      values: [n] new values in ``dtype`` (dense: the tensor, its own shape).
+      count: elements whose bits changed.
+      dense: ``payload`` is the new tensor's raw bytes (compressing did not pay);
+        else the zstd frame of the XOR's byte planes (empty when ``count`` is 0).
+      payload: the bytes that move.
       digest: ``leaf_digest`` of the new tensor.
     """
 
@@ -151,136 +243,130 @@ class LeafDelta:
     dtype: Any
     count: int
     dense: bool
-    indices: Any
-    values: Any
+    payload: bytes
     digest: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
-        """Bytes this delta moves (padding included; ``to_wire`` cuts it)."""
-        if self.dense:
-            return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
-        return int(self.indices.shape[0]) * (_INDEX_BYTES + np.dtype(self.dtype).itemsize)
+        """Bytes this delta moves."""
+        return len(self.payload)
 
 
-def encode_leaf(
-    prev: Any, new: Any, count: int, digest: tuple[int, int] | None = None
-) -> LeafDelta:
-    """The delta from ``prev`` to ``new`` (same device and sharding), or ``new`` whole.
+def encode(d: Diff) -> LeafDelta:
+    """The ``LeafDelta`` of a ``diff`` (blocks until it is computed; compresses on the
+    host)."""
+    count, digest = d.changed, d.new_digest
+    shape, dtype = tuple(d.new.shape), d.new.dtype
+    if count == 0:
+        return LeafDelta(shape, dtype, 0, False, b"", digest)
+    xor = np.asarray(jax.device_get(d.xor))
+    payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(_planes(xor))
+    if len(payload) >= xor.nbytes:  # no gain: the new bits, whole (no base needed)
+        raw = np.ascontiguousarray(jax.device_get(d.new)).reshape(-1).view(np.uint8)
+        return LeafDelta(shape, dtype, count, True, raw.tobytes(), digest)
+    return LeafDelta(shape, dtype, count, False, payload, digest)
 
-    Args:
-      prev, new: the base the receiver holds and the new tensor (jax.Array or numpy).
-      count: ``changed_counts`` for this pair.
-      digest: ``leaf_digest(new)`` if already known.
+
+def encode_leaf(prev: Any, new: Any) -> LeafDelta:
+    """``encode(diff(prev, new))``: the delta from ``prev`` to ``new``."""
+    return encode(diff(prev, new))
+
+
+_xor_into = jax.jit(lambda base, xor: _from_words(_words(base) ^ xor, base.dtype))
+
+
+def start_apply(base: Any, delta: LeafDelta) -> tuple[jax.Array, Any]:
+    """``base`` with ``delta`` applied, on ``base``'s devices and sharding, and the
+    result's digest (device array; or None when nothing changed); not yet checked
+    (``check_applied``). Decompresses on the host; the device pass runs asynchronously.
+
+    Raises:
+      ValueError: ``base``'s shape or dtype differs from the delta's.
+      DigestMismatchError: a payload that does not decode to the tensor's size.
     """
-    n = int(np.prod(new.shape))
-    if n >= 2**31:
-        raise ValueError(f"encode_leaf: {n} elements exceed int32 indices; send shards")
-    itemsize = np.dtype(new.dtype).itemsize
-    digest = leaf_digest(new) if digest is None else digest
-    cap = min(bucket(count), n)
-    if cap * (_INDEX_BYTES + itemsize) >= n * itemsize:
-        return LeafDelta(tuple(new.shape), new.dtype, n, True, None, new, digest)
-    idx, vals = _extract(prev, new, cap)
-    return LeafDelta(tuple(new.shape), new.dtype, int(count), False, idx, vals, digest)
+    base = jnp.asarray(base) if not isinstance(base, jax.Array) else base
+    if tuple(base.shape) != delta.shape or base.dtype != delta.dtype:
+        raise ValueError(
+            f"apply: the base is {base.shape} {base.dtype}, the delta {delta.shape} {delta.dtype}"
+        )
+    if delta.count == 0 and not delta.dense:
+        return base, None
+    width = np.dtype(delta.dtype).itemsize
+    size = int(np.prod(delta.shape)) * width
+    raw = delta.payload
+    if not delta.dense:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=size)
+        except zstandard.ZstdError as err:
+            raise DigestMismatchError(f"delta payload does not decode: {err}") from err
+    if len(raw) != size:
+        raise DigestMismatchError(f"delta payload decodes to {len(raw)} bytes, not {size}")
+    if delta.dense:
+        new = np.frombuffer(raw, np.dtype(delta.dtype)).reshape(delta.shape)
+        out = jax.device_put(new, base.sharding)
+    else:
+        words, shape = _word_layout(delta.shape, delta.dtype)
+        xor = _unplanes(np.frombuffer(raw, np.uint8), words, shape)
+        out = _xor_into(base, jax.device_put(xor, base.sharding))
+    return out, _sum_parts(out)
 
 
-def _write(base: jax.Array, idx: jax.Array, vals: jax.Array) -> jax.Array:
-    flat = base.reshape(-1).at[idx].set(vals, mode="promise_in_bounds")
-    return flat.reshape(base.shape)
+def check_applied(out: Any, digest: Any, delta: LeafDelta, base_digest: Any = None) -> None:
+    """Raise ``DigestMismatchError`` unless the applied result's digest is the sender's
+    (``digest`` None: nothing changed, the base's ``base_digest`` must be it)."""
+    got = base_digest if digest is None else tuple(int(v) for v in _read_parts(digest)[1:])
+    if got is None:
+        got = leaf_digest(out)
+    if tuple(got) != tuple(delta.digest):
+        raise DigestMismatchError(
+            f"delta result digest {tuple(got)} != sender's {tuple(delta.digest)} "
+            f"({delta.count} changed of {int(np.prod(delta.shape))})"
+        )
 
 
-@functools.lru_cache(maxsize=256)
-def _scatter(sharding: Any) -> Any:
-    """The jitted write, its output kept on ``sharding`` (built once per layout)."""
-    return jax.jit(_write, out_shardings=sharding)
-
-
-def apply_leaf(base: Any, delta: LeafDelta, *, check: bool = True) -> jax.Array:
-    """``base`` with ``delta`` written into it, on ``base``'s devices and sharding.
+def apply_leaf(base: Any, delta: LeafDelta, base_digest: Any = None) -> jax.Array:
+    """``base`` with ``delta`` applied, checked (``start_apply`` + ``check_applied``).
 
     Args:
-      base: the receiver's tensor (jax.Array; numpy goes to the default device).
-      delta: from ``encode_leaf`` or ``from_wire`` (its arrays anywhere: they are
-        moved next to ``base`` first; dense values are placed like ``base``).
-      check: compare the result's digest with ``delta.digest``.
+      base_digest: ``leaf_digest(base)`` if known (saves a pass when nothing changed).
 
     Raises:
       ValueError: ``base``'s shape or dtype differs from the delta's.
       DigestMismatchError: the result's digest is not the sender's (the base was not
         the sender's base, or the delta was corrupted); ``base`` is unchanged.
     """
-    base = jnp.asarray(base) if not isinstance(base, jax.Array) else base
-    if tuple(base.shape) != delta.shape or base.dtype != delta.dtype:
-        raise ValueError(
-            f"apply_leaf: base is {base.shape} {base.dtype}, the delta {delta.shape} {delta.dtype}"
-        )
-    sharding = base.sharding
-    if delta.dense:
-        out = jax.device_put(delta.values, sharding)
-    elif delta.count == 0:
-        out = base
-    else:
-        replicated = sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        idx, vals = jax.device_put((delta.indices, delta.values), replicated)
-        out = _scatter(sharding)(base, idx, vals)
-    if check:
-        got = leaf_digest(out)
-        if got != tuple(delta.digest):
-            raise DigestMismatchError(
-                f"delta result digest {got} != sender's {tuple(delta.digest)} "
-                f"({delta.count} changed of {int(np.prod(delta.shape))})"
-            )
+    out, digest = start_apply(base, delta)
+    check_applied(out, digest, delta, base_digest)
     return out
 
 
 def to_wire(delta: LeafDelta) -> tuple[dict[str, Any], bytes]:
-    """(JSON header, payload) of one delta for a ``transfer_wire`` frame (host copy).
-
-    The payload is the indices (int32 little-endian, padding cut) then the values, or
-    the dense tensor's bytes.
-    """
-    values = np.asarray(jax.device_get(delta.values))
+    """(JSON header, payload) of one delta for a ``transfer_wire`` frame."""
     header = {
         "shape": list(delta.shape),
         "dtype": np.dtype(delta.dtype).name,
         "count": delta.count,
         "dense": delta.dense,
         "digest": list(delta.digest),
+        "nbytes": len(delta.payload),
     }
-    if delta.dense:
-        payload = np.ascontiguousarray(values).reshape(-1).view(np.uint8).tobytes()
-    else:
-        idx = np.asarray(jax.device_get(delta.indices))[: delta.count].astype("<i4")
-        payload = (
-            idx.tobytes() + np.ascontiguousarray(values[: delta.count]).view(np.uint8).tobytes()
-        )
-    header["nbytes"] = len(payload)
-    return header, payload
+    return header, delta.payload
 
 
 def from_wire(header: dict[str, Any], payload: bytes) -> LeafDelta:
-    """The ``LeafDelta`` of a ``to_wire`` frame (numpy arrays; ``apply_leaf`` moves them).
+    """The ``LeafDelta`` of a ``to_wire`` frame.
 
     Raises:
-      ValueError: a payload whose size does not match the header (names both).
+      ValueError: a header missing a field, or a payload whose size is not the
+        header's ``nbytes``.
     """
-    shape = tuple(int(s) for s in header["shape"])
-    dtype = jnp.dtype(header["dtype"])
-    count, dense = int(header["count"]), bool(header["dense"])
-    n = int(np.prod(shape))
-    want = n * dtype.itemsize if dense else count * (_INDEX_BYTES + dtype.itemsize)
-    if len(payload) != want:
-        raise ValueError(f"from_wire: payload of {len(payload)} bytes, the header says {want}")
-    digest = tuple(int(d) for d in header["digest"])
-    if dense:
-        values = np.frombuffer(payload, dtype).reshape(shape)
-        return LeafDelta(shape, dtype, n, True, None, values, digest)
-    idx = np.frombuffer(payload, "<i4", count).astype(np.int32)
-    values = np.frombuffer(payload, dtype, count, offset=count * _INDEX_BYTES)
-    if count:  # pad to the bucket by repeating the last write (harmless): few compiles
-        pad = min(bucket(count), n) - count
-        idx, values = np.pad(idx, (0, pad), mode="edge"), np.pad(values, (0, pad), mode="edge")
-    return LeafDelta(shape, dtype, count, False, idx, values, digest)
+    try:
+        shape = tuple(int(s) for s in header["shape"])
+        dtype = jnp.dtype(header["dtype"])
+        count, dense, nbytes = int(header["count"]), bool(header["dense"]), int(header["nbytes"])
+        digest = tuple(int(d) for d in header["digest"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"from_wire: bad header {header!r}") from err
+    if len(payload) != nbytes:
+        raise ValueError(f"from_wire: payload of {len(payload)} bytes, the header says {nbytes}")
+    return LeafDelta(shape, dtype, count, dense, bytes(payload), digest)

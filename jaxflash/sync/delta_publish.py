@@ -35,12 +35,14 @@ import jax
 import numpy as np
 
 from jaxflash.sync.delta import (
+    Diff,
     DigestMismatchError,
     LeafDelta,
-    apply_leaf,
-    changed_counts,
-    encode_leaf,
+    check_applied,
+    diff,
+    encode,
     leaf_digest,
+    start_apply,
     tree_digest,
 )
 from jaxflash.sync.publish import check_version, publish
@@ -96,18 +98,21 @@ def _nbytes(leaves: list[Any]) -> int:
 
 
 class DeltaSource:
-    """The sender's side: the newest engine-side leaves, the previous ones, the deltas.
+    """The sender's side: the newest engine-side leaves, the previous version's digests,
+    the deltas between them.
 
     Leaves are jax.Arrays on the sender's devices (one program's whole leaves, or one
-    process's shards: the encoding is per array).
+    process's shards: the encoding is per array). ``advance`` runs one fused device pass
+    per leaf (``delta.diff``: XOR, count, digest) and drops the previous leaves; each
+    leaf's delta is compressed once, when the first receiver asks for it, and shared.
     """
 
     def __init__(self) -> None:
         self.version: PolicyVersion | None = None
         self.leaves: list[Any] = []
         self.digests: list[tuple[int, int]] = []
-        self._prev: tuple[PolicyVersion, list[Any], list[tuple[int, int]]] | None = None
-        self._counts: list[int] | None = None
+        self._prev: tuple[PolicyVersion, list[tuple[int, int]]] | None = None
+        self._diffs: list[Diff | None] = []
         self._deltas: dict[int, LeafDelta] = {}
 
     @property
@@ -128,15 +133,18 @@ class DeltaSource:
         """
         check_version(version, self.version)
         leaves = list(leaves)
-        counts, self._prev = None, None
+        counts, self._prev, diffs = None, None, []
         if self.version is not None and _devices(self.leaves) == _devices(leaves):
-            counts = changed_counts(self.leaves, leaves)
-            self._prev = (self.version, self.leaves, self.digests)
-        # Leaves that moved to other devices (the learner resharded onto a new mesh,
-        # ``ThreadFleet.resize``) start a new chain: every receiver takes the full tree.
-        self.version, self.leaves = int(version), leaves
-        self.digests = [leaf_digest(x) for x in leaves]
-        self._counts, self._deltas = counts, {}
+            diffs = [diff(a, b) for a, b in zip(self.leaves, leaves, strict=True)]
+            counts = [d.changed for d in diffs]
+            digests = [d.new_digest for d in diffs]
+            self._prev = (self.version, self.digests)
+        else:
+            # Leaves that moved to other devices (the learner resharded onto a new mesh,
+            # ``ThreadFleet.resize``) start a new chain: every receiver takes the full tree.
+            digests = [leaf_digest(x) for x in leaves]
+        self.version, self.leaves, self.digests = int(version), leaves, digests
+        self._diffs, self._deltas = diffs, {}
         return counts
 
     def delta_for(self, state: ReceiverState) -> tuple[list[LeafDelta] | None, str | None]:
@@ -146,7 +154,7 @@ class DeltaSource:
             return None, "new"
         if self._prev is None or int(state.version) != self._prev[0]:
             return None, "lagging"
-        if state.digest != tree_digest(self._prev[2]):
+        if state.digest != tree_digest(self._prev[1]):
             return None, "drifted"
         return [self._encoded(i) for i in range(len(self.leaves))], None
 
@@ -159,15 +167,15 @@ class DeltaSource:
             return None, "new"
         if self._prev is None or int(version) != self._prev[0]:
             return None, "lagging"
-        if digest is None or tuple(digest) != tuple(self._prev[2][i]):
+        if digest is None or tuple(digest) != tuple(self._prev[1][i]):
             return None, "drifted"
         return self._encoded(i), None
 
     def _encoded(self, i: int) -> LeafDelta:
-        """Leaf ``i``'s delta, encoded once per version (shared by every receiver)."""
+        """Leaf ``i``'s delta, compressed once per version (shared by every receiver)."""
         if i not in self._deltas:
-            prev = self._prev[1][i]
-            self._deltas[i] = encode_leaf(prev, self.leaves[i], self._counts[i], self.digests[i])
+            self._deltas[i] = encode(self._diffs[i])
+            self._diffs[i] = None  # the device XOR is no longer needed
         return self._deltas[i]
 
 
@@ -197,6 +205,9 @@ class DeltaSink:
     def apply(self, deltas: list[LeafDelta], version: PolicyVersion) -> list[Any]:
         """Apply every leaf's delta; install only if all pass their digest check.
 
+        Every leaf's device pass is started before any is checked (the host
+        decompresses the next leaf while the device applies this one).
+
         Raises:
           DigestMismatchError: a leaf's result is not the sender's (names the leaf);
             the sink keeps its leaves and version.
@@ -206,12 +217,18 @@ class DeltaSink:
         check_version(version, self.version)
         if len(deltas) != len(self.leaves):
             raise ValueError(f"DeltaSink: {len(deltas)} deltas for {len(self.leaves)} leaves")
-        out = []
+        started = []
         for i, (base, d) in enumerate(zip(self.leaves, deltas, strict=True)):
             try:
-                out.append(apply_leaf(base, d))
+                started.append(start_apply(base, d))
             except DigestMismatchError as err:
                 raise DigestMismatchError(f"leaf {i}: {err}") from err
+        for i, ((out, digest), d) in enumerate(zip(started, deltas, strict=True)):
+            try:
+                check_applied(out, digest, d, self.digests[i])
+            except DigestMismatchError as err:
+                raise DigestMismatchError(f"leaf {i}: {err}") from err
+        out = [o for o, _ in started]
         self.install_full(out, version, [tuple(d.digest) for d in deltas])
         return out
 

@@ -189,7 +189,7 @@ def pull_delta(
     version, plan, _ = receiver.plan(senders, timeout_s, version)
     blocks = held_blocks(base.tree)
     staged: dict[tuple[str, Index], jax.Array] = {}
-    digests: dict[tuple[str, Index], tuple[int, int]] = {}
+    started: list[tuple[tuple[str, Index], Any, codec.LeafDelta]] = []
     moved = 0
     for address, items in plan.items():
         if not items:
@@ -207,16 +207,22 @@ def pull_delta(
                     raise TransferError(TransferErrorKind.PROTOCOL, f"delta {head.get('i')} != {i}")
                 buf = bytearray(int(head["nbytes"]))
                 recv_into(sock, memoryview(buf))
-                try:
+                try:  # the device applies this block while the next one arrives
                     d = codec.from_wire(head, bytes(buf))
-                    staged[key] = codec.apply_leaf(blocks[key[0]][key[1]], d)
+                    staged[key], digest = codec.start_apply(blocks[key[0]][key[1]], d)
                 except codec.DigestMismatchError as err:
                     raise TransferError(TransferErrorKind.DIGEST, f"{key[0]}: {err}") from err
                 except ValueError as err:
                     raise TransferError(TransferErrorKind.PROTOCOL, f"{key[0]}: {err}") from err
-                digests[key] = d.digest
+                started.append((key, digest, d))
                 moved += len(buf)
             expect(recv_message(sock), "end")
+    for key, digest, d in started:
+        try:
+            codec.check_applied(staged[key], digest, d, base.digests[key])
+        except codec.DigestMismatchError as err:
+            raise TransferError(TransferErrorKind.DIGEST, f"{key[0]}: {err}") from err
+    digests = {key: tuple(d.digest) for key, _, d in started}
     leaves = []
     me = jax.process_index()
     flat, treedef = jax.tree_util.tree_flatten(base.tree)
@@ -261,8 +267,20 @@ class DeltaPuller:
 
     @property
     def stats(self) -> Any:
-        """The receiver's ``ReceiverStats`` (full pulls' bytes)."""
+        """The receiver's ``ReceiverStats`` (``bytes``: full pulls' and deltas' payloads)."""
         return self.receiver.stats
+
+    @property
+    def layout(self) -> Any:
+        """The receiver's ``TreeLayout`` (what the learner stages its offers in)."""
+        return self.receiver.layout
+
+    @property
+    def current(self) -> VersionedParams | None:
+        """What it holds, in the engine's dtypes (None before the first pull)."""
+        if self.base is None:
+            return None
+        return VersionedParams(params=self.base.tree, version=self.base.version)
 
     def pull(
         self, senders: Sequence[str], *, version: int, timeout_s: float, **full: Any
@@ -280,6 +298,7 @@ class DeltaPuller:
                     self.receiver, senders, self.base, version=version, timeout_s=timeout_s
                 )
                 self.counts["delta"] += 1
+                self.receiver.stats.bytes += self.last_bytes
                 return VersionedParams(params=self.base.tree, version=self.base.version)
             except TransferError as err:
                 if err.kind not in (TransferErrorKind.STALE_BASE, TransferErrorKind.DIGEST):

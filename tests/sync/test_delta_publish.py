@@ -1,5 +1,6 @@
 """Delta publish: bit-equal to a full publish after many deltas, fallbacks, digest refusals."""
 
+import dataclasses
 import functools
 
 import jax
@@ -121,11 +122,11 @@ def test_corrupted_delta_refused_by_digest(setup):
     params = _step(params, jax.random.key(7), 5e-6)
     pub.advance(params, 1)
     deltas, _ = pub.source.delta_for(sink.state())
-    i = next(i for i, d in enumerate(deltas) if not d.dense and d.count)
+    i = next(i for i, d in enumerate(deltas) if not d.dense and d.count)  # a zstd payload
     bad = list(deltas)
     header, payload = codec.to_wire(deltas[i])
     flipped = bytearray(payload)
-    flipped[-1] ^= 1  # one bit of the last new value
+    flipped[-1] ^= 1  # one bit of the compressed XOR
     bad[i] = codec.from_wire(header, bytes(flipped))
     held = list(sink.leaves)
     with pytest.raises(codec.DigestMismatchError, match=f"leaf {i}"):
@@ -138,23 +139,39 @@ def test_corrupted_delta_refused_by_digest(setup):
     _assert_tree_bits_equal(got, publish(view(params), targets, 1).params)
 
 
-def test_wire_round_trip_and_digest_properties():
+def test_wire_round_trip_digest_properties_and_a_wrong_xor_refused():
     rng = np.random.default_rng(0)
     prev = jax.numpy.asarray(rng.standard_normal((64, 48)), dtype=jax.numpy.bfloat16)
     new = prev.at[3, 5].set(7.0).at[60, 1].set(-2.0)
-    (count,) = codec.changed_counts([prev], [new])
-    assert count == 2
-    d = codec.encode_leaf(prev, new, count)
-    assert not d.dense and d.indices.shape[0] == codec.bucket(2)
+    d = codec.encode_leaf(prev, new)
+    assert d.count == 2 and not d.dense and 0 < d.nbytes < prev.nbytes // 10
     header, payload = codec.to_wire(d)
-    assert len(payload) == 2 * (4 + 2)
     out = codec.apply_leaf(prev, codec.from_wire(header, payload))
     assert np.array_equal(_bits(out), _bits(new))
-    # the digest sees any one changed element, not the layout; a large change is dense
+    # a payload that decodes (a valid zstd frame) to a wrong XOR: one more bit flipped
+    wrong = codec.encode_leaf(prev, new.at[0, 0].set(-new[0, 0]))
+    forged = codec.LeafDelta(d.shape, d.dtype, d.count, False, wrong.payload, d.digest)
+    with pytest.raises(codec.DigestMismatchError, match="sender's"):
+        codec.apply_leaf(prev, forged)
+    with pytest.raises(codec.DigestMismatchError, match="does not decode"):
+        codec.apply_leaf(prev, dataclasses.replace(d, payload=d.payload[:-3]))
+    # nothing changed: no payload; all changed at random: sent whole (dense)
+    same = codec.encode_leaf(prev, prev)
+    assert same.count == 0 and same.nbytes == 0
+    assert codec.apply_leaf(prev, same, codec.leaf_digest(prev)) is prev
+    noise, other = (rng.integers(0, 2**32, (64, 48), np.uint32).view(np.float32) for _ in "ab")
+    noise, other = jax.numpy.asarray(noise), jax.numpy.asarray(other)
+    dense = codec.encode_leaf(noise, other)
+    assert dense.dense and dense.nbytes == other.nbytes
+    assert np.array_equal(_bits(codec.apply_leaf(noise, dense)), _bits(other))
+    # the digest sees any one changed element (any bit), not the layout or the device
     assert codec.leaf_digest(new) != codec.leaf_digest(prev)
+    flipped = np.asarray(new).copy().view(np.uint16)
+    for bit in range(16):
+        one = flipped.copy()
+        one[17, 3] ^= 1 << bit
+        assert codec.leaf_digest(one.view(new.dtype)) != codec.leaf_digest(new)
     assert codec.leaf_digest(np.asarray(new)) == codec.leaf_digest(new)
-    dense = codec.encode_leaf(prev, -prev, prev.size)
-    assert dense.dense and dense.nbytes == prev.nbytes
     src = DeltaSource()
     src.advance([prev], 0)
     assert src.delta_for(ReceiverState(None, None)) == (None, "new")
