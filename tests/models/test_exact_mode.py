@@ -166,3 +166,37 @@ def test_on_policy_tokens_of_an_async_run_have_zero_gap_and_k3(runs):
     assert m["kl_k3_on_policy"] == 0.0 and m["sampling_set_miss_frac_on_policy"] == 0.0
     assert m["prob_corr_on_policy"] > 0.9999
     assert m["logprob_gap_max_off_policy"] > 0.0  # version 0's tokens: a policy change
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_shaped_engine_and_learner_logprobs_are_bitwise_equal(dtype):
+    """Real shapes (SmolLM2-135M's width, heads, MLP and 49k tied vocabulary; one
+    layer, random init). The tied head ``embed_vd.T`` is where the tiny config passed
+    and the real model did not: a decode of <= 8 slots runs one row block, whose
+    inlined dot read the transpose in another summation order than the learner's
+    (2e-6 in the logits, up to 2.4e-5 in SmolLM2's logprobs) until
+    ``logprobs.fixed_unembed``; the tiny vocabulary's dot sums alike either way."""
+    config = get_preset("smollm2_135m", n_layers=1, compute_dtype=dtype, exact_numerics=True)
+    params = init_params(config, seed=0)
+    ec = EngineConfig(
+        max_concurrent_decodes=4,
+        decode_block=4,
+        max_prefill_length=16,
+        max_target_length=32,
+        **SAMPLING,
+    )
+    engine = LlamaEngine(config, ec)
+    requests = [
+        GenerationRequest(
+            prompt_id=i,
+            sample_index=0,
+            prompt_tokens=(np.arange(6 + 3 * i, dtype=np.int32) * 37 + 11 * i + 5) % 49152,
+            sampling=SamplingParams(max_new_tokens=8, **SAMPLING),
+            seed=0,
+        )
+        for i in range(2)
+    ]
+    samples = _generate(engine, params, requests)
+    got, want = _learner_logprobs(config, params, list(samples.values()), micro_batch_size=2)
+    assert got.size == 16
+    assert np.array_equal(_bits(got), _bits(want)), np.abs(got - want).max()

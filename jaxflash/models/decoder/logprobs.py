@@ -145,8 +145,23 @@ def _row_temperature(temp: jax.Array, batch: int, time: int) -> jax.Array:
     return temp_bt.reshape(-1, 1, 1).astype(jnp.float32)
 
 
+def fixed_unembed(unembed_dv: jax.Array) -> jax.Array:
+    """``unembed_dv`` [D, V] materialised as its own array before the exact mode's row blocks.
+
+    A tied head is ``embed_vd.T``. Where ``row_blocks`` runs several blocks (a loop),
+    XLA hoists that transpose out of the loop and the block's dot reads a row-major
+    [D, V] (contracting dim 0); where it runs one block (a decode of <= EXACT_ROWS
+    slots: the loop is inlined), XLA folds the transpose into the dot (contracting dim
+    1 of [V, D]) and the CPU kernel sums in another order — SmolLM2-shaped logits
+    differed by 2e-6 (fp32). The barrier keeps the transpose out of the dot on every
+    side, so each block's dot is the same op.
+    """
+    return jax.lax.optimization_barrier(unembed_dv)
+
+
 def _exact_target_logprobs(top_k, top_p, valid, full_vocab, h_btd, unembed_dv, ids_bt, temp):
     """``target_logprobs`` in the exact mode: [B·T] positions in fixed row blocks."""
+    unembed_dv = fixed_unembed(unembed_dv)
     batch, time, d = h_btd.shape
     m = batch * time
     h_m1d = _pad_rows(h_btd.reshape(m, 1, d))
@@ -163,7 +178,7 @@ def _exact_target_logprobs(top_k, top_p, valid, full_vocab, h_btd, unembed_dv, i
 def exact_logits(h_md: jax.Array, unembed_dv: jax.Array) -> jax.Array:
     """float32 [M, V] logits of [M, D] hidden states in the exact mode's row blocks
     (the engine's side of ``target_logprobs(..., exact=True)``)."""
-    m = h_md.shape[0]
+    m, unembed_dv = h_md.shape[0], fixed_unembed(unembed_dv)
     h_m1d = _pad_rows(h_md[:, None, :])
     return row_blocks(lambda h: logits_from_hidden(h, unembed_dv), h_m1d)[:m, 0]
 
