@@ -69,8 +69,9 @@ BATCH_METRICS: tuple[tuple[str, str], ...] = (
             "probabilities μ and π (1 when constant); the fraction whose sampled token is "
             "outside the learner's top-k / top-p set, a lower bound on the fraction whose "
             "sampling sets differ. Exactly 0 (corr 1) under `model.exact_numerics` on the "
-            "tested tiny configs; SmolLM2 bf16 still shows a 2.4e-5 residual "
-            "(docs/CONSISTENCY.md; `jaxflash.algorithms.consistency`)"
+            "tested tiny and SmolLM2-shaped configs (the 2.4e-5 SmolLM2 residual was the "
+            "tied head's transpose, fixed; docs/CONSISTENCY.md; "
+            "`jaxflash.algorithms.consistency`)"
         ),
     ),
     (
