@@ -75,8 +75,8 @@ from jaxflash.runtime.clock import RealClock, VirtualClock  # noqa: E402
 from jaxflash.runtime.rollout.env_calls import thread_runner  # noqa: E402
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings  # noqa: E402
 from jaxflash.runtime.rollout.inbox import Inbox  # noqa: E402
-from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged  # noqa: E402
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.runtime.simulate.episodes import (  # noqa: E402
     VirtualEnvTime,
     VirtualTurnServer,

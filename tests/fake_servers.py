@@ -19,8 +19,9 @@ from jaxflash.runtime.clock import RealClock, VirtualClock
 from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.reward_pool import Scored
-from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler, ThreadFree
+from jaxflash.runtime.rollout.scheduler import Inbox, RolloutScheduler
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.types import (
     FinishReason,
     GenerationRequest,

@@ -8,38 +8,16 @@
 Built from thread-free parts, each with its own tests: ``OutstandingTable``,
 ``Admission``, ``ServerPool``, a dispatcher (``rollout.settings.Dispatch``, built by
 the workload's factory), ``BatchAssembler``. Each part owns its state (the others
-call its methods) and its counters (``counts()``; ``watch.counters`` here adds them to the
-checkpoint's). Their work is reachable without threads (``ThreadFree``: ``poll``,
+call its methods) and its counters (``counts()``; ``books.counters()`` adds them to the
+checkpoint's). Their work is reachable without threads (``thread_free.ThreadFree``: ``poll``,
 ``try_batch``, ``mark_trained``; and ``servers_changed``); the scheduler adds only the pump
 thread that calls ``poll`` in a loop and the blocking ``next_batch``.
 
 Faces: the loop sees ``Rollout`` (``start``, ``next_batch``, ``end_step``, ``close``,
-``watch``, ``books``), the fleet a ``ServerListener`` (``servers_changed``), the step
-controller ``reconfigure``; the simulator and the tests drive ``ThreadFree(scheduler)``.
-A simulator drives the same object without threads under a
-``VirtualClock`` (``runtime.clock``).
-
-Driving it without threads (a discrete-event simulator; see
-tests/runtime/rollout/test_scheduler_parts.py for a complete driver)::
-
-    clock, inbox = VirtualClock(), Inbox()
-    servers = [SimServer(on_finished=inbox.generated, clock=clock) for _ in range(n)]
-    books = RolloutBooks(source=source, ledger=PromptLedger(), buffer=GroupBuffer(G))
-    settings = RolloutSettings(batch_prompts=B, group_size=G, async_ratio=α, ...)
-    sched = RolloutScheduler(
-        servers, inbox, books, settings, prompt_dispatch(scorer, tokenizer), clock=clock
-    )
-    steps = ThreadFree(sched)
-    while v < steps:
-        steps.poll()
-        batch = steps.try_batch(v)
-        if batch is None:  # jump to the next event; servers deliver what is due
-            clock.advance_to(min(next server completion, steps.next_deadline()))
-            continue
-        clock.advance(learner time)
-        steps.mark_trained(batch.groups)
-        v += 1
-        sched.servers_changed(ServersChanged(version=v, weights=[None] * n))
+``watch``: ``rollout.watch.RolloutWatch``, ``books``: ``rollout.books.Books``), the fleet
+a ``ServerListener`` (``servers_changed``), the step controller ``reconfigure``; the
+simulator and the tests drive ``rollout.thread_free.ThreadFree(scheduler)`` without
+threads under a ``VirtualClock`` (``runtime.clock``).
 
 With α = 0 (capacity B, release at publish) the next prompts start at the new
 version: the synchronous loop, prompt for prompt (ROLL Flash, arXiv 2510.11345).
@@ -56,17 +34,16 @@ server calls back, so the two can never deadlock.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.clock import Clock, RealClock
-from jaxflash.runtime.rollout import server_metrics as gen_metrics
 from jaxflash.runtime.rollout.admission import Admission
 from jaxflash.runtime.rollout.batches import ALL_TRUNCATED, Batch, BatchAssembler
+from jaxflash.runtime.rollout.books import Books
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.pacing import Pacer
 from jaxflash.runtime.rollout.server_pool import (
@@ -83,6 +60,7 @@ from jaxflash.runtime.rollout.settings import (
     RolloutSettings,
 )
 from jaxflash.runtime.rollout.stalls import AdmissionStalls
+from jaxflash.runtime.rollout.watch import RolloutWatch
 from jaxflash.types import PromptOutcome
 
 __all__ = [
@@ -92,24 +70,7 @@ __all__ = [
     "RolloutBooks",
     "RolloutScheduler",
     "RolloutSettings",
-    "ThreadFree",
 ]
-
-
-class BooksSnapshot(NamedTuple):
-    """What ``RolloutScheduler.snapshot`` takes under one lock (a checkpoint's books).
-
-    Attributes:
-      ledger: ``PromptLedger.state_dict()`` (its in-flight prompts are generated again).
-      counters: the scheduler's prompts_* / samples_* counters.
-      cursor: the data source's cursor.
-      buffer: ``GroupBuffer.state_dict()`` (the buffer_* counters).
-    """
-
-    ledger: dict[str, Any]
-    counters: dict[str, int]
-    cursor: int
-    buffer: dict[str, int]
 
 
 class RolloutScheduler:
@@ -147,10 +108,6 @@ class RolloutScheduler:
         self._ledger, self._buffer, self._source = books.ledger, books.buffer, books.source
         self._truncation = settings.truncation
         self._clock = clock or RealClock()
-        # Counters: the checkpoint's, plus what each part counted since (``counts``).
-        self._restored: dict[str, int] = {k: int(v) for k, v in books.counters.items()}
-        self._counters: collections.Counter = collections.Counter()  # the scheduler's own
-        self._counters["prompts_regenerated_on_resume"] += len(books.resume_prompts)
         self._pool = servers if isinstance(servers, ServerPool) else ServerPool(servers)
         self._pacer = Pacer.of(settings)  # None unless stale_policy="pace"
         self._admission = Admission(
@@ -167,7 +124,7 @@ class RolloutScheduler:
             ledger=self._ledger,
             buffer=self._buffer,
             clock=self._clock,
-            restored=dict(self._restored),
+            restored={k: int(v) for k, v in books.counters.items()},
         )
         self._dispatcher = dispatch(parts, settings)
         self._assembler = BatchAssembler(
@@ -179,28 +136,39 @@ class RolloutScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._servers_seen: list[dict[str, Any]] = []  # server stats at the last step
-        self._step_books: BooksSnapshot | None = None  # at the last ``end_step``
-
-    def _all_counters(self) -> collections.Counter:
-        """Every counter of the run: the checkpoint's plus each part's since (a copy)."""
-        with self._lock:
-            out = collections.Counter(self._restored)
-            for part in (self._counters, self._dispatcher.watch.counts(), self._assembler.counts()):
-                out.update(part)
-            return out
+        # Counters: the checkpoint's, plus what each part counted since (``counts``).
+        self._books = Books(
+            ledger=self._ledger,
+            buffer=self._buffer,
+            source=self._source,
+            restored=books.counters,
+            parts=(lambda: self._dispatcher.watch.counts(), self._assembler.counts),
+            lock=self._lock,
+        )
+        self._books.count("prompts_regenerated_on_resume", n=len(books.resume_prompts))
+        self._watch = RolloutWatch(
+            books=self._books,
+            pool=self._pool,
+            dispatcher=self._dispatcher,
+            admission=self._admission,
+            assembler=self._assembler,
+            buffer=self._buffer,
+            ledger=self._ledger,
+            stalls=self._stalls,
+            lock=self._lock,
+        )
 
     # ------------------------------------------------------------------ the other faces
 
     @property
     def watch(self) -> RolloutWatch:
         """What observers read while it runs (console, step times, the simulator)."""
-        return RolloutWatch(self)
+        return self._watch
 
     @property
-    def books(self) -> RolloutBooksView:
+    def books(self) -> Books:
         """The prompt books: the last step's (a checkpoint), outcomes, prompts open."""
-        return RolloutBooksView(self)
+        return self._books
 
     # ------------------------------------------------------------------ thread-free parts
 
@@ -333,7 +301,7 @@ class RolloutScheduler:
         self._pool.start()
         self._thread = threading.Thread(target=self._pump, name="rollout-scheduler", daemon=True)
         self._thread.start()
-        self._servers_seen = self._server_stats()  # what _server_metrics counts from
+        self._watch.mark_start()  # what the first step's generation metrics count from
 
     def next_batch(
         self,
@@ -367,7 +335,8 @@ class RolloutScheduler:
                 if left <= 0:
                     raise TimeoutError(
                         f"next_batch: {self._assembler.groups_so_far}/{self._assembler.B} groups "
-                        f"after {timeout_s}s at learner version {learner_version}: {self._stats()}"
+                        f"after {timeout_s}s at learner version {learner_version}: "
+                        f"{self._watch.stats()}"
                     )
                 self._clock.wait(self._changed, min(left, 0.5))
 
@@ -393,33 +362,6 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ books
 
-    def _snapshot(self) -> BooksSnapshot:
-        """The books, consistent with each other, for a checkpoint."""
-        with self._lock:
-            counts = {k: int(v) for k, v in sorted(self._all_counters().items())}
-            return BooksSnapshot(
-                self._ledger.state_dict(),
-                counts,
-                int(self._source.cursor),
-                self._buffer.state_dict(),
-            )
-
-    def _stats(self) -> dict[str, Any]:
-        """Counters plus instantaneous queue state, for metrics.jsonl."""
-        with self._lock:
-            out = {k: int(v) for k, v in sorted(self._all_counters().items())}
-            out.update(
-                prompts_active=len(self._admission),
-                sched_batch_prompts=self._assembler.B,
-                sched_async_ratio=self._assembler.alpha,
-                sched_prompts_capacity=self._admission.capacity,
-                **self._dispatcher.watch.stats(),
-                **self._stalls.stats(),
-                **{f"buffer_{k}": v for k, v in self._buffer.counts().items()},
-                **self._ledger.metrics(),
-            )
-            return out
-
     def end_step(
         self, groups: Sequence[Group], version: int, tracker: Any, *, skipped: str | None = None
     ) -> tuple[int, int]:
@@ -439,46 +381,22 @@ class RolloutScheduler:
           step controller's view of supply and queue (``control.step_control.StepReport``).
         """
         if skipped is not None:
-            with self._lock:
-                self._counters.update(("steps_skipped", f"steps_skipped_{skipped}"))
+            self._books.count("steps_skipped", f"steps_skipped_{skipped}")
         self._mark_trained(groups)
-        self._step_books = self._snapshot()
-        tracker.report("rollout", self._stats())
+        self._books.close_step()
+        tracker.report("rollout", self._watch.stats())
         tracker.report("outcomes", {"prompt_outcomes": self._ledger.outcomes})
         with self._lock:  # supply and queue, before the servers' metrics (as they were)
-            generated = int(self._all_counters().get("samples_generated", 0))
+            generated = int(self._books.counters().get("samples_generated", 0))
             progress = generated, int(self._buffer.counts()["pending"])
-        tracker.report("generation", self._server_metrics(version))
+        tracker.report("generation", self._watch.step_metrics(version))
         return progress
-
-    def _take_timeline_spans(self) -> dict[str, Any]:
-        """Busy spans per server and reward-scoring spans since the last call (clock
-        seconds), for ``<workdir>/timeline.jsonl``: {"gen": [[(t0, t1), ...] per
-        server], "reward": [(t0, t1), ...]} (reward: RLVR samples only)."""
-        with self._lock:
-            spans = self._dispatcher.watch.take_score_spans()
-            return {"gen": self._pool.take_busy_spans(), "reward": spans}
-
-    def _server_stats(self) -> list[dict[str, Any]]:
-        """Each server's cumulative ``stats()`` ({} once dead)."""
-        return self._pool.stats()
-
-    def _server_metrics(self, version: int) -> dict[str, Any]:
-        """The servers' generation metrics since the last call (since ``start`` at the
-        first): ``rollout.server_metrics.server_metrics`` of the step at ``version``."""
-        now = self._server_stats()
-        before, self._servers_seen = self._servers_seen, now
-        return gen_metrics.server_metrics(before, now, version)
 
     def _next_deadline(self) -> float | None:
         """Clock time at which the oldest outstanding sample misses its deadline (None if
         nothing is out): the next event a discrete-event driver must ``poll`` at."""
         with self._lock:
             return self._dispatcher.next_deadline()
-
-    def _first_request_at(self) -> float | None:
-        """Clock time of the first sample sent to a server (None before)."""
-        return self._dispatcher.router.first_request_at
 
 
 class Rollout(Protocol):
@@ -510,120 +428,5 @@ class Rollout(Protocol):
         """Counters, stats and spans for observers."""
 
     @property
-    def books(self) -> RolloutBooksView:
+    def books(self) -> Books:
         """The prompt books."""
-
-
-class RolloutWatch:
-    """What observers read of a running rollout (each call takes the scheduler's lock).
-
-    ``stats()``: counters plus queue state (metrics.jsonl's ``rollout`` section);
-    ``counters``: every counter of the run (the checkpoint's plus each part's since; a
-    copy); ``server_stats()``: each server's cumulative ``stats()`` ({} once dead);
-    ``take_timeline_spans()``: busy spans per server and reward-scoring spans since the last
-    call (clock seconds, for ``timeline.jsonl``: {"gen": [[(t0, t1), ...] per server],
-    "reward": [(t0, t1), ...]}); ``first_request_at``: clock time of the first sample sent
-    to a server (None before).
-    """
-
-    def __init__(self, scheduler: RolloutScheduler) -> None:
-        self._s = scheduler
-
-    def stats(self) -> dict[str, Any]:
-        return self._s._stats()
-
-    @property
-    def counters(self) -> collections.Counter:
-        return self._s._all_counters()
-
-    def server_stats(self) -> list[dict[str, Any]]:
-        return self._s._server_stats()
-
-    def take_timeline_spans(self) -> dict[str, Any]:
-        return self._s._take_timeline_spans()
-
-    @property
-    def first_request_at(self) -> float | None:
-        return self._s._first_request_at()
-
-
-class RolloutBooksView:
-    """The rollout's prompt books, read by the step hooks and the loop.
-
-    ``step_books``: the ``BooksSnapshot`` taken at the last ``end_step`` (what a checkpoint
-    of that step saves; None before); ``outcomes``: the ledger's outcome -> reason -> count
-    (live); ``open_ids``: prompts admitted and not closed (at start: the checkpoint's in
-    flight, generated again); ``ledger_metrics()``: the ledger's prompts_* figures.
-    """
-
-    def __init__(self, scheduler: RolloutScheduler) -> None:
-        self._s = scheduler
-
-    @property
-    def step_books(self) -> BooksSnapshot | None:
-        return self._s._step_books
-
-    @property
-    def outcomes(self) -> dict[str, Any]:
-        return self._s._ledger.outcomes
-
-    @property
-    def open_ids(self) -> Any:
-        return self._s._ledger.open_ids
-
-    def ledger_metrics(self) -> dict[str, Any]:
-        with self._s._lock:
-            return self._s._ledger.metrics()
-
-
-class ThreadFree:
-    """The thread-free seam of a ``RolloutScheduler``: what a discrete-event simulator
-    (``runtime.simulate``) and the tests drive instead of the pump thread and the blocking
-    ``next_batch``. Not the loop's: the loop sees ``Rollout``.
-
-    ``poll()``: one pump step (reports, deaths, deadlines, admission), events handled;
-    ``try_batch(v)``: the batch at learner version ``v`` if complete, else None (never
-    blocks; RuntimeError when every server died and nothing is left);
-    ``mark_trained(groups)``: close a batch's prompts in the ledger (TRAINED, or FILTERED
-    "all_truncated" when no sample carried loss), their capacity returns at the next
-    version; ``next_deadline()``: clock time at which the oldest outstanding sample misses
-    its deadline (None if nothing is out); ``snapshot()``: the books under one lock;
-    ``parts``: the scheduler's parts (``ThreadFreeParts``) for tests to inspect.
-    """
-
-    def __init__(self, scheduler: RolloutScheduler) -> None:
-        self._s = scheduler
-
-    def poll(self) -> int:
-        return self._s._poll()
-
-    def try_batch(self, learner_version: int) -> Batch | None:
-        return self._s._try_batch(learner_version)
-
-    def mark_trained(self, groups: Sequence[Group]) -> None:
-        self._s._mark_trained(groups)
-
-    def next_deadline(self) -> float | None:
-        return self._s._next_deadline()
-
-    def snapshot(self) -> BooksSnapshot:
-        return self._s._snapshot()
-
-    @property
-    def parts(self) -> ThreadFreeParts:
-        s = self._s
-        return ThreadFreeParts(
-            s._dispatcher, s._ledger, s._buffer, s._pool, s._admission, s._assembler, s._inbox
-        )
-
-
-class ThreadFreeParts(NamedTuple):
-    """A scheduler's parts, each owning its state (tests read them; ``ThreadFree.parts``)."""
-
-    dispatcher: Any
-    ledger: Any
-    buffer: Any
-    pool: ServerPool
-    admission: Admission
-    assembler: BatchAssembler
-    inbox: Inbox

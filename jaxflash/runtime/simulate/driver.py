@@ -34,9 +34,10 @@ from jaxflash.runtime.clock import VirtualClock
 from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.scheduler import RolloutScheduler, ThreadFree
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.runtime.simulate.barrier import RoundBarrier
 from jaxflash.runtime.simulate.costs import CostModel
 from jaxflash.runtime.simulate.learner import SimLearner, StepRecord

@@ -33,9 +33,10 @@ from jaxflash.runtime.rollout.episode_dispatch import episode_dispatch
 from jaxflash.runtime.rollout.episode_groups import EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.scheduler import RolloutScheduler, ThreadFree
+from jaxflash.runtime.rollout.scheduler import RolloutScheduler
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.settings import RolloutBooks, RolloutSettings
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.runtime.workloads.agentic import EnvGroupSource
 from jaxflash.types import FinishReason, GenerationRequest, Sample, SamplingParams
 

@@ -19,8 +19,8 @@ from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec, chec
 from jaxflash.runtime.config.specs import ConfigError, MeshSpec
 from jaxflash.runtime.console import step_line
 from jaxflash.runtime.control.controller_setup import fixed_decisions
-from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import RetiredServer, ServersChanged
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.types import PromptOutcome
 from tests.fake_servers import VirtualServer, _virtual_scheduler, drive
 

@@ -10,8 +10,8 @@ import pytest
 from jaxflash.runtime.config.replay_spec import ControllerSpec, ReplaySpec
 from jaxflash.runtime.control.replay_cycle import ReplayCycle
 from jaxflash.runtime.control.step_control import StepControl, StepReport
-from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from tests.fake_servers import _virtual_scheduler, drive
 
 B, G = 8, 2  # rollout.prompts_per_step, group_size

@@ -25,7 +25,7 @@ from jaxflash.runtime.rollout.env_calls import thread_runner
 from jaxflash.runtime.rollout.episode_groups import EPISODE_ENDS, EpisodeSettings
 from jaxflash.runtime.rollout.inbox import Inbox
 from jaxflash.runtime.rollout.ledger import PromptLedger
-from jaxflash.runtime.rollout.scheduler import ThreadFree
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.runtime.simulate.episodes import (
     VirtualEnvTime,
     VirtualTurnServer,

@@ -9,8 +9,8 @@ and counted, never dropped).
 import pytest
 
 from jaxflash.runtime.rollout.pacing import Pacer
-from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.runtime.simulate import (
     CostModel,
     DecodeCost,

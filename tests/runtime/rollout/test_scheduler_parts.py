@@ -23,9 +23,10 @@ from jaxflash.runtime.rollout.dispatch import prompt_dispatch
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.outstanding import Outstanding, OutstandingTable
 from jaxflash.runtime.rollout.reward_pool import Scored
-from jaxflash.runtime.rollout.scheduler import Inbox, ThreadFree
+from jaxflash.runtime.rollout.scheduler import Inbox
 from jaxflash.runtime.rollout.server_pool import ServerPool, ServersChanged, Submitted
 from jaxflash.runtime.rollout.settings import RolloutSettings
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from jaxflash.types import (
     FailureReason,
     PromptOutcome,

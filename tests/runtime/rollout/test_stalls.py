@@ -3,9 +3,9 @@ timed, with the decode slots left idle meanwhile."""
 
 import pytest
 
-from jaxflash.runtime.rollout.scheduler import ThreadFree
 from jaxflash.runtime.rollout.server_pool import ServersChanged
 from jaxflash.runtime.rollout.stalls import AdmissionStalls
+from jaxflash.runtime.rollout.thread_free import ThreadFree
 from tests.fake_servers import _virtual_scheduler, drive
 
 
