@@ -42,9 +42,9 @@ import jax
 from jax.sharding import Mesh
 
 from jaxflash.runtime.config.elastic_spec import learner_axes
-from jaxflash.runtime.fleet.fleets import ThreadFleet
 from jaxflash.runtime.fleet.learner_program import LearnerProgram
 from jaxflash.runtime.fleet.placement import Placement
+from jaxflash.runtime.fleet.thread_fleet import ThreadFleet
 from jaxflash.sharding.mesh import make_mesh
 from jaxflash.sync.reshard_plan import RoleSplit, plan_role_split
 
