@@ -63,14 +63,15 @@ ROLLOUT_METRICS: tuple[tuple[str, str], ...] = (
         (
             "device-to-device copy + hand-over to the servers; the copy alone; bytes the"
             " publish moved, every server together (under `learner.lora` the adapters only;"
-            " with generation programs, offered to each program)"
+            " thread engines under `mesh.delta_publish` the compressed deltas, or the full"
+            " tree of a server that fell back; with generation programs, offered to each)"
         ),
     ),
     (
         "`publish_changed_frac`, `publish_full_fallbacks`",
         (
-            "thread engines under delta publish (the default for full fine-tuning): the"
-            " fraction of engine-side (bf16) weight elements whose bits changed since the"
+            "thread engines under delta publish (`mesh.delta_publish`, full fine-tuning):"
+            " the fraction of engine-side (bf16) weight elements whose bits changed since the"
             " previous version; full-tree publishes so far to a slot that held weights"
             " (missed a version, drifted, or a delta refused by its digest)"
         ),

@@ -46,14 +46,18 @@ def _undocumented(metrics_rows):
     return undocumented(metrics_rows)
 
 
-@pytest.mark.parametrize("decode_block", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "decode_block,delta", [(1, False), (1, True), pytest.param(4, False, marks=pytest.mark.slow)]
+)
 @pytest.mark.timeout(900)
-def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path, decode_block):
+def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path, decode_block, delta):
     with open(GOLDEN) as f:
         golden = json.load(f)
     c = smoke.get_config()  # colocated: learner on 8 devices, one server on device 0
     c.total_steps = 3
     c.data.eval_size = 0
+    # Delta publish (XOR + zstd of the changed bits, digest-checked): the same tokens.
+    c.mesh.delta_publish = delta
     # Decoding 4 steps per dispatch changes when the host sees tokens, not which.
     c.rollout.decode_block = decode_block
     servers = []
@@ -85,6 +89,9 @@ def test_colocated_alpha0_reproduces_the_previous_sync_loop(tmp_path, decode_blo
         assert m["entropy"] == pytest.approx(g["entropy"], rel=1e-5), step
         assert m["reward_mean"] == pytest.approx(g["reward_mean"], rel=1e-12), step
     assert not _undocumented(metrics)  # every metric is in the README's table
+    if delta:  # versions 1-3 went as deltas, a fraction of the full tree's bytes
+        assert all(0 < m["publish_changed_frac"] <= 1 for m in metrics)
+        assert [m["publish_full_fallbacks"] for m in metrics] == [0, 0, 0]
 
 
 @pytest.mark.slow
