@@ -87,7 +87,12 @@ def _experiment(w: dict, *, system: str = "jaxflash", source: str = "hf"):
         # tunix scores a truncated response like any other: so does jaxflash here
         # (the config's default gives it the truncation penalty, 0).
         "rollout.truncation": "none",
+        # T = the longest row rounded up to 8 (46 + 24 = 70 -> 72; the config's 32 would
+        # train 96): tunix trains max prompt + max_new_tokens = 70 columns.
+        "learner.length_multiple": 8,
     }  # fmt: skip
+    if system == "jaxflash":  # one device, as tunix: the learner unsharded on both cores
+        sets.update({"mesh.num_cpu_devices": 1, "mesh.learner.fsdp": 1})
     if source == "hf":
         sets.update({"model.source": "hf", "model.path": w["hf_dir"]})
     elif source == "random":

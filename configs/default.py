@@ -158,6 +158,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # length) instead of one padded row each; micro_batch_size then counts packed rows.
     c.learner.packing = False
     c.learner.pack_length = 0
+    # The batch's length T: its longest row rounded up to a multiple of this (each
+    # distinct T compiles the step once; 8 pads less where rows are about one length).
+    c.learner.length_multiple = 32
     c.learner.loss = "ppo"  # see jaxflash.algorithms.policy_loss.POLICY_LOSSES
     c.learner.loss_kwargs = ml_collections.ConfigDict()  # that loss's hyper-parameters
     # pi_old of the ratio: "behaviour" (engine logprobs) | "proximal" (the params before

@@ -150,7 +150,10 @@ class RLLoop:
             console.line(resumed_note(meta, in_flight, exp.total_steps, workdir))
         self.fleet.listen(self.scheduler)  # told of every new version and elastic move
         self.control.attach(learner=learner, fleet=self.fleet, scheduler=self.scheduler)
-        self.pack = dict(pad_id=tokenizer.pad_id, max_len=model.max_seq_len)  # batch rows
+        self.pack = dict(  # batch rows: padding, longest row, T bucket
+            pad_id=tokenizer.pad_id, max_len=model.max_seq_len,
+            length_multiple=exp.learner.length_multiple,
+        )  # fmt: skip
         # Metrics: each part reports its section of the step's record where it arises.
         self.writer, self.tracker = MetricsWriter(workdir), StepTracker()  # docs/METRICS.md
         self.times = StepTimes(  # the run's clocks go on from the checkpoint

@@ -128,6 +128,7 @@ class ReplayCycle:
         replay_ratio: float | None = None,
         pad_id: int,
         max_len: int,
+        length_multiple: int = 32,
     ) -> tuple[TrainBatch | None, dict[str, Any]]:
         """The learner batch of a step: the fresh cycle plus the replay cycle (``mix``).
 
@@ -147,6 +148,7 @@ class ReplayCycle:
             replay_ratio=replay_ratio,
             pad_id=pad_id,
             max_len=max_len,
+            length_multiple=length_multiple,
         )
         return mixed.batch, mixed.metrics
 
@@ -159,6 +161,7 @@ class ReplayCycle:
         replay_ratio: float | None = None,
         pad_id: int,
         max_len: int,
+        length_multiple: int = 32,
     ) -> MixedStep:
         """Draw the replay cycle, store the fresh samples, pack both.
 
@@ -167,7 +170,7 @@ class ReplayCycle:
           advantages: float32 [len(samples)], their advantages.
           learner_version: the version the step trains at (ages are taken against it).
           replay_ratio: this step's rho (None: ``replay.ratio``).
-          pad_id, max_len: as ``pack_batch``.
+          pad_id, max_len, length_multiple: as ``pack_batch``.
 
         Returns:
           MixedStep with ``self.rows`` rows.
@@ -185,6 +188,7 @@ class ReplayCycle:
             np.stack([np.asarray(a, np.float32) for a in mixed.advantages]),
             pad_id=pad_id,
             max_len=max_len,
+            length_multiple=length_multiple,
             num_sequences=self.rows,
             cycle_b=mixed.cycle_b,
         )

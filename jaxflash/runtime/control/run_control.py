@@ -88,7 +88,14 @@ class RunControl:
         )  # fmt: skip
 
     def mix(
-        self, lb: LearnerBatch, tracker: Any, *, learner_version: int, pad_id: int, max_len: int
+        self,
+        lb: LearnerBatch,
+        tracker: Any,
+        *,
+        learner_version: int,
+        pad_id: int,
+        max_len: int,
+        length_multiple: int = 32,
     ) -> TrainBatch | None:
         """The step's training batch (None: nothing carries loss); reports the replay
         cycle's metrics as the ``replay`` section (none without replay) and keeps
@@ -98,7 +105,7 @@ class RunControl:
         else:
             batch, metrics = self.cycle.step_batch(
                 lb, learner_version=learner_version, replay_ratio=self.steps.replay_ratio,
-                pad_id=pad_id, max_len=max_len,
+                pad_id=pad_id, max_len=max_len, length_multiple=length_multiple,
             )  # fmt: skip
         self.rows = len(lb.samples) + metrics.get("cycle_replay_samples", 0)
         tracker.report("replay", metrics)

@@ -251,7 +251,13 @@ class EpisodeRollout:
         tracker.report("episodes", metrics)
 
     def learner_batch(
-        self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int
+        self,
+        groups: Sequence[Group],
+        *,
+        pad_id: int,
+        max_len: int,
+        num_sequences: int,
+        length_multiple: int = 32,
     ) -> LearnerBatch:
         """Per-token advantages of the groups' episodes, packed with their response masks.
 
@@ -276,7 +282,12 @@ class EpisodeRollout:
             np.float32,
         )
         batch = pack_episode_batch(
-            samples, advantages, pad_id=pad_id, max_len=max_len, num_sequences=num_sequences
+            samples,
+            advantages,
+            pad_id=pad_id,
+            max_len=max_len,
+            num_sequences=num_sequences,
+            length_multiple=length_multiple,
         )
         return LearnerBatch(batch, samples, scalar)
 

@@ -65,6 +65,7 @@ def learner_batch(
     pad_id: int,
     max_len: int,
     num_sequences: int,
+    length_multiple: int = 32,
 ) -> LearnerBatch:
     """Advantages per group, then the packed batch of the samples that carry loss.
 
@@ -75,6 +76,8 @@ def learner_batch(
       advantage_fn: ``(rewards_bg, *, mask_bg) -> adv_bg`` (``get_advantage_estimator``).
       truncation: masked samples carry no loss and no weight in their baseline.
       pad_id, max_len: padding token and longest allowed row (the model's max_seq_len).
+      length_multiple: the batch's T is its longest row rounded up to a multiple of
+        this (``LearnerConfig.length_multiple``).
       num_sequences: the loss normaliser's sequence count, B*G, fixed so that a
         step with fewer groups is not up-weighted.
     """
@@ -91,7 +94,12 @@ def learner_batch(
     if not trained:
         return LearnerBatch(None, (), advantages)
     batch = pack_batch(
-        list(trained), advantages, pad_id=pad_id, max_len=max_len, num_sequences=num_sequences
+        list(trained),
+        advantages,
+        pad_id=pad_id,
+        max_len=max_len,
+        num_sequences=num_sequences,
+        length_multiple=length_multiple,
     )
     return LearnerBatch(batch, trained, advantages)
 

@@ -123,7 +123,13 @@ class TaskWorkload:
     # ------------------------------------------------------------------ learner, the end
 
     def learner_batch(
-        self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int
+        self,
+        groups: Sequence[Group],
+        *,
+        pad_id: int,
+        max_len: int,
+        num_sequences: int,
+        length_multiple: int = 32,
     ) -> LearnerBatch:
         """Advantages per group; samples masked by truncation carry no loss
         (``runtime.learner_batch.learner_batch``)."""
@@ -134,6 +140,7 @@ class TaskWorkload:
             num_sequences=num_sequences,
             pad_id=pad_id,
             max_len=max_len,
+            length_multiple=length_multiple,
         )
 
     def report(self, batch: Any, tracker: Any) -> None:

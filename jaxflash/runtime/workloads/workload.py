@@ -85,9 +85,16 @@ class Workload(Protocol):
         episodes scored by their environments) and the batch timeout."""
 
     def learner_batch(
-        self, groups: Sequence[Group], *, pad_id: int, max_len: int, num_sequences: int
+        self,
+        groups: Sequence[Group],
+        *,
+        pad_id: int,
+        max_len: int,
+        num_sequences: int,
+        length_multiple: int = 32,
     ) -> LearnerBatch:
-        """The step's advantages and packed batch (only what carries loss)."""
+        """The step's advantages and packed batch (only what carries loss; T rounded up
+        to a multiple of ``length_multiple``)."""
 
     def report(self, batch: Any, tracker: Any) -> None:
         """Report the workload's own metrics of the step's ``batch`` (a rollout
