@@ -1,5 +1,9 @@
 """The table of ``benchmarks/e2e_vs_tunix.py``: rates, step sections, curves, ratios.
 
+Merge runs of several ``--out`` files (one seed each) and print them:
+
+    python benchmarks/e2e_report.py seed0.json seed1.json
+
 Pure Python over the workers' JSON results (no jax), so it is testable on fakes.
 """
 
@@ -122,3 +126,35 @@ def print_report(runs: dict[str, list[dict]], work: dict, *, skip_every: int) ->
         if same:
             print(f"  {system} trained the driver's prompt rows: {same}")
     return out
+
+
+def merge(results: list[dict]) -> tuple[dict[str, list[dict]], dict]:
+    """The runs of several ``e2e_vs_tunix.py --out`` files (e.g. one seed each) as one
+    result: runs per system in file order; the workloads must match but for the seed.
+
+    Raises:
+      ValueError: workloads that differ (names the first differing key).
+    """
+    work = results[0]["work"]
+    runs: dict[str, list[dict]] = {}
+    for r in results:
+        diff = sorted(k for k in set(work) | set(r["work"]) if work.get(k) != r["work"].get(k))
+        if diff:
+            raise ValueError(f"e2e_report.merge: the files' workloads differ in {diff}")
+        for system, rs in r["runs"].items():
+            runs.setdefault(system, []).extend(rs)
+    return runs, work
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python benchmarks/e2e_report.py RESULT.json [RESULT.json ...]")
+    loaded = []
+    for path in sys.argv[1:]:
+        with open(path, encoding="utf-8") as f:
+            loaded.append(json.load(f))
+    merged_runs, merged_work = merge(loaded)
+    print_report(merged_runs, merged_work, skip_every=merged_work["eval_every"])

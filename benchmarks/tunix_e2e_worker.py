@@ -20,7 +20,8 @@ Timers: wall and process CPU time (``os.times``) at every step boundary (each
 own entry points for generation (``RLCluster.generate``), scoring
 (``RLLearner._compute_rewards``), the update (``RLCluster.update_actor``) and the
 publish (``RLCluster.sync_weights``). Held-out evaluation runs between steps inside
-the iterator, timed apart and left out of the step times.
+the iterator, right after a step boundary: the evaluation after step k falls in step
+k + 1's interval, as jaxflash's does, and the report leaves that step out of the rates.
 """
 
 from __future__ import annotations
@@ -231,12 +232,15 @@ def run(w: dict) -> dict:
 
     def batches():
         for step in range(steps):
-            if step % w["eval_every"] == 0 and w["eval_samples"]:
-                evaluate(step)
             boundaries.append(
                 {"step": step, "wall": time.perf_counter(), "cpu": _cpu(),
                  "sections": timers.snapshot(), "tokens": scored["tokens"]}
             )  # fmt: skip
+            # After the boundary: the evaluation after step k lands in step k+1's
+            # interval, as jaxflash's does, and the report leaves that step out for
+            # both (e2e_report.steady_steps). Before it, step k's interval held it.
+            if step % w["eval_every"] == 0 and w["eval_samples"]:
+                evaluate(step)
             rows = train[step * B : (step + 1) * B]
             # numpy arrays, not lists: tunix repeats every leaf G times with
             # jax.tree.map(np.repeat), and a list's strings would each become a leaf

@@ -9,7 +9,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from e2e_report import run_rates, steady_steps  # noqa: E402
+import pytest  # noqa: E402
+from e2e_report import merge, run_rates, steady_steps  # noqa: E402
 
 
 def _step(step, wall, cpu, samples=8, tokens=80):
@@ -32,6 +33,18 @@ def test_run_rates_are_samples_over_summed_step_times():
     assert r["tokens_per_sample"] == 10.0
     assert r["sections"] == {"update": 2.5}
     assert r["first_step_s"] == 99.0
+
+
+def test_merge_joins_seeds_of_one_workload_and_refuses_another():
+    work = {"steps": 4, "lr": 2e-5}
+    a = {"work": work, "runs": {"jaxflash": [{"seed": 0}], "tunix": [{"seed": 0}]}}
+    b = {"work": dict(work), "runs": {"tunix": [{"seed": 1}], "jaxflash": [{"seed": 1}]}}
+    runs, merged = merge([a, b])
+    assert merged == work
+    assert {k: [r["seed"] for r in v] for k, v in runs.items()} == {
+        "jaxflash": [0, 1], "tunix": [0, 1]}  # fmt: skip
+    with pytest.raises(ValueError, match="lr"):
+        merge([a, {"work": {**work, "lr": 1e-5}, "runs": {}}])
 
 
 def test_tiny_mode_runs_jaxflash_and_skips_tunix(tmp_path):

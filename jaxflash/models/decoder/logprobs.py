@@ -72,7 +72,8 @@ def target_logprobs(
       temperature: T > 0; a scalar, or [B] for one temperature per row.
       top_k: static int, 0 disables.
       top_p: static float in (0, 1], 1.0 disables.
-      chunk: static tokens per chunk (T is padded up to a multiple of it).
+      chunk: static; at most this many tokens per chunk: T is split into
+        ceil(T / chunk) chunks of equal size (padding fewer than one token per chunk).
       valid_vocab_size: static; ids >= it are padded rows, outside every
         distribution (``ModelConfig.valid_vocab_size``).
       full_vocab: static; also return ``full_logp_bt`` = log softmax(z / T)[target]
@@ -114,8 +115,11 @@ def target_logprobs(
         return _exact_target_logprobs(
             top_k, top_p, valid_vocab_size, full_vocab, h_btd, unembed_dv, target_ids_bt, temp
         )
-    chunk = min(chunk, time)
-    n_chunks = -(-time // chunk)
+    # As few chunks as ``chunk`` allows, of equal size: T = 72 at chunk 64 is two
+    # chunks of 36, not 64 + 64 with 56 padded positions (each padded position costs
+    # its LM-head product and log-softmax, forward and backward).
+    n_chunks = -(-time // min(chunk, time))
+    chunk = -(-time // n_chunks)
     pad = n_chunks * chunk - time
     h_pad = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0)))
     ids_pad = jnp.pad(target_ids_bt, ((0, 0), (0, pad)))
