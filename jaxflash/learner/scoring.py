@@ -58,7 +58,13 @@ class Routing(NamedTuple):
 
 
 def policy_logprobs(
-    params: Any, mb: DeviceBatch, mc: ModelConfig, lc: LearnerConfig, full_vocab=False, router=False
+    params: Any,
+    mb: DeviceBatch,
+    mc: ModelConfig,
+    lc: LearnerConfig,
+    full_vocab=False,
+    router=False,
+    loss_only=False,
 ):
     """One micro-batch's forward pass scored under the sampling distribution.
 
@@ -71,6 +77,9 @@ def policy_logprobs(
         ``routed_experts_btlk`` [b, T, L, k] where the engine recorded routes).
       full_vocab: also return the tempered full-vocabulary log-prob of each target
         (what KL terms use); router: also return the routing (a MoE model).
+      loss_only: score only the logit chunks that hold a ``loss_mask_bt`` position
+        (``target_logprobs``' ``loss_mask_bt``): outputs elsewhere read 0. The loss
+        uses it; scorers that return every position do not.
 
     Returns:
       (logp_bt, entropy_bt[, full_logp_bt], ``Routing`` or None), float32 [b, T] each
@@ -114,6 +123,7 @@ def policy_logprobs(
         valid_vocab_size=mc.valid_vocab_size,  # padded ids: outside q, as in the engine
         full_vocab=full_vocab,  # + tempered full-vocabulary logp, what KL terms use
         exact=mc.exact_numerics,  # the engine's row blocks (models.caches.exact)
+        loss_mask_bt=mb["loss_mask_bt"] if loss_only else None,  # skip prompt-only chunks
     ), routing
 
 

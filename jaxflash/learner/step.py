@@ -130,7 +130,7 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
             ref_params = base  # the KL reference: the base without adapters (no copy)
             params = lora_lib.merge(base, params)
         logp_bt, ent_bt, *full_bt, routing = policy_logprobs(
-            params, mb, mc, lc, full_vocab=lc.uses_reference, router=use_router
+            params, mb, mc, lc, full_vocab=lc.uses_reference, router=use_router, loss_only=True
         )
         mu_bt = mb["behaviour_logp_bt"]
         cycle_bt = mb.get("cycle_bt")  # read only with a replay loss (a dict may lack it)

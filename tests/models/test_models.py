@@ -391,6 +391,36 @@ def test_chunked_logprobs_equal_unchunked_values_and_grads(sampling):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_loss_mask_skips_prompt_chunks():
+    """Chunks without a loss position are skipped (0 out, no gradient). log q(target)
+    at loss positions is bitwise that of scoring every chunk; entropy and gradients
+    equal up to float summation order (the chunk compiles to other fused kernels
+    inside ``lax.cond``; measured 3.6e-7 (entropy), 2.4e-7 (gradients), O(1) values)."""
+    rng = np.random.default_rng(2)
+    h = jnp.asarray(rng.normal(size=(2, 10, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 32, (2, 10)))
+    mask = np.zeros((2, 10), np.float32)
+    mask[0, 6:10], mask[1, 5:9] = 1.0, 1.0  # chunks of 4 (10 -> 3 x 4): the first has none
+    mask = jnp.asarray(mask)
+
+    def loss(h, w, m):
+        logp, ent = target_logprobs(h, w, ids, chunk=4, loss_mask_bt=m)
+        return jnp.sum(jnp.where(mask > 0, 0.7 * logp + 0.1 * ent, 0.0)), (logp, ent)
+
+    fn = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+    (v_all, (lp_all, en_all)), g_all = fn(h, w, None)
+    (v_skip, (lp_skip, en_skip)), g_skip = fn(h, w, mask)
+    bits = lambda x: np.asarray(x).view(np.uint32)  # noqa: E731
+    np.testing.assert_allclose(v_skip, v_all, rtol=1e-6)
+    for a, b in zip(g_skip, g_all, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    on = np.asarray(mask) > 0
+    assert np.array_equal(bits(lp_skip)[on], bits(lp_all)[on])
+    np.testing.assert_allclose(np.asarray(en_skip)[on], np.asarray(en_all)[on], atol=1e-6)
+    assert not np.any(np.asarray(lp_skip)[:, :4]) and np.any(np.asarray(lp_all)[:, :4])
+
+
 def test_per_row_temperature_and_bad_inputs():
     rng = np.random.default_rng(1)
     h = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)

@@ -60,6 +60,7 @@ def target_logprobs(
     valid_vocab_size: int | None = None,
     full_vocab: bool = False,
     exact: bool = False,
+    loss_mask_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """log q(target) and entropy of q at every position, chunked over time.
 
@@ -82,6 +83,13 @@ def target_logprobs(
         positions are flattened and scored in fixed blocks of ``EXACT_ROWS`` rows
         (``chunk`` is unused), the blocks the engine's ``exact_logits`` /
         ``exact_log_q`` use.
+      loss_mask_bt: float [B, T] or None. Given, a chunk in which no row has a
+        position with mask > 0 is not scored: its outputs read 0 and it has no
+        gradient (a learner batch's prompt columns: their LM-head products and
+        log-softmax are skipped, forward and backward). log q(target) of a scored chunk
+        is bitwise that without it; entropy and gradients equal up to float summation
+        order (the chunk compiles to other fused kernels inside ``lax.cond``; ~3e-7 on
+        O(1) values, tests/models/test_models.py). Ignored by ``exact``.
 
     Returns:
       (logp_bt, entropy_bt) or, with ``full_vocab``, (logp_bt, entropy_bt,
@@ -127,13 +135,27 @@ def target_logprobs(
     h_nbcd = h_pad.reshape(batch, n_chunks, chunk, -1).transpose(1, 0, 2, 3)
     ids_nbc = ids_pad.reshape(batch, n_chunks, chunk).transpose(1, 0, 2)
 
+    operands = (h_nbcd, ids_nbc)
+    if loss_mask_bt is not None:  # [n] bool: the chunk holds a loss position
+        mask_pad = jnp.pad(loss_mask_bt > 0, ((0, 0), (0, pad)))
+        operands += (mask_pad.reshape(batch, n_chunks, chunk).any(axis=(0, 2)),)
+
     def one_chunk(args):
-        h_bcd, ids_bc = args
-        return _chunk_logprobs(
-            top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, ids_bc, temp
+        h_bcd, ids_bc, *needed = args
+
+        def score():
+            return _chunk_logprobs(
+                top_k, top_p, valid_vocab_size, full_vocab, h_bcd, unembed_dv, ids_bc, temp
+            )
+
+        if not needed:
+            return score()
+        shapes = jax.eval_shape(score)
+        return jax.lax.cond(
+            needed[0], score, lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
         )
 
-    outs_nbc = jax.lax.map(one_chunk, (h_nbcd, ids_nbc))
+    outs_nbc = jax.lax.map(one_chunk, operands)
     return tuple(x.transpose(1, 0, 2).reshape(batch, -1)[:, :time] for x in outs_nbc)
 
 
