@@ -143,7 +143,9 @@ def make_loss_fn(model_config: ModelConfig, learner_config: LearnerConfig) -> Ca
         if lc.uses_reference:
             # KL between the tempered full-vocabulary distributions (finite even for
             # a token outside the reference's top-p nucleus; algorithms.distributions).
-            ref_full_bt = policy_logprobs(jax.lax.stop_gradient(ref_params), mb, mc, lc, True)[2]
+            # Scored like the policy (loss chunks only), so equal params give equal logp.
+            ref = jax.lax.stop_gradient(ref_params)
+            ref_full_bt = policy_logprobs(ref, mb, mc, lc, True, loss_only=True)[2]
             kl_bt = kl_k3(full_bt[0], ref_full_bt, mask_bt)
             loss = loss + lc.kl_coef * agg(kl_bt, mask_bt, num_tokens, num_sequences)
             kl_sum = jnp.sum(jnp.where(valid_bt, kl_bt, 0.0))
