@@ -238,8 +238,11 @@ def test_micro_batch_split_gives_same_loss_and_grads(world):
         b = np.asarray(_get(g2, path))
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert rel < 1e-6, (jax.tree_util.keystr(path), rel)
-    for k in ("tokens", "sequences", "entropy", "kl", "clip_frac", "ratio_max", "ratio_min"):
+    for k in ("tokens", "sequences", "entropy", "clip_frac", "ratio_max", "ratio_min"):
         np.testing.assert_allclose(float(m1[k]), float(m2[k]), rtol=1e-6, err_msg=k)
+    # k3 KL of the policy to itself (ref = params) is float rounding, 0 in exact
+    # arithmetic: measured 9.5e-15 (1 micro-batch) vs 1.9e-14 (2), so a bound, not rtol.
+    np.testing.assert_allclose(float(m1["kl"]), float(m2["kl"]), atol=1e-12, err_msg="kl")
     assert (float(m1["tokens"]), float(m1["sequences"])) == (12.0, 4.0)
 
 
