@@ -68,9 +68,10 @@ BATCH_METRICS: tuple[tuple[str, str], ...] = (
             "(mean of r − 1 − log r, r = π/μ); the Pearson correlation of the token "
             "probabilities μ and π (1 when constant); the fraction whose sampled token is "
             "outside the learner's top-k / top-p set, a lower bound on the fraction whose "
-            "sampling sets differ. Exactly 0 (corr 1) under `model.exact_numerics` on the "
-            "tested tiny and SmolLM2-shaped configs (the 2.4e-5 SmolLM2 residual was the "
-            "tied head's transpose, fixed; docs/CONSISTENCY.md; "
+            "sampling sets differ. Exactly 0 (corr 1) under `model.exact_numerics` (on a "
+            "1-device learner: tested tiny and SmolLM2-shaped configs, a real SmolLM2 run; "
+            "the 2.4e-5 SmolLM2 residual was the tied head's transpose, fixed; "
+            "docs/CONSISTENCY.md; "
             "`jaxflash.algorithms.consistency`)"
         ),
     ),

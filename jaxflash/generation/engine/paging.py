@@ -26,7 +26,9 @@ def resolve_paged(
     """A paged engine's config with ``page_groups`` and ``paged_attention="auto"``
     resolved for ``mesh``, and the pool's layout (None: one device, or dense).
 
-    "auto" takes the TPU kernel on a TPU mesh where it tiles the heads one chip holds.
+    "auto" takes the TPU kernel on a TPU mesh where it tiles the heads one chip holds,
+    except in the exact mode (``model_config.exact_numerics``), whose attention is the
+    reference path's (the kernel's reduction order is its own).
 
     Raises:
       ValueError: the slot groups do not divide the slots or the pages (naming the
@@ -48,7 +50,9 @@ def resolve_paged(
     attention = config.paged_attention
     if attention == "auto":
         on_tpu = mesh.devices.flat[0].platform == "tpu"
-        kernel = on_tpu and kernel_supported(model_config, layout)
+        kernel = (
+            on_tpu and not model_config.exact_numerics and kernel_supported(model_config, layout)
+        )
         attention = "tpu_kernel" if kernel else "reference"
     config = dataclasses.replace(config, paged_attention=attention, page_groups=groups)
     return config, layout

@@ -265,8 +265,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.moe_d_ff must be >= 1 with n_experts={e}, got {f}")
         if e and self.exact_numerics:
             raise ValueError(
-                "ModelConfig.exact_numerics covers dense models: a routed mixture of experts "
-                f"(n_experts={e}) groups tokens by expert, so a token's MLP depends on its batch"
+                "ModelConfig.exact_numerics (model.exact_numerics) covers dense models: a routed "
+                f"mixture of experts (n_experts={e}) groups tokens by expert, so a token's MLP "
+                "depends on its batch"
             )
         coef = self.router_aux_loss_coef
         if not (isinstance(coef, int | float) and coef >= 0):

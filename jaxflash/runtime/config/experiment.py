@@ -217,6 +217,24 @@ class ExperimentConfig:
             )
         object.__setattr__(self, "learner", learner)
         m = self.mesh
+        learner_devices = math.prod(int(v) for v in m.learner.values())
+        _check(
+            not self.model.exact_numerics or learner_devices == 1,
+            f"model.exact_numerics=True with a sharded learner (mesh.learner={dict(m.learner)}): "
+            "the exact mode is bitwise only on a 1-device learner so far (a sharded learner's "
+            "logprobs differ like the default mode's; docs/CONSISTENCY.md); set "
+            "mesh.learner to one device (e.g. {'fsdp': 1})",
+        )
+        _check(
+            not m.delta_publish or not m.generation_processes,
+            "mesh.delta_publish=True with mesh.generation_processes=True: generation programs "
+            "still pull the full tree (delta publish reaches thread engines only; docs/PERF.md)",
+        )
+        _check(
+            not m.delta_publish or self.learner.lora is None,
+            "mesh.delta_publish=True with LoRA (learner.lora.rank > 0): a LoRA "
+            "run publishes only its adapters, so there is no full tree to send as a delta",
+        )
         if m.colocated:
             _check(
                 r.async_ratio == 0,

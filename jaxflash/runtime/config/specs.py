@@ -79,8 +79,9 @@ class MeshSpec:
         weight tree (costs a host copy of the weights per update; for tests).
       delta_publish: thread engines (full fine-tuning) get only the engine-side
         weights whose bits changed since their version, checked by digest
-        (``sync.delta_publish``; generation programs still pull the full tree). Off
-        by default: exact, but slower than the full copy on CPU (docs/PERF.md).
+        (the module ``jaxflash.sync.delta_publish``). Refused with generation
+        programs (they still pull the full tree) and with LoRA (only adapters move).
+        Off by default: exact, but slower than the full copy on CPU (docs/PERF.md).
     """
 
     num_cpu_devices: int = 1

@@ -96,6 +96,20 @@ def _smoke(**overrides):
         ),
         ({"reward.format_weight": 0.5}, ("reward.format_weight", "reward.fn")),
         ({"rollout.decode_block": 0}, ("rollout.decode_block must be >= 1",)),
+        # the exact mode is not bitwise on a sharded learner yet: refused, not approximate
+        ({"model.exact_numerics": True}, ("model.exact_numerics", "mesh.learner")),
+        (
+            {
+                "mesh.colocated": False,
+                "mesh.generation_processes": True,
+                "mesh.delta_publish": True,
+            },
+            ("mesh.delta_publish", "mesh.generation_processes"),
+        ),
+        (
+            {"mesh.delta_publish": True, "learner.lora": {"rank": 4}},
+            ("mesh.delta_publish", "learner.lora.rank"),
+        ),
     ],
 )
 def test_silently_ignored_settings_are_refused_naming_the_fields(overrides, fields):
@@ -103,6 +117,13 @@ def test_silently_ignored_settings_are_refused_naming_the_fields(overrides, fiel
         ExperimentConfig.from_config_dict(_smoke(**overrides))
     for field in fields:
         assert field in str(err.value)
+
+
+def test_exact_mode_accepted_on_a_one_device_learner():
+    c = _smoke(**{"model.exact_numerics": True, "mesh.num_cpu_devices": 1})
+    c.mesh.learner = {"fsdp": 1}
+    c.mesh.generation = {"tensor": 1}
+    assert ExperimentConfig.from_config_dict(c).model.exact_numerics
 
 
 def test_async_settings_accepted_on_disjoint_slices():
