@@ -37,6 +37,7 @@ sys.path.insert(0, REPO_ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from consistency import requests  # noqa: E402
 
 from jaxflash.generation.engine.llama_engine import LlamaEngine  # noqa: E402
 from jaxflash.generation.engine.state import EngineConfig  # noqa: E402
@@ -45,7 +46,6 @@ from jaxflash.models.caches import attention, cache_face  # noqa: E402
 from jaxflash.models.caches.kv_cache import init_layer_kv_cache  # noqa: E402
 from jaxflash.models.decoder.logprobs import target_logprobs  # noqa: E402
 from jaxflash.models.decoder.transformer import forward, unembed, unstack_layers  # noqa: E402
-from jaxflash.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def load(model: str):
@@ -56,23 +56,10 @@ def load(model: str):
     return config.replace(max_seq_len=max(config.max_seq_len, 128)), params
 
 
-def requests(vocab: int, n: int, new: int) -> list[GenerationRequest]:
-    return [
-        GenerationRequest(
-            prompt_id=i,
-            sample_index=0,
-            prompt_tokens=(np.arange(6 + 3 * (i % 5), dtype=np.int32) * 37 + 11 * i + 5) % vocab,
-            sampling=SamplingParams(max_new_tokens=new),
-            seed=0,
-        )
-        for i in range(n)
-    ]
-
-
 def engine_samples(config, params, prompts: int, new: int):
     ec = EngineConfig(max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64)
     engine = LlamaEngine(config, ec)
-    reqs = requests(config.valid_vocab_size or config.vocab_size, prompts, new)
+    reqs = requests(config.valid_vocab_size or config.vocab_size, prompts, new, sampling={})
     return run_requests(engine, engine.place_params(params), reqs, policy_version=0, eos_id=-1)
 
 

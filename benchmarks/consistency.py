@@ -118,13 +118,16 @@ def load(row: Row):
     return config.replace(compute_dtype=row.dtype, exact_numerics=row.exact), params
 
 
-def requests(vocab: int, n: int, new: int) -> list[GenerationRequest]:
+def requests(vocab: int, n: int, new: int, sampling: dict | None = None) -> list[GenerationRequest]:
+    """``n`` deterministic prompts of 6-18 token ids below ``vocab``, ``new`` tokens each
+    (sampled with ``sampling``, by default this benchmark's ``SAMPLING``)."""
+    sampling = SAMPLING if sampling is None else sampling
     return [
         GenerationRequest(
             prompt_id=i,
             sample_index=0,
             prompt_tokens=(np.arange(6 + 3 * (i % 5), dtype=np.int32) * 37 + 11 * i + 5) % vocab,
-            sampling=SamplingParams(max_new_tokens=new, **SAMPLING),
+            sampling=SamplingParams(max_new_tokens=new, **sampling),
             seed=0,
         )
         for i in range(n)
