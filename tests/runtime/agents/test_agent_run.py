@@ -48,11 +48,14 @@ def test_agent_trains_on_sampled_ids_across_weight_updates_on_generation_program
     assert last["agent_sessions_started"] == sum(last[f"agent_sessions_{e}"] for e in ends)
     assert last["agent_sessions_failed_raised"] >= 1
     assert last["agent_sessions_failed_malformed"] >= 1
-    # Each env failure is a failed session. Not the converse yet (known gap, 1 run in 6
-    # here): a session whose episode the run had already ended (a redundant spare)
-    # and that then fails its own way (times out) is counted failed, not closed, and its
-    # episode is no env failure.
-    assert last["agent_sessions_failed"] >= last["env_failures_raised"]
+    # Each env failure is a session that ended failed, or closed first: the run can
+    # close a session (its episode ended, e.g. a redundant spare) while the agent's
+    # episode is failing, and the session then counts closed (1 run in ~10 here).
+    # The converse does not hold either (a closed spare's agent that then times out
+    # counts failed_timeout and is no env failure); both are known gaps of the
+    # counters, not lost sessions: every session ends exactly once (asserted above).
+    sessions_ended_badly = last["agent_sessions_failed"] + last["agent_sessions_closed"]
+    assert sessions_ended_badly >= last["env_failures_raised"]
     # Trained episodes hold exactly what the engine sampled: the first turn's ids, the
     # delta of the agent's message, the second turn's ids (as the replies gave them).
     seen = {
