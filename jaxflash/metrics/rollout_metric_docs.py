@@ -63,8 +63,8 @@ ROLLOUT_METRICS: tuple[tuple[str, str], ...] = (
         (
             "device-to-device copy + hand-over to the servers; the copy alone; bytes the"
             " publish moved, every server together (under `learner.lora` the adapters only;"
-            " thread engines under `mesh.delta_publish` the compressed deltas, or the full"
-            " tree of a server that fell back; with generation programs, offered to each)"
+            " under `mesh.delta_publish` the compressed deltas, or the full tree of a server"
+            " that fell back; generation programs report what their pulls moved)"
         ),
     ),
     (

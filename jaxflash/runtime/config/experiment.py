@@ -226,11 +226,6 @@ class ExperimentConfig:
             "mesh.learner to one device (e.g. {'fsdp': 1})",
         )
         _check(
-            not m.delta_publish or not m.generation_processes,
-            "mesh.delta_publish=True with mesh.generation_processes=True: generation programs "
-            "still pull the full tree (delta publish reaches thread engines only; docs/PERF.md)",
-        )
-        _check(
             not m.delta_publish or self.learner.lora is None,
             "mesh.delta_publish=True with LoRA (learner.lora.rank > 0): a LoRA "
             "run publishes only its adapters, so there is no full tree to send as a delta",

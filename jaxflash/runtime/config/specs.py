@@ -77,11 +77,12 @@ class MeshSpec:
         (``jax.experimental.transfer``) or "stream" (host-staged, per shard).
       generation_digests: generation programs log a SHA-256 of every installed
         weight tree (costs a host copy of the weights per update; for tests).
-      delta_publish: thread engines (full fine-tuning) get only the engine-side
-        weights whose bits changed since their version, checked by digest
-        (the module ``jaxflash.sync.delta_publish``). Refused with generation
-        programs (they still pull the full tree) and with LoRA (only adapters move).
-        Off by default: exact, but slower than the full copy on CPU (docs/PERF.md).
+      delta_publish: full fine-tuning sends a generation server only the XOR of the
+        engine-side weights that changed since its version, zstd-compressed and
+        checked by digest (thread engines: ``sync.delta_publish``; generation programs,
+        every host its own blocks: ``sync.transfer_delta``). Refused with LoRA (only
+        adapters move). Off by default: exact and ~10x fewer bytes, but slower than the
+        full copy on CPU (docs/PERF.md).
     """
 
     num_cpu_devices: int = 1

@@ -54,10 +54,10 @@ def make_fleet(
 ) -> ThreadFleet | ProcessFleet:
     """The fleet ``exp.mesh`` asks for (its engines built, or its programs configured)."""
     engine = {"rollout": exp.rollout, "env": exp.env, "lora": exp.learner.lora}
+    delta = exp.mesh.delta_publish
     if exp.mesh.generation_processes:
         return ProcessFleet(
             model_config, tokenizer.stop_ids, workdir, servers,
-            mesh=exp.mesh, model=exp.model, seed=exp.seed, **engine,
+            mesh=exp.mesh, model=exp.model, seed=exp.seed, delta=delta, **engine,
         )  # fmt: skip
-    delta = exp.mesh.delta_publish
     return ThreadFleet(model_config, placement, tokenizer, servers, delta=delta, **engine)

@@ -9,7 +9,9 @@ shards of the weights and of the KV cache. Process 0 runs the gRPC service
 the other processes run ``follow`` and replay what process 0 tells them over a
 ``learner_links`` command channel (JSON + raw arrays over TCP, no pickle):
 
-- ``configure``: build the same engine and ``WeightReceiver`` (``build_program``).
+- ``configure``: build the same engine and ``WeightReceiver`` (``build_program``;
+  with ``delta``, a ``sync.transfer_delta.DeltaPuller``: each host pulls the deltas
+  of its own blocks in the engine's dtypes, or its blocks whole).
 - ``pull``: pull *this process's* shards of a version from the learner
   (``jax.experimental.transfer`` registers process-local buffers only, so every
   host offers or pulls its own blocks); the sender list is rotated so that host
@@ -33,6 +35,7 @@ a follower whose connection to process 0 closes exits at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import queue
 import threading
@@ -109,6 +112,12 @@ def build_program(config: dict[str, Any], host: str) -> Built:
     )
     built.receiver = WeightReceiver(template, host=host)
     built.layout_json = built.receiver.layout.to_json()
+    if config.get("delta") and lora is None:  # deltas of this host's blocks, engine dtypes
+        from jaxflash.generation.engine.params import as_engine_dtypes  # noqa: PLC0415
+        from jaxflash.sync.transfer_delta import DeltaPuller  # noqa: PLC0415
+
+        view = functools.partial(as_engine_dtypes, model_config=model_config)
+        built.receiver = DeltaPuller(built.receiver, view)
     return built
 
 
@@ -323,7 +332,7 @@ class _Follower:
 
         offer = WeightOffer.from_json(header["offer"])
         built, transfer = self.built, self.config["transfer"]
-        current = built.receiver.current
+        current, before = built.receiver.current, built.receiver.stats.bytes
         if current is None or current.version != offer.version:
             try:
                 current = built.receiver.pull(
@@ -342,7 +351,8 @@ class _Follower:
         with self._lock:
             self.params = {offer.version: params}
         digests = shard_digests(current.params) if self.config.get("digests") else None
-        self.link.send("pulled", ok=True, version=offer.version, digests=digests)
+        moved = built.receiver.stats.bytes - before  # deltas' or the full tree's payload
+        self.link.send("pulled", ok=True, version=offer.version, digests=digests, bytes=moved)
 
     def start(self, header: dict[str, Any]) -> None:
         from jaxflash.generation.slot_loop import SlotBatcher  # noqa: PLC0415

@@ -74,6 +74,7 @@ class GenerationProgram:
         self._config: dict[str, Any] | None = None
         self._target: WeightOffer | None = None
         self._installed: int | None = None
+        self._moved: dict[int, int] = {}  # the last install's version -> payload bytes
         self._fatal: str | None = None
         self._subscriber = 0
         self._counts: collections.Counter = collections.Counter()
@@ -100,8 +101,9 @@ class GenerationProgram:
 
     def configure(self, header: dict[str, Any]) -> bytes:
         config = {k: header[k] for k in _CONFIG_KEYS if k in header}
-        if header.get("lora"):  # optional: adapters over a base built here
-            config["lora"] = header["lora"]
+        for key in ("lora", "delta"):  # optional: adapters over a base built here; deltas
+            if header.get(key):
+                config[key] = header[key]
         missing = sorted(set(_CONFIG_KEYS) - set(config))
         if missing:
             return reply(Status.BAD_CONFIG, error=f"Configure is missing {missing}")
@@ -160,7 +162,8 @@ class GenerationProgram:
                         Status.DOWN, error=f"version {offer.version} not installed in time"
                     )
                 self._cond.wait(min(left, 0.5))
-        return reply(Status.OK)
+            moved = self._moved.get(offer.version)
+        return reply(Status.OK, moved=moved)
 
     def submit(self, message: bytes) -> bytes:
         try:
@@ -291,6 +294,7 @@ class GenerationProgram:
         self._events.put(({"type": "pulling", "version": offer.version}, {}))
         t0 = time.perf_counter()
         hosts, replies, shards = self._hosts, None, None
+        before = self._built.receiver.stats.bytes
         if hosts is not None:  # every host pulls its own shards, at the same time
             hosts.post("pull", offer=offer.to_json())
         try:
@@ -342,16 +346,21 @@ class GenerationProgram:
         else:
             self._server.update_weights(params, current.version)
         pulled = self._built.receiver.stats.bytes
+        # This version's payload bytes, every host (a delta's, or the full tree's).
+        moved = pulled - before + sum(int(r.get("bytes") or 0) for r in (replies or {}).values())
         event = {"type": "installed", "version": current.version, "seconds": seconds,
-                 "method": transfer["method"], "bytes": pulled}  # fmt: skip
+                 "method": transfer["method"], "bytes": pulled, "moved": moved}  # fmt: skip
         if cfg.get("digests") and hosts is None:
             event["digest"] = tree_digest(current.params)
         elif cfg.get("digests"):
             event["shard_digests"] = shards
         with self._cond:
             self._installed = current.version
+            self._moved = {current.version: moved}  # the Update reply reports it
             self._cond.notify_all()  # an Update waiting for this version replies now
             self._counts["pulls"] += 1
+            for k, n in getattr(self._built.receiver, "counts", {}).items():  # DeltaPuller
+                self._counts[f"pull_{k}"] = n
         self._events.put((event, {}))
 
     def _on_finished(self, sample: Any) -> None:

@@ -24,6 +24,7 @@ step's end; a second SIGTERM ends the process at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from jax.sharding import Mesh
 
 from jaxflash import failpoints
 from jaxflash.checkpoint.checkpointer import CheckpointMeta
+from jaxflash.generation.engine.params import as_engine_dtypes
 from jaxflash.learner.state import state_shardings
 from jaxflash.learner.step import make_train_step
 from jaxflash.models.config.model_config import ModelConfig
@@ -109,6 +111,8 @@ class LearnerProgram:
         block_digests: bool = False,
     ):
         self._links = links
+        # The params as the generation engines keep them (a delta offer's blocks).
+        self._engine_view = jax.jit(functools.partial(as_engine_dtypes, model_config=model_config))
         self._digest_log = (
             os.path.join(workdir, "generation", f"learner_blocks.p{jax.process_index()}.jsonl")
             if block_digests
@@ -213,9 +217,13 @@ class LearnerProgram:
         self._train_step, self._shardings, self.mesh = step, shardings, mesh
         return report
 
-    def offer(self, layout: TreeLayout) -> tuple[str, ...]:
+    def offer(self, layout: TreeLayout, *, delta: bool = False) -> tuple[str, ...]:
         """Stage ``params`` in a generation program's ``layout`` and offer them as
         version ``step`` on every process; returns the senders' addresses.
+
+        With ``delta``, each process also offers its staged blocks as the engine keeps
+        them (``as_engine_dtypes``): programs holding the previous version pull only
+        the blocks' changes (``sync.transfer_delta``); the digest log hashes that view.
 
         Raises:
           RuntimeError: built without a sender. LayoutMismatchError: see
@@ -223,9 +231,12 @@ class LearnerProgram:
         """
         if self._pump is None:
             raise RuntimeError("LearnerProgram.offer: built without a WeightSender")
-        self._post("offer", layout=layout.to_json())
+        self._post("offer", layout=layout.to_json(), delta=bool(delta))
         staged = stage_for_layout(self.state.params, layout)
-        self._pump.sender.offer(staged, self.step)
+        engine = self._engine_view(staged) if delta else None
+        self._pump.sender.offer(staged, self.step, engine=engine)
+        if engine is not None:  # what the programs hold (and hash)
+            staged = engine
         if self._digest_log is not None:
             from jaxflash.runtime.fleet.gen_hosts import shard_digests  # noqa: PLC0415
 
@@ -281,7 +292,7 @@ class LearnerProgram:
         elif op == "skip":
             self.skip()
         elif op == "offer":
-            self.offer(TreeLayout.from_json(header["layout"]))
+            self.offer(TreeLayout.from_json(header["layout"]), delta=bool(header.get("delta")))
         elif op == "sync_point":
             if self.preempted(int(header["step"])):
                 log.warning("preemption: every learner process saves step %d", header["step"])

@@ -12,6 +12,7 @@ is, and the calls both kinds answer: ``fleets``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 
+from jaxflash.generation.engine.params import as_engine_dtypes
 from jaxflash.models.adapters.lora import LoraConfig, tree_bytes
 from jaxflash.runtime.config.env_spec import EnvSpec
 from jaxflash.runtime.config.rollout_spec import RolloutSpec
@@ -48,9 +50,8 @@ EVAL_TIMEOUT_S = 3600.0  # one evaluation on the generation programs, at most
 class ProcessFleet:
     """Generation servers as separate JAX programs, reached over gRPC.
 
-    Programs pull the full tree at every version (``mesh.delta_publish`` applies to
-    thread engines only so far; ``sync.transfer_delta`` is the programs' delta path,
-    not yet wired here, docs/PERF.md "Delta publish").
+    With ``delta`` (``mesh.delta_publish``, not LoRA) programs hold the engine-side tree
+    and pull only what changed, each host its own blocks (``sync.transfer_delta``).
 
     Starting: every local program is launched first (their imports overlap),
     then each is connected and configured; all must report the same weight
@@ -67,6 +68,8 @@ class ProcessFleet:
       rollout, env: the sections the programs' engines are built from (``engine_config``).
       lora: the adapters' config (None: full fine-tuning); ``model``, ``seed``: where
         the programs build the frozen base from under LoRA (``lora_base_source``).
+      delta: ``mesh.delta_publish`` (ignored under LoRA): each version after a program's
+        first goes as the XOR of the engine-side bits that changed (docs/PERF.md).
 
     Raises:
       ValueError: a ``server_factory`` other than the default (it builds thread
@@ -88,6 +91,7 @@ class ProcessFleet:
         lora: LoraConfig | None,
         model: ModelSpec,
         seed: int,
+        delta: bool = False,
     ):
         if servers.server_factory is not GenerationServer:
             raise ValueError("server_factory applies to thread servers, not generation programs")
@@ -109,6 +113,10 @@ class ProcessFleet:
             },  # fmt: skip
             "digests": bool(m.generation_digests),
         }
+        self._delta = bool(delta) and lora is None
+        self._engine_view = jax.jit(functools.partial(as_engine_dtypes, model_config=model_config))
+        if self._delta:
+            config["delta"] = True
         if lora is not None:  # programs build the base; only adapters move
             adapters = {"config": dataclasses.asdict(lora)}
             config["lora"] = {**adapters, "source": lora_base_source(model=model, seed=seed)}
@@ -145,7 +153,7 @@ class ProcessFleet:
         self._board: OfferBoard | None = None
         self.pool: ServerPool | None = None  # ``start`` builds it
         self._listener: ServerListener | None = None  # ``listen`` names it
-        self.last_publish_bytes = 0  # bytes offered by the last publish, per program
+        self.last_publish_bytes = 0  # bytes the last publish moved, every program together
 
     def _offer(self, learner: LearnerProgram, version: int) -> WeightOffer:
         """Offer the learner's params as ``version``; the same offer for every program."""
@@ -153,12 +161,16 @@ class ProcessFleet:
             for client in self.clients:  # the programs' LoRA bases are the learner's
                 client.expected_base_digest = learner.base_record["digest"]
                 client.check_base()
-        offer = WeightOffer(version=int(version), senders=learner.offer(self.layout))
+        senders = learner.offer(self.layout, delta=self._delta)
+        offer = WeightOffer(version=int(version), senders=senders)
+        # Until the programs report what their pulls moved (``publish``): the full tree each.
         self.last_publish_bytes = tree_bytes(learner.params) * len(self.clients)
         if self._mesh.generation_digests and jax.process_count() == 1:
             # The learner's side of the bit-for-bit check: each program logs the digest
-            # of what it installed; both must equal this (tests compare them).
-            line = {"version": int(version), "digest": tree_digest(learner.params)}
+            # of what it installed (under delta, in the engine's dtypes); both must equal
+            # this (tests compare them).
+            held = self._engine_view(learner.params) if self._delta else learner.params
+            line = {"version": int(version), "digest": tree_digest(held)}
             with open(os.path.join(self._dir, "learner.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
         if self._board is None:
@@ -194,19 +206,20 @@ class ProcessFleet:
         t0 = clock.now()
         offer = self._offer(learner, version)
         with futures.ThreadPoolExecutor(len(self._servers)) as pool:
-            for _ in pool.map(lambda s: self._pull(s, offer), self._servers):
-                pass
+            moved = list(pool.map(lambda s: self._pull(s, offer), self._servers))
+        if all(m is not None for m in moved):  # what the pulls moved (deltas or full trees)
+            self.last_publish_bytes = sum(moved)
         copy_s = clock.now() - t0
         change = ServersChanged(version=version, weights=[offer] * len(self.clients))
         done = self._listener.servers_changed(change)
         return WeightSync(copy_s=copy_s, handover_s=done.seconds, bytes=self.last_publish_bytes)
 
     @staticmethod
-    def _pull(server: RemoteGenerationServer, offer: WeightOffer) -> None:
+    def _pull(server: RemoteGenerationServer, offer: WeightOffer) -> int | None:
         try:
-            server.pull(offer, TRANSFER_TIMEOUT_S)
+            return server.pull(offer, TRANSFER_TIMEOUT_S)
         except RemoteServerDownError:
-            pass  # its check() raises now: the scheduler re-routes, the supervisor restarts
+            return None  # its check() raises now: the scheduler re-routes, restarts it
 
     def resize(self, **_: Any) -> Resized:
         raise ValueError("elastic moves need thread servers (runtime.config.elastic_spec)")

@@ -243,8 +243,9 @@ class RemoteGenerationServer:
             incarnation = self._raise_if_down()
         self._call("Update", rpc_wire.encode({"offer": params.to_json()}), incarnation)
 
-    def pull(self, offer: WeightOffer, timeout_s: float) -> None:
-        """Have the program install ``offer`` now; returns once it is installed.
+    def pull(self, offer: WeightOffer, timeout_s: float) -> int | None:
+        """Have the program install ``offer`` now; returns once it is installed, with
+        the payload bytes its pull moved (None: not known, e.g. installed before).
 
         After this, requests submitted here start at ``offer.version`` (what
         ``update_weights`` promises a thread server's callers); ``update_weights``
@@ -259,11 +260,13 @@ class RemoteGenerationServer:
         with self._cond:
             incarnation = self._raise_if_down()
         message = rpc_wire.encode({"offer": offer.to_json(), "wait": True, "timeout_s": timeout_s})
-        self._call("Update", message, incarnation, timeout_s=timeout_s + 10.0)
+        _, fields = self._call("Update", message, incarnation, timeout_s=timeout_s + 10.0)
         with self._cond:
             if incarnation == self._incarnation:
                 self._requested = max(self._requested, int(offer.version))
                 self._pulled = int(offer.version)
+        moved = fields.get("moved")
+        return None if moved is None else int(moved)
 
     def check(self) -> None:
         """Raise while the program is down; a restarted program passes again once this

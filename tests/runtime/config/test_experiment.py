@@ -99,14 +99,6 @@ def _smoke(**overrides):
         # the exact mode is not bitwise on a sharded learner yet: refused, not approximate
         ({"model.exact_numerics": True}, ("model.exact_numerics", "mesh.learner")),
         (
-            {
-                "mesh.colocated": False,
-                "mesh.generation_processes": True,
-                "mesh.delta_publish": True,
-            },
-            ("mesh.delta_publish", "mesh.generation_processes"),
-        ),
-        (
             {"mesh.delta_publish": True, "learner.lora": {"rank": 4}},
             ("mesh.delta_publish", "learner.lora.rank"),
         ),

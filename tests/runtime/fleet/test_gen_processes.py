@@ -43,6 +43,7 @@ def _config(
     steps: int,
     alpha: int,
     digests: bool = False,
+    delta: bool = False,
     max_new_tokens: int = 8,
     eval_size: int = 0,
 ):
@@ -54,6 +55,7 @@ def _config(
     c.checkpoint.every = 1
     c.mesh.generation_processes = processes
     c.mesh.generation_digests = digests and processes
+    c.mesh.delta_publish = delta
     return ExperimentConfig.from_config_dict(c)
 
 
@@ -65,10 +67,12 @@ def _accounted(m):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_generation_processes_reproduce_the_thread_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_generation_processes_reproduce_the_thread_run_bit_for_bit(tmp_path, delta):
     threads, procs = str(tmp_path / "threads"), str(tmp_path / "procs")
     rlvr.run(_config(processes=False, steps=2, alpha=0, eval_size=2), workdir=threads)
-    exp = _config(processes=True, steps=2, alpha=0, digests=True, eval_size=2)
+    # delta: versions 1 and 2 are deltas over the engine-side tree (digests hash it)
+    exp = _config(processes=True, steps=2, alpha=0, digests=True, eval_size=2, delta=delta)
     last = rlvr.run(exp, workdir=procs)
     assert last["policy_version"] == 2 and _accounted(last)
 
@@ -102,6 +106,14 @@ def test_generation_processes_reproduce_the_thread_run_bit_for_bit(tmp_path):
             if e["event"] == "installed"
         }
         assert installed == learner, name
+    if delta:  # the programs pulled deltas after the first full tree, and said so
+        for name in ("gen0", "gen1"):
+            moved = [
+                e["moved"]
+                for e in _rows(os.path.join(gen_dir, f"{name}.jsonl"))
+                if e["event"] == "installed"
+            ]
+            assert len(moved) == 3 and 0 < max(moved[1:]) < moved[0], (name, moved)
 
 
 @pytest.mark.slow
