@@ -90,6 +90,32 @@ def _task_options(value: Any, field: str = "data.task_options") -> dict[str, Any
     return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in value.items()}
 
 
+def _delta_publish(mesh: Mapping[str, Any], lora: LoraConfig | None) -> bool:
+    """``mesh.delta_publish``: True / False, or "auto" (the default): on where a publish
+    leaves the machine — generation programs on other hosts (``generation_addresses``)
+    or spanning hosts (``generation_hosts`` > 1) — and the run is full fine-tuning; off
+    for thread engines and local programs, where the full copy is a memcpy or a loopback
+    socket and the delta's passes cost more than the bytes they save (docs/PERF.md).
+
+    Raises:
+      ConfigError: a value other than a bool, "auto", "true"/"on" or "false"/"off".
+    """
+    raw = mesh.get("delta_publish", "auto")
+    if isinstance(raw, str):
+        word = raw.strip().lower()
+        _check(
+            word in ("auto", "true", "on", "false", "off"),
+            f"mesh.delta_publish must be True, False or 'auto', got {raw!r}",
+        )
+        if word != "auto":
+            return word in ("true", "on")
+        remote = bool(_addresses(mesh.get("generation_addresses", ())))
+        spans = int(mesh.get("generation_hosts", 1)) > 1
+        return bool(mesh.get("generation_processes", False)) and (remote or spans) and lora is None
+    _check(isinstance(raw, bool), f"mesh.delta_publish must be True, False or 'auto', got {raw!r}")
+    return raw
+
+
 def _addresses(value: Any) -> tuple[str, ...]:
     """``mesh.generation_addresses``: a sequence, or comma-separated text (command line)."""
     if isinstance(value, str):
@@ -325,7 +351,7 @@ class ExperimentConfig:
                 generation_hosts=int(mesh.get("generation_hosts", 1)),
                 weight_transfer=str(mesh.get("weight_transfer", "transfer")),
                 generation_digests=bool(mesh.get("generation_digests", False)),
-                delta_publish=bool(mesh.get("delta_publish", False)),
+                delta_publish=_delta_publish(mesh, lora),
             ),
             model=ModelSpec(**model),
             data=DataSpec(**data),

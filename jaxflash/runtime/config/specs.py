@@ -81,8 +81,12 @@ class MeshSpec:
         engine-side weights that changed since its version, zstd-compressed and
         checked by digest (thread engines: ``sync.delta_publish``; generation programs,
         every host its own blocks: ``sync.transfer_delta``). Refused with LoRA (only
-        adapters move). Off by default: exact and ~10x fewer bytes, but slower than the
-        full copy on CPU (docs/PERF.md).
+        adapters move). In the config: True, False or "auto" (the default), which
+        ``ExperimentConfig.from_config_dict`` resolves to True for generation programs
+        on other hosts (``generation_addresses``) or over several hosts
+        (``generation_hosts`` > 1) without LoRA — publishes that cross a network — and
+        False otherwise: exact and ~10x fewer bytes, but slower than the full copy
+        where that copy is a memcpy or a loopback socket (docs/PERF.md).
     """
 
     num_cpu_devices: int = 1

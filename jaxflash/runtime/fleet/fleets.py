@@ -6,7 +6,8 @@ One RL loop (``runtime.loop``) drives either kind through the same calls:
   program's devices, a ``GenerationServer`` thread each; ``publish`` copies the
   learner's params device to device onto every generation mesh (with ``delta``, only
   the engine-side (bf16) weights that changed since the slot's version,
-  ``sync.delta_publish``: bit-identical to a full copy; off by default, docs/PERF.md).
+  ``sync.delta_publish``: bit-identical to a full copy; off for thread engines unless
+  set, docs/PERF.md).
 - ``ProcessFleet`` (``mesh.generation_processes=True``): one generation program
   per slice (``runtime.fleet.gen_program``: local child processes, or programs already
   running at ``mesh.generation_addresses``), a ``RemoteGenerationServer`` each;

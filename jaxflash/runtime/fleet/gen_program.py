@@ -350,6 +350,10 @@ class GenerationProgram:
         moved = pulled - before + sum(int(r.get("bytes") or 0) for r in (replies or {}).values())
         event = {"type": "installed", "version": current.version, "seconds": seconds,
                  "method": transfer["method"], "bytes": pulled, "moved": moved}  # fmt: skip
+        # Under delta publish, process 0's pulls so far by kind (delta, full, fallback_*).
+        event.update(
+            {f"pull_{k}": n for k, n in getattr(self._built.receiver, "counts", {}).items()}
+        )
         if cfg.get("digests") and hosts is None:
             event["digest"] = tree_digest(current.params)
         elif cfg.get("digests"):

@@ -214,3 +214,28 @@ def test_metrics_writer(tmp_path):
     assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
     MetricsWriter(str(tmp_path)).close()  # a run that writes no step adds no event file
     assert len(os.listdir(tmp_path / "tensorboard")) == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({}, False),  # thread engines: the full copy is a memcpy
+        ({"mesh.generation_processes": True, "mesh.colocated": False}, False),  # local programs: loopback
+        ({"mesh.generation_processes": True, "mesh.colocated": False, "mesh.generation_hosts": 2,
+          "mesh.generation": {"tensor": 2}}, True),  # a program over hosts
+        ({"mesh.generation_processes": True, "mesh.colocated": False,
+          "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:7000"}, True),  # programs on other hosts
+        ({"mesh.generation_processes": True, "mesh.colocated": False,
+          "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:7000", "learner.lora": {"rank": 4}}, False),
+        ({"mesh.delta_publish": True}, True),
+        ({"mesh.delta_publish": "off", "mesh.generation_processes": True, "mesh.colocated": False,
+          "mesh.generation_hosts": 2, "mesh.generation": {"tensor": 2}}, False),
+    ],
+)  # fmt: skip
+def test_delta_publish_auto_is_on_where_publishes_leave_the_machine(overrides, expected):
+    assert ExperimentConfig.from_config_dict(_smoke(**overrides)).mesh.delta_publish is expected
+
+
+def test_delta_publish_refuses_a_word_it_does_not_know():
+    with pytest.raises(ValueError, match="mesh.delta_publish"):
+        ExperimentConfig.from_config_dict(_smoke(**{"mesh.delta_publish": "sometimes"}))
