@@ -216,22 +216,23 @@ def test_metrics_writer(tmp_path):
     assert len(os.listdir(tmp_path / "tensorboard")) == 1
 
 
+_PROGRAMS = {"mesh.generation_processes": True, "mesh.colocated": False}
+_TWO_HOSTS = {**_PROGRAMS, "mesh.generation_hosts": 2, "mesh.generation": {"tensor": 2}}
+_REMOTE = {**_PROGRAMS, "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:7000"}
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
         ({}, False),  # thread engines: the full copy is a memcpy
-        ({"mesh.generation_processes": True, "mesh.colocated": False}, False),  # local programs: loopback
-        ({"mesh.generation_processes": True, "mesh.colocated": False, "mesh.generation_hosts": 2,
-          "mesh.generation": {"tensor": 2}}, True),  # a program over hosts
-        ({"mesh.generation_processes": True, "mesh.colocated": False,
-          "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:7000"}, True),  # programs on other hosts
-        ({"mesh.generation_processes": True, "mesh.colocated": False,
-          "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:7000", "learner.lora": {"rank": 4}}, False),
+        (_PROGRAMS, False),  # local programs: a loopback socket
+        (_TWO_HOSTS, True),  # a program over hosts
+        (_REMOTE, True),  # programs on other hosts
+        ({**_REMOTE, "learner.lora": {"rank": 4}}, False),  # LoRA moves adapters only
         ({"mesh.delta_publish": True}, True),
-        ({"mesh.delta_publish": "off", "mesh.generation_processes": True, "mesh.colocated": False,
-          "mesh.generation_hosts": 2, "mesh.generation": {"tensor": 2}}, False),
+        ({**_TWO_HOSTS, "mesh.delta_publish": "off"}, False),
     ],
-)  # fmt: skip
+)
 def test_delta_publish_auto_is_on_where_publishes_leave_the_machine(overrides, expected):
     assert ExperimentConfig.from_config_dict(_smoke(**overrides)).mesh.delta_publish is expected
 

@@ -6,8 +6,9 @@ a 2-host TPU slice would run it: process 0 serves gRPC and tells process 1 what
 to run; each process pulls its own shards of every version.
 
 * Through ``launch/tpu_pod.py`` (``mesh.delta_publish`` "auto": deltas for the 2-host
-  program after its first full pull, the full tree for the one-process program): a 2-process learner (3 fake devices each, fsdp 3
-  x tensor 2 across both) publishing to one 2-host generation program, against
+  program after its first full pull, the full tree for the one-process program): a
+  2-process learner (3 fake devices each, fsdp 3 x tensor 2 across both) publishing to
+  one 2-host generation program, against
   the same run with one learner process and a one-process generation program of
   the same mesh (tensor = 2 on 2 devices): α = 0, same prompts, sampled tokens and
   rewards, losses to float32 rounding (gloo may sum the learner's gradients in
