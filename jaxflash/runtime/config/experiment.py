@@ -251,6 +251,17 @@ class ExperimentConfig:
             "logprobs differ like the default mode's; docs/CONSISTENCY.md); set "
             "mesh.learner to one device (e.g. {'fsdp': 1})",
         )
+        # A weight-sharded engine contracts over devices (partial sums, then an
+        # all-reduce): another summation order than the learner's (measured 4.8e-7 with
+        # tensor=2 on the tiny model; slots over data=2 stayed bitwise; docs/CONSISTENCY.md).
+        split = {a: int(n) for a, n in m.generation.items() if a != "data" and int(n) > 1}
+        _check(
+            not self.model.exact_numerics or not split,
+            f"model.exact_numerics=True with a weight-sharded engine (mesh.generation="
+            f"{dict(m.generation)}): the exact mode is bitwise with the slots split over "
+            f"'data' only ({split} splits the weights; docs/CONSISTENCY.md); set those axes "
+            "to 1 and spread the slots over mesh.generation.data",
+        )
         _check(
             not m.delta_publish or self.learner.lora is None,
             "mesh.delta_publish=True with LoRA (learner.lora.rank > 0): a LoRA "

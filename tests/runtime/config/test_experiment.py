@@ -98,6 +98,16 @@ def _smoke(**overrides):
         ({"rollout.decode_block": 0}, ("rollout.decode_block must be >= 1",)),
         # the exact mode is not bitwise on a sharded learner yet: refused, not approximate
         ({"model.exact_numerics": True}, ("model.exact_numerics", "mesh.learner")),
+        # nor on an engine whose weights are split (tensor parallel): refused
+        (
+            {
+                "model.exact_numerics": True,
+                "mesh.num_cpu_devices": 2,
+                "mesh.learner": {"fsdp": 1},
+                "mesh.generation": {"tensor": 2},
+            },
+            ("model.exact_numerics", "mesh.generation", "tensor"),
+        ),
         (
             {"mesh.delta_publish": True, "learner.lora": {"rank": 4}},
             ("mesh.delta_publish", "learner.lora.rank"),
@@ -116,6 +126,10 @@ def test_exact_mode_accepted_on_a_one_device_learner():
     c.mesh.learner = {"fsdp": 1}
     c.mesh.generation = {"tensor": 1}
     assert ExperimentConfig.from_config_dict(c).model.exact_numerics
+    c.mesh.num_cpu_devices = 3  # learner 1 + an engine with its slots over data=2
+    c.mesh.colocated = False
+    c.mesh.generation = {"data": 2, "tensor": 1}
+    assert ExperimentConfig.from_config_dict(c).mesh.generation["data"] == 2
 
 
 def test_async_settings_accepted_on_disjoint_slices():
