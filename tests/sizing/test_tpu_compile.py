@@ -189,6 +189,45 @@ def test_the_tpu_train_step_attends_with_the_splash_kernel(tiny_plan):
     assert "tpu_custom_call" in text  # the Mosaic kernel (dense attention has none)
 
 
+def test_the_exact_modes_programs_compile_for_abstract_v5e_chips():
+    """``model.exact_numerics`` on TPU: a 1-chip learner step (packed rows) and a paged
+    engine with its slots over data=2 (the layouts the exact mode accepts) compile and
+    fit, and neither calls a Mosaic kernel (splash / ragged paged attention sum in their
+    own order; the exact mode's attention is pure JAX on both sides)."""
+    if not _HAS_LIBTPU:
+        pytest.skip("libtpu not installed: pip install 'jaxflash[tpu]' (CI installs it)")
+    from jaxflash.generation.engine.state import EngineConfig
+    from jaxflash.learner.config import LearnerConfig
+    from jaxflash.models.config.presets import get_preset
+    from jaxflash.sharding.mesh import make_mesh
+    from jaxflash.sharding.rules import GENERATOR_RULES, LEARNER_RULES
+    from jaxflash.sizing import programs
+    from jaxflash.sizing.kv_pool import KvPool
+    from jaxflash.sizing.plan import measure
+    from jaxflash.sizing.tpu import topology_devices
+
+    devices = topology_devices(parse_topology("v5e-4"))
+    model = get_preset("tiny", compute_dtype="bfloat16", remat=True, exact_numerics=True)
+    learner = LearnerConfig(lr=1e-3, micro_batch_size=2, packing=True, pack_length=64)
+    train, _ = programs.train_step_program(
+        model, learner, make_mesh(devices[:1], {"fsdp": 1}), LEARNER_RULES,
+        batch_size=4, seq_len=64,
+    )  # fmt: skip
+    engine = EngineConfig(
+        max_concurrent_decodes=8, max_prefill_length=32, max_target_length=64,
+        decode_block=4, kv_cache="paged", page_size=8, num_pages=48,
+    )  # fmt: skip
+    gmesh = make_mesh(devices[2:], {"data": 2})
+    (prefill, block), _, state = programs.engine_programs(
+        model, engine, gmesh, GENERATOR_RULES, buckets=[32]
+    )
+    assert KvPool.from_state(state).attention == "reference"
+    for program in (train, prefill, block):
+        assert "tpu_custom_call" not in program.lower().as_text(), program.name
+        cost = measure(program)
+        assert not cost.refused and 0 < cost.peak_bytes < CHIPS["v5e"].usable_hbm_bytes
+
+
 def test_the_paged_decode_block_compiles_with_the_pool_it_allocates(tiny_plan):
     """The decode row of a paged engine: its pool (not a dense cache) is what the block
     takes and returns, split over the 2 KV heads; the reference path gathers every
