@@ -9,6 +9,14 @@ busy CPU cores, 4.4 GB of RAM), then read the per-chip table and the simulator's
 
     python launch/tpu_pod.py --config configs/tpu_qwen2p5_1p5b_v5e.py --dry_run --topology v5e-16
 
+The exact mode (``model.exact_numerics``, docs/CONSISTENCY.md) refuses this layout (a
+sharded learner, a tensor-parallel engine); the layout it accepts, sized the same way:
+
+    python launch/tpu_pod.py --config configs/tpu_qwen2p5_1p5b_v5e.py --dry_run --topology v5e-16 \
+        --config.model.exact_numerics=True --config.mesh.learner.fsdp=1 \
+        --config.learner.micro_batch_size=1 --config.learner.lora.rank=16 \
+        --config.mesh.generation.data=8 --config.mesh.generation.tensor=1
+
 Run it on a v5e-16 with the real weights (a local Hugging Face checkpoint) and a
 file of math problems:
 
