@@ -47,6 +47,32 @@ def run_rates(run: dict, eval_every: int) -> dict:
     }
 
 
+def repeated_prefixes(prefixes: list[list[list[int]]]) -> dict:
+    """How often a row's response opening repeats in the next training step.
+
+    Args:
+      prefixes: per training step, every row's first response tokens (tunix worker's
+        ``row_prefixes``: rows in batch order, B x G).
+
+    Returns:
+      {"same_row": fraction of (step, row) pairs whose opening equals the same row's in
+       the previous step, "other_rows": the same fraction over pairs of different rows
+       of consecutive steps (the chance level of equal openings), "pairs": number of
+       same-row pairs}. A sampler that draws every step with the same key stream (tunix
+       keys a token by decode position only) shows same_row above other_rows.
+    """
+    same = other = n_same = n_other = 0
+    for a, b in zip(prefixes, prefixes[1:], strict=False):
+        for i, x in enumerate(a):
+            for j, y in enumerate(b):
+                if i == j:
+                    same, n_same = same + (x == y), n_same + 1
+                else:
+                    other, n_other = other + (x == y), n_other + 1
+    return {"same_row": same / max(n_same, 1), "other_rows": other / max(n_other, 1),
+            "pairs": n_same}  # fmt: skip
+
+
 def _mean_spread(xs: list[float], fmt: str = "{:.3f}") -> str:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
@@ -125,6 +151,18 @@ def print_report(runs: dict[str, list[dict]], work: dict, *, skip_every: int) ->
         same = [r.get("same_prompts") for r in rs if "same_prompts" in r]
         if same:
             print(f"  {system} trained the driver's prompt rows: {same}")
+    for system, rs in runs.items():
+        stats = [repeated_prefixes(r["row_prefixes"]) for r in rs if r.get("row_prefixes")]
+        if stats:
+            cells = [f"{x['same_row']:.2f} (other rows {x['other_rows']:.2f}, {x['pairs']} pairs)"
+                     for x in stats]  # fmt: skip
+            print(f"  {system}: a row's first 8 response tokens equal to the same row's in "
+                  f"the previous step, per seed: {cells}")  # fmt: skip
+    for system, rs in runs.items():
+        masked = [r["untrained_stop_tokens"] for r in rs if r.get("untrained_stop_tokens")]
+        if masked:
+            cells = [f"{m['stop_masked']} of {m['rows']}" for m in masked]
+            print(f"  {system}: responses whose stop token got no loss, per seed: {cells}")
     return out
 
 

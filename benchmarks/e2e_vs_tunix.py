@@ -25,9 +25,12 @@ steps 1 (compile) and those holding an evaluation are left out of the rates, the
 same steps for every system. Held-out accuracy (mean@n at T = 1) is evaluated by
 each system's own generator at the same trained-sample counts.
 
-Systems: ``jaxflash`` (sync, colocated: the config's 2-device mesh), ``jaxflash_async``
-(disjoint slices, alpha = 1: learner 1 device + 2 one-device generation slices; on 2
-CPU cores those share the same cores, so the overlap buys no compute here), ``tunix``
+Systems: ``jaxflash`` (sync, colocated, one device as tunix), ``jaxflash_noeos`` (the
+same, but the stop token ending a response is not trained, as in tunix, whose completion
+drops it: a benchmark-only patch of the learner's batch mask, for the learning-parity
+comparison; jaxflash itself always trains it), ``jaxflash_async`` (disjoint slices,
+alpha = 1: learner 1 device + 2 one-device generation slices; on 2 CPU cores those share
+the same cores, so the overlap buys no compute here), ``tunix``
 (``benchmarks/tunix_e2e_worker.py`` in tunix's venv).
 """
 
@@ -91,7 +94,7 @@ def _experiment(w: dict, *, system: str = "jaxflash", source: str = "hf"):
         # train 96): tunix trains max prompt + max_new_tokens = 70 columns.
         "learner.length_multiple": 8,
     }  # fmt: skip
-    if system == "jaxflash":  # one device, as tunix: the learner unsharded on both cores
+    if system in ("jaxflash", "jaxflash_noeos"):  # one device, as tunix: unsharded learner
         sets.update({"mesh.num_cpu_devices": 1, "mesh.learner.fsdp": 1})
     if source == "hf":
         sets.update({"model.source": "hf", "model.path": w["hf_dir"]})
@@ -171,10 +174,37 @@ def _prepare(w: dict) -> dict:
     }
 
 
+def untrain_stop_tokens(stop_ids: list[int]) -> dict:
+    """Benchmark-only: from now on this process's ``pack_batch`` gives a response's last
+    token no loss when it is one of ``stop_ids`` (tunix's completion mask never holds the
+    EOS). Patches ``jaxflash.learner.batching._response_mask`` (module global, looked up
+    per call); returns live counters {"rows": responses packed, "stop_masked": of those,
+    rows whose stop token was masked}."""
+    import numpy as np
+
+    from jaxflash.learner import batching
+
+    real, stops = batching._response_mask, {int(i) for i in stop_ids}
+    counts = {"rows": 0, "stop_masked": 0}
+
+    def response_mask(sample, length: int, tag: str) -> np.ndarray:
+        mask = real(sample, length, tag)
+        counts["rows"] += 1
+        if length and int(np.asarray(sample.response_tokens)[-1]) in stops:
+            mask = mask.copy()
+            mask[-1] = 0.0
+            counts["stop_masked"] += 1
+        return mask
+
+    batching._response_mask = response_mask
+    return counts
+
+
 def _jaxflash(w: dict) -> dict:
     """One jaxflash run; per-step wall/CPU from ``stop_after``, sections from metrics.jsonl."""
     from jaxflash.runtime import loop as rlvr
 
+    masked = untrain_stop_tokens(w["eos_ids"]) if w["system"] == "jaxflash_noeos" else None
     t_start, c_start = time.perf_counter(), _cpu()
     exp = _experiment(w, system=w["system"])
     workdir = tempfile.mkdtemp(prefix="e2e_jaxflash_")
@@ -186,6 +216,8 @@ def _jaxflash(w: dict) -> dict:
 
     rlvr.run(exp, workdir=workdir, stop_after=stop_after)
     process_wall, process_cpu = time.perf_counter() - t_start, _cpu() - c_start
+    if masked is not None and not masked["rows"]:
+        raise RuntimeError("jaxflash_noeos: the learner packed no batch in this process")
     with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     steps = [m for m in rows if int(m.get("step", 0)) > 0 and "step_time_s" in m]
@@ -213,6 +245,7 @@ def _jaxflash(w: dict) -> dict:
     trained_prompts = _trained_prompts(workdir)
     return {
         "system": w["system"],
+        "untrained_stop_tokens": masked,
         "process_wall_s": process_wall,
         "process_cpu_s": process_cpu,
         "per_step": per_step,
@@ -287,7 +320,9 @@ def tunix_python(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default="jaxflash,tunix", help="jaxflash,jaxflash_async,tunix")
+    ap.add_argument(
+        "--systems", default="jaxflash,tunix", help="jaxflash,jaxflash_noeos,jaxflash_async,tunix"
+    )
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="default")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=4)
@@ -336,8 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
                 script = os.path.join(HERE, "tunix_e2e_worker.py")
                 r = run_worker(tunix_py, script, tunix_work, args.timeout_s)
             else:
-                r = run_worker(sys.executable, OURS, {**w, "kind": "run", "system": system},
-                               args.timeout_s)  # fmt: skip
+                run = {**w, "kind": "run", "system": system, "eos_ids": prep["eos_ids"]}
+                r = run_worker(sys.executable, OURS, run, args.timeout_s)
                 r["same_prompts"] = _same_prompts(r.pop("trained_prompts"), prep["train"])
             r["seed"] = seed
             runs[system].append(r)

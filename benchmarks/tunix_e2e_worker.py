@@ -182,6 +182,7 @@ def run(w: dict) -> dict:
     scored = {"samples": 0, "correct": 0.0, "tokens": 0}
     examples: list = []
     calls: list = []
+    prefixes: list = []  # per training call, every row's first 8 response tokens
 
     def math_reward(prompts, completions, **_):
         out = [
@@ -204,6 +205,7 @@ def run(w: dict) -> dict:
         out = real_generate(*args, **kwargs)
         scored["tokens"] += sum(len(t) for t in out.tokens)
         calls.append([len(t) for t in out.tokens])  # every row's length, every call
+        prefixes.append([[int(i) for i in t[:8]] for t in out.tokens])
         if not examples:  # the first step's first responses, to read next to jaxflash's
             examples.extend(
                 [str(t), [int(i) for i in ids]]
@@ -219,7 +221,10 @@ def run(w: dict) -> dict:
         nonlocal eval_wall
         t0 = time.perf_counter()
         keys = [r["key"] for r in held_out for _ in range(w["eval_samples"])]
-        config = dataclasses.replace(rollout_config, seed=10_000 + 100 * w["seed"] + step)
+        # The same key at every evaluation, as jaxflash's (its eval requests are keyed by
+        # run seed, prompt and sample only): a curve's points then differ by the weights,
+        # not by fresh draws (a row's noise is the same; tunix keys rows by position).
+        config = dataclasses.replace(rollout_config, seed=10_000 + 100 * w["seed"])
         out = cluster.rollout.generate(keys, config)
         rewards = [reward(c, answers[k]).score for k, c in zip(keys, out.text, strict=True)]
         per_prompt = np.asarray(rewards).reshape(len(held_out), w["eval_samples"]).mean(1)
@@ -276,6 +281,7 @@ def run(w: dict) -> dict:
         "train_accuracy": scored["correct"] / max(scored["samples"], 1),
         "examples": examples,
         "generate_row_lengths": calls,
+        "row_prefixes": prefixes,
     }
 
 

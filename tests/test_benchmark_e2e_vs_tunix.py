@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import pytest  # noqa: E402
-from e2e_report import merge, run_rates, steady_steps  # noqa: E402
+from e2e_report import merge, repeated_prefixes, run_rates, steady_steps  # noqa: E402
 
 
 def _step(step, wall, cpu, samples=8, tokens=80):
@@ -61,3 +61,39 @@ def test_tiny_mode_runs_jaxflash_and_skips_tunix(tmp_path):
     rates = report["systems"]["jaxflash"]["rates"][0]
     assert rates["steps"] == [2, 3] and rates["samples_per_s"] > 0
     assert "jaxflash trained the driver's prompt rows: ['yes']" in proc.stdout
+
+
+def test_untrain_stop_tokens_masks_only_a_final_stop_token(monkeypatch):
+    import numpy as np
+    from e2e_vs_tunix import untrain_stop_tokens
+
+    from jaxflash.learner import batching
+    from jaxflash.types import FinishReason, Sample
+
+    monkeypatch.setattr(batching, "_response_mask", batching._response_mask)  # restored after
+
+    def sample(i, response, reason):
+        n = len(response)
+        return Sample(prompt_id=i, sample_index=0, prompt_tokens=np.array([5, 6, 7]),
+                      response_tokens=np.array(response), behaviour_logprobs=np.zeros(n),
+                      token_versions=np.zeros(n, np.int32), start_version=0,
+                      finish_reason=reason)  # fmt: skip
+
+    samples = [sample(0, [9, 2], FinishReason.EOS), sample(1, [9, 9, 9], FinishReason.LENGTH),
+               sample(2, [2], FinishReason.EOS)]  # fmt: skip
+    before = batching.pack_batch(samples, [1.0, -1.0, 0.5], pad_id=0, length_multiple=1)
+    counts = untrain_stop_tokens([2])
+    after = batching.pack_batch(samples, [1.0, -1.0, 0.5], pad_id=0, length_multiple=1)
+    # prompt of 3: response targets sit at columns 2 .. 2 + R - 1
+    np.testing.assert_array_equal(before.loss_mask_bt[:, 2:5], [[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    np.testing.assert_array_equal(after.loss_mask_bt[:, 2:5], [[1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    np.testing.assert_array_equal(after.advantages_bt[0, 2:5], [1.0, 0.0, 0.0])
+    assert counts == {"rows": 3, "stop_masked": 2}
+
+
+def test_repeated_prefixes_compares_the_same_row_with_other_rows_of_the_next_step():
+    steps = [[[1, 2], [3, 4], [5]], [[1, 2], [3, 4], [6]], [[7], [3, 4], [1, 2]]]
+    r = repeated_prefixes(steps)
+    assert r["pairs"] == 6
+    assert r["same_row"] == 3 / 6  # rows 0, 1 (step 1) and 1 (step 2)
+    assert r["other_rows"] == 1 / 12  # step 2's row 2 equals step 1's row 0
