@@ -118,6 +118,46 @@ def _model_config(w: dict):
     )
 
 
+def use_rope_theta(theta: float) -> None:
+    """Make tunix's Llama 3 attention rotate with ``theta``.
+
+    tunix 0.1.7's ``Attention.block`` calls ``llama3.model.apply_rope`` without its
+    ``rope_theta`` argument, so every Llama 3 model there rotates with the function's
+    default, 1e6, whatever ``ModelConfig.rope_theta`` says (SmolLM2-135M's is 1e5):
+    tunix then runs another model than the checkpoint's. Replaces the module global
+    (looked up per call) with one that passes ``theta`` when the caller gives none.
+    """
+    from tunix.models.llama3 import model as llama3
+
+    real = getattr(llama3.apply_rope, "__wrapped__", llama3.apply_rope)
+
+    @functools.wraps(real)
+    def apply_rope(inputs, positions, head_dim, rope_theta=None):
+        base = theta if rope_theta is None else rope_theta
+        return real(inputs, positions, head_dim, rope_theta=base)
+
+    llama3.apply_rope = apply_rope
+
+
+def logits(w: dict) -> dict:
+    """Next-token log-softmax of ``w["ids"]`` (one row) under tunix's model, with its own
+    RoPE (``w["rope"] == "tunix"``) or the checkpoint's theta (``"config"``)."""
+    import jax
+    import numpy as np
+    from tunix.models.llama3 import params as llama3_params
+
+    if w["rope"] == "config":
+        use_rope_theta(w["shape"]["rope_theta"])
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    model = llama3_params.create_model_from_safe_tensors(w["hf_dir"], _model_config(w), mesh)
+    ids = np.asarray([w["ids"]], np.int32)
+    pos = np.arange(ids.shape[1], dtype=np.int32)[None]
+    mask = np.tril(np.ones((1, ids.shape[1], ids.shape[1]), bool))
+    out, _ = model(ids, pos, None, mask)
+    logp = jax.nn.log_softmax(np.asarray(out, np.float32)[0], axis=-1)
+    return {"logp": np.asarray(logp).tolist()}
+
+
 def run(w: dict) -> dict:
     import jax
     import numpy as np
@@ -129,6 +169,8 @@ def run(w: dict) -> dict:
 
     from jaxflash.rewards.math_reward import MathAnswerReward
 
+    if w.get("rope", "config") == "config":  # the checkpoint's model (see use_rope_theta)
+        use_rope_theta(w["shape"]["rope_theta"])
     t_start, c_start = time.perf_counter(), _cpu()
     B, G, steps = w["prompts_per_step"], w["group_size"], w["steps"]
     train, held_out = w["train"], w["eval"]
@@ -282,10 +324,12 @@ def run(w: dict) -> dict:
         "examples": examples,
         "generate_row_lengths": calls,
         "row_prefixes": prefixes,
+        "rope": w.get("rope", "config"),
     }
 
 
 if __name__ == "__main__":
     with open(sys.argv[1], encoding="utf-8") as f:
         work = json.load(f)
-    print("RESULT " + json.dumps(run(work)), flush=True)
+    fn = logits if work.get("kind") == "logits" else run
+    print("RESULT " + json.dumps(fn(work)), flush=True)
