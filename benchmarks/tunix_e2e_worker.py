@@ -10,9 +10,11 @@ The job: tunix's ``GRPOLearner`` over an ``RLCluster`` whose actor, reference an
 rollout share one CPU mesh (tunix's colocated setup: the rollout samples from the
 trained model itself, so its ``sync_weights`` is skipped), vanilla rollout
 (``tunix.generate.sampler``), SmolLM2-135M-Instruct loaded from the exported
-safetensors by tunix's own Llama 3 loader. Prompts arrive already tokenized with
-SmolLM2's chat template by the driver (the adapter below maps each prompt key to
-those ids), so both systems see the same prompt tokens; completions are decoded
+safetensors by tunix's own Llama 3 loader, with the checkpoint's RoPE base patched in
+(``use_rope_theta``: tunix 0.1.7 ignores ``ModelConfig.rope_theta``; the workload's
+``rope="tunix"`` keeps tunix's 1e6, as every run before this fix). Prompts arrive
+already tokenized with SmolLM2's chat template by the driver (the adapter below maps
+each prompt key to those ids), so both systems see the same prompt tokens; completions are decoded
 with the exported ``tokenizer.json`` (``tokenizers``).
 
 Timers: wall and process CPU time (``os.times``) at every step boundary (each
