@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
@@ -53,7 +54,8 @@ def main() -> dict:
             "max_abs_logp_diff": float(np.abs(ours - theirs).max()),
             "argmax_agree": float((ours.argmax(-1) == theirs.argmax(-1)).mean()),
         }  # fmt: skip
-        print(f"tunix RoPE {rope} (base {'1e6' if rope == 'tunix' else config.rope_theta:g}) vs "
+        base = 1e6 if rope == "tunix" else float(config.rope_theta)
+        print(f"tunix RoPE {rope} (base {base:g}) vs "
               f"jaxflash over {len(ids)} positions: KL mean {out[rope]['kl_mean']:.2e} max "
               f"{out[rope]['kl_max']:.2e} nats, max |dlogp| {out[rope]['max_abs_logp_diff']:.2e},"
               f" argmax agrees {out[rope]['argmax_agree']:.3f}", flush=True)  # fmt: skip
