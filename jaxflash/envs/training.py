@@ -5,7 +5,9 @@ One episode becomes one training ``Sample``: ``prompt_tokens`` = the first promp
 ``response_mask`` = 1 on the tokens the policy sampled (the minimal extension of
 ``Sample`` for multi-turn; ``learner.episode_batching.pack_episode_batch`` honours
 it and takes per-token advantages). Its ``reward`` is the episode return, so the
-group buffer, staleness gate and ledger handle episodes like RLVR samples.
+group buffer, staleness gate and ledger handle episodes like RLVR samples. An
+episode its group's failure cut short is never trained; ``unfinished_sample`` gives
+its tokens so far the same layout, for its rollouts.jsonl row.
 
 Advantages come from ``algorithms.episode_advantages`` over groups of episodes that
 share an environment seed, at the trajectory or the step (turn) level, and are
@@ -21,7 +23,7 @@ import numpy as np
 
 from jaxflash.algorithms.episode_advantages import EPISODE_ADVANTAGE_LEVELS
 from jaxflash.envs.episode import EpisodeEnd, Trajectory
-from jaxflash.types import Sample
+from jaxflash.types import FinishReason, Sample
 
 
 def trajectory_to_sample(traj: Trajectory) -> Sample:
@@ -45,20 +47,10 @@ def trajectory_to_sample(traj: Trajectory) -> Sample:
         raise ValueError(f"trajectory_to_sample: {tag} failed ({traj.failure}); it is not trained")
     if not traj.turns:
         raise ValueError(f"trajectory_to_sample: {tag} has no turn ({traj.end})")
-    sampled = traj.loss_mask > 0
-    start = min(int(traj.start_version), int(traj.token_versions[sampled].min()))
-    versions = np.where(sampled, traj.token_versions, start).astype(np.int32)
-    logp = np.where(sampled, traj.behaviour_logprobs, 0.0).astype(np.float32)
-    transcript = "\n".join(f"[{m['role']}] {m['content']}" for m in traj.messages[1:])
     success = traj.success
-    return Sample(
-        prompt_id=traj.prompt_id,
+    return _sample_of(
+        traj,
         sample_index=traj.episode_index,
-        prompt_tokens=traj.prompt_tokens.copy(),
-        response_tokens=traj.response_tokens.copy(),
-        behaviour_logprobs=logp,
-        token_versions=versions,
-        start_version=start,
         finish_reason=traj.turns[-1].finish_reason,
         reward=traj.episode_return,
         reward_info={
@@ -77,6 +69,69 @@ def trajectory_to_sample(traj: Trajectory) -> Sample:
                 for name, value in traj.turns[-1].info.get("agent_metrics", {}).items()
             },
         },
+    )
+
+
+def unfinished_sample(traj: Trajectory, *, sample_index: int) -> Sample:
+    """What an episode cut short by its group's failure had generated: its
+    rollouts.jsonl row (``outcome`` failed), never trained.
+
+    The layout is ``trajectory_to_sample``'s over the tokens so far (none when the
+    environment failed at reset; a running turn's tokens are not in it): mask 1 and
+    the behaviour logprobs exactly on what the engine sampled, 0 on the template and
+    observation tokens between turns. ``finish_reason`` is ABORTED and ``reward``
+    None (the episode was never scored); ``reward_info["error"]`` names the
+    environment's failure when this episode's environment failed.
+
+    Args:
+      traj: the episode so far (``Episode.trajectory()``; finished or not).
+      sample_index: its index among the group's rows (after the finished episodes).
+    """
+    info: dict = {
+        "episode_end": None if traj.end is None else traj.end.value,
+        "env_seed": traj.env_seed,
+        "episode_index": traj.episode_index,
+        "turns": len(traj.turns),
+    }
+    if traj.failure is not None:
+        f = traj.failure
+        info["error"] = f"environment {f.reason} in {f.phase}: {f.detail}"
+    return _sample_of(
+        traj,
+        sample_index=sample_index,
+        finish_reason=FinishReason.ABORTED,
+        reward=None,
+        reward_info=info,
+    )
+
+
+def _sample_of(
+    traj: Trajectory,
+    *,
+    sample_index: int,
+    finish_reason: FinishReason,
+    reward: float | None,
+    reward_info: dict,
+) -> Sample:
+    """A Sample laid out as the module says: masked tokens get logprob 0 and the start version."""
+    sampled = traj.loss_mask > 0
+    start = int(traj.start_version)
+    if sampled.any():
+        start = min(start, int(traj.token_versions[sampled].min()))
+    versions = np.where(sampled, traj.token_versions, start).astype(np.int32)
+    logp = np.where(sampled, traj.behaviour_logprobs, 0.0).astype(np.float32)
+    transcript = "\n".join(f"[{m['role']}] {m['content']}" for m in traj.messages[1:])
+    return Sample(
+        prompt_id=traj.prompt_id,
+        sample_index=sample_index,
+        prompt_tokens=traj.prompt_tokens.copy(),
+        response_tokens=traj.response_tokens.copy(),
+        behaviour_logprobs=logp,
+        token_versions=versions,
+        start_version=start,
+        finish_reason=finish_reason,
+        reward=reward,
+        reward_info=reward_info,
         response_text=transcript,
         response_mask=traj.loss_mask.astype(np.float32).copy(),
     )

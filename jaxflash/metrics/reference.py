@@ -90,7 +90,12 @@ def render_markdown() -> str:
             *_table("metric", METRICS),
             "",
             "One row per sample that left the buffer, trained or not, in"
-            " `<workdir>/rollouts.jsonl`:",
+            " `<workdir>/rollouts.jsonl`. A failed prompt has a row for each of its"
+            " samples that never arrived too: each episode of an agentic group that the"
+            " failure cut short (its tokens so far), and an empty row for each other"
+            " sample index below G (nothing was generated: a malformed row, or the"
+            " request was lost). The prompt ids of the `failed` rows are thus the"
+            " ledger's failed prompts: their number is `prompts_failed`.",
             "",
             *_table("field", ROLLOUT_FIELDS),
             "",

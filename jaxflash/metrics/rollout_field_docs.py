@@ -14,7 +14,11 @@ ROLLOUT_FIELDS: tuple[tuple[str, str], ...] = (
     ),
     (
         "`prompt_id`, `sample_index`",
-        "the sample's identity (prompt id = dataset cursor)",
+        (
+            "the sample's identity (prompt id = dataset cursor; an agentic group's "
+            "prompt id is its environment seed, and a failed group's unfinished "
+            "episodes follow its finished ones, so with redundancy up to G + r rows)"
+        ),
     ),
     (
         "`prompt`, `answer`",
@@ -26,11 +30,18 @@ ROLLOUT_FIELDS: tuple[tuple[str, str], ...] = (
     ),
     (
         "`finish_reason`",
-        "`eos` or `length` (truncated)",
+        (
+            "`eos`, `length` (truncated) or `aborted` (a failed prompt's sample cut "
+            "short or never generated)"
+        ),
     ),
     (
         "`reward`, `correct`, `reward_error`",
-        "the reward, answer correctness (as `accuracy`), the reward's error text",
+        (
+            "the reward (null if never scored), answer correctness (as `accuracy`), the "
+            "reward's error text (an episode cut short by its group's failure: its "
+            "environment's failure, if that was the one that failed)"
+        ),
     ),
     (
         "`outcome`, `reason`",
@@ -50,7 +61,10 @@ ROLLOUT_FIELDS: tuple[tuple[str, str], ...] = (
     ),
     (
         "`start_version`, `staleness`",
-        "the oldest policy version among its tokens; learner version − it",
+        (
+            "the oldest policy version among its tokens; learner version − it (null for "
+            "a sample that never came back)"
+        ),
     ),
     (
         "`token_version_min`, `token_version_max`",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -56,6 +56,7 @@ STALE_POLICIES = ("drop", "regenerate", "pace")
 class _Pending:
     samples: dict[int, Sample] = dataclasses.field(default_factory=dict)
     failure: tuple[FailureReason, str] | None = None  # the first failure and its detail
+    unfinished: tuple[Sample, ...] = ()  # what that failure cut short (``fail``)
 
 
 class GroupBuffer:
@@ -181,12 +182,25 @@ class GroupBuffer:
             if pend.failure is not None or len(pend.samples) == self.group_size:
                 self._ready[pid] = None
 
-    def fail(self, prompt_id: int, failure: FailureReason, detail: str) -> None:
+    def fail(
+        self,
+        prompt_id: int,
+        failure: FailureReason,
+        detail: str,
+        *,
+        unfinished: Sequence[Sample] = (),
+    ) -> None:
         """Mark a prompt's group failed (e.g. generation error or timeout, no Sample).
 
         The group is reported by the next `take` with reason "failed", ``failure``
-        and ``detail``. Calling it for a prompt already reported failed is counted
-        as a late discard and otherwise ignored.
+        and ``detail``, and ``unfinished`` (``DroppedGroup.unfinished``). Calling it
+        for a prompt already reported failed is counted as a late discard and
+        otherwise ignored; calling it again before that keeps the first failure.
+
+        Args:
+          prompt_id, failure, detail: the prompt, why it failed, the detail for people.
+          unfinished: samples the failure cut short (an episode's tokens so far,
+            unscored): reported, never counted as produced or added.
 
         Raises:
           TypeError: ``failure`` is not a FailureReason; ValueError: empty detail.
@@ -205,6 +219,7 @@ class GroupBuffer:
                 prefix = f"prompt {pid}"
                 text = detail if detail.startswith(prefix) else f"{prefix}: {detail}"
                 pend.failure = (failure, text)
+                pend.unfinished = tuple(unfinished)
             self._ready[pid] = None
 
     def _get_or_create(self, pid: int) -> _Pending:
@@ -409,6 +424,7 @@ class GroupBuffer:
             samples=tuple(pend.samples[i] for i in sorted(pend.samples)),
             regenerate=regenerate,
             failure=failure,
+            unfinished=pend.unfinished,
         )
 
     # -- introspection --------------------------------------------------------

@@ -101,6 +101,9 @@ class DroppedGroup:
       regenerate: True when the caller should resubmit the prompt (policy="regenerate")
         rather than close it in the ledger.
       failure: why a FAILED group failed (None for every other outcome).
+      unfinished: samples the failure cut short, as the failing side reported them
+        (``GroupBuffer.fail``; an agentic group's episodes still running or whose
+        environment failed: their tokens so far, unscored). Not in ``samples``.
     """
 
     prompt_id: int
@@ -110,3 +113,4 @@ class DroppedGroup:
     samples: tuple[Sample, ...]
     regenerate: bool = False
     failure: FailureReason | None = None
+    unfinished: tuple[Sample, ...] = ()

@@ -13,6 +13,7 @@ from jaxflash.envs.training import (
     token_advantages,
     trajectory_to_sample,
     turn_reward_arrays,
+    unfinished_sample,
 )
 from jaxflash.learner.batching import pack_batch
 from jaxflash.learner.episode_batching import pack_episode_batch
@@ -211,6 +212,48 @@ def test_failed_or_unfinished_episodes_are_not_samples(tok):
         trajectory_to_sample(ep.trajectory())
     with pytest.raises(ValueError, match="pass None"):
         group_token_advantages([[ep.trajectory()]])
+
+
+def test_an_unfinished_episode_keeps_its_tokens_so_far_with_the_training_layout(tok):
+    """A failed group's episodes get rollouts.jsonl rows from ``unfinished_sample``: the
+    tokens so far with trajectory_to_sample's layout (mask 1 and logprobs exactly on
+    the sampled ids, the closing of a turn cut at its budget and the observation at
+    mask 0 / logprob 0 / the start version), ABORTED, unscored, the env failure named."""
+
+    class Broken(RewardEnv):
+        def step(self, action_text):
+            if self.t == 1:
+                raise OSError("socket closed")
+            return super().step(action_text)
+
+    env = Broken([0.0, 1.0])
+    ep = Episode(
+        TurnRenderer(tok), env.config, prompt_id=2, episode_index=5, env_seed=9,
+        start_version=4, max_context_tokens=256,
+    )  # fmt: skip
+    ep.begin(checked_reset(env, 9))
+    fresh = unfinished_sample(ep.trajectory(), sample_index=1)  # before any turn
+    assert fresh.response_tokens.size == 0 and fresh.start_version == 4
+    for finish in (FinishReason.LENGTH, FinishReason.EOS):
+        req = ep.next_request(SAMPLING)
+        sample = text_sample(tok, req, "abc", version=5, finish=finish)
+        ep.record_step(checked_step(env, ep.record_turn(sample)))
+    assert ep.end == EpisodeEnd.ENV_FAILURE
+    s = unfinished_sample(ep.trajectory(), sample_index=3)
+    assert (s.prompt_id, s.sample_index, s.finish_reason, s.reward) == (
+        2, 3, FinishReason.ABORTED, None,
+    )  # fmt: skip
+    assert s.reward_info["episode_index"] == 5 and s.reward_info["turns"] == 2
+    assert s.reward_info["error"] == "environment raised in step: OSError: socket closed"
+    mask = s.response_mask > 0
+    # turn 1 cut at its budget: 3 sampled ids, then the template's <|im_end|> at mask 0
+    assert mask[:4].tolist() == [True, True, True, False]
+    assert s.response_tokens[3] == tok.eos_id and s.behaviour_logprobs[3] == 0.0
+    assert int(mask.sum()) == 3 + 4  # turn 2 ended with its own sampled <|im_end|>
+    np.testing.assert_allclose(s.behaviour_logprobs[mask], [-0.1, -0.2, -0.3] * 2 + [-0.4])
+    assert np.all(s.behaviour_logprobs[~mask] == 0)
+    assert np.all(s.token_versions[mask] == 5) and np.all(s.token_versions[~mask] == 4)
+    assert s.start_version == 4
 
 
 def test_pack_episode_batch_layout(tok):

@@ -338,6 +338,20 @@ def test_fail_without_samples_and_nonfinite_reward():
     assert buf.counts()["produced"] == 3 and _balanced(buf)
 
 
+def test_fail_reports_what_it_cut_short_apart_from_the_samples_that_arrived():
+    buf = GroupBuffer(G)
+    buf.add(_s(3, 0))
+    cut = (_s(3, 1, reward=None, finish=FinishReason.ABORTED),)
+    buf.fail(3, FailureReason.ENV_FAILURE, "environment raised", unfinished=cut)
+    later = (_s(3, 2, reward=None, finish=FinishReason.ABORTED),)
+    buf.fail(3, FailureReason.GENERATION_TIMEOUT, "second", unfinished=later)  # first kept
+    _, (d,) = buf.take(8, 5, 0)
+    assert (d.failure, [s.sample_index for s in d.samples]) == (FailureReason.ENV_FAILURE, [0])
+    assert d.unfinished == cut
+    c = buf.counts()  # reported, never added: produced / dropped count the group once
+    assert c["produced"] == 1 and c["dropped_failed"] == 1 and _balanced(buf)
+
+
 def test_drain_empties_the_buffer():
     buf = GroupBuffer(G)
     _add_group(buf, 1)

@@ -205,7 +205,7 @@ def test_async_smoke_restart_policy_two_steps(tmp_path):
     for r in _rows(workdir / "rollouts.jsonl"):
         # restart: a sample never mixes versions, and it starts where its tokens start.
         assert r["token_version_min"] == r["token_version_max"] == r["start_version"]
-        assert 0 <= r["staleness"] <= 1 or r["outcome"] != "trained"
+        assert r["outcome"] != "trained" or 0 <= r["staleness"] <= 1
     # The step timeline (timeline.jsonl) and the run report drawn from this run.
     timeline = _rows(workdir / "timeline.jsonl")
     assert [t["step"] for t in timeline] == [1, 2]

@@ -6,6 +6,7 @@ function that raises and one that hangs, a generation server that dies -- each
 counted under its own reason in the colocated and the disjoint placement alike.
 """
 
+import collections
 import dataclasses
 import json
 import re
@@ -85,6 +86,18 @@ def test_bad_input_is_counted_not_lost(tmp_path, caplog, colocated):
         "reward_error": 2,
         "reward_timeout": 2,
     }
+    # Every failed prompt has its G = 2 rows in rollouts.jsonl, those never generated
+    # (malformed, over-long) or lost with their prompt included: the failed rows'
+    # prompts are the ledger's failed prompts.
+    rollouts = [json.loads(x) for x in open(workdir / "rollouts.jsonl")]
+    failed = [r for r in rollouts if r["outcome"] == "failed"]
+    per_prompt = collections.Counter(r["prompt_id"] for r in failed)
+    assert len(per_prompt) == last["prompts_failed"] and set(per_prompt.values()) == {2}
+    assert len({(r["prompt_id"], r["sample_index"]) for r in rollouts}) == len(rollouts)
+    by_failure = collections.Counter(r["failure"] for r in failed)
+    assert by_failure == {k: 2 * n for k, n in last["prompt_outcomes"]["failed"].items()}
+    never = [r for r in failed if r["failure"] in ("malformed_row", "prompt_too_long")]
+    assert all(r["response_tokens"] == [] and r["start_version"] is None for r in never)
     out = caplog.text
     assert "data.jsonl:2" in out and "bad JSON" in out  # names file and line
     assert "data.jsonl:3" in out and "answer" in out

@@ -5,7 +5,10 @@
 or until nothing more can arrive. Every group that leaves untrained is resolved
 here: closed in the ledger with its outcome and reason (a failure with its
 ``FailureReason``), or generated again (``stale_policy="regenerate"``); each
-sample gets its rollouts.jsonl row either way.
+sample gets its rollouts.jsonl row either way, and a failed group's samples that
+never arrived get one too (what the failure cut short, or an empty row), so every
+failed prompt has rows: the distinct prompt ids of "failed" rows are the ledger's
+failed prompts.
 
 With ``stale_policy="pace"`` nothing is dropped for staleness: a ``Pacer``
 (``rollout.pacing``) decides which complete groups join the batch
@@ -32,7 +35,7 @@ from jaxflash.replay.groups import DroppedGroup, Group
 from jaxflash.runtime.rollout.admission import Admission, admit_all
 from jaxflash.runtime.rollout.ledger import PromptLedger
 from jaxflash.runtime.rollout.pacing import Pacer
-from jaxflash.runtime.rollout.rows import rollout_row
+from jaxflash.runtime.rollout.rows import missing_row, rollout_row
 from jaxflash.runtime.rollout.settings import Dispatch, RolloutSettings
 from jaxflash.types import FailureReason, PromptOutcome
 
@@ -204,6 +207,8 @@ class BatchAssembler:
         regen = d.regenerate and self.admission.is_active(d.prompt_id)
         outcome = "regenerated" if regen else str(d.outcome)
         rows = [self._row(s, outcome, d.reason, v, d.failure) for s in d.samples]
+        if d.outcome == PromptOutcome.FAILED:
+            rows += self._unfinished_rows(d, v)
         self.dispatcher.end_prompt(d.prompt_id, abort=True)  # e.g. siblings of a failed sample
         self.counters[f"samples_dropped_{d.reason}"] += len(d.samples)
         if regen:
@@ -218,6 +223,22 @@ class BatchAssembler:
             self.admission.free_for_refill(d.prompt_id)
         else:  # as the synchronous loop: the next prompts start at the next version
             self.admission.release_at_publish(d.prompt_id)
+        return rows
+
+    def _unfinished_rows(self, d: DroppedGroup, v: int) -> list[dict[str, Any]]:
+        """Rows of a failed group's samples that never arrived, so every failed prompt
+        has rows: what the failure cut short (``d.unfinished``: an agentic group's
+        episodes, with their tokens so far), then an empty row (``missing_row``) for
+        each other sample index below G."""
+        rows = [self._row(s, "failed", d.reason, v, d.failure) for s in d.unfinished]
+        have = {int(s.sample_index) for s in (*d.samples, *d.unfinished)}
+        prompt, missing = self.admission.prompt(d.prompt_id), set(range(self.buffer.group_size))
+        for i in sorted(missing - have):
+            rows.append(
+                missing_row(
+                    d.prompt_id, i, prompt, learner_version=v, failure=d.failure, reason=d.reason
+                )
+            )
         return rows
 
     def _warn_failed(self, d: DroppedGroup) -> None:

@@ -28,7 +28,9 @@ misses its deadline (``runtime.rollout.env_calls``) ends its episode with the
 instance is dropped (a hung one is never touched again). The group goes on: a
 spare redundant episode covers it, else the episode is restarted with a fresh
 environment (``episodes_restarted``, up to ``max_env_restarts`` per group), and
-only then does the group fail (``FailureReason.ENV_FAILURE``).
+only then does the group fail (``FailureReason.ENV_FAILURE``). A failed group's
+episodes that did not finish -- the failing one and those it stops -- are reported
+with it (their tokens so far), so each has its rollouts.jsonl row (outcome failed).
 
 Every episode started ends exactly once (``runtime.episode_groups.EPISODE_ENDS``).
 
@@ -46,7 +48,7 @@ from typing import Any
 
 from jaxflash.envs.base import EnvFailure, EnvFailureReason, ResetOutcome
 from jaxflash.envs.episode import EpisodeEnd, split_turn_index
-from jaxflash.envs.training import trajectory_to_sample
+from jaxflash.envs.training import trajectory_to_sample, unfinished_sample
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.rollout.admission import admit_all
 from jaxflash.runtime.rollout.env_calls import EnvCalls, close_env
@@ -285,7 +287,7 @@ class EpisodeDispatcher:
         if not traj.turns:  # the first prompt alone fills the context: a config problem
             self.counters["episodes_aborted"] += 1
             detail = f"episode {pid}/{index}: the first prompt does not fit the context"
-            self._fail_group(pid, FailureReason.PROMPT_TOO_LONG, detail)
+            self._fail_group(pid, FailureReason.PROMPT_TOO_LONG, detail, ended=run)
             return
         sample = trajectory_to_sample(traj)
         sample = dataclasses.replace(
@@ -321,13 +323,36 @@ class EpisodeDispatcher:
             f"episode {pid}/{index}: environment {failure.reason} in {failure.phase} "
             f"({failure.detail}) after {group.restarts} restarts"
         )
-        self._fail_group(pid, FailureReason.ENV_FAILURE, detail)
+        self._fail_group(pid, FailureReason.ENV_FAILURE, detail, ended=run)
 
-    def _fail_group(self, prompt_id: int, failure: FailureReason, detail: str) -> None:
-        """The group cannot complete: fail it in the buffer, stop its episodes."""
-        self.buffer.fail(prompt_id, failure, detail)
-        self.router.abort_prompt(prompt_id)
+    def _fail_group(
+        self,
+        prompt_id: int,
+        failure: FailureReason,
+        detail: str,
+        *,
+        ended: EpisodeRun | None = None,
+    ) -> None:
+        """The group cannot complete: fail it in the buffer, stop its episodes.
+
+        The episodes the failure cuts short -- ``ended`` (the one whose failure
+        failed the group, already out of ``runs``) and those still running -- go to
+        the buffer as unfinished samples (``envs.training.unfinished_sample``: their
+        tokens so far), numbered after the group's finished episodes, so the failed
+        prompt has one rollouts.jsonl row per episode.
+        """
         group = self.groups.get(prompt_id)
+        unfinished = []
+        if group is not None:
+            cut = ([ended] if ended is not None else []) + [
+                group.runs[i] for i in sorted(group.runs)
+            ]
+            unfinished = [
+                unfinished_sample(run.episode.trajectory(), sample_index=len(group.kept) + j)
+                for j, run in enumerate(cut)
+            ]
+        self.buffer.fail(prompt_id, failure, detail, unfinished=unfinished)
+        self.router.abort_prompt(prompt_id)
         if group is not None:
             group.cancel(self.calls, self.counters, "episodes_aborted")
 

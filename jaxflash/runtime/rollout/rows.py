@@ -1,7 +1,9 @@
 """The rollouts.jsonl row: one per sample that left the buffer (docs/METRICS.md).
 
 The batch assembler writes one for every sample of a trained, filtered, stale or failed
-prompt (``rollout.batches``); ``ROLLOUT_FIELDS`` are its keys in order, which
+prompt (``rollout.batches``); a failed prompt's samples that never came back get one
+too (``missing_row``: nothing generated, or the tokens lost with the request), so every
+failed prompt has rows. ``ROLLOUT_FIELDS`` are its keys in order, which
 ``metrics.metric_docs`` documents. Host-side numpy only.
 """
 
@@ -13,7 +15,7 @@ import numpy as np
 
 from jaxflash.replay.staleness import start_version_of
 from jaxflash.runtime.rollout.scoring import TruncationPolicy, correctness
-from jaxflash.types import FailureReason, Prompt, Sample
+from jaxflash.types import FailureReason, FinishReason, Prompt, Sample
 
 ROLLOUT_FIELDS = (
     "learner_step",
@@ -89,3 +91,50 @@ def rollout_row(
         "token_version_max": int(versions.max()) if versions.size else None,
     }
     return row
+
+
+def missing_row(
+    prompt_id: int,
+    sample_index: int,
+    prompt: Any,
+    *,
+    learner_version: int,
+    failure: FailureReason | None,
+    reason: str = "failed",
+) -> dict[str, Any]:
+    """The rollouts.jsonl row of a failed prompt's sample that never came back.
+
+    Nothing of it is known beyond its identity (it was never generated -- a malformed
+    row, an over-long prompt -- or its request was aborted, rejected or lost with its
+    server): empty response, ``finish_reason`` "aborted", no reward, versions null.
+
+    Args:
+      prompt_id, sample_index: the sample's identity.
+      prompt: its Prompt (anything else: text and answer are "").
+      learner_version: as ``rollout_row``.
+      failure: why the prompt failed.
+      reason: the dropped group's reason ("failed"; "drained" at shutdown).
+    """
+    text, answer = (prompt.text, prompt.answer) if isinstance(prompt, Prompt) else ("", "")
+    return {
+        "learner_step": int(learner_version) + 1,
+        "prompt_id": int(prompt_id),
+        "sample_index": int(sample_index),
+        "prompt": text,
+        "answer": answer,
+        "response": "",
+        "response_tokens": [],
+        "response_len": 0,
+        "finish_reason": str(FinishReason.ABORTED),
+        "reward": None,
+        "correct": 0.0,
+        "reward_error": None,
+        "outcome": "failed",
+        "reason": reason,
+        "failure": None if failure is None else str(failure),
+        "loss_masked": True,
+        "start_version": None,
+        "staleness": None,
+        "token_version_min": None,
+        "token_version_max": None,
+    }

@@ -104,13 +104,18 @@ def bad_return(client: openai.OpenAI, task) -> str:
 
 
 CALLS = {"n": 0}
+BROKEN_TASK = 4
+"""``two_turns_flaky`` raises at once on this task, in every session: its group fails."""
 
 
 def two_turns_flaky(client: openai.OpenAI, task) -> float:
     """``two_turns`` with faults by call number (every 5th raises, every 7th sends a
     malformed request). Tasks 2 and 3 (admitted at version 0, alpha 1) wait after their
     first turn until step 1 is written to ``$AGENT_TEST_WORKDIR/metrics.jsonl`` (after the
-    publish): their second turn runs under version 1."""
+    publish): their second turn runs under version 1. Task ``BROKEN_TASK`` (admitted
+    after step 1) fails every session before its first request."""
+    if task.seed == BROKEN_TASK:
+        raise RuntimeError(f"task {task.seed} is broken")
     CALLS["n"] += 1
     n = CALLS["n"]
     if n % 5 == 0:
@@ -139,3 +144,17 @@ def _wait_for_step_1(timeout_s: float = 40.0) -> None:
             time.sleep(0.3)  # the row is written after the publish
             return
         time.sleep(0.2)
+
+
+def cut_short(client: openai.OpenAI, task) -> float:
+    """Asks for at most 3 tokens (the turn is cut at ``max_tokens``), then goes on with a
+    user message: the template's closing of that turn is added between the turns."""
+    messages = [{"role": "user", "content": task.data["question"]}]
+    seen = SEEN.setdefault(task.session_id, [])
+    reply = client.chat.completions.create(model=task.model, messages=messages, max_tokens=3)
+    seen.append(reply.choices[0].model_dump())
+    messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "go on"})
+    reply = client.chat.completions.create(model=task.model, messages=messages)
+    seen.append(reply.choices[0].model_dump())
+    return 1.0

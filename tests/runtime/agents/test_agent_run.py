@@ -70,6 +70,19 @@ def test_agent_trains_on_sampled_ids_across_weight_updates_on_generation_program
         tokens = row["response_tokens"]
         first, second = next(v for k, v in seen.items() if tokens[: len(k)] == list(k))
         assert tokens[-len(second) :] == second
+    # Task 4's agent raises in every session: its group fails after the spare and 4
+    # restarts (env_failure). Each episode the failure ended has a failed row (G = 2:
+    # the last to fail and the restart it stopped, both before any request: no tokens),
+    # and the failed rows' prompts are the ledger's failed prompts.
+    failed = [r for r in rollouts if r["outcome"] == "failed"]
+    assert len({r["prompt_id"] for r in failed}) == last["prompts_failed"] >= 1
+    broken = [r for r in failed if r["prompt_id"] == scripted_agents.BROKEN_TASK]
+    assert [r["sample_index"] for r in broken] == [0, 1]
+    assert last["prompt_outcomes"]["failed"].get("env_failure", 0) >= 1
+    for r in broken:
+        assert (r["failure"], r["finish_reason"], r["reward"]) == ("env_failure", "aborted", None)
+        assert r["response_tokens"] == [] and r["loss_masked"]
+    assert broken[0]["reward_error"].startswith("environment raised in reset")
     # Tasks 2 and 3 waited for step 1 between their turns: their episodes span the update.
     spanning = [r for r in trained if r["token_version_min"] < r["token_version_max"]]
     assert {r["prompt_id"] for r in spanning} >= {2, 3}, [

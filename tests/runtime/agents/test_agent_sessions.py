@@ -17,6 +17,7 @@ from jaxflash.envs.chat import TurnRenderer, renderer_for
 from jaxflash.envs.driver import run_episodes
 from jaxflash.envs.episode import Episode, EpisodeEnd
 from jaxflash.envs.training import trajectory_to_sample
+from jaxflash.learner.episode_batching import pack_episode_batch
 from jaxflash.models.text.tokenizer import Tokenizer
 from jaxflash.replay.groups import Group
 from jaxflash.runtime.agents.endpoint import AgentEndpoint
@@ -48,8 +49,9 @@ def _host(agent: str, **fields) -> AgentHost:
 
 class ScriptedEngine:
     """``generate``: each turn's response is the next text of its script (turn index),
-    encoded char by char (valid ids a BPE never produces for the text) or canonically;
-    logprobs -0.25 per token, version 7."""
+    encoded char by char (valid ids a BPE never produces for the text) or canonically,
+    then <|im_end|>; logprobs -0.25 per token, version 7. As an engine does, a response
+    longer than the request's ``max_new_tokens`` is cut there (LENGTH, no <|im_end|>)."""
 
     def __init__(self, tok, texts, *, char_by_char=False):
         self.tok, self.texts, self.char_by_char = tok, texts, char_by_char
@@ -67,6 +69,9 @@ class ScriptedEngine:
             turn = r.sample_index % 4
             text = self.texts[turn].replace("{pid}", str(r.prompt_id))
             ids = np.asarray([*self.ids(text), 2], np.int32)  # 2: <|im_end|>
+            finish = FinishReason.EOS
+            if ids.size > r.sampling.max_new_tokens:
+                ids, finish = ids[: r.sampling.max_new_tokens], FinishReason.LENGTH
             out.append(
                 Sample(
                     prompt_id=r.prompt_id,
@@ -76,7 +81,7 @@ class ScriptedEngine:
                     behaviour_logprobs=np.full(ids.shape, -0.25, np.float32),
                     token_versions=np.full(ids.shape, 7, np.int32),
                     start_version=7,
-                    finish_reason=FinishReason.EOS,
+                    finish_reason=finish,
                 )  # fmt: skip
             )
         return out
@@ -175,6 +180,47 @@ def test_a_round_trip_that_retokenises_differently_is_caught_and_the_sampled_ids
     counts = host.counts()
     assert counts["agent_retokenized_differently"] == 1 and counts["agent_echo_mismatch"] == 0
     assert traj.turn_rewards.tolist() == [0.0, 0.5]
+
+
+def test_a_turn_cut_at_max_tokens_is_closed_by_an_unsampled_token_that_is_never_trained(
+    tok, renderer
+):
+    """The agent asks for max_tokens=3: the engine samples 3 ids of its text and stops
+    (LENGTH, no <|im_end|>). The next prompt closes that turn with the template's
+    <|im_end|>, which the engine never sampled: it is an observation token like the
+    rest of the delta -- loss mask 0, behaviour logprob 0, version -1 -- in the
+    trajectory and in the learner's packed batch, and not counted as sampled."""
+    scripted_agents.SEEN.clear()
+    host = _host("cut_short")
+    engine = ScriptedEngine(tok, ["the answer is forty two", "ok"])
+    try:
+        (traj,) = _play(host, renderer, engine, [2])
+    finally:
+        host.close()
+    assert traj.end == EpisodeEnd.TERMINATED, traj.failure
+    cut = tok.encode("the answer is forty two")[:3]
+    (seen,) = scripted_agents.SEEN.values()
+    assert seen[0]["finish_reason"] == "length" and seen[0]["token_ids"] == cut
+    assert traj.turns[0].finish_reason == FinishReason.LENGTH
+    # After the 3 sampled ids: the closing <|im_end|>, then the user message's glue.
+    end = traj.turns[1].offset  # turn 2's first sampled id
+    assert traj.response_tokens[:4].tolist() == [*cut, tok.eos_id]
+    delta = tok.decode(traj.response_tokens[3:end].tolist())
+    assert delta == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+    assert traj.loss_mask[:end].tolist() == [1.0] * 3 + [0.0] * (end - 3)
+    assert traj.behaviour_logprobs[3] == 0.0 and traj.token_versions[3] == -1
+    assert np.all(traj.behaviour_logprobs[:3] == np.float32(-0.25))
+    context = [*traj.prompt_tokens.tolist(), *traj.response_tokens[:end].tolist()]
+    assert engine.requests[1].prompt_tokens.tolist() == context  # turn 2 saw it as context
+    # The learner's batch: position P - 1 + 3 predicts the closing token; no loss there.
+    sample = trajectory_to_sample(traj)
+    batch = pack_episode_batch([sample], [1.0])
+    t = len(sample.prompt_tokens) - 1 + 3
+    assert batch.target_ids_bt[0, t] == tok.eos_id
+    assert batch.loss_mask_bt[0, t] == 0 and batch.behaviour_logp_bt[0, t] == 0
+    assert batch.advantages_bt[0, t] == 0
+    sampled = 3 + len(tok.encode("ok")) + 1  # turn 1's ids, turn 2's and its <|im_end|>
+    assert batch.loss_mask_bt[0].sum() == sample.response_mask.sum() == sampled
 
 
 def test_an_edited_echo_is_counted_and_the_recorded_ids_kept(tok, renderer):

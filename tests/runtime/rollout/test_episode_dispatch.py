@@ -216,7 +216,9 @@ def test_a_message_the_chat_template_rejects_fails_its_episode_and_the_run_goes_
 def test_a_group_whose_environment_keeps_failing_is_failed_with_its_reason():
     """Every instance of group 0 crashes; with 1 restart allowed its second failure
     fails the group (ENV_FAILURE, counted in the ledger), its 3 other running episodes
-    are aborted (counted), and a fresh group takes its place in the batch."""
+    are aborted (counted), and a fresh group takes its place in the batch. Each of the
+    4 episodes the failure ended has its rollouts.jsonl row (outcome failed, the
+    reason, its tokens so far), so the failed rows' prompts are the ledger's."""
     faults = {k: "raise" for k in range(4)}  # group 0's four episodes
     sched, clock, server, env_time, _ = _setup(factory_kw={"faults": faults}, restarts=1)
     runs = run_steps(sched, clock, [server], env_time, steps=1)
@@ -228,6 +230,20 @@ def test_a_group_whose_environment_keeps_failing_is_failed_with_its_reason():
     assert c["env_failures_raised"] == 2 and c["episodes_restarted"] == 1
     assert c["episodes_aborted"] == 3
     _books_add_up(sched)
+    rows = runs[0].batch.rows
+    failed = [r for r in rows if r["outcome"] == "failed"]
+    assert len({r["prompt_id"] for r in failed}) == sum(outcomes["failed"].values()) == 1
+    assert [r["sample_index"] for r in failed] == [0, 1, 2, 3]  # one row per episode
+    for r in failed:
+        assert (r["prompt_id"], r["reason"], r["failure"]) == (0, "failed", "env_failure")
+        assert r["finish_reason"] == "aborted" and r["reward"] is None and r["loss_masked"]
+        assert r["response_len"] == len(r["response_tokens"])
+    # The episode whose crash failed the group played one turn (its step raised): its
+    # row holds that turn's sampled tokens and names the environment's failure.
+    assert failed[0]["reward_error"].startswith("environment raised in step")
+    assert TOK.eos_id in failed[0]["response_tokens"]
+    assert all(r["reward_error"] is None for r in failed[1:])  # stopped, not failed
+    assert len(rows) == len(failed) + 2 * 4  # and the two trained groups' rows
 
 
 def test_a_hung_environment_thread_is_abandoned_at_its_deadline():
