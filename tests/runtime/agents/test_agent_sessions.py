@@ -50,11 +50,13 @@ def _host(agent: str, **fields) -> AgentHost:
 class ScriptedEngine:
     """``generate``: each turn's response is the next text of its script (turn index),
     encoded char by char (valid ids a BPE never produces for the text) or canonically,
-    then <|im_end|>; logprobs -0.25 per token, version 7. As an engine does, a response
-    longer than the request's ``max_new_tokens`` is cut there (LENGTH, no <|im_end|>)."""
+    then <|im_end|>; logprobs -0.25 per token, version 7. With ``cut_at_budget``, as an
+    engine does, a response longer than the request's ``max_new_tokens`` is cut there
+    (LENGTH, no <|im_end|>)."""
 
-    def __init__(self, tok, texts, *, char_by_char=False):
+    def __init__(self, tok, texts, *, char_by_char=False, cut_at_budget=False):
         self.tok, self.texts, self.char_by_char = tok, texts, char_by_char
+        self.cut_at_budget = cut_at_budget
         self.requests = []
 
     def ids(self, text):
@@ -70,7 +72,7 @@ class ScriptedEngine:
             text = self.texts[turn].replace("{pid}", str(r.prompt_id))
             ids = np.asarray([*self.ids(text), 2], np.int32)  # 2: <|im_end|>
             finish = FinishReason.EOS
-            if ids.size > r.sampling.max_new_tokens:
+            if self.cut_at_budget and ids.size > r.sampling.max_new_tokens:
                 ids, finish = ids[: r.sampling.max_new_tokens], FinishReason.LENGTH
             out.append(
                 Sample(
@@ -192,7 +194,7 @@ def test_a_turn_cut_at_max_tokens_is_closed_by_an_unsampled_token_that_is_never_
     trajectory and in the learner's packed batch, and not counted as sampled."""
     scripted_agents.SEEN.clear()
     host = _host("cut_short")
-    engine = ScriptedEngine(tok, ["the answer is forty two", "ok"])
+    engine = ScriptedEngine(tok, ["the answer is forty two", "ok"], cut_at_budget=True)
     try:
         (traj,) = _play(host, renderer, engine, [2])
     finally:
