@@ -180,10 +180,15 @@ def test_resume_keeps_counters_and_cursor(tmp_path):
     assert last["policy_version"] == 3
     rollouts = [json.loads(x) for x in open(f"{workdir}/rollouts.jsonl")]
     # The third step read cursors 16..23 (the file's third shuffled epoch): prompt ids
-    # continue; file rows 1-3 (malformed, no answer, over-long) never reach generation.
+    # continue; file rows 1-3 (malformed, no answer, over-long) never reach generation
+    # (their failed rows are empty).
     order = EpochShuffledRows(list(range(8)), _config(tmp_path).seed)
     expected = [c for c in range(16, 24) if order.index(c) not in (1, 2, 3)]
-    assert sorted({r["prompt_id"] for r in rollouts if r["learner_step"] == 3}) == expected
+    step3 = [r for r in rollouts if r["learner_step"] == 3]
+    generated = {r["prompt_id"] for r in step3 if r["response_tokens"]}
+    assert sorted(generated) == expected
+    never = {r["prompt_id"] for r in step3 if r["failure"] in ("malformed_row", "prompt_too_long")}
+    assert sorted(generated | never) == list(range(16, 24))
     # The counters go on: the resumed step 3 reports what an uninterrupted run's does
     # (the group buffer's buffer_* restarted from 0 before they were checkpointed).
     straight = str(tmp_path / "straight")
