@@ -338,8 +338,20 @@ def test_every_failure_reason_is_counted_exactly(tmp_path, placement):
     }
     assert ledger.count(PromptOutcome.TRAINED) == 1 and ledger.taken == 7
     assert sched.watch.counters["server_failures"] == n_servers
-    failures = {r["prompt_id"]: r["failure"] for r in first.rows + second.rows if r["failure"]}
-    assert failures == {3: "reward_error", 4: "reward_timeout"}  # the samples that came back
+    # Every failed prompt has its G = 2 rows: the samples that came back (prompts 3 and
+    # 4) with their tokens, the others (never generated, or lost on a server) empty.
+    failed = [r for r in first.rows + second.rows if r["outcome"] == "failed"]
+    assert {r["prompt_id"]: r["failure"] for r in failed} == {
+        1: "malformed_row",
+        2: "prompt_too_long",
+        3: "reward_error",
+        4: "reward_timeout",
+        5: "generation_timeout",
+        6: "server_died",
+    }
+    keys = sorted((r["prompt_id"], r["sample_index"]) for r in failed)
+    assert keys == [(p, i) for p in range(1, 7) for i in range(2)]
+    assert {r["prompt_id"] for r in failed if r["response_tokens"]} == {3, 4}
     ledger.check()
 
 
