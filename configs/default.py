@@ -46,8 +46,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.generation_hosts = 1
     c.mesh.weight_transfer = "transfer"  # generation programs pull by: transfer | stream
     c.mesh.generation_digests = False  # log a SHA-256 of each weight install (tests)
-    # send only changed engine-side weights: True, False or "auto" (on for programs on
-    # or across other hosts; docs/PERF.md). object: a config may set a bool or the word.
+    # send only changed engine-side weights: True/on, False/off or "auto" (on for programs
+    # at non-loopback generation_addresses; docs/PERF.md). object: a bool or the word.
     c.mesh.delta_publish = ml_collections.FieldReference("auto", field_type=object)
 
     c.model = ml_collections.ConfigDict()

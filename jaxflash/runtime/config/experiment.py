@@ -92,28 +92,39 @@ def _task_options(value: Any, field: str = "data.task_options") -> dict[str, Any
 
 def _delta_publish(mesh: Mapping[str, Any], lora: LoraConfig | None) -> bool:
     """``mesh.delta_publish``: True / False, or "auto" (the default): on where a publish
-    leaves the machine — generation programs on other hosts (``generation_addresses``)
-    or spanning hosts (``generation_hosts`` > 1) — and the run is full fine-tuning; off
-    for thread engines and local programs, where the full copy is a memcpy or a loopback
-    socket and the delta's passes cost more than the bytes they save (docs/PERF.md).
+    leaves the machine — generation programs at a ``generation_addresses`` host that is
+    not loopback (a pod's generation hosts) — and the run is full fine-tuning; off for
+    thread engines and local programs (loopback addresses, or the processes this
+    controller starts, however many hosts each spans), where the full copy is a memcpy
+    or a loopback socket and the delta's passes cost more than the bytes they save
+    (docs/PERF.md).
 
     Raises:
-      ConfigError: a value other than a bool, "auto", "true"/"on" or "false"/"off".
+      ConfigError: a value other than a bool, "auto", "true"/"on" or "false"/"off"
+        (any case).
     """
     raw = mesh.get("delta_publish", "auto")
     if isinstance(raw, str):
         word = raw.strip().lower()
         _check(
             word in ("auto", "true", "on", "false", "off"),
-            f"mesh.delta_publish must be True, False or 'auto', got {raw!r}",
+            f"mesh.delta_publish must be True/on, False/off or 'auto', got {raw!r}",
         )
         if word != "auto":
             return word in ("true", "on")
-        remote = bool(_addresses(mesh.get("generation_addresses", ())))
-        spans = int(mesh.get("generation_hosts", 1)) > 1
-        return bool(mesh.get("generation_processes", False)) and (remote or spans) and lora is None
-    _check(isinstance(raw, bool), f"mesh.delta_publish must be True, False or 'auto', got {raw!r}")
+        remote = any(not _loopback(a) for a in _addresses(mesh.get("generation_addresses", ())))
+        return bool(mesh.get("generation_processes", False)) and remote and lora is None
+    _check(
+        isinstance(raw, bool),
+        f"mesh.delta_publish must be True/on, False/off or 'auto', got {raw!r}",
+    )
     return raw
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``"host:port"`` names this machine over loopback (localhost, 127/8, ::1)."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    return host in ("localhost", "::1", "") or host.startswith("127.")
 
 
 def _addresses(value: Any) -> tuple[str, ...]:

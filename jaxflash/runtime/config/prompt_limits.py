@@ -15,6 +15,13 @@ context of 8192, naming fields the user never set). A random-init model's contex
 itself sized to the limit (``model_setup.load_model``): nothing to cap, and the
 start-up line says so.
 
+A derived limit set by a few outliers (at least ``OUTLIER_FACTOR`` times the limit
+that would cover 99 % of the rows) sizes every step's prefill and KV cache to them:
+one 18,039-token row among 60-token ones made generation ~6x slower in a trial. The
+run keeps every row (nothing is failed that the user did not ask to fail) and says so
+at start-up, naming the rows and the ``data.max_prompt_tokens`` that would fail them as
+``prompt_too_long`` instead (``PromptLengths.outliers``).
+
 A limit the user set is checked against the same measurement: if every prompt
 measured is longer, the run stops with an error naming both fields; if some
 are, it says how many will fail as ``prompt_too_long`` (and which rows, when known).
@@ -33,6 +40,12 @@ log = logging.getLogger(__name__)
 
 MIN_PROMPT_TOKENS = 32
 PROCEDURAL_HEADROOM = 1.25
+OUTLIER_FACTOR = 4  # a derived limit this many times the 99 %-of-rows one is said so
+
+
+def _pow2_limit(tokens: float) -> int:
+    """The prefill bucket (a power of two, at least ``MIN_PROMPT_TOKENS``) for ``tokens``."""
+    return max(MIN_PROMPT_TOKENS, 1 << (math.ceil(tokens) - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,10 @@ class PromptLengths:
         known before the load: a random-init model, whose context is sized to fit).
       capped: the derived limit before the cap (0: not capped).
       longer_rows: where the first prompts longer than ``limit`` are ("file:line").
+      outliers: derived limits only: rows longer than ``typical_limit`` when the
+        limit is at least ``OUTLIER_FACTOR`` times it (0: no such outliers).
+      typical_limit: the limit that covers 99 % of the rows measured (0 with outliers 0).
+      outlier_rows: where the first outliers are ("file:line").
     """
 
     measured: int
@@ -60,6 +77,9 @@ class PromptLengths:
     context: int = 0
     capped: int = 0
     longer_rows: tuple[str, ...] = ()
+    outliers: int = 0
+    typical_limit: int = 0
+    outlier_rows: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One console line."""
@@ -78,6 +98,14 @@ class PromptLengths:
             )
         elif self.derived and not self.context:
             line += "; the random-init model's context is sized to it + rollout.max_new_tokens"
+        if self.outliers:
+            line += (
+                f"; sized by {self.outliers} outlier row"
+                + ("" if self.outliers == 1 else "s")
+                + f" (99 % of rows fit {self.typical_limit}: every step's prefill and KV "
+                f"cache pay for them; data.max_prompt_tokens={self.typical_limit} fails them "
+                "as prompt_too_long instead)"
+            )
         return line
 
 
@@ -107,14 +135,21 @@ def prompt_lengths(
         first = f"; {len(failures)} rows failed, the first: {failures[0]}" if failures else ""
         raise ConfigError(f"data.task={d.task!r}: no prompt could be rendered from the data{first}")
     capped = 0
+    headroom = 1.0 if every_row else PROCEDURAL_HEADROOM
     if derived:
-        want = max(lengths) * (1.0 if every_row else PROCEDURAL_HEADROOM)
-        limit = max(MIN_PROMPT_TOKENS, 1 << (math.ceil(want) - 1).bit_length())
+        limit = _pow2_limit(max(lengths) * headroom)
         room = (context or 0) - r.sampling.max_new_tokens  # what the model's context allows
         if context and limit > room >= 1:  # one outlier row must not stop the run
             capped, limit = limit, room
     too_long = sum(n > limit for n in lengths)
     longer = [w for n, w in zip(lengths, where, strict=True) if n > limit] if where else []
+    typical, outlying = 0, []
+    if derived:  # the 99 %-of-rows limit (lower rank: one row in ten is not "typical")
+        typical = _pow2_limit(sorted(lengths)[int(0.99 * (len(lengths) - 1))] * headroom)
+        if limit >= OUTLIER_FACTOR * typical:
+            outlying = [i for i, n in enumerate(lengths) if n > typical]
+        else:
+            typical = 0
     info = PromptLengths(
         measured=len(lengths),
         every_row=every_row,
@@ -126,6 +161,9 @@ def prompt_lengths(
         context=int(context or 0) if derived else 0,
         capped=capped,
         longer_rows=tuple(longer[:5]),
+        outliers=len(outlying),
+        typical_limit=typical,
+        outlier_rows=tuple(where[i] for i in outlying[:5]) if where else (),
     )
     rows = f" (rows {', '.join(info.longer_rows)}{', ...' if len(longer) > 5 else ''})"
     rows = rows if longer else ""
@@ -154,5 +192,20 @@ def prompt_lengths(
             " (derived, capped at the model's context)" if capped else "",
             info.longest,
             rows,
+        )
+    if outlying:
+        log.warning(
+            "the derived prompt length limit %d tokens is set by %d outlier row(s)%s: 99 %% "
+            "of the %d rows measured fit %d, and every step's prefill and KV cache are sized "
+            "to the limit (slower generation); set data.max_prompt_tokens=%d to fail them as "
+            "prompt_too_long instead",
+            limit,
+            len(outlying),
+            f" ({', '.join(info.outlier_rows)}{', ...' if len(outlying) > 5 else ''})"
+            if info.outlier_rows
+            else "",
+            len(lengths),
+            typical,
+            typical,
         )
     return exp.with_prompt_lengths(limit), info

@@ -83,9 +83,9 @@ class MeshSpec:
         every host its own blocks: ``sync.transfer_delta``). Refused with LoRA (only
         adapters move). In the config: True, False or "auto" (the default), which
         ``ExperimentConfig.from_config_dict`` resolves to True for generation programs
-        on other hosts (``generation_addresses``) or over several hosts
-        (``generation_hosts`` > 1) without LoRA — publishes that cross a network — and
-        False otherwise: exact and ~10x fewer bytes, but slower than the full copy
+        at a ``generation_addresses`` host that is not loopback, without LoRA —
+        publishes that cross a network — and False otherwise (thread engines; the
+        programs this controller starts; loopback addresses): exact and ~10x fewer bytes, but slower than the full copy
         where that copy is a memcpy or a loopback socket (docs/PERF.md).
     """
 

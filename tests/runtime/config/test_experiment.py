@@ -240,10 +240,14 @@ _REMOTE = {**_PROGRAMS, "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:700
     [
         ({}, False),  # thread engines: the full copy is a memcpy
         (_PROGRAMS, False),  # local programs: a loopback socket
-        (_TWO_HOSTS, True),  # a program over hosts
+        (_TWO_HOSTS, False),  # a program over 2 local processes: loopback too
+        ({**_TWO_HOSTS, "mesh.generation_addresses": "10.0.0.2:7000,10.0.0.3:7000"}, True),
         (_REMOTE, True),  # programs on other hosts
+        ({**_PROGRAMS, "mesh.generation_addresses": "127.0.0.1:7000,localhost:7001"}, False),
+        ({**_PROGRAMS, "mesh.generation_addresses": "[::1]:7000,127.0.0.2:7001"}, False),
         ({**_REMOTE, "learner.lora": {"rank": 4}}, False),  # LoRA moves adapters only
         ({"mesh.delta_publish": True}, True),
+        ({"mesh.delta_publish": "ON"}, True),
         ({**_TWO_HOSTS, "mesh.delta_publish": "off"}, False),
     ],
 )

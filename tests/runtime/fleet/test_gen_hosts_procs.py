@@ -5,8 +5,8 @@ CPU device each, its engine's mesh tensor = 2 across both, gloo collectives), as
 a 2-host TPU slice would run it: process 0 serves gRPC and tells process 1 what
 to run; each process pulls its own shards of every version.
 
-* Through ``launch/tpu_pod.py`` (``mesh.delta_publish`` "auto": deltas for the 2-host
-  program after its first full pull, the full tree for the one-process program): a
+* Through ``launch/tpu_pod.py`` (``mesh.delta_publish=True`` for the 2-host program:
+  deltas after its first full pull; full publishes for the one-process program): a
   2-process learner (3 fake devices each, fsdp 3 x tensor 2 across both) publishing to
   one 2-host generation program, against
   the same run with one learner process and a one-process generation program of
@@ -83,7 +83,7 @@ def test_two_host_generation_program_under_two_process_learner_equals_one_proces
         _launch(
             two,
             3,
-            ["--config.mesh.generation_hosts=2"],
+            ["--config.mesh.generation_hosts=2", "--config.mesh.delta_publish=True"],
             {
                 "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                 "JAX_NUM_PROCESSES": "2",
@@ -123,8 +123,8 @@ def test_two_host_generation_program_under_two_process_learner_equals_one_proces
                 staged.setdefault((r["version"], key), set()).add(digest)
     installed = [e for e in _rows(os.path.join(gen, "gen0.jsonl")) if e["event"] == "installed"]
     assert [e["version"] for e in installed] == [0, 1, 2]
-    # mesh.delta_publish "auto" is on for a program over hosts: version 0 is the full
-    # tree, versions 1 and 2 deltas (no fallback); the digests below are of the result.
+    # Delta publish on for the 2-host program: version 0 is the full tree, versions 1
+    # and 2 deltas (no fallback); the digests below are of the result.
     assert [e.get("pull_delta", 0) for e in installed] == [0, 1, 2], installed
     assert [e.get("pull_full", 0) for e in installed] == [1, 1, 1], installed
     for e in installed:

@@ -61,6 +61,7 @@ def test_file_lengths_are_derived_from_every_row(tmp_path):
     assert derived.data.max_prompt_tokens == derived.rollout.max_prefill_length == 256
     assert (info.longest, info.limit, info.derived, info.too_long) == (183, 256, True, 0)
     assert "derived from every row: 93-183 tokens" in info.describe()
+    assert info.outliers == 0 and "outlier" not in info.describe()  # a spread, not outliers
     assert [p.answer for p in eval_prompts(task, WordTokenizer(), 256)] == ["1"]
 
 
@@ -148,6 +149,13 @@ def test_a_derived_limit_is_capped_at_the_models_context_and_the_longer_rows_nam
     assert len(info.longer_rows) == 1 and info.longer_rows[0].endswith("train.jsonl:3")
     assert "capped from 16384 at the model's context (max_seq_len 8192" in info.describe()
     assert "1 of 3 prompts measured are longer" in caplog.text and "train.jsonl:3" in caplog.text
+    # The limit it derived is still set by that one row: said, with the setting that
+    # would fail it instead (the trial: one 18k-token row made generation ~6x slower).
+    assert (info.outliers, info.typical_limit) == (1, 128)
+    assert info.outlier_rows[0].endswith("train.jsonl:3")
+    assert "sized by 1 outlier row" in info.describe()
+    assert "data.max_prompt_tokens=128 fails them" in info.describe()
+    assert "set data.max_prompt_tokens=128 to fail them" in caplog.text
     # A random-init model's context is sized to the limit: not capped, and said.
     derived, info = prompt_lengths(exp, lengths, every_row, context=None, where=where)
     assert (info.limit, info.capped) == (16384, 0)
