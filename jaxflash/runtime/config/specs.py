@@ -85,8 +85,9 @@ class MeshSpec:
         ``ExperimentConfig.from_config_dict`` resolves to True for generation programs
         at a ``generation_addresses`` host that is not loopback, without LoRA —
         publishes that cross a network — and False otherwise (thread engines; the
-        programs this controller starts; loopback addresses): exact and ~10x fewer bytes, but slower than the full copy
-        where that copy is a memcpy or a loopback socket (docs/PERF.md).
+        programs this controller starts; loopback addresses): exact and ~10x fewer
+        bytes, but slower than the full copy where that copy is a memcpy or a loopback
+        socket (docs/PERF.md).
     """
 
     num_cpu_devices: int = 1
