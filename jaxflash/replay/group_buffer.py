@@ -44,6 +44,7 @@ from typing import Literal
 
 import numpy as np
 
+from jaxflash.replay.buffer_books import BufferBooks
 from jaxflash.replay.groups import DroppedGroup, Group, GroupFilter
 from jaxflash.replay.staleness import StalenessCounts, Verdict, classify, start_version_of
 from jaxflash.types import FailureReason, FinishReason, PolicyVersion, PromptOutcome, Sample
@@ -88,47 +89,13 @@ class GroupBuffer:
         self._ready: dict[int, None] = {}
         self._closed_failed: set[int] = set()  # failed or discarded: late samples dropped
         self._last_learner_version: int | None = None
-        self._produced = 0
-        self._returned = 0
-        self._dropped: dict[str, int] = {}
-        self._late_discarded = 0
-        self._staleness = StalenessCounts()
-        self._overshoot = 0  # groups returned older than α (policy "pace")
-        if state:
-            self._restore(dict(state))
+        self._books = BufferBooks.from_state(state) if state else BufferBooks()
 
     def state_dict(self) -> dict[str, int]:
-        """The cumulative counters, for a checkpoint (``GroupBuffer(..., state=...)``).
-
-        Groups pending now are left out of ``produced``: a resumed run generates their
-        prompts again (the ledger's in-flight prompts) and counts them produced then,
-        so produced == returned + dropped + pending holds on resume with none pending.
-        """
+        """The cumulative counters, for a checkpoint (``GroupBuffer(..., state=...)``;
+        ``BufferBooks.state_dict``: groups pending now are left out of ``produced``)."""
         with self._lock:
-            return {
-                "produced": self._produced - len(self._pending),
-                "returned": self._returned,
-                "samples_late_discarded": self._late_discarded,
-                **{f"staleness_{k}": v for k, v in dataclasses.asdict(self._staleness).items()},
-                "staleness_overshoot": self._overshoot,
-                **{f"dropped_{k}": v for k, v in sorted(self._dropped.items())},
-            }
-
-    def _restore(self, state: dict[str, int]) -> None:
-        self._produced = int(state.pop("produced"))
-        self._returned = int(state.pop("returned"))
-        self._late_discarded = int(state.pop("samples_late_discarded"))
-        self._staleness = StalenessCounts(
-            **{k: int(state.pop(f"staleness_{k}")) for k in ("fresh", "stale", "anomaly")}
-        )
-        self._overshoot = int(state.pop("staleness_overshoot", 0))  # absent before "pace"
-        self._dropped = {k.removeprefix("dropped_"): int(v) for k, v in state.items()}
-        if any(not k.startswith("dropped_") for k in state) or self._produced != (
-            self._returned + sum(self._dropped.values())
-        ):
-            raise ValueError(
-                f"GroupBuffer: not a state_dict() (or its books do not add up): {state}"
-            )
+            return self._books.state_dict(pending=len(self._pending))
 
     # -- adding ---------------------------------------------------------------
 
@@ -171,7 +138,7 @@ class GroupBuffer:
                 failure = FailureReason.NON_FINITE_REWARD
         with self._lock:
             if pid in self._closed_failed:
-                self._late_discarded += 1
+                self._books.late_discarded += 1
                 return
             pend = self._get_or_create(pid)
             if idx in pend.samples:
@@ -212,7 +179,7 @@ class GroupBuffer:
         pid = int(prompt_id)
         with self._lock:
             if pid in self._closed_failed:
-                self._late_discarded += 1
+                self._books.late_discarded += 1
                 return
             pend = self._get_or_create(pid)
             if pend.failure is None:
@@ -226,7 +193,7 @@ class GroupBuffer:
         pend = self._pending.get(pid)
         if pend is None:
             pend = self._pending[pid] = _Pending()
-            self._produced += 1
+            self._books.produced += 1
         return pend
 
     # -- taking ---------------------------------------------------------------
@@ -301,7 +268,7 @@ class GroupBuffer:
                 verdict = classify(start, learner_version, async_ratio)
                 overshoot = policy == "pace" and verdict is Verdict.STALE
                 if verdict is not Verdict.FRESH and not overshoot:
-                    self._staleness = self._staleness.plus(verdict)
+                    self._books.judge(verdict)
                     what = "anomaly: newer than the learner" if verdict is Verdict.ANOMALY else ""
                     detail = (
                         f"start version {start}, learner version {learner_version}, "
@@ -333,15 +300,15 @@ class GroupBuffer:
                     continue  # held: the caller keeps its slot for a group due sooner
                 del self._pending[pid]
                 if overshoot:
-                    self._overshoot += 1
+                    self._books.overshoot += 1
                 else:
-                    self._staleness = self._staleness.plus(Verdict.FRESH)
+                    self._books.judge(Verdict.FRESH)
                 if reason is not None:
                     detail = f"rewards {group.rewards_g.tolist()}"
                     dropped.append(self._drop(pid, pend, PromptOutcome.FILTERED, reason, detail))
                     continue
                 groups.append(group)
-            self._returned += len(groups)
+            self._books.returned += len(groups)
             self._last_learner_version = int(learner_version)
             return groups, dropped
 
@@ -415,7 +382,7 @@ class GroupBuffer:
         regenerate: bool = False,
         failure: FailureReason | None = None,
     ) -> DroppedGroup:
-        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        self._books.drop(reason)
         return DroppedGroup(
             prompt_id=pid,
             outcome=outcome,
@@ -433,7 +400,7 @@ class GroupBuffer:
     def staleness_counts(self) -> StalenessCounts:
         """Fresh / stale / anomaly verdicts of groups that left the buffer."""
         with self._lock:
-            return self._staleness
+            return self._books.staleness
 
     def num_complete(self) -> int:
         """Complete groups waiting (fresh or not yet judged)."""
@@ -449,16 +416,4 @@ class GroupBuffer:
         (overshoot: groups returned older than α under policy "pace").
         """
         with self._lock:
-            out = {
-                "produced": self._produced,
-                "returned": self._returned,
-                "dropped": sum(self._dropped.values()),
-                "pending": len(self._pending),
-                "samples_late_discarded": self._late_discarded,
-                "staleness_fresh": self._staleness.fresh,
-                "staleness_stale": self._staleness.stale,
-                "staleness_anomaly": self._staleness.anomaly,
-                "staleness_overshoot": self._overshoot,
-            }
-            out.update({f"dropped_{k}": v for k, v in sorted(self._dropped.items())})
-            return out
+            return self._books.counts(pending=len(self._pending))
