@@ -104,21 +104,15 @@ def _delta_publish(mesh: Mapping[str, Any], lora: LoraConfig | None) -> bool:
         (any case).
     """
     raw = mesh.get("delta_publish", "auto")
-    if isinstance(raw, str):
-        word = raw.strip().lower()
-        _check(
-            word in ("auto", "true", "on", "false", "off"),
-            f"mesh.delta_publish must be True/on, False/off or 'auto', got {raw!r}",
-        )
-        if word != "auto":
-            return word in ("true", "on")
-        remote = any(not _loopback(a) for a in _addresses(mesh.get("generation_addresses", ())))
-        return bool(mesh.get("generation_processes", False)) and remote and lora is None
+    word = str(raw).strip().lower() if isinstance(raw, str | bool) else None
     _check(
-        isinstance(raw, bool),
+        word in ("auto", "true", "on", "false", "off"),
         f"mesh.delta_publish must be True/on, False/off or 'auto', got {raw!r}",
     )
-    return raw
+    if word != "auto":
+        return word in ("true", "on")
+    remote = any(not _loopback(a) for a in _addresses(mesh.get("generation_addresses", ())))
+    return bool(mesh.get("generation_processes", False)) and remote and lora is None
 
 
 def _loopback(address: str) -> bool:

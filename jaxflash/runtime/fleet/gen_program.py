@@ -350,10 +350,10 @@ class GenerationProgram:
         moved = pulled - before + sum(int(r.get("bytes") or 0) for r in (replies or {}).values())
         event = {"type": "installed", "version": current.version, "seconds": seconds,
                  "method": transfer["method"], "bytes": pulled, "moved": moved}  # fmt: skip
-        # Under delta publish, process 0's pulls so far by kind (delta, full, fallback_*).
-        event.update(
-            {f"pull_{k}": n for k, n in getattr(self._built.receiver, "counts", {}).items()}
-        )
+        # Under delta publish (a DeltaPuller), process 0's pulls so far by kind (delta,
+        # full, fallback_*): in the event and the program's stats.
+        pulls = {f"pull_{k}": n for k, n in getattr(self._built.receiver, "counts", {}).items()}
+        event.update(pulls)
         if cfg.get("digests") and hosts is None:
             event["digest"] = tree_digest(current.params)
         elif cfg.get("digests"):
@@ -363,8 +363,8 @@ class GenerationProgram:
             self._moved = {current.version: moved}  # the Update reply reports it
             self._cond.notify_all()  # an Update waiting for this version replies now
             self._counts["pulls"] += 1
-            for k, n in getattr(self._built.receiver, "counts", {}).items():  # DeltaPuller
-                self._counts[f"pull_{k}"] = n
+            for k, n in pulls.items():  # totals so far: set, not added (Counter.update adds)
+                self._counts[k] = n
         self._events.put((event, {}))
 
     def _on_finished(self, sample: Any) -> None:
