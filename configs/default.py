@@ -159,6 +159,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Pack sequences end to end into rows of pack_length tokens (0: the batch's padded
     # length) instead of one padded row each; micro_batch_size then counts packed rows.
     c.learner.packing = False
+    # With packing: the G samples of a prompt share one copy of it in their packed row
+    # (its forward and backward run once per group; not with model.exact_numerics).
+    c.learner.prefix_sharing = False
     c.learner.pack_length = 0
     # The batch's length T: its longest row rounded up to a multiple of this (each
     # distinct T compiles the step once; 8 pads less where rows are about one length).

@@ -126,6 +126,13 @@ class LearnerConfig:
         padded row each; ``micro_batch_size`` then counts packed rows. Needs a
         token-level loss and an aggregation without per-row lengths
         (``packing.check_packing``). Logprobs equal the unpacked ones.
+      prefix_sharing: with ``packing``: the samples of one prompt (rows whose tokens
+        before the first loss target are identical) share one copy of the prompt in
+        their packed row (``packing.pack_groups``): its forward and backward run once
+        per group instead of once per sample. Logprobs equal the unpacked ones up to
+        float summation order (not bitwise: refused with ``model.exact_numerics``).
+        On GRPO batches of G samples per prompt this removes (G - 1) prompts' worth
+        of learner work per group (benchmarks/e2e_vs_tunix.py, docs/PERF.md).
       pack_length: tokens per packed row where longer than the batch's T (its longest
         sequence's bucket); 0: T. Each distinct (rows, length) compiles once.
       length_multiple: the batch's T is its longest sequence rounded up to a multiple
@@ -162,6 +169,7 @@ class LearnerConfig:
     router_replay: bool = False
     lora: LoraConfig | None = None
     packing: bool = False
+    prefix_sharing: bool = False
     pack_length: int = 0
     length_multiple: int = 32
 
@@ -251,6 +259,10 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig.pack_length must be >= 0, got {self.pack_length}")
         if self.packing:
             check_packing(self.loss, self.aggregation, self.replay_loss)
+        if self.prefix_sharing and not self.packing:
+            raise ValueError(
+                "LearnerConfig.prefix_sharing lays out packed rows: it needs packing=True"
+            )
 
     @property
     def dual_cycle(self) -> bool:

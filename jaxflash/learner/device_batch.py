@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxflash.learner.batching import ROUTES_FIELD, TRAIN_BATCH_FIELDS, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
-from jaxflash.learner.packing import pack_rows
+from jaxflash.learner.packing import pack_groups, pack_rows
 from jaxflash.models.caches import attention
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.sharding.rules import Rules, logical_to_spec
@@ -73,9 +73,15 @@ def to_device_batch(
 
 
 def device_batch(batch: TrainBatch, lc: LearnerConfig, sharding: NamedSharding) -> DeviceBatch:
-    """A host batch packed (``learner.packing``) when asked, then on the devices."""
+    """A host batch packed (``learner.packing``, prompts shared under
+    ``learner.prefix_sharing``) when asked, then on the devices."""
     if lc.packing and np.ndim(batch.input_ids_bt) == 2 and one_per_row(batch):
-        batch = pack_rows(batch, row_length=lc.pack_length)[0]
+        if lc.prefix_sharing:
+            batch = pack_groups(
+                batch, row_length=lc.pack_length, length_multiple=lc.length_multiple
+            )[0]
+        else:
+            batch = pack_rows(batch, row_length=lc.pack_length)[0]
     return to_device_batch(batch, lc.micro_batch_size, sharding, dual_cycle=lc.dual_cycle)
 
 

@@ -56,12 +56,15 @@ def check_packing(loss: str, aggregation: str, replay_loss: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RowPlacement:
-    """Where each row of the unpacked batch went: row ``row[i]``, tokens
-    ``[offset[i], offset[i] + length[i])``; length 0 (row ``-1``): it had no loss."""
+    """Where each row of the unpacked batch went: its tokens ``[start[i], start[i] +
+    length[i])`` to row ``row[i]``, tokens ``[offset[i], offset[i] + length[i])``;
+    length 0 (row ``-1``): it had no loss. ``start`` None: 0 (``pack_rows``); under
+    ``pack_groups`` the tokens before ``start[i]`` are the group's shared prefix."""
 
     row: np.ndarray
     offset: np.ndarray
     length: np.ndarray
+    start: np.ndarray | None = None
 
 
 def _needed_lengths(mask_bt: np.ndarray) -> np.ndarray:
@@ -135,6 +138,109 @@ def pack_rows(
     return packed, RowPlacement(row=row, offset=offset, length=need)
 
 
+def pack_groups(
+    batch: TrainBatch,
+    *,
+    row_length: int = 0,
+    length_multiple: int = 1,
+    min_rows: int = 1,
+) -> tuple[TrainBatch, RowPlacement]:
+    """Pack a host TrainBatch with each shared prompt laid out once per group.
+
+    Rows whose tokens before their first loss-carrying target are identical (input
+    ids, positions and recorded MoE routes: the G samples of one prompt) form a group.
+    A group is laid out as its shared prefix (the prompt without its last token,
+    segment ``(k << 16) | 0``) followed by each row's continuation from the prompt's
+    last token on (segment ``(k << 16) | j``, j = 1, 2, ...), with the rows' own
+    positions. Attention lets every continuation see its group's prefix and itself
+    (``models.caches.attention.segments_visible``), so each token has the context it
+    had unpacked and its logprob is the unpacked one up to float summation order,
+    while the prompt's forward and backward run once per group instead of G times
+    (the shared-prefix layout of GRPO training, e.g. arXiv 2506.05433). Groups go
+    into rows by first-fit decreasing as in ``pack_rows``.
+
+    Args:
+      batch: TrainBatch of numpy arrays [B, T], one sequence per row (``pack_batch``).
+      row_length: tokens per packed row where longer than T and the longest group.
+      length_multiple: the row length is rounded up to a multiple of this.
+      min_rows: at least this many rows (empty ones are all-masked).
+
+    Returns:
+      (packed TrainBatch [R, L] with ``segment_ids_bt`` set, RowPlacement of each
+      input row: its continuation's place, ``start`` = its shared prefix's length).
+      Rows without a loss-carrying token are left out.
+
+    Raises:
+      ValueError: a batch that is already packed, or not [B, T].
+    """
+    if batch.segment_ids_bt is not None and np.max(batch.segment_ids_bt) > 1:
+        raise ValueError("pack_groups: the batch is already packed (a row has 2+ segments)")
+    mask = np.asarray(batch.loss_mask_bt)
+    if mask.ndim != 2:
+        raise ValueError(f"pack_groups: expected [B, T] arrays, got {mask.shape}")
+    need = _needed_lengths(mask)
+    # The prefix: columns before the input that predicts the first loss target (the
+    # prompt's last token), which each continuation carries itself.
+    prefix = np.argmax(mask > 0, axis=1)
+    ids, pos = np.asarray(batch.input_ids_bt), np.asarray(batch.positions_bt)
+    routes = batch.routed_experts_btlk
+    groups: dict[bytes, list[int]] = {}
+    for i in np.flatnonzero(need > 0):
+        c = prefix[i]
+        key = [np.int64(c).tobytes(), ids[i, :c].tobytes(), pos[i, :c].tobytes()]
+        if routes is not None:
+            key.append(np.asarray(routes)[i, :c].tobytes())
+        groups.setdefault(b"|".join(key), []).append(int(i))
+    members = list(groups.values())
+    size = [prefix[m[0]] + sum(need[i] - prefix[i] for i in m) for m in members]
+    length = max(row_length, mask.shape[1], max(size, default=0))
+    length = -(-length // length_multiple) * length_multiple
+    order = sorted(range(len(members)), key=lambda g: -size[g])
+    free: list[int] = []
+    where = []  # (group, row, offset)
+    for g in order:
+        r = next((r for r, f in enumerate(free) if f >= size[g]), len(free))
+        if r == len(free):
+            free.append(length)
+        where.append((g, r, length - free[r]))
+        free[r] -= size[g]
+    n_rows = max(len(free), min_rows)
+    row = np.full(len(need), -1, np.int64)
+    offset = np.zeros(len(need), np.int64)
+    start = np.zeros(len(need), np.int64)
+    seg = np.zeros((n_rows, length), np.int32)
+    count = np.zeros(n_rows, np.int32)
+    copies = []  # (src row, src from, src to, dst row, dst from)
+    for g, r, o in sorted(where, key=lambda x: (x[1], x[2])):
+        count[r] += 1
+        first, c = members[g][0], prefix[members[g][0]]
+        base = int(count[r]) << 16
+        copies.append((first, 0, c, r, o))
+        seg[r, o : o + c] = base
+        o += c
+        for j, i in enumerate(members[g], start=1):
+            n = need[i] - c
+            copies.append((i, c, need[i], r, o))
+            seg[r, o : o + n] = base | j
+            row[i], offset[i], start[i] = r, o, c
+            o += n
+    out = {}
+    for name in (*TRAIN_BATCH_FIELDS, ROUTES_FIELD):
+        src = getattr(batch, name)
+        if name == "segment_ids_bt" or (name == ROUTES_FIELD and src is None):
+            continue
+        src = np.zeros(mask.shape, np.int32) if src is None else np.asarray(src)
+        fill = -1 if name in ("token_versions_bt", ROUTES_FIELD) else 0
+        dst = np.full((n_rows, length, *src.shape[2:]), fill, src.dtype)
+        for i, a, b, r, o in copies:
+            dst[r, o : o + b - a] = src[i, a:b]
+        out[name] = dst
+    used = seg > 0
+    out["positions_bt"] = np.where(used, out["positions_bt"], _pad_positions(used))
+    packed = TrainBatch(**out, segment_ids_bt=seg)
+    return packed, RowPlacement(row=row, offset=offset, length=need - start, start=start)
+
+
 def _pad_positions(used_rl: np.ndarray) -> np.ndarray:
     """int32 [R, L]: 0, 1, ... along each row's padding tail."""
     first_pad = used_rl.sum(axis=1, keepdims=True)
@@ -147,7 +253,8 @@ def unpack_rows(x_rl: np.ndarray, placement: RowPlacement, shape: tuple[int, int
     out = np.zeros(shape, np.asarray(x_rl).dtype)
     for i in np.flatnonzero(placement.row >= 0):
         o, n = placement.offset[i], placement.length[i]
-        out[i, :n] = x_rl[placement.row[i], o : o + n]
+        s = 0 if placement.start is None else placement.start[i]
+        out[i, s : s + n] = x_rl[placement.row[i], o : o + n]
     return out
 
 

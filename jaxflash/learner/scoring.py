@@ -29,6 +29,7 @@ from jaxflash.learner.device_batch import (
 from jaxflash.learner.packing import pack_rows, unpack_rows
 from jaxflash.learner.state import param_shardings
 from jaxflash.models.adapters import lora as lora_lib
+from jaxflash.models.caches import attention
 from jaxflash.models.config.model_config import ModelConfig
 from jaxflash.models.decoder.logprobs import target_logprobs
 from jaxflash.models.decoder.moe import route_mismatch
@@ -91,6 +92,16 @@ def policy_logprobs(
     """
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
     seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
+    if (
+        lc.prefix_sharing
+        and attention.resolve(mc.attention, attention.current_platform(), mc.sliding_window)
+        == "splash"
+    ):  # the kernel's SegmentIds are equality only
+        raise ValueError(
+            "LearnerConfig.prefix_sharing needs model.attention 'blockwise', 'dense' or "
+            "'dot_product': the splash kernel cannot show a group's shared prefix to its "
+            f"samples (model.attention={mc.attention!r} resolved to splash)"
+        )
     recorded = mb.get(ROUTES_FIELD)
     if lc.router_replay and (not mc.is_moe or recorded is None):
         raise ValueError(

@@ -105,13 +105,34 @@ def dense_attention(q_btnh, k_bksh, v_bkhs, visible_bts, config):
     return (out_btkgh / denom_btkg[..., None]).astype(cd).reshape(b, t, n, h)
 
 
+# Segment ids at or above this base are prefix-shared (``learner.packing.pack_groups``):
+# ``(group << 16) | branch``, where branch 0 is a group's shared prompt prefix and
+# branches 1, 2, ... are its samples' continuations. Ids below it keep plain equality.
+SHARED_PREFIX_BASE = 1 << 16
+
+
+def segments_visible(seg_q, seg_k):
+    """bool, broadcast of ``seg_q`` and ``seg_k`` (int32 segment ids): whether a key of
+    segment ``seg_k`` may be seen by a query of segment ``seg_q`` (causality aside).
+
+    The same segment always; and a prefix-shared group's prefix (branch 0 of an id
+    >= ``SHARED_PREFIX_BASE``) by every branch of that group, so G samples of one
+    prompt attend to one copy of it (``learner.packing.pack_groups``).
+    """
+    shared = seg_k >= SHARED_PREFIX_BASE
+    prefix = (seg_k & (SHARED_PREFIX_BASE - 1)) == 0
+    same_group = (seg_q >> 16) == (seg_k >> 16)
+    return (seg_q == seg_k) | (shared & prefix & same_group)
+
+
 def self_visibility(t: int, segment_ids_bt, sliding, window: int | None):
-    """bool [B or 1, T, T]: key j <= query i, same segment, and (on a sliding layer)
-    i - j < window. ``sliding``: Python bool or traced bool."""
+    """bool [B or 1, T, T]: key j <= query i, same segment (or its group's shared
+    prefix, ``segments_visible``), and (on a sliding layer) i - j < window.
+    ``sliding``: Python bool or traced bool."""
     dist_tt = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
     visible = (dist_tt >= 0)[None]
     if segment_ids_bt is not None:
-        visible = visible & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+        visible = visible & segments_visible(segment_ids_bt[:, :, None], segment_ids_bt[:, None, :])
     if window is not None and sliding is not False:
         near = (dist_tt < window)[None]
         visible = visible & (near if sliding is True else near | ~sliding)
@@ -199,7 +220,7 @@ def _block_visible(statics, i_block, seg_bt, seg_bc, flag):
     _, c, window = statics
     t = seg_bt.shape[1]
     dist_tc = jnp.arange(t)[:, None] - (i_block * c + jnp.arange(c))[None, :]
-    visible = (dist_tc >= 0)[None] & (seg_bt[:, :, None] == seg_bc[:, None, :])
+    visible = (dist_tc >= 0)[None] & segments_visible(seg_bt[:, :, None], seg_bc[:, None, :])
     if window is not None:
         visible = visible & ((dist_tc < window)[None] | ~flag)
     return visible[:, None, None]
@@ -296,7 +317,7 @@ def _dot_product(q_btnh, k_btkh, v_btkh, config, segment_ids_bt, sliding):
     cd = config.jnp_compute_dtype
     mask = None
     if segment_ids_bt is not None:  # no segment ids in jax 0.10.2's API: a dense mask
-        mask = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
+        mask = segments_visible(segment_ids_bt[:, :, None], segment_ids_bt[:, None, :])[:, None]
     window = None
     if sliding is not False:  # ModelConfig refuses sliding configs; auto avoids them
         raise ValueError("attention 'dot_product' does not take sliding-window layers")

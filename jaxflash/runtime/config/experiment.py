@@ -256,6 +256,13 @@ class ExperimentConfig:
             "logprobs differ like the default mode's; docs/CONSISTENCY.md); set "
             "mesh.learner to one device (e.g. {'fsdp': 1})",
         )
+        _check(
+            not self.model.exact_numerics or not self.learner.prefix_sharing,
+            "model.exact_numerics=True with learner.prefix_sharing=True: a shared prompt "
+            "changes the learner's summation order (its continuations' positions do not "
+            "restart, so the exact mode's row blocks do not apply); set "
+            "learner.prefix_sharing=False",
+        )
         # A weight-sharded engine contracts over devices (partial sums, then an
         # all-reduce): another summation order than the learner's (measured 4.8e-7 with
         # tensor=2 on the tiny model; slots over data=2 stayed bitwise; docs/CONSISTENCY.md).

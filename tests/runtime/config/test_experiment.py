@@ -108,6 +108,17 @@ def _smoke(**overrides):
             },
             ("model.exact_numerics", "mesh.generation", "tensor"),
         ),
+        # a shared prompt changes the learner's summation order: refused in exact mode
+        (
+            {
+                "model.exact_numerics": True,
+                "mesh.num_cpu_devices": 1,
+                "mesh.learner": {"fsdp": 1},
+                "learner.packing": True,
+                "learner.prefix_sharing": True,
+            },
+            ("model.exact_numerics", "learner.prefix_sharing"),
+        ),
         (
             {"mesh.delta_publish": True, "learner.lora": {"rank": 4}},
             ("mesh.delta_publish", "learner.lora.rank"),
