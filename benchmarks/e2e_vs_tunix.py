@@ -25,7 +25,10 @@ steps 1 (compile) and those holding an evaluation are left out of the rates, the
 same steps for every system. Held-out accuracy (mean@n at T = 1) is evaluated by
 each system's own generator at the same trained-sample counts.
 
-Systems: ``jaxflash`` (sync, colocated, one device as tunix), ``jaxflash_noeos`` (the
+Systems: ``jaxflash`` (sync, colocated, one device as tunix; the G samples of a prompt
+share one copy of it in the learner's packed rows, ``learner.prefix_sharing``),
+``jaxflash_unshared`` (the same with one padded row per sample, as tunix trains),
+``jaxflash_noeos`` (the
 same, but the stop token ending a response is not trained, as in tunix, whose completion
 drops it: a benchmark-only patch of the learner's batch mask, for the learning-parity
 comparison; jaxflash itself always trains it), ``jaxflash_async`` (disjoint slices,
@@ -94,7 +97,18 @@ def _experiment(w: dict, *, system: str = "jaxflash", source: str = "hf"):
         # train 96): tunix trains max prompt + max_new_tokens = 70 columns.
         "learner.length_multiple": 8,
     }  # fmt: skip
-    if system in ("jaxflash", "jaxflash_noeos"):  # one device, as tunix: unsharded learner
+    if system != "jaxflash_unshared" and w.get("longest_prompt"):
+        # The G samples of a prompt share one copy of it in the learner's packed rows
+        # (learner.prefix_sharing; tunix trains every sample's prompt). One row per
+        # group at most, of a fixed length (the longest prompt + G full responses,
+        # rounded up to 8) so the step compiles once.
+        longest = w["longest_prompt"]
+        sets.update({
+            "learner.packing": True, "learner.prefix_sharing": True,
+            "learner.micro_batch_size": B,
+            "learner.pack_length": -(-(longest + G * w["max_new_tokens"]) // 8) * 8,
+        })  # fmt: skip
+    if system in ("jaxflash", "jaxflash_noeos", "jaxflash_unshared"):  # one device, as tunix
         sets.update({"mesh.num_cpu_devices": 1, "mesh.learner.fsdp": 1})
     if source == "hf":
         sets.update({"model.source": "hf", "model.path": w["hf_dir"]})
@@ -321,7 +335,9 @@ def tunix_python(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--systems", default="jaxflash,tunix", help="jaxflash,jaxflash_noeos,jaxflash_async,tunix"
+        "--systems",
+        default="jaxflash,tunix",
+        help="jaxflash,jaxflash_unshared,jaxflash_noeos,jaxflash_async,tunix",
     )
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="default")
     ap.add_argument("--seeds", default="0,1")
@@ -371,7 +387,9 @@ def main(argv: list[str] | None = None) -> dict:
                 script = os.path.join(HERE, "tunix_e2e_worker.py")
                 r = run_worker(tunix_py, script, tunix_work, args.timeout_s)
             else:
-                run = {**w, "kind": "run", "system": system, "eos_ids": prep["eos_ids"]}
+                longest = max(len(r["ids"]) for r in prep["train"])
+                run = {**w, "kind": "run", "system": system, "eos_ids": prep["eos_ids"],
+                       "longest_prompt": longest}  # fmt: skip
                 r = run_worker(sys.executable, OURS, run, args.timeout_s)
                 r["same_prompts"] = _same_prompts(r.pop("trained_prompts"), prep["train"])
             r["seed"] = seed
