@@ -146,8 +146,11 @@ def learner(w: dict) -> dict:
     model = _model(w)
     b, p, c = w["batch"], w["prompt_len"], w["seq_len"] - w["prompt_len"]
     rng = np.random.default_rng(w["seed"])
+    prompts = rng.integers(1, w["vocab"], (b, p))
+    if w.get("group"):  # GRPO's G samples of a prompt share it (tunix trains every row)
+        prompts = np.repeat(prompts[:: w["group"]], w["group"], axis=0)
     example = common.TrainExample(
-        prompt_ids=jnp.asarray(rng.integers(1, w["vocab"], (b, p)), jnp.int32),
+        prompt_ids=jnp.asarray(prompts, jnp.int32),
         prompt_mask=jnp.ones((b, p), jnp.int32),
         completion_ids=jnp.asarray(rng.integers(1, w["vocab"], (b, c)), jnp.int32),
         completion_mask=jnp.ones((b, c), jnp.int32),

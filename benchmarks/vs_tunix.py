@@ -23,7 +23,10 @@ is measured in the same run (before and after), and the load average is printed
 next to every figure: compare ratios, not absolute numbers, on a shared machine.
 
 Cases: gen8, gen32 (generation B=8/32), learn (learner; tunix runs its GRPO
-learner's loss), learn_lean (the same, tunix with a bare PPO-clip loss), long8 (B=8,
+learner's loss), learn_lean (the same, tunix with a bare PPO-clip loss), learn_grpo
+(the learn batch as 4 prompts x 4 samples sharing each prompt: jaxflash trains it with
+``learner.prefix_sharing``, one copy of each prompt; equal samples, fewer FLOPs for
+jaxflash, so no MFU line), long8 (B=8,
 512 new tokens, cache 552 rows), real32 (ours only: SmolLM2-135M-Instruct's real GGUF
 weights, 32 chat-templated arithmetic prompts of up to 64 tokens, 64 new tokens,
 stopping at EOS, so tok/s counts the tokens really generated — tunix has no GGUF
@@ -53,14 +56,18 @@ CASES = {
     "learn_lean": dict(
         kind="learner", batch=16, prompt_len=40, seq_len=128, reps=2, variant="lean"
     ),
+    # The learn batch as GRPO makes it: 4 prompts x G = 4 samples, each group's rows
+    # sharing their 40 prompt tokens. Equal work (the same 16 samples trained); jaxflash
+    # lays each prompt out once (learner.prefix_sharing), tunix trains all 16 rows.
+    "learn_grpo": dict(kind="learner", batch=16, prompt_len=40, seq_len=128, reps=2, group=4),
     "long8": dict(kind="generation", batch=8, prompt_len=40, new_tokens=512, reps=1),
     "real32": dict(kind="generation", batch=32, prompt_len=40, new_tokens=64, reps=2, real=True),
     # Accelerator-sized cases (benchmarks/gpu_check.sh); too slow for 2 CPU cores.
     "gen128": dict(kind="generation", batch=128, prompt_len=40, new_tokens=64, reps=2),
     "learn_big": dict(kind="learner", batch=64, prompt_len=40, seq_len=512, reps=3),
 }
-DEFAULT_CASES = "gen8,gen32,learn"
-ALL_CASES = "gen8,gen32,learn,long8,real32"
+DEFAULT_CASES = "gen8,gen32,learn,learn_grpo"
+ALL_CASES = "gen8,gen32,learn,learn_grpo,long8,real32"
 # Settings that differ between the two sides and cannot be matched, printed with the table.
 NOT_MATCHED = [
     "tunix left-pads prompts and attends over all cache rows every step; jaxflash keeps "
@@ -200,18 +207,23 @@ def _our_learner(w: dict) -> dict:
 
     config, _ = _our_model(w)
     b, T, p = w["batch"], w["seq_len"], w["prompt_len"]
+    g = w.get("group", 0)  # > 0: rows in groups of g sharing their prompt
+    shared = dict(packing=True, prefix_sharing=True, pack_length=0, length_multiple=8)
     lc = LearnerConfig(
         lr=1e-6,
-        micro_batch_size=b,
+        micro_batch_size=b // g if g else b,  # packed rows: one per group
         loss="ppo",
         loss_kwargs={"clip_eps_low": 0.2, "clip_eps_high": 0.28},
         logprob_chunk=config.logits_chunk,
+        **(shared if g else {}),
     )
     mesh = make_mesh(jax.devices()[:1], {})
     state = create_train_state(config, lc, mesh, LEARNER_RULES, seed=0)
     step = make_train_step(config, lc, mesh, LEARNER_RULES)
     rng = np.random.default_rng(w["seed"])
     ids = rng.integers(1, config.vocab_size, (b, T + 1)).astype(np.int32)
+    if g:  # the G samples of a prompt: the same first p tokens
+        ids[:, :p] = np.repeat(ids[::g, :p], g, axis=0)
     mask = np.zeros((b, T), np.float32)
     mask[:, p - 1 :] = 1.0
     batch = TrainBatch(
@@ -405,7 +417,7 @@ def main() -> None:
         comp += f" / {min(r['compile_s'] for r in theirs):.0f}" if theirs else ""
         cells.append(comp)
         print("| " + " | ".join(cells) + " |")
-        if CASES[name]["kind"] == "learner":
+        if CASES[name]["kind"] == "learner" and not CASES[name].get("group"):
             flop = _learner_flop_per_token(CASES[name]["seq_len"])
             for side, rate, cpu_rate in [("jaxflash", o, oc)] + ([("tunix", t, tc)] if t else []):
                 print(
