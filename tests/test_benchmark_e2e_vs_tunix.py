@@ -97,3 +97,14 @@ def test_repeated_prefixes_compares_the_same_row_with_other_rows_of_the_next_ste
     assert r["pairs"] == 6
     assert r["same_row"] == 3 / 6  # rows 0, 1 (step 1) and 1 (step 2)
     assert r["other_rows"] == 1 / 12  # step 2's row 2 equals step 1's row 0
+
+
+def test_learner_profile_runs_both_layouts_in_a_tiny_mode(capsys):
+    from learner_profile import main
+
+    rows = main(["--preset", "tiny", "--reps", "1", "--prompts", "2", "--group", "3",
+                 "--prompt_len", "9", "--min_response", "2", "--response", "5"])  # fmt: skip
+    # 6 rows of <= 13 columns (T 16) vs 2 group rows of 9 + 3 x 5 = 24 columns
+    assert rows["unshared"]["shape"] == (1, 6, 16) and rows["shared"]["shape"] == (1, 2, 24)
+    assert all(rows[k][part][1] > 0 for k in rows for part in ("step", "grad", "fwd", "opt"))
+    assert "| columns | 96 | 48 | 2.00 |" in capsys.readouterr().out
