@@ -106,5 +106,5 @@ def test_learner_profile_runs_both_layouts_in_a_tiny_mode(capsys):
                  "--prompt_len", "9", "--min_response", "2", "--response", "5"])  # fmt: skip
     # 6 rows of <= 13 columns (T 16) vs 2 group rows of 9 + 3 x 5 = 24 columns
     assert rows["unshared"]["shape"] == (1, 6, 16) and rows["shared"]["shape"] == (1, 2, 24)
-    assert all(rows[k][part][1] > 0 for k in rows for part in ("step", "grad", "fwd", "opt"))
+    assert all(rows[k][part][0] > 0 for k in rows for part in ("step", "grad", "fwd", "opt"))
     assert "| columns | 96 | 48 | 2.00 |" in capsys.readouterr().out
