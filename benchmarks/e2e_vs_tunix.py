@@ -96,6 +96,7 @@ def _experiment(w: dict, *, system: str = "jaxflash", source: str = "hf"):
         # T = the longest row rounded up to 8 (46 + 24 = 70 -> 72; the config's 32 would
         # train 96): tunix trains max prompt + max_new_tokens = 70 columns.
         "learner.length_multiple": 8,
+        "rollout.decode_block": w.get("decode_block", 1),
     }  # fmt: skip
     if system != "jaxflash_unshared" and w.get("longest_prompt"):
         # The G samples of a prompt share one copy of it in the learner's packed rows
@@ -346,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--group_size", type=int, default=4)
     ap.add_argument("--max_new_tokens", type=int, default=None, help="default: the variant's")
     ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument(
+        "--decode_block", type=int, default=1, help="jaxflash's rollout.decode_block (same tokens)"
+    )
     ap.add_argument("--eval_prompts", type=int, default=32)
     ap.add_argument("--eval_samples", type=int, default=2, help="mean@n; 0 = no evaluation")
     ap.add_argument("--eval_every", type=int, default=None, help="steps; default: --steps")
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_samples": args.eval_samples, "eval_every": args.eval_every or args.steps,
         "max_new_tokens": args.max_new_tokens or variant["max_new_tokens"],
         "template": variant.get("template", ""), "clip_low": 0.2, "clip_high": 0.28,
-        "tiny": args.tiny,
+        "tiny": args.tiny, "decode_block": args.decode_block,
         "hf_dir": os.path.join(args.cache, f"smollm2_135m{'_tiny' if args.tiny else ''}_hf"),
     }  # fmt: skip
     tunix_py = tunix_python(args)
