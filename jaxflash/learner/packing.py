@@ -115,27 +115,36 @@ def pack_rows(
         row[i], offset[i] = r, length - free[r]
         free[r] -= need[i]
     n_rows = max(len(free), min_rows)
-    out = {}
-    for name in (*TRAIN_BATCH_FIELDS, ROUTES_FIELD):
-        src = getattr(batch, name)
-        if name == "segment_ids_bt" or (name == ROUTES_FIELD and src is None):
-            continue
-        src = np.zeros(mask.shape, np.int32) if src is None else np.asarray(src)
-        fill = -1 if name in ("token_versions_bt", ROUTES_FIELD) else 0
-        dst = np.full((n_rows, length, *src.shape[2:]), fill, src.dtype)
-        for i in np.flatnonzero(row >= 0):
-            dst[row[i], offset[i] : offset[i] + need[i]] = src[i, : need[i]]
-        out[name] = dst
     seg = np.zeros((n_rows, length), np.int32)
     count = np.zeros(n_rows, np.int32)
     for i in sorted(np.flatnonzero(row >= 0), key=lambda i: offset[i]):
         count[row[i]] += 1
         seg[row[i], offset[i] : offset[i] + need[i]] = count[row[i]]
-    # Padding: positions from 0, segment 0 (it sees only padding, and nothing sees it).
+    copies = [(i, 0, need[i], row[i], offset[i]) for i in np.flatnonzero(row >= 0)]
+    packed = _lay_out(batch, copies, seg)
+    return packed, RowPlacement(row=row, offset=offset, length=need)
+
+
+def _lay_out(batch: TrainBatch, copies: list, seg: np.ndarray) -> TrainBatch:
+    """The packed TrainBatch [R, L] of segment ids ``seg``: every field's tokens
+    ``[a, b)`` of row i copied to row r from column o, for each (i, a, b, r, o) of
+    ``copies``; padding is 0 (versions and routes -1), its positions 0, 1, ... (it is
+    segment 0: it sees only padding, and nothing sees it)."""
+    shape = np.shape(batch.loss_mask_bt)
+    out = {}
+    for name in (*TRAIN_BATCH_FIELDS, ROUTES_FIELD):
+        src = getattr(batch, name)
+        if name == "segment_ids_bt" or (name == ROUTES_FIELD and src is None):
+            continue
+        src = np.zeros(shape, np.int32) if src is None else np.asarray(src)
+        fill = -1 if name in ("token_versions_bt", ROUTES_FIELD) else 0
+        dst = np.full((*seg.shape, *src.shape[2:]), fill, src.dtype)
+        for i, a, b, r, o in copies:
+            dst[r, o : o + b - a] = src[i, a:b]
+        out[name] = dst
     used = seg > 0
     out["positions_bt"] = np.where(used, out["positions_bt"], _pad_positions(used))
-    packed = TrainBatch(**out, segment_ids_bt=seg)
-    return packed, RowPlacement(row=row, offset=offset, length=need)
+    return TrainBatch(**out, segment_ids_bt=seg)
 
 
 def pack_groups(
@@ -224,20 +233,7 @@ def pack_groups(
             seg[r, o : o + n] = base | j
             row[i], offset[i], start[i] = r, o, c
             o += n
-    out = {}
-    for name in (*TRAIN_BATCH_FIELDS, ROUTES_FIELD):
-        src = getattr(batch, name)
-        if name == "segment_ids_bt" or (name == ROUTES_FIELD and src is None):
-            continue
-        src = np.zeros(mask.shape, np.int32) if src is None else np.asarray(src)
-        fill = -1 if name in ("token_versions_bt", ROUTES_FIELD) else 0
-        dst = np.full((n_rows, length, *src.shape[2:]), fill, src.dtype)
-        for i, a, b, r, o in copies:
-            dst[r, o : o + b - a] = src[i, a:b]
-        out[name] = dst
-    used = seg > 0
-    out["positions_bt"] = np.where(used, out["positions_bt"], _pad_positions(used))
-    packed = TrainBatch(**out, segment_ids_bt=seg)
+    packed = _lay_out(batch, copies, seg)
     return packed, RowPlacement(row=row, offset=offset, length=need - start, start=start)
 
 
