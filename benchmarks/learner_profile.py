@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     layouts = {
         "unshared": LearnerConfig(**base, micro_batch_size=B * G),
         "shared": LearnerConfig(
-            **base, micro_batch_size=B, packing=True, prefix_sharing=True,
+            **base,
+            micro_batch_size=B,
+            packing=True,
+            prefix_sharing=True,
             pack_length=-(-(P + G * R) // 8) * 8,
         ),  # fmt: skip
     }
@@ -133,9 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         def run_grad():
             jax.block_until_ready(grad(state.params, state.params, batch, state.step)[1])
 
-        fwd = jax.jit(
-            lambda params, mb: policy_logprobs(params, mb, config, lc, loss_only=True)[0]
-        )
+        fwd = jax.jit(lambda params, mb: policy_logprobs(params, mb, config, lc, loss_only=True)[0])
 
         def run_fwd():
             jax.block_until_ready(fwd(state.params, jax.tree.map(lambda x: x[0], batch)))
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
         print("| part | unshared CPU-s | shared CPU-s | unshared / shared |")
         print("|---|---|---|---|")
         for key in ("step", "grad", "fwd", "opt"):
-            print(f"| {key} | {u[key][1]:.2f} | {s[key][1]:.2f} | {u[key][1] / max(s[key][1], 1e-9):.2f} |")
+            print(
+                f"| {key} | {u[key][1]:.2f} | {s[key][1]:.2f} | {u[key][1] / max(s[key][1], 1e-9):.2f} |"
+            )
         print(f"| columns | {u['columns']} | {s['columns']} | {u['columns'] / s['columns']:.2f} |")
     print(f"load average at end: {os.getloadavg()}")
     return rows

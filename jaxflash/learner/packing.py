@@ -51,7 +51,10 @@ def check_packing(loss: str, aggregation: str, replay_loss: str | None) -> None:
             f"{aggregation!r} (its per-row length would mix packed sequences)"
         )
     if replay_loss is not None:
-        raise ValueError("LearnerConfig.packing does not take a replay_loss (rows carry a cycle)")
+        raise ValueError(
+            "LearnerConfig.packing does not take a replay_loss (rows carry a cycle; "
+            "replay.* sets it when replay is on: set learner.packing=False or turn replay off)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

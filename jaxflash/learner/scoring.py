@@ -58,6 +58,34 @@ class Routing(NamedTuple):
     compared_bt: jax.Array
 
 
+def check_prefix_sharing(mc: ModelConfig, lc: LearnerConfig, platform: str) -> None:
+    """Refuse ``lc.prefix_sharing`` where the shared layout would change what a token
+    sees (``packing.pack_groups``).
+
+    Raises:
+      ValueError: a model with a sliding window (the window is measured in columns,
+        and a later sample sits farther from its shared prompt in columns than in
+        positions, so it would lose prompt keys it sees unpacked), or attention that
+        resolves to the splash kernel on ``platform`` (its segment ids compare by
+        equality only).
+    """
+    if not lc.prefix_sharing:
+        return
+    if mc.sliding_window is not None:
+        raise ValueError(
+            "LearnerConfig.prefix_sharing with a sliding-window model (sliding_window="
+            f"{mc.sliding_window}): the window counts packed columns, and a group's later "
+            "samples sit farther from their shared prompt than their positions say; set "
+            "learner.prefix_sharing=False"
+        )
+    if attention.resolve(mc.attention, platform, mc.sliding_window) == "splash":
+        raise ValueError(
+            "LearnerConfig.prefix_sharing needs model.attention 'blockwise', 'dense' or "
+            "'dot_product': the splash kernel cannot show a group's shared prefix to its "
+            f"samples (model.attention={mc.attention!r} resolved to splash on {platform})"
+        )
+
+
 def policy_logprobs(
     params: Any,
     mb: DeviceBatch,
@@ -92,16 +120,7 @@ def policy_logprobs(
     """
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
     seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
-    if (
-        lc.prefix_sharing
-        and attention.resolve(mc.attention, attention.current_platform(), mc.sliding_window)
-        == "splash"
-    ):  # the kernel's SegmentIds are equality only
-        raise ValueError(
-            "LearnerConfig.prefix_sharing needs model.attention 'blockwise', 'dense' or "
-            "'dot_product': the splash kernel cannot show a group's shared prefix to its "
-            f"samples (model.attention={mc.attention!r} resolved to splash)"
-        )
+    check_prefix_sharing(mc, lc, attention.current_platform())
     recorded = mb.get(ROUTES_FIELD)
     if lc.router_replay and (not mc.is_moe or recorded is None):
         raise ValueError(
@@ -153,6 +172,7 @@ def make_logprob_fn(
       [B, T] (masked positions hold whatever the model gives; apply the mask).
     """
     mc, lc = model_config, learner_config
+    check_prefix_sharing(mc, lc, mesh.devices.flat[0].platform)  # at build, not first call
     b_shard = batch_sharding(mesh, rules, lc.micro_batch_size)
     if lc.lora is None:
         p_shard = param_shardings(mc, mesh, rules)

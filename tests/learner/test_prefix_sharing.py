@@ -174,3 +174,22 @@ def test_a_prefix_sharing_step_trains_on_its_own_logprobs(world):
 def test_prefix_sharing_needs_packing():
     with pytest.raises(ValueError, match="packing=True"):
         LearnerConfig(prefix_sharing=True)
+
+
+def test_refused_where_the_shared_layout_would_change_what_a_token_sees(world):
+    """A sliding window counts packed columns (a later sample sits farther from its
+    prompt than its positions say: measured 0.37 nats off on a window of 6), and the
+    splash kernel compares segment ids by equality: both refused when the step is
+    built, naming the setting."""
+    mesh, _, _ = world
+    lc = _config(packing=True, prefix_sharing=True)
+    sliding = dataclasses.replace(
+        MODEL, sliding_window=6, layer_types=("sliding_attention",) * MODEL.n_layers
+    )
+    with pytest.raises(ValueError, match="prefix_sharing with a sliding-window"):
+        make_train_step(sliding, lc, mesh, LEARNER_RULES)
+    with pytest.raises(ValueError, match="prefix_sharing with a sliding-window"):
+        make_logprob_fn(sliding, lc, mesh, LEARNER_RULES)
+    with pytest.raises(ValueError, match="splash"):
+        make_train_step(dataclasses.replace(MODEL, attention="splash"), lc, mesh, LEARNER_RULES)
+    make_train_step(sliding, _config(packing=True), mesh, LEARNER_RULES)  # rows: fine
