@@ -44,6 +44,56 @@ def _best(fn, reps: int) -> tuple[float, float]:
     return min(wall), min(cpu)
 
 
+def _profile(config, lc, host, mesh, reps: int) -> tuple[dict, tuple]:
+    """(best (wall, CPU) s of the step, gradient, forward and optimizer, batch shape
+    [M, b, T]) of one layout ``lc`` of the host batch ``host``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxflash.learner.device_batch import batch_sharding, device_batch
+    from jaxflash.learner.optimizer import make_optimizer
+    from jaxflash.learner.scoring import policy_logprobs
+    from jaxflash.learner.state import create_train_state
+    from jaxflash.learner.step import make_grad_fn, make_train_step
+    from jaxflash.sharding.rules import LEARNER_RULES
+
+    batch = device_batch(host, lc, batch_sharding(mesh, LEARNER_RULES, lc.micro_batch_size))
+    state = create_train_state(config, lc, mesh, LEARNER_RULES, seed=0)
+    step = make_train_step(config, lc, mesh, LEARNER_RULES)
+    live = {"state": state}
+
+    def run_step():
+        live["state"], metrics = step(live["state"], host)  # the state is donated
+        jax.block_until_ready(metrics)
+
+    grad = jax.jit(make_grad_fn(config, lc))
+    fwd = jax.jit(lambda params, mb: policy_logprobs(params, mb, config, lc, loss_only=True)[0])
+    optimizer = make_optimizer(lc)
+
+    @jax.jit
+    def opt(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def run_grad():
+        st = live["state"]
+        jax.block_until_ready(grad(st.params, st.params, batch, st.step)[1])
+
+    def run_fwd():
+        first = jax.tree.map(lambda x: x[0], batch)
+        jax.block_until_ready(fwd(live["state"].params, first))
+
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), state.params)
+
+    def run_opt():
+        st = live["state"]
+        jax.block_until_ready(opt(grads, st.opt_state, st.params))
+
+    parts = (("step", run_step), ("grad", run_grad), ("fwd", run_fwd), ("opt", run_opt))
+    return {key: _best(fn, reps) for key, fn in parts}, tuple(batch["input_ids_bt"].shape)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -60,20 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
 
     from jaxflash.learner.batching import pack_batch
     from jaxflash.learner.config import LearnerConfig
-    from jaxflash.learner.device_batch import batch_sharding, device_batch
-    from jaxflash.learner.optimizer import make_optimizer
-    from jaxflash.learner.scoring import policy_logprobs
-    from jaxflash.learner.state import create_train_state
-    from jaxflash.learner.step import make_grad_fn, make_train_step
     from jaxflash.models.config.presets import get_preset
     from jaxflash.sharding.mesh import make_mesh
-    from jaxflash.sharding.rules import LEARNER_RULES
     from jaxflash.types import FinishReason, Sample, SamplingParams
 
     config = dataclasses.replace(get_preset(args.preset), remat=False, attention=args.attention)
@@ -119,44 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rows = {}
     for name in args.layouts.split(","):
-        lc = layouts[name]
-        sharding = batch_sharding(mesh, LEARNER_RULES, lc.micro_batch_size)
-        batch = device_batch(host, lc, sharding)
-        state = create_train_state(config, lc, mesh, LEARNER_RULES, seed=0)
-        m, b, t = batch["input_ids_bt"].shape
-        step = make_train_step(config, lc, mesh, LEARNER_RULES)
-
-        def run_step():
-            nonlocal state
-            state, metrics = step(state, host)
-            jax.block_until_ready(metrics)
-
-        grad = jax.jit(make_grad_fn(config, lc))
-
-        def run_grad():
-            jax.block_until_ready(grad(state.params, state.params, batch, state.step)[1])
-
-        fwd = jax.jit(lambda params, mb: policy_logprobs(params, mb, config, lc, loss_only=True)[0])
-
-        def run_fwd():
-            jax.block_until_ready(fwd(state.params, jax.tree.map(lambda x: x[0], batch)))
-
-        optimizer = make_optimizer(lc)
-
-        @jax.jit
-        def opt(grads, opt_state, params):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, p.dtype), state.params)
-
-        def run_opt():
-            jax.block_until_ready(opt(grads, state.opt_state, state.params))
-
-        part = {}
-        for key, fn in (("step", run_step), ("grad", run_grad), ("fwd", run_fwd), ("opt", run_opt)):
-            part[key] = _best(fn, args.reps)
-        rows[name] = {"columns": m * b * t, "shape": (m, b, t), **part}
+        part, shape = _profile(config, layouts[name], host, mesh, args.reps)
+        m, b, t = shape
+        rows[name] = {"columns": m * b * t, "shape": shape, **part}
         print(f"  {name}: [{m}, {b}, {t}] = {m * b * t} columns; " + ", ".join(
             f"{k} {w:.2f} s / {c:.2f} CPU-s" for k, (w, c) in part.items()
         ), flush=True)  # fmt: skip
@@ -165,9 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("| part | unshared CPU-s | shared CPU-s | unshared / shared |")
         print("|---|---|---|---|")
         for key in ("step", "grad", "fwd", "opt"):
-            print(
-                f"| {key} | {u[key][1]:.2f} | {s[key][1]:.2f} | {u[key][1] / max(s[key][1], 1e-9):.2f} |"
-            )
+            ratio = u[key][1] / max(s[key][1], 1e-9)
+            print(f"| {key} | {u[key][1]:.2f} | {s[key][1]:.2f} | {ratio:.2f} |")
         print(f"| columns | {u['columns']} | {s['columns']} | {u['columns'] / s['columns']:.2f} |")
     print(f"load average at end: {os.getloadavg()}")
     return rows
