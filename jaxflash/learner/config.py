@@ -131,8 +131,9 @@ class LearnerConfig:
         their packed row (``packing.pack_groups``): its forward and backward run once
         per group instead of once per sample. Logprobs equal the unpacked ones up to
         float summation order (not bitwise: refused with ``model.exact_numerics``;
-        refused for sliding-window models and the splash kernel when the learner is
-        built, ``scoring.check_prefix_sharing``).
+        refused for sliding-window models and ``model.attention="splash"`` when the
+        learner is built; "auto" takes blockwise attention instead of splash on TPU,
+        ``scoring.prefix_sharing_model``).
         On GRPO batches of G samples per prompt this removes (G - 1) prompts' worth
         of learner work per group (benchmarks/e2e_vs_tunix.py, docs/PERF.md).
       pack_length: tokens per packed row where longer than the batch's T (its longest

@@ -9,6 +9,7 @@ engine sampled from; ``models.decoder.logprobs``), shared by the train step's lo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -58,19 +59,20 @@ class Routing(NamedTuple):
     compared_bt: jax.Array
 
 
-def check_prefix_sharing(mc: ModelConfig, lc: LearnerConfig, platform: str) -> None:
-    """Refuse ``lc.prefix_sharing`` where the shared layout would change what a token
-    sees (``packing.pack_groups``).
+def prefix_sharing_model(mc: ModelConfig, lc: LearnerConfig, platform: str) -> ModelConfig:
+    """The model config the learner runs under ``lc.prefix_sharing``
+    (``packing.pack_groups``): ``mc`` itself, or with ``attention="blockwise"`` where
+    "auto" resolves to the splash kernel on ``platform`` (a TPU), whose segment ids
+    compare by equality only and so cannot show a group's shared prompt to its samples.
 
     Raises:
       ValueError: a model with a sliding window (the window is measured in columns,
         and a later sample sits farther from its shared prompt in columns than in
-        positions, so it would lose prompt keys it sees unpacked), or attention that
-        resolves to the splash kernel on ``platform`` (its segment ids compare by
-        equality only).
+        positions, so it would lose prompt keys it sees unpacked), or
+        ``model.attention="splash"`` set explicitly.
     """
     if not lc.prefix_sharing:
-        return
+        return mc
     if mc.sliding_window is not None:
         raise ValueError(
             "LearnerConfig.prefix_sharing with a sliding-window model (sliding_window="
@@ -78,12 +80,15 @@ def check_prefix_sharing(mc: ModelConfig, lc: LearnerConfig, platform: str) -> N
             "samples sit farther from their shared prompt than their positions say; set "
             "learner.prefix_sharing=False"
         )
-    if attention.resolve(mc.attention, platform, mc.sliding_window) == "splash":
+    if attention.resolve(mc.attention, platform, mc.sliding_window) != "splash":
+        return mc
+    if mc.attention == "splash":
         raise ValueError(
-            "LearnerConfig.prefix_sharing needs model.attention 'blockwise', 'dense' or "
-            "'dot_product': the splash kernel cannot show a group's shared prefix to its "
-            f"samples (model.attention={mc.attention!r} resolved to splash on {platform})"
+            "LearnerConfig.prefix_sharing needs model.attention 'auto', 'blockwise', "
+            "'dense' or 'dot_product': the splash kernel cannot show a group's shared "
+            "prompt to its samples (model.attention='splash')"
         )
+    return dataclasses.replace(mc, attention="blockwise")
 
 
 def policy_logprobs(
@@ -120,7 +125,7 @@ def policy_logprobs(
     """
     ids_bt, pos_bt = mb["input_ids_bt"], mb["positions_bt"]
     seg = {"segment_ids_bt": mb["segment_ids_bt"]} if lc.packing else {}  # packed rows
-    check_prefix_sharing(mc, lc, attention.current_platform())
+    mc = prefix_sharing_model(mc, lc, attention.current_platform())  # "auto": not splash
     recorded = mb.get(ROUTES_FIELD)
     if lc.router_replay and (not mc.is_moe or recorded is None):
         raise ValueError(
@@ -172,7 +177,7 @@ def make_logprob_fn(
       [B, T] (masked positions hold whatever the model gives; apply the mask).
     """
     mc, lc = model_config, learner_config
-    check_prefix_sharing(mc, lc, mesh.devices.flat[0].platform)  # at build, not first call
+    prefix_sharing_model(mc, lc, mesh.devices.flat[0].platform)  # refused at build
     b_shard = batch_sharding(mesh, rules, lc.micro_batch_size)
     if lc.lora is None:
         p_shard = param_shardings(mc, mesh, rules)

@@ -51,7 +51,7 @@ from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.device_batch import DeviceBatch, batch_sharding, device_batch, mesh_context
 from jaxflash.learner.optimizer import make_optimizer, make_schedule
 from jaxflash.learner.packing import sequence_count
-from jaxflash.learner.scoring import check_prefix_sharing, policy_logprobs
+from jaxflash.learner.scoring import policy_logprobs, prefix_sharing_model
 from jaxflash.learner.state import TrainState, state_shardings
 from jaxflash.models.adapters import lora as lora_lib
 from jaxflash.models.config.model_config import ModelConfig
@@ -344,7 +344,7 @@ def make_train_step(
       ValueError: (at call time) a batch whose shapes are inconsistent.
     """
     # A refused prefix-sharing layout fails here, at start-up, not at the first step.
-    check_prefix_sharing(model_config, learner_config, mesh.devices.flat[0].platform)
+    prefix_sharing_model(model_config, learner_config, mesh.devices.flat[0].platform)
     optimizer = make_optimizer(learner_config)
     schedule = make_schedule(learner_config)
     s_shard = state_shardings(model_config, learner_config, mesh, rules)

@@ -12,7 +12,7 @@ import pytest
 from jaxflash.learner.batching import pack_batch, split_micro_batches
 from jaxflash.learner.config import LearnerConfig
 from jaxflash.learner.packing import pack_groups, pack_rows, unpack_rows
-from jaxflash.learner.scoring import make_logprob_fn
+from jaxflash.learner.scoring import make_logprob_fn, prefix_sharing_model
 from jaxflash.learner.state import from_params
 from jaxflash.learner.step import make_grad_fn, make_train_step
 from jaxflash.models.caches.attention import SHARED_PREFIX_BASE, segments_visible
@@ -180,7 +180,7 @@ def test_refused_where_the_shared_layout_would_change_what_a_token_sees(world):
     """A sliding window counts packed columns (a later sample sits farther from its
     prompt than its positions say: measured 0.37 nats off on a window of 6), and the
     splash kernel compares segment ids by equality: both refused when the step is
-    built, naming the setting."""
+    built, naming the setting; "auto" on a TPU takes blockwise instead of splash."""
     mesh, _, _ = world
     lc = _config(packing=True, prefix_sharing=True)
     sliding = dataclasses.replace(
@@ -193,3 +193,8 @@ def test_refused_where_the_shared_layout_would_change_what_a_token_sees(world):
     with pytest.raises(ValueError, match="splash"):
         make_train_step(dataclasses.replace(MODEL, attention="splash"), lc, mesh, LEARNER_RULES)
     make_train_step(sliding, _config(packing=True), mesh, LEARNER_RULES)  # rows: fine
+    # "auto" would take splash on a TPU: the learner runs blockwise there instead
+    auto = dataclasses.replace(MODEL, attention="auto")
+    assert prefix_sharing_model(auto, lc, "tpu").attention == "blockwise"
+    assert prefix_sharing_model(auto, lc, "cpu") is auto
+    assert prefix_sharing_model(auto, _config(packing=True), "tpu") is auto
