@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash.learner.batching import ROUTES_FIELD, TRAIN_BATCH_FIELDS
+from jaxflash.models.caches.attention import SHARED_PREFIX_SHIFT
 from jaxflash.types import TrainBatch
 
 # Losses whose per-token terms read only their own token (no sum over a row).
@@ -99,25 +100,11 @@ def pack_rows(
       ValueError: a batch that is already packed (a row with segment id > 1) or not
         [B, T].
     """
-    if batch.segment_ids_bt is not None and np.max(batch.segment_ids_bt) > 1:
-        raise ValueError("pack_rows: the batch is already packed (a row has 2+ segments)")
-    mask = np.asarray(batch.loss_mask_bt)
-    if mask.ndim != 2:
-        raise ValueError(f"pack_rows: expected [B, T] arrays, got {mask.shape}")
+    mask = _unpacked_mask(batch, "pack_rows")
     need = _needed_lengths(mask)
     length = max(row_length, mask.shape[1])
-    # First-fit decreasing (stable: equal lengths keep their order).
-    order = sorted((i for i in range(len(need)) if need[i] > 0), key=lambda i: -need[i])
-    free: list[int] = []
-    row = np.full(len(need), -1, np.int64)
-    offset = np.zeros(len(need), np.int64)
-    for i in order:
-        r = next((r for r, f in enumerate(free) if f >= need[i]), len(free))
-        if r == len(free):
-            free.append(length)
-        row[i], offset[i] = r, length - free[r]
-        free[r] -= need[i]
-    n_rows = max(len(free), min_rows)
+    row, offset, used_rows = _first_fit(need, length)
+    n_rows = max(used_rows, min_rows)
     seg = np.zeros((n_rows, length), np.int32)
     count = np.zeros(n_rows, np.int32)
     for i in sorted(np.flatnonzero(row >= 0), key=lambda i: offset[i]):
@@ -126,6 +113,33 @@ def pack_rows(
     copies = [(i, 0, need[i], row[i], offset[i]) for i in np.flatnonzero(row >= 0)]
     packed = _lay_out(batch, copies, seg)
     return packed, RowPlacement(row=row, offset=offset, length=need)
+
+
+def _unpacked_mask(batch: TrainBatch, who: str) -> np.ndarray:
+    """The loss mask [B, T] of a batch with one sequence per row, else ValueError."""
+    if batch.segment_ids_bt is not None and np.max(batch.segment_ids_bt) > 1:
+        raise ValueError(f"{who}: the batch is already packed (a row has 2+ segments)")
+    mask = np.asarray(batch.loss_mask_bt)
+    if mask.ndim != 2:
+        raise ValueError(f"{who}: expected [B, T] arrays, got {mask.shape}")
+    return mask
+
+
+def _first_fit(size: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """First-fit decreasing of items of ``size`` tokens (0: left out) into rows of
+    ``length`` (stable: equal sizes keep their order) -> (row, offset per item, row
+    -1 when left out; rows used)."""
+    order = sorted((i for i in range(len(size)) if size[i] > 0), key=lambda i: -size[i])
+    free: list[int] = []
+    row = np.full(len(size), -1, np.int64)
+    offset = np.zeros(len(size), np.int64)
+    for i in order:
+        r = next((r for r, f in enumerate(free) if f >= size[i]), len(free))
+        if r == len(free):
+            free.append(length)
+        row[i], offset[i] = r, length - free[r]
+        free[r] -= size[i]
+    return row, offset, len(free)
 
 
 def _lay_out(batch: TrainBatch, copies: list, seg: np.ndarray) -> TrainBatch:
@@ -185,11 +199,7 @@ def pack_groups(
     Raises:
       ValueError: a batch that is already packed, or not [B, T].
     """
-    if batch.segment_ids_bt is not None and np.max(batch.segment_ids_bt) > 1:
-        raise ValueError("pack_groups: the batch is already packed (a row has 2+ segments)")
-    mask = np.asarray(batch.loss_mask_bt)
-    if mask.ndim != 2:
-        raise ValueError(f"pack_groups: expected [B, T] arrays, got {mask.shape}")
+    mask = _unpacked_mask(batch, "pack_groups")
     need = _needed_lengths(mask)
     # The prefix: columns before the input that predicts the first loss target (the
     # prompt's last token), which each continuation carries itself.
@@ -207,16 +217,9 @@ def pack_groups(
     size = [prefix[m[0]] + sum(need[i] - prefix[i] for i in m) for m in members]
     length = max(row_length, mask.shape[1], max(size, default=0))
     length = -(-length // length_multiple) * length_multiple
-    order = sorted(range(len(members)), key=lambda g: -size[g])
-    free: list[int] = []
-    where = []  # (group, row, offset)
-    for g in order:
-        r = next((r for r, f in enumerate(free) if f >= size[g]), len(free))
-        if r == len(free):
-            free.append(length)
-        where.append((g, r, length - free[r]))
-        free[r] -= size[g]
-    n_rows = max(len(free), min_rows)
+    group_row, group_offset, used_rows = _first_fit(np.asarray(size, np.int64), length)
+    n_rows = max(used_rows, min_rows)
+    where = [(g, group_row[g], group_offset[g]) for g in range(len(members))]
     row = np.full(len(need), -1, np.int64)
     offset = np.zeros(len(need), np.int64)
     start = np.zeros(len(need), np.int64)
@@ -226,7 +229,7 @@ def pack_groups(
     for g, r, o in sorted(where, key=lambda x: (x[1], x[2])):
         count[r] += 1
         first, c = members[g][0], prefix[members[g][0]]
-        base = int(count[r]) << 16
+        base = int(count[r]) << SHARED_PREFIX_SHIFT
         copies.append((first, 0, c, r, o))
         seg[r, o : o + c] = base
         o += c

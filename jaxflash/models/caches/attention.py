@@ -108,7 +108,8 @@ def dense_attention(q_btnh, k_bksh, v_bkhs, visible_bts, config):
 # Segment ids at or above this base are prefix-shared (``learner.packing.pack_groups``):
 # ``(group << 16) | branch``, where branch 0 is a group's shared prompt prefix and
 # branches 1, 2, ... are its samples' continuations. Ids below it keep plain equality.
-SHARED_PREFIX_BASE = 1 << 16
+SHARED_PREFIX_SHIFT = 16
+SHARED_PREFIX_BASE = 1 << SHARED_PREFIX_SHIFT
 
 
 def segments_visible(seg_q, seg_k):
@@ -121,7 +122,7 @@ def segments_visible(seg_q, seg_k):
     """
     shared = seg_k >= SHARED_PREFIX_BASE
     prefix = (seg_k & (SHARED_PREFIX_BASE - 1)) == 0
-    same_group = (seg_q >> 16) == (seg_k >> 16)
+    same_group = (seg_q >> SHARED_PREFIX_SHIFT) == (seg_k >> SHARED_PREFIX_SHIFT)
     return (seg_q == seg_k) | (shared & prefix & same_group)
 
 
